@@ -1,0 +1,83 @@
+"""Launch a worker script the way users do (`accelerate launch`) and collect what each rank wrote.
+
+Every worker gets `--out DIR` and writes `DIR/rank<R>.json`; `launch` returns those dicts in
+rank order, or raises with the tail of the output when the run fails.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+import yaml
+
+WORKERS = Path(__file__).parent / "workers"
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def accelerate_config(kind: str, num_processes: int = 2, **fsdp: object) -> dict:
+    """A minimal accelerate config for `fsdp1` or `fsdp2`, wrapping the workers' `Block`."""
+    assert kind in ("fsdp1", "fsdp2"), kind
+    fsdp_config = {
+        "fsdp_version": int(kind[-1]),
+        "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+        "fsdp_transformer_layer_cls_to_wrap": "Block",
+        **fsdp,
+    }
+    return {"distributed_type": "FSDP", "num_processes": num_processes, "fsdp_config": fsdp_config}
+
+
+def run_distributed(
+    script: Path | str,
+    args: list[str],
+    config: Optional[dict] = None,
+    nprocs: int = 2,
+    env: Optional[dict] = None,
+    timeout: int = 600,
+    cwd: Optional[Path] = None,
+) -> subprocess.CompletedProcess:
+    """`accelerate launch --config_file <config> script args`, or, with no config, `torchrun`
+    with `ACCELERATE_USE_CPU=true` (accelerate launches CPU DDP only through mpirun)."""
+    full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **(env or {})}
+    full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), full_env.get("PYTHONPATH")]))
+    with tempfile.TemporaryDirectory() as tmp:
+        port = str(free_port())
+        if config is None:
+            full_env["ACCELERATE_USE_CPU"] = "true"
+            cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nprocs}",
+                   f"--master_port={port}", str(script), *args]  # fmt: skip
+        else:
+            config_file = Path(tmp) / "accelerate.yaml"
+            config_file.write_text(yaml.safe_dump(config))
+            cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config_file),
+                   "--main_process_port", port, str(script), *args]  # fmt: skip
+        return subprocess.run(cmd, env=full_env, cwd=cwd or REPO, capture_output=True, text=True, timeout=timeout)
+
+
+def launch(
+    worker: str, args: list[str], config: Optional[dict] = None, env: Optional[dict] = None, timeout: int = 600
+) -> list[dict]:
+    """Run `workers/<worker>.py` on 2 ranks (accelerate launch, or torchrun without a config);
+    return each rank's JSON result."""
+    nprocs = config["num_processes"] if config else 2
+    with tempfile.TemporaryDirectory() as out:
+        proc = run_distributed(WORKERS / f"{worker}.py", ["--out", out, *args], config, nprocs, env, timeout)
+        results = sorted(Path(out).glob("rank*.json"))
+        if proc.returncode != 0 or len(results) != nprocs:
+            raise AssertionError(
+                f"{worker} {' '.join(args)} failed (exit {proc.returncode}):\n"
+                f"--- stdout ---\n{proc.stdout[-4000:]}\n--- stderr ---\n{proc.stderr[-8000:]}"
+            )
+        return [json.loads(p.read_text()) for p in results]

@@ -1,0 +1,103 @@
+"""Train TinyNet with `accelerator.accumulate` in each sync mode, under whatever wrapper the
+accelerate config gives (FSDP2, FSDP1 or DDP). Reports, per optimizer step, the real collectives
+counted, the handle's stats and the largest gradient difference to a single-process,
+unsharded reference over the same global batch. With FSDP2 it also checks that every unit's
+sync flags come back as they were, after a normal micro-batch and after one that raises."""
+
+import copy
+
+import torch
+import torch.nn.functional as F
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+from common import CollectiveCounter, TinyNet, full_grads, make_data, max_diff, parse_args, write_result
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, TensorDataset
+
+import accel_gradsync
+from accel_gradsync.fsdp import sync_flags
+
+LR = 0.1
+
+args = parse_args(
+    [
+        (("--modes",), {"default": "per_micro_batch,deferred"}),
+        (("--M",), {"type": int, "default": 4}),
+        (("--batches",), {"type": int, "default": 6}),
+        (("--batch-size",), {"type": int, "default": 2}),
+    ]
+)
+accel_gradsync.enable_cpu_fsdp()
+counter = CollectiveCounter()
+accelerator = Accelerator(gradient_accumulation_steps=args.M)
+N, b = accelerator.num_processes, args.batch_size
+X, Y = make_data(args.batches * b * N)
+
+
+def reference_grads(model: torch.nn.Module) -> list[dict]:
+    """Single process, unsharded: global micro-batch k is what all ranks see at step k."""
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(ref.parameters(), lr=LR)
+    out = []
+    for k in range(args.batches):
+        sl = slice(k * N * b, (k + 1) * N * b)
+        (F.mse_loss(ref(X[sl]), Y[sl]) / args.M).backward()
+        if (k + 1) % args.M == 0 or k + 1 == args.batches:
+            out.append({n: p.grad.clone() for n, p in ref.named_parameters()})
+            opt.step()
+            opt.zero_grad()
+    return out
+
+
+result = {"wrapper": None, "modes": {}}
+for mode in args.modes.split(","):
+    set_seed(0)
+    model = TinyNet()
+    expected = reference_grads(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    loader = DataLoader(TensorDataset(X, Y), batch_size=b, shuffle=False)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    if isinstance(model, DistributedDataParallel):
+        # DDP all-reduces from C++; the default hook does the same through torch.distributed.
+        model.register_comm_hook(None, allreduce_hook)
+    handle = accel_gradsync.attach(accelerator, accel_gradsync.GradSyncConfig(defer=mode == "deferred"))
+    counter.take()
+    steps = []
+    for x, y in loader:
+        with accelerator.accumulate(model):
+            accelerator.backward(F.mse_loss(model(x), y))
+            if accelerator.sync_gradients:
+                counts = counter.take()
+                with counter.paused():
+                    grads = full_grads(model)
+                steps.append({"counts": counts, "max_diff": max_diff(grads, expected[len(steps)])})
+            optimizer.step()
+            optimizer.zero_grad()
+    result["modes"][mode] = {"steps": steps, "stats": handle.stats()}
+    result["wrapper"] = handle.stats()["wrapper"]
+    handle.detach()
+    accelerator.free_memory()
+
+if result["wrapper"] == "fsdp2":
+    set_seed(0)
+    model = TinyNet()
+    model, _ = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=LR))
+    handle = accel_gradsync.attach(accelerator, accel_gradsync.GradSyncConfig(defer=True))
+    model.blocks[0].set_requires_gradient_sync(False, recurse=False)  # a user's own per-unit choice
+    flags = {"before": sync_flags(model)}
+    with accelerator.accumulate(model):  # first micro-batch of a window: deferred
+        flags["inside"] = sync_flags(model)
+        accelerator.backward(model(X[:b]).sum())
+    flags["after"] = sync_flags(model)
+    try:
+        with accelerator.accumulate(model):
+            flags["inside_raising"] = sync_flags(model)
+            raise RuntimeError("micro-batch failed")
+    except RuntimeError:
+        pass
+    flags["after_raise"] = sync_flags(model)
+    handle.detach()
+    result["flags"] = flags
+
+write_result(args.out, result)

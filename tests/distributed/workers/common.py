@@ -1,0 +1,113 @@
+"""Shared by the multi-rank workers: a small model, a real-collective counter, full gradients."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+from collections import Counter
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+DIM = 16
+COUNTED = ("reduce_scatter_single", "reduce_scatter_tensor", "all_reduce", "all_gather_single", "all_gather_into_tensor")
+
+
+class Block(nn.Module):
+    """The unit the test accelerate configs wrap (`fsdp_transformer_layer_cls_to_wrap: Block`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(DIM, DIM)
+
+    def forward(self, x):
+        return x + torch.tanh(self.proj(x))
+
+
+class TinyNet(nn.Module):
+    """Two `Block` units plus a head owned by the root: three FSDP units, all trainable."""
+
+    UNITS = 3
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(), Block()])
+        self.head = nn.Linear(DIM, 1)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x).squeeze(-1)
+
+
+def make_data(n: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, DIM, generator=g), torch.randn(n, generator=g)
+
+
+class CollectiveCounter:
+    """Counts real torch.distributed collectives by wrapping the functions FSDP and DDP call."""
+
+    def __init__(self) -> None:
+        self.counts: Counter = Counter()
+        self.enabled = True
+        for name in COUNTED:
+            original = getattr(dist, name)
+
+            def wrapped(*args, __name=name, __original=original, **kwargs):
+                if self.enabled:
+                    self.counts[__name] += 1
+                return __original(*args, **kwargs)
+
+            setattr(dist, name, wrapped)
+
+    @contextlib.contextmanager
+    def paused(self):
+        self.enabled = False
+        try:
+            yield
+        finally:
+            self.enabled = True
+
+    def take(self) -> dict:
+        """Counts since the last take."""
+        out, self.counts = dict(self.counts), Counter()
+        return out
+
+
+def full_grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Unsharded gradients by original parameter name, for FSDP2, FSDP1 and DDP models."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
+
+    def clean(name: str) -> str:
+        return name.replace("_fsdp_wrapped_module.", "").replace("module.", "", 1 if name.startswith("module.") else 0)
+
+    if isinstance(model, FSDP1):
+        with FSDP1.summon_full_params(model, with_grads=True):
+            return {clean(n): p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    if isinstance(model, FSDPModule):
+        return {n: p.grad.full_tensor().detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return {clean(n): p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys(), (sorted(a), sorted(b))
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def parse_args(extra=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    for args, kwargs in extra or []:
+        p.add_argument(*args, **kwargs)
+    return p.parse_args()
+
+
+def write_result(out: str, result: dict) -> None:
+    rank = int(os.environ.get("RANK", "0"))
+    Path(out, f"rank{rank}.json").write_text(json.dumps(result, indent=1, default=str))

@@ -1,0 +1,47 @@
+"""Misuse that `attach` must refuse before any training step, on 2 ranks under an FSDP config.
+`--case no_enable` skips `enable_cpu_fsdp()` (accelerate then silently runs N lone processes);
+`--case misuse` runs the other refusals one after the other. Each message is reported."""
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import GradientAccumulationPlugin
+from common import TinyNet, parse_args, write_result
+
+import accel_gradsync
+
+args = parse_args([(("--case",), {"required": True})])
+
+
+def refusal(fn) -> str:
+    try:
+        fn()
+    except (ValueError, TypeError) as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+result = {}
+if args.case == "no_enable":
+    accelerator = Accelerator(gradient_accumulation_steps=2)
+    model = TinyNet()
+    model, _ = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    result["no_enable"] = refusal(lambda: accel_gradsync.attach(accelerator))
+else:
+    accel_gradsync.enable_cpu_fsdp()
+    plugin = GradientAccumulationPlugin(num_steps=2, sync_each_batch=True)
+    accelerator = Accelerator(gradient_accumulation_plugin=plugin)
+    # The Trainer prepares a model sharded at load time like this: accelerate does not wrap it.
+    unwrapped = accelerator.prepare_model(TinyNet(), evaluation_mode=True)
+    result["not_wrapped"] = refusal(lambda: accel_gradsync.attach(accelerator))
+    accelerator.free_memory()
+    model = TinyNet()
+    model, _ = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    result["sync_each_batch"] = refusal(
+        lambda: accel_gradsync.attach(accelerator, accel_gradsync.GradSyncConfig(defer=True))
+    )
+    handle = accel_gradsync.attach(accelerator)  # per-micro-batch agrees with sync_each_batch
+    result["attach_twice"] = refusal(lambda: accel_gradsync.attach(accelerator))
+    result["not_a_target"] = refusal(lambda: accel_gradsync.attach(model))
+    handle.detach()
+    result["class_after_detach"] = type(accelerator).__name__
+write_result(args.out, result)

@@ -1,0 +1,61 @@
+"""`GradSyncConfig` holds every default once; each entry point agrees with it and validates."""
+
+import dataclasses
+
+import pytest
+from transformers import HfArgumentParser
+from trl import TrlParser
+
+from accel_gradsync import DEFAULTS, ENV_PREFIX, GradSyncConfig
+
+FIELDS = [f.name for f in dataclasses.fields(GradSyncConfig)]
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch):
+    for name in FIELDS:
+        monkeypatch.delenv(ENV_PREFIX + name.upper(), raising=False)
+
+
+def test_every_field_has_one_default_and_help():
+    assert sorted(FIELDS) == sorted(DEFAULTS)
+    assert "config" not in FIELDS  # TrlParser reserves --config for the recipe YAML
+    for f in dataclasses.fields(GradSyncConfig):
+        assert len(f.metadata.get("help", "")) > 40, f.name
+        assert f"Default: {DEFAULTS[f.name]}" in f.metadata["help"], f.name
+        assert ENV_PREFIX + f.name.upper() in f.metadata["help"], f.name
+
+
+def test_default_is_per_micro_batch_sync():
+    assert DEFAULTS["defer"] is False
+    assert GradSyncConfig().mode == "per_micro_batch"
+
+
+@pytest.mark.parametrize("parser_cls", [HfArgumentParser, TrlParser])
+def test_parsers_agree_with_the_dataclass(parser_cls):
+    parser = parser_cls(GradSyncConfig)
+    (parsed,) = parser.parse_args_into_dataclasses([])
+    assert parsed == GradSyncConfig()
+    assert dataclasses.asdict(parsed) == DEFAULTS
+    (on,) = parser.parse_args_into_dataclasses(["--defer-grad-sync"])
+    assert on.defer is True and on.mode == "deferred"
+    (off,) = parser.parse_args_into_dataclasses(["--defer-grad-sync", "false"])
+    assert off.defer is False
+
+
+def test_environment_sits_between_explicit_value_and_default(monkeypatch):
+    monkeypatch.setenv("ACCEL_GRADSYNC_DEFER", "true")
+    assert GradSyncConfig().defer is True
+    assert GradSyncConfig(defer=False).defer is False  # explicit wins
+    (parsed,) = HfArgumentParser(GradSyncConfig).parse_args_into_dataclasses([])
+    assert parsed.defer is True  # an absent flag leaves the environment in charge
+
+
+def test_wrong_values_name_field_value_and_choices(monkeypatch):
+    with pytest.raises(ValueError, match=r"GradSyncConfig.defer='maybe'.*valid choices: True or False"):
+        GradSyncConfig(defer="maybe")
+    monkeypatch.setenv("ACCEL_GRADSYNC_DEFER", "2")
+    with pytest.raises(ValueError, match=r"ACCEL_GRADSYNC_DEFER='2'.*valid choices"):
+        GradSyncConfig()
+    with pytest.raises(SystemExit):
+        HfArgumentParser(GradSyncConfig).parse_args_into_dataclasses(["--defer-grad-sync", "maybe"])
