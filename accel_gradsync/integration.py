@@ -16,7 +16,6 @@ run with gradients.
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import warnings
 from typing import Any, Iterator, Optional
@@ -33,8 +32,6 @@ from .cpu import fsdp_requested
 from .errors import GradSyncWarning
 from .fsdp import ModelAdapter, Unit, adapt_model, is_fsdp_wrapped
 from .policies import SyncPolicy, resolve_policy
-
-logger = logging.getLogger("accel_gradsync")
 
 _HANDLE_ATTR = "_accel_gradsync_handle"  # class attribute of the per-instance subclass
 
@@ -94,7 +91,8 @@ class GradSyncHandle:
             from .trainer import GradSyncCallback
 
             self._callback = GradSyncCallback(self)
-            trainer.add_callback(self._callback)
+            # First in line, so the reporting callbacks (TensorBoard, W&B, ...) see our keys.
+            trainer.callback_handler.callbacks.insert(0, self._callback)
         else:
             models = list(getattr(accelerator, "_models", []))
             if not models:
@@ -125,6 +123,13 @@ class GradSyncHandle:
         reduce-scatters (all-reduces for DDP) issued and skipped; `last_step/*` for the last
         finished optimizer step."""
         return self.accounting.stats()
+
+    def describe(self, adapter: Optional[ModelAdapter] = None) -> str:
+        """The decision line printed at start, e.g. `grad sync: deferred over 4 micro-batches ...`."""
+        adapter = adapter or next((a for a in self._adapters.values() if a is not None), None)
+        if adapter is None:
+            return f"grad sync: {self.policy.name} (no FSDP/DDP model bound yet)"
+        return describe_decision(self.policy, adapter, self.micro_batches_per_step)
 
     def detach(self) -> None:
         """Undo `attach`: the accelerator's own `no_sync` again, hooks and callback removed."""
@@ -218,8 +223,8 @@ class GradSyncHandle:
             self._hooks.append(root.register_forward_pre_hook(self._on_forward))
             acc = self.accounting
             acc.wrapper, acc.collective, acc.units = adapter.kind, adapter.collective, len(adapter.units)
-            if self.accelerator.is_main_process:
-                logger.info(describe_decision(self.policy, adapter, self.micro_batches_per_step))
+            # One line at start, on the main process only: the decision and what it costs.
+            self.accelerator.print(self.describe(adapter))
         self._adapters[id(root)] = adapter
         return adapter
 

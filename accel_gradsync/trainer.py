@@ -23,7 +23,9 @@ class GradSyncCallback(TrainerCallback):
         self.handle.bind(self.handle._trainer.model_wrapped)
 
     def on_log(self, args, state, control, logs=None, **kwargs: Any):
-        if logs is not None:
-            logs.update(
-                {LOG_PREFIX + k: v for k, v in self.handle.stats().items() if isinstance(v, (int, float))}
-            )
+        if logs is None:
+            return
+        counters = {LOG_PREFIX + k: v for k, v in self.handle.stats().items() if isinstance(v, (int, float))}
+        logs.update(counters)  # what the reporting callbacks after us send to report_to
+        if state.log_history:
+            state.log_history[-1].update(counters)  # the Trainer recorded this entry just before
