@@ -1,0 +1,198 @@
+"""GRPO with TRL's `GRPOTrainer`, gradient sync chosen by accel_gradsync.
+
+    accelerate launch --config_file accelerate_configs/fsdp2.yaml recipes/grpo.py --defer-grad-sync
+
+With no other flag it trains the built-in default (`recipes/embedded.py`): a tiny Qwen2-style
+model with random weights, a local character tokenizer and `a+b=` prompts, rewarded for the
+right sum and for answering with a bare number; no hub access needed. A real model and dataset
+are one flag each, or a recipe YAML:
+
+    accelerate launch --config_file accelerate_configs/fsdp2.yaml recipes/grpo.py \
+        --config recipes/qwen2.5-0.5b-gsm8k.yaml --defer-grad-sync
+
+Every field of the script arguments, `GRPOConfig`, `ModelConfig` and `GradSyncConfig` is a flag
+and a YAML key (`python recipes/grpo.py --help`). On a machine with no GPU/NPU the FSDP configs
+run as real FSDP over gloo with the processes the config names.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Optional
+
+import accel_gradsync
+from trl import GRPOConfig, GRPOTrainer, ModelConfig, ScriptArguments, TrlParser, get_peft_config
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # `embedded` sits next to this file
+import embedded  # noqa: E402
+
+# The recipe's defaults, sized for the embedded model on a few CPU cores; a YAML or a flag
+# overrides each (see recipes/qwen2.5-0.5b-gsm8k.yaml for real-model values).
+RECIPE_DEFAULTS = dict(
+    output_dir="runs/grpo",
+    max_steps=300,
+    per_device_train_batch_size=4,
+    gradient_accumulation_steps=4,  # M micro-batches per optimizer step: what --defer-grad-sync defers over
+    num_generations=4,
+    max_completion_length=8,
+    learning_rate=3e-3,
+    lr_scheduler_type="constant",
+    logging_steps=10,
+    save_strategy="no",
+    report_to="none",
+)
+
+
+@dataclass
+class GRPOScriptArguments(ScriptArguments):
+    """Where the prompts and rewards come from (the model comes from `ModelConfig`)."""
+
+    dataset_name: Optional[str] = field(
+        default=None,
+        metadata={"help": "Hub dataset name or local path (a `load_dataset` path or a `save_to_disk` "
+                          "folder). Default: the built-in `a+b=` prompts."},
+    )
+    prompt_column: str = field(default="prompt", metadata={"help": "Dataset column holding the prompt."})
+    answer_column: str = field(
+        default="answer",
+        metadata={"help": "Dataset column holding the reference answer (its last integer is the target)."},
+    )
+    reward_funcs: list[str] = field(
+        default_factory=lambda: ["accuracy", "format"],
+        metadata={"help": f"Reward functions, any of: {', '.join(embedded.REWARD_FUNCS)}."},
+    )
+
+
+def main(script_args, training_args, model_args, grad_sync_args):
+    # Everything that can be wrong with the inputs is checked before the trainer exists, so a
+    # bad run stops before anything is written to output_dir.
+    reward_funcs = resolve_rewards(script_args.reward_funcs)
+    dataset = load_prompts(script_args)
+
+    if model_args.model_name_or_path is None:
+        from transformers import set_seed
+
+        set_seed(training_args.seed)  # every rank must build the same random weights
+        tokenizer = embedded.build_tokenizer()
+        model = embedded.build_model(tokenizer)
+    else:
+        model, tokenizer = model_args.model_name_or_path, None  # GRPOTrainer loads both
+        training_args.model_init_kwargs = {
+            "revision": model_args.model_revision,
+            "trust_remote_code": model_args.trust_remote_code,
+            "attn_implementation": model_args.attn_implementation,
+            "dtype": model_args.dtype,
+            **(training_args.model_init_kwargs or {}),
+        }
+
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=reward_funcs,
+        args=training_args,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        peft_config=get_peft_config(model_args),
+    )
+    accel_gradsync.attach(trainer, grad_sync_args)
+    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    trainer.save_model(training_args.output_dir)
+    trainer.save_state()
+    trainer.accelerator.print(f"Model and trainer state saved to {training_args.output_dir}.")
+    trainer.accelerator.end_training()
+
+
+def resolve_rewards(names: list[str]) -> list:
+    unknown = [n for n in names if n not in embedded.REWARD_FUNCS]
+    if unknown or not names:
+        raise ValueError(
+            f"--reward_funcs {' '.join(names) or '(empty)'}: unknown reward function(s) {unknown}; "
+            f"valid choices: {', '.join(embedded.REWARD_FUNCS)}."
+        )
+    return [embedded.REWARD_FUNCS[n] for n in names]
+
+
+def load_prompts(script_args):
+    """The train split with `prompt` and `answer` columns, from the hub, a local path or the built-in set."""
+    if script_args.dataset_name is None:
+        return embedded.build_dataset()
+    from datasets import DatasetDict, load_dataset, load_from_disk
+
+    name = script_args.dataset_name
+    if os.path.isdir(name) and any(os.path.exists(os.path.join(name, f)) for f in ("state.json", "dataset_dict.json")):
+        data = load_from_disk(name)
+    else:
+        data = load_dataset(name, name=script_args.dataset_config)
+    if isinstance(data, DatasetDict):
+        split = script_args.dataset_train_split
+        if split not in data:
+            raise ValueError(
+                f"--dataset_train_split {split!r}: dataset {name!r} has no such split; valid choices: "
+                f"{', '.join(data)}."
+            )
+        data = data[split]
+    needed = {"prompt": script_args.prompt_column, "answer": script_args.answer_column}
+    for role, column in needed.items():
+        if column not in data.column_names:
+            raise ValueError(
+                f"--{role}_column {column!r}: dataset {name!r} has no column {column!r} (it has: "
+                f"{', '.join(data.column_names)}). Set --{role}_column to the column that holds the {role}."
+            )
+    renames = {column: role for role, column in needed.items() if column != role}
+    return data.rename_columns(renames) if renames else data
+
+
+def make_parser(cpu_fsdp: bool = False) -> TrlParser:
+    parser = TrlParser((GRPOScriptArguments, GRPOConfig, ModelConfig, accel_gradsync.GradSyncConfig))
+    parser.set_defaults(**RECIPE_DEFAULTS)
+    if not _has_gpu_or_npu():
+        parser.set_defaults(bf16=False)  # GRPOConfig's bf16 default asks for a GPU
+    if cpu_fsdp:
+        # GRPOConfig sets up accelerate's state while it is parsed; without this it would discard
+        # the FSDP state enable_cpu_fsdp() built (a YAML/CLI `accelerator_config` must keep it).
+        parser.set_defaults(accelerator_config={"use_configured_state": True})
+    return parser
+
+
+def _has_gpu_or_npu() -> bool:
+    import torch
+
+    npu = getattr(torch, "npu", None)
+    return torch.cuda.is_available() or bool(npu is not None and npu.is_available())
+
+
+def parse_args(parser: TrlParser, args: Optional[list[str]] = None):
+    """`parse_args_and_config`, with errors that name the unknown flag or YAML key and what is close to it."""
+    try:
+        *parsed, from_yaml, from_cli = parser.parse_args_and_config(
+            args, return_remaining_strings=True, separate_remaining_strings=True
+        )
+    except ValueError as error:
+        if "num_generations" in str(error):
+            raise ValueError(
+                f"{error} The generation batch is per_device_train_batch_size x processes x "
+                "steps_per_generation (default: gradient_accumulation_steps); set --num_generations to "
+                "a divisor of it, or change one of those."
+            ) from error
+        raise
+    valid = sorted({a.dest for a in parser._actions} - {"help"})
+    for source, remaining in (("the --config YAML", from_yaml), ("the command line", from_cli)):
+        unknown = [s.lstrip("-").split("=")[0] for s in remaining if s.startswith("-")] or remaining
+        if unknown:
+            hints = {k: difflib.get_close_matches(k.replace("-", "_"), valid, n=3) for k in unknown}
+            raise ValueError(
+                f"Unknown setting(s) in {source}: "
+                + "; ".join(f"{k!r}" + (f" (did you mean {', '.join(h)}?)" if h else "") for k, h in hints.items())
+                + ". Valid settings are the fields of GRPOScriptArguments, GRPOConfig, ModelConfig and "
+                "GradSyncConfig: see `python recipes/grpo.py --help`."
+            )
+    return parsed
+
+
+if __name__ == "__main__":
+    # Before parsing: on a machine without GPU/NPU, turn the FSDP config into real FSDP over gloo
+    # (a no-op on GPU/NPU, or without an FSDP config).
+    cpu_fsdp = accel_gradsync.enable_cpu_fsdp()
+    main(*parse_args(make_parser(cpu_fsdp)))
