@@ -8,9 +8,32 @@ one whole-model all-reduce pass (which DDP splits into buckets of its own choosi
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
-from .fsdp import Unit
+import torch
+
+if TYPE_CHECKING:
+    from .fsdp import Unit
+
+
+def retained_grad_dtype(
+    wrapper: str,
+    param_dtype: torch.dtype,
+    mp_param_dtype: Optional[torch.dtype] = None,
+    mp_reduce_dtype: Optional[torch.dtype] = None,
+) -> torch.dtype:
+    """dtype of the unsharded gradient a unit holds between deferred micro-batches.
+
+    Gradients are computed in the compute dtype (the mixed-precision `param_dtype`, else the
+    parameter's own). FSDP2's `FSDPParam.to_accumulated_grad_if_needed` then moves a held
+    gradient to `unsharded_accumulated_grad` in `reduce_dtype` when that differs, so bf16
+    params with an fp32 reduce hold 4 bytes/param. FSDP1's `no_sync()` and DDP keep the
+    gradient in the compute dtype.
+    """
+    compute = mp_param_dtype or param_dtype
+    if wrapper == "fsdp2" and mp_reduce_dtype is not None:
+        return mp_reduce_dtype
+    return compute
 
 
 @dataclass
@@ -23,10 +46,15 @@ class StepCounts:
     reduce_scatters_skipped: int = 0
     all_reduces_issued: int = 0
     all_reduces_skipped: int = 0
+    bytes_reduced: int = 0
+    """Unsharded gradient bytes handed to the issued reduce-scatters (DDP: all-reduces)."""
+    held_grad_bytes: int = 0
+    """Unsharded gradient bytes the wrapper held after the last deferred micro-batch, measured."""
 
     def add(self, other: "StepCounts") -> None:
         for name, value in asdict(other).items():
-            setattr(self, name, getattr(self, name) + value)
+            if name != "held_grad_bytes":  # a level, not a flow
+                setattr(self, name, getattr(self, name) + value)
 
 
 @dataclass
@@ -36,26 +64,53 @@ class SyncAccounting:
     mode: str
     wrapper: str = "none"
     collective: str = "reduce_scatter"
+    hsdp: bool = False
     units: int = 0
+    unit_modes: dict = field(default_factory=dict)
+    """Each unit's mode, by module name ("" is the root)."""
     optimizer_steps: int = 0
+    peak_held_grad_bytes: int = 0
     total: StepCounts = field(default_factory=StepCounts)
     current: StepCounts = field(default_factory=StepCounts)
     last_step: StepCounts = field(default_factory=StepCounts)
 
-    def record_micro_batch(self, synced: Sequence[Unit], held: Sequence[Unit], ends_step: bool) -> None:
-        """Count one micro-batch whose backward syncs `synced` and holds `held`."""
+    def record_micro_batch(
+        self, units: Sequence["Unit"], held: Sequence["Unit"], hold: str, ends_step: bool
+    ) -> None:
+        """Count one micro-batch over `units` whose backward holds the sync of `held`: all of
+        it (`gradient_sync`), or on HSDP only the cross-replica `all_reduce`."""
         step = StepCounts(micro_batches=1, deferred_micro_batches=int(bool(held)))
-        issued = sum(u.collectives for u in synced)
-        skipped = sum(u.collectives for u in held)
-        if self.collective == "all_reduce":
-            step.all_reduces_issued, step.all_reduces_skipped = issued, skipped
-        else:
-            step.reduce_scatters_issued, step.reduce_scatters_skipped = issued, skipped
+        held_ids = {id(u) for u in held}
+        for unit in units:
+            n = unit.collectives
+            if self.collective == "all_reduce":  # DDP: one bucketed all-reduce pass per sync
+                if id(unit) in held_ids:
+                    step.all_reduces_skipped += n
+                else:
+                    step.all_reduces_issued += n
+                    step.bytes_reduced += unit.reduce_bytes
+                continue
+            if id(unit) in held_ids and hold != "all_reduce":
+                step.reduce_scatters_skipped += n
+                step.all_reduces_skipped += n if self.hsdp else 0
+                continue
+            step.reduce_scatters_issued += n
+            step.bytes_reduced += unit.reduce_bytes
+            if self.hsdp:
+                if id(unit) in held_ids:
+                    step.all_reduces_skipped += n
+                else:
+                    step.all_reduces_issued += n
         self.current.add(step)
         self.total.add(step)
         if ends_step:
             self.optimizer_steps += 1
             self.last_step, self.current = self.current, StepCounts()
+
+    def record_held(self, held_grad_bytes: int) -> None:
+        """The bytes measured right after a deferred micro-batch's backward."""
+        self.current.held_grad_bytes = held_grad_bytes
+        self.peak_held_grad_bytes = max(self.peak_held_grad_bytes, held_grad_bytes)
 
     def stats(self) -> dict:
         """Flat dict: totals since attach, and the last finished step under `last_step/`."""
@@ -63,8 +118,11 @@ class SyncAccounting:
             "mode": self.mode,
             "wrapper": self.wrapper,
             "units": self.units,
+            "unit_modes": dict(self.unit_modes),
             "optimizer_steps": self.optimizer_steps,
+            "peak_held_grad_bytes": self.peak_held_grad_bytes,
             **asdict(self.total),
         }
+        del out["held_grad_bytes"]  # per step only: see last_step/held_grad_bytes
         out.update({f"last_step/{k}": v for k, v in asdict(self.last_step).items()})
         return out

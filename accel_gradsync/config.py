@@ -11,10 +11,17 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from .errors import GradSyncWarning
+
 ENV_PREFIX = "ACCEL_GRADSYNC_"
+
+SYNC_MODES = ("per_micro_batch", "deferred", "auto", "budget", "defer_all_reduce")
+REDUCE_DTYPES = ("auto", "fp32", "bf16")
 
 # The single source of every default. `GradSyncConfig()` with an empty environment, the
 # recipe's `--help`, a recipe YAML without the key and the environment all resolve to these.
@@ -22,10 +29,24 @@ DEFAULTS: dict[str, Any] = {
     # Per-micro-batch sync is the memory-safe choice: deferral holds the whole unsharded
     # gradient on every rank, which is the OOM users hit when it is on by default.
     "defer": False,
+    "sync_mode": "per_micro_batch",
+    "memory_budget": "",
+    "memory_margin": 0.1,
+    "free_memory": "",
+    "keep_params_unsharded": False,
+    "reduce_dtype": "auto",
 }
 
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("0", "false", "no", "off")
+
+def _help(name: str, text: str) -> str:
+    return f"{text} Default: {DEFAULTS[name]!r}. Environment: {ENV_PREFIX}{name.upper()}."
+
+
+def _flag(name: str, text: str, **argparse: Any) -> Any:
+    """A field that is unset (None) until explicit value > environment > default resolves it."""
+    flag = "grad-sync-" + name.removeprefix("sync_").replace("_", "-")  # sync_mode: --grad-sync-mode
+    aliases = [f"--{flag}", f"--{flag.replace('-', '_')}"]
+    return field(default=None, metadata={"help": _help(name, text), "aliases": aliases, **argparse})
 
 
 @dataclass
@@ -40,12 +61,12 @@ class GradSyncConfig:
     defer: Optional[bool] = field(
         default=None,
         metadata={
-            "help": (
+            "help": _help(
+                "defer",
                 "Defer the gradient reduce-scatter (FSDP) / all-reduce (DDP) of every micro-batch but "
                 "the last one of each optimizer step: M times fewer collectives, but every rank holds "
                 "the whole unsharded gradient between micro-batches. Off: sync after every micro-batch "
-                f"(sharded gradients, lowest memory). Default: {DEFAULTS['defer']}. "
-                f"Environment: {ENV_PREFIX}DEFER."
+                "(sharded gradients, lowest memory). Shorthand for --grad-sync-mode deferred.",
             ),
             "aliases": ["--defer-grad-sync", "--defer_grad_sync"],
             # A bare `--defer-grad-sync` means True, as for transformers' own bool flags.
@@ -53,23 +74,121 @@ class GradSyncConfig:
             "const": True,
         },
     )
+    sync_mode: Optional[str] = _flag(
+        "sync_mode",
+        "Sync mode: per_micro_batch (sync every micro-batch), deferred (sync once per optimizer "
+        "step), auto (deferred if the held gradients fit free device memory, else defer_all_reduce "
+        "on an HSDP mesh, else per_micro_batch), budget (FSDP2: defer only the units that fit "
+        "--grad-sync-memory-budget), defer_all_reduce (HSDP: reduce-scatter every micro-batch, "
+        "all-reduce across replicas once per step).",
+        choices=SYNC_MODES,
+    )
+    memory_budget: Optional[str] = _flag(
+        "memory_budget",
+        "Budget mode: gradient bytes each rank may hold unsharded, e.g. 12GiB, 512MiB, 1048576B "
+        "(units B, KiB, MiB, GiB), or a fraction of free device memory such as 0.25.",
+    )
+    memory_margin: Optional[float] = _flag(
+        "memory_margin",
+        "auto mode: fraction of free device memory kept back as a safety margin (0 <= margin < 1).",
+        type=float,
+    )
+    free_memory: Optional[str] = _flag(
+        "free_memory",
+        "Free device memory per rank to plan with instead of measuring it (auto mode and fractional "
+        "budgets), e.g. 40GiB. Empty: measure (CUDA/NPU mem_get_info, on CPU available RAM).",
+    )
+    keep_params_unsharded: Optional[bool] = _flag(
+        "keep_params_unsharded",
+        "With deferral, also keep each deferred unit's parameters unsharded after backward "
+        "(FSDP2 set_reshard_after_backward(False)): the next micro-batch's forward needs no "
+        "all-gather, at the cost of the unsharded parameters in memory.",
+        nargs="?",
+        const=True,
+    )
+    reduce_dtype: Optional[str] = _flag(
+        "reduce_dtype",
+        "dtype gradients are reduced in, set on the FSDP mixed-precision policy before the model is "
+        "prepared: auto keeps accelerate's choice (the param dtype), fp32 or bf16. FSDP2 holds "
+        "deferred gradients in this dtype when it differs from the param dtype (fp32: 4 bytes/param).",
+        choices=REDUCE_DTYPES,
+    )
 
     def __post_init__(self) -> None:
+        explicit = {}
         for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            source = f"GradSyncConfig.{f.name}"
+            value, source = getattr(self, f.name), f"GradSyncConfig.{f.name}"
             if value is None:
                 env_name = ENV_PREFIX + f.name.upper()
                 if env_name in os.environ:
                     value, source = os.environ[env_name], env_name
-                else:
-                    value = DEFAULTS[f.name]
+            if value is not None:
+                explicit[f.name] = source
+            else:
+                value = DEFAULTS[f.name]
             setattr(self, f.name, _coerce(f.name, value, source))
+        self._check_combination(explicit)
+
+    def _check_combination(self, explicit: dict[str, str]) -> None:
+        if "sync_mode" in explicit and self.defer and self.sync_mode != "deferred":
+            raise ValueError(
+                f"{explicit['defer']}=True and {explicit['sync_mode']}={self.sync_mode!r} contradict: "
+                "--defer-grad-sync is shorthand for --grad-sync-mode deferred. Set only one of them."
+            )
+        if self.defer:
+            self.sync_mode = "deferred"
+        if self.sync_mode == "budget" and not self.memory_budget:
+            raise ValueError(
+                "GradSyncConfig.sync_mode='budget' needs a memory budget: set --grad-sync-memory-budget "
+                "(e.g. 12GiB, 512MiB or a fraction of free memory such as 0.5)."
+            )
+
+        # Settings only some modes read: say once that they are ignored, never drop them silently.
+        used_by = {
+            "memory_budget": ("budget",),
+            "memory_margin": ("auto",),
+            "free_memory": ("auto", "budget"),
+            "keep_params_unsharded": ("deferred", "budget", "auto"),
+        }
+        for name, modes in used_by.items():
+            if name in explicit and self.sync_mode not in modes:
+                warnings.warn(
+                    f"accel_gradsync: {explicit[name]}={getattr(self, name)!r} is ignored in sync mode "
+                    f"{self.sync_mode!r}; it applies to: {', '.join(modes)}.",
+                    GradSyncWarning,
+                    stacklevel=4,
+                )
 
     @property
     def mode(self) -> str:
         """Name of the sync policy this config selects (see `accel_gradsync.policies.POLICIES`)."""
-        return "deferred" if self.defer else "per_micro_batch"
+        return self.sync_mode
+
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+_UNITS = {"b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_bytes(text: str, source: str = "memory size") -> tuple[Optional[int], Optional[float]]:
+    """`12GiB` -> (bytes, None); `0.25` -> (None, fraction). Raises ValueError otherwise."""
+    match = _SIZE.match(str(text))
+    unit = match.group(2).lower() if match else ""
+    if not match or unit not in _UNITS and unit != "":
+        raise ValueError(
+            f"{source}={text!r} is not a memory size; use a number with a unit B, KiB, MiB or GiB "
+            "(e.g. 12GiB) or a fraction of free memory between 0 and 1 (e.g. 0.5)."
+        )
+    number = float(match.group(1))
+    if unit:
+        return int(number * _UNITS[unit]), None
+    if not 0 <= number <= 1:
+        raise ValueError(
+            f"{source}={text!r}: a number without a unit is a fraction of free memory and must lie "
+            "between 0 and 1; add a unit (B, KiB, MiB, GiB) for an absolute size."
+        )
+    return None, number
 
 
 def _coerce(name: str, value: Any, source: str) -> Any:
@@ -84,4 +203,22 @@ def _coerce(name: str, value: Any, source: str) -> Any:
             f"{source}={value!r} is not a valid value for `{name}`; valid choices: "
             f"True or False (also {', '.join(_TRUE + _FALSE)} as text)."
         )
-    raise AssertionError(f"no validator for field type {expected!r}")  # invariant: DEFAULTS covers all fields
+    if name in ("sync_mode", "reduce_dtype"):
+        choices = SYNC_MODES if name == "sync_mode" else REDUCE_DTYPES
+        if value not in choices:
+            raise ValueError(f"{source}={value!r} is not a valid `{name}`; valid choices: {', '.join(choices)}.")
+        return value
+    if name in ("memory_budget", "free_memory"):
+        value = "" if value is None else str(value).strip()
+        if value:
+            parse_bytes(value, source)
+        return value
+    if name == "memory_margin":
+        try:
+            margin = float(value)
+        except (TypeError, ValueError):
+            margin = -1.0
+        if not 0 <= margin < 1:
+            raise ValueError(f"{source}={value!r} is not a valid `memory_margin`; use a fraction 0 <= margin < 1.")
+        return margin
+    raise AssertionError(f"no validator for field {name!r}")  # invariant: DEFAULTS covers all fields

@@ -6,8 +6,9 @@ can only defer everything at once, through the root's `no_sync()`, which acceler
 calls correctly; `root_only` tells the caller to reuse it.
 
 FSDP2 has setters for its per-unit flags but no getters (torch 2.13), so `_sync_flags` reads
-them back from the param groups the setters write. That read, and FSDP1's flat-parameter
-size, are the only private torch attributes this package touches; nothing is assigned.
+them back from the param groups the setters write. Those reads, the dtypes and held gradient
+tensors of FSDP2's params and FSDP1's flat parameter are the only private torch attributes
+this package touches, all in this module; nothing private is assigned.
 """
 
 from __future__ import annotations
@@ -16,10 +17,13 @@ import contextlib
 from dataclasses import dataclass
 from typing import Iterator, Optional, Sequence
 
+import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
 from torch.nn.parallel import DistributedDataParallel
+
+from .accounting import retained_grad_dtype
 
 
 @dataclass(frozen=True, eq=False)
@@ -33,6 +37,29 @@ class Unit:
     """Trainable elements whose unsharded gradient this unit holds when its sync is deferred."""
     collectives: int
     """Collectives one sync of the unit issues (FSDP: reduce-scatters, one per param group)."""
+    held_dtype: torch.dtype = torch.float32
+    """dtype of the unsharded gradient held between deferred micro-batches."""
+    reduce_dtype: torch.dtype = torch.float32
+    """dtype the gradient is reduce-scattered in."""
+    compute_dtype: torch.dtype = torch.float32
+    """dtype of the unsharded parameters forward and backward run in."""
+    shard_size: int = 1
+    """Ranks the unit's parameters are sharded over (1 for DDP)."""
+
+    @property
+    def param_bytes(self) -> int:
+        """Bytes of this unit's unsharded parameters (what keeping them unsharded costs)."""
+        return self.numel * self.compute_dtype.itemsize
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes this unit holds per rank while its sync is deferred."""
+        return self.numel * self.held_dtype.itemsize
+
+    @property
+    def reduce_bytes(self) -> int:
+        """Bytes of the unsharded gradient one sync of this unit reduces."""
+        return self.numel * self.reduce_dtype.itemsize
 
 
 class ModelAdapter:
@@ -42,6 +69,8 @@ class ModelAdapter:
     collective: str = "reduce_scatter"
     root_only: bool = False
     """True where deferral is all-or-nothing through the root's `no_sync()` (FSDP1, DDP)."""
+    hsdp: bool = False
+    """True when the mesh has a replicate dimension: gradients are also all-reduced across replicas."""
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
@@ -50,8 +79,16 @@ class ModelAdapter:
     def _find_units(self, model: nn.Module) -> list[Unit]:
         raise NotImplementedError
 
-    def hold(self, units: Sequence[Unit]) -> contextlib.AbstractContextManager:
-        """Skip the sync of `units` for the enclosed forward and backward."""
+    def hold(
+        self, units: Sequence[Unit], what: str = "gradient_sync", keep_params_unsharded: bool = False
+    ) -> contextlib.AbstractContextManager:
+        """Skip the sync of `units` for the enclosed forward and backward: the whole
+        `gradient_sync`, or (HSDP) only the cross-replica `all_reduce`."""
+        raise NotImplementedError
+
+    def held_grad_bytes(self) -> int:
+        """Bytes of unsharded gradient the wrapper holds right now, read from the tensors it
+        keeps (sizes only: no device synchronisation)."""
         raise NotImplementedError
 
 
@@ -67,29 +104,53 @@ class FSDP2Adapter(ModelAdapter):
             if not isinstance(module, FSDPModule):
                 continue
             groups = module._get_fsdp_state()._fsdp_param_groups
-            numel = sum(
-                p.sharded_param.numel()  # a DTensor: numel() is the global, unsharded size
-                for g in groups
-                for p in g.fsdp_params
-                if p.sharded_param.requires_grad
-            )
-            if numel:
-                units.append(Unit(name, module, numel, collectives=len(groups)))
+            params = [p for g in groups for p in g.fsdp_params if p.sharded_param.requires_grad]
+            if not params:
+                continue
+            numel = sum(p.sharded_param.numel() for p in params)  # DTensor: the global size
+            policy, dtype = groups[0].mp_policy, params[0].sharded_param.dtype
+            held = retained_grad_dtype("fsdp2", dtype, policy.param_dtype, policy.reduce_dtype)
+            mesh = params[0].sharded_param.device_mesh  # HSDP: (replicate, shard)
+            self.hsdp = self.hsdp or mesh.ndim == 2
+            units.append(
+                Unit(name, module, numel, len(groups), held_dtype=held, reduce_dtype=held,
+                     compute_dtype=policy.param_dtype or dtype, shard_size=mesh.size(mesh.ndim - 1))
+            )  # fmt: skip
         return units
 
+    def held_grad_bytes(self) -> int:
+        total = 0
+        for unit in self.units:
+            for p in _fsdp_params(unit.module):
+                grad = p.unsharded_accumulated_grad
+                if grad is None:
+                    grad = p._unsharded_param.grad
+                if grad is not None:
+                    total += grad.numel() * grad.element_size()
+        return total
+
     @contextlib.contextmanager
-    def hold(self, units: Sequence[Unit]) -> Iterator[None]:
+    def hold(
+        self, units: Sequence[Unit], what: str = "gradient_sync", keep_params_unsharded: bool = False
+    ) -> Iterator[None]:
         # Save every unit, not only the held ones: a unit the user switched off before the
         # step must come back switched off, and an exception must not leave anything held.
         saved = [(u.module, _sync_flags(u.module)) for u in self.units]
         try:
             for u in units:
-                u.module.set_requires_gradient_sync(False, recurse=False)
+                if what == "all_reduce":
+                    u.module.set_requires_all_reduce(False, recurse=False)
+                else:
+                    u.module.set_requires_gradient_sync(False, recurse=False)
+                if keep_params_unsharded:
+                    # The next micro-batch's forward then finds them unsharded: no all-gather.
+                    u.module.set_reshard_after_backward(False, recurse=False)
             yield
         finally:
-            for module, (reduce_grads, all_reduce_grads) in saved:
+            for module, (reduce_grads, all_reduce_grads, reshard) in saved:
                 module.set_requires_gradient_sync(reduce_grads, recurse=False)
                 module.set_requires_all_reduce(all_reduce_grads, recurse=False)
+                module.set_reshard_after_backward(reshard, recurse=False)
 
 
 class FSDP1Adapter(ModelAdapter):
@@ -105,8 +166,26 @@ class FSDP1Adapter(ModelAdapter):
         for name, module in model.named_modules():
             handle = getattr(module, "_handle", None) if isinstance(module, FSDP1) else None
             if handle is not None and handle.flat_param.requires_grad:
-                units.append(Unit(name, module, handle.flat_param._unpadded_unsharded_size.numel(), 1))
+                numel = handle.flat_param._unpadded_unsharded_size.numel()
+                policy = module.mixed_precision
+                dtype = handle.flat_param.dtype
+                held = retained_grad_dtype("fsdp1", dtype, policy.param_dtype, policy.reduce_dtype)
+                reduce = policy.reduce_dtype or policy.param_dtype or dtype
+                shard = handle.world_size if handle.uses_sharded_strategy else 1
+                units.append(
+                    Unit(name, module, numel, 1, held_dtype=held, reduce_dtype=reduce, compute_dtype=held,
+                         shard_size=shard)
+                )  # fmt: skip
         return units
+
+    def held_grad_bytes(self) -> int:
+        # Under no_sync FSDP1 leaves the unsharded flat gradient on `flat_param.grad`.
+        total = 0
+        for unit in self.units:
+            grad = unit.module._handle.flat_param.grad
+            if grad is not None:
+                total += grad.numel() * grad.element_size()
+        return total
 
 
 class DDPAdapter(ModelAdapter):
@@ -118,8 +197,13 @@ class DDPAdapter(ModelAdapter):
     root_only = True
 
     def _find_units(self, model: nn.Module) -> list[Unit]:
-        numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        return [Unit("", model, numel, collectives=1)]
+        params = [p for p in model.parameters() if p.requires_grad]
+        dtype = params[0].dtype if params else torch.float32
+        numel = sum(p.numel() for p in params)
+        return [Unit("", model, numel, 1, held_dtype=dtype, reduce_dtype=dtype, compute_dtype=dtype)]
+
+    def held_grad_bytes(self) -> int:
+        return sum(p.grad.numel() * p.grad.element_size() for p in self.model.parameters() if p.grad is not None)
 
 
 def adapt_model(model: nn.Module) -> Optional[ModelAdapter]:
@@ -138,12 +222,22 @@ def is_fsdp_wrapped(model: nn.Module) -> bool:
     return any(isinstance(m, (FSDPModule, FSDP1)) for m in model.modules())
 
 
-def _sync_flags(module: FSDPModule) -> tuple[bool, bool]:
-    """(requires_gradient_sync, requires_all_reduce) of one FSDP2 unit, as its setters left them."""
+def _fsdp_params(module: FSDPModule) -> list:
+    """The FSDPParams one FSDP2 unit manages directly."""
+    return [p for g in module._get_fsdp_state()._fsdp_param_groups for p in g.fsdp_params]
+
+
+def _sync_flags(module: FSDPModule) -> tuple[bool, bool, bool]:
+    """(requires_gradient_sync, requires_all_reduce, reshard_after_backward) of one FSDP2 unit,
+    as its setters left them."""
     groups = module._get_fsdp_state()._fsdp_param_groups
-    return all(g.reduce_grads for g in groups), all(g.all_reduce_grads for g in groups)
+    return (
+        all(g.reduce_grads for g in groups),
+        all(g.all_reduce_grads for g in groups),
+        all(g.reshard_after_backward for g in groups),
+    )
 
 
-def sync_flags(model: nn.Module) -> dict[str, tuple[bool, bool]]:
-    """Every FSDP2 unit's (requires_gradient_sync, requires_all_reduce), by module name."""
+def sync_flags(model: nn.Module) -> dict[str, tuple[bool, bool, bool]]:
+    """Every FSDP2 unit's (requires_gradient_sync, requires_all_reduce, reshard_after_backward)."""
     return {n: _sync_flags(m) for n, m in model.named_modules() if isinstance(m, FSDPModule)}

@@ -1,21 +1,24 @@
 """`attach()`: put a sync policy behind an Accelerator's `accumulate()` / `no_sync()`, or a Trainer's.
 
 accelerate has no hook registry around these, and its classes must not be patched. So `attach`
-gives the one accelerator instance a subclass of its own class that overrides `no_sync` (the
-per-instance subclassing torch's `fully_shard` and `parametrize` use on modules); `detach`
-gives the original class back. Both `Accelerator.accumulate()` and the Trainer's inner loop
-enter `self.no_sync(model)` on every micro-batch that is not the last, so both reach the policy.
-Where accelerate already does the right thing it is reused through `super().no_sync`: the
-root `no_sync()` of FSDP1 and DDP. Its FSDP2 branch is replaced, because it sets
-`requires_gradient_sync(True)` on every unit on exit instead of restoring their previous state.
+gives the one accelerator instance a subclass of its own class that overrides `no_sync` and
+`prepare` (the per-instance subclassing torch's `fully_shard` and `parametrize` use on
+modules); `detach` gives the original class back. Both `Accelerator.accumulate()` and the
+Trainer's inner loop enter `self.no_sync(model)` on every micro-batch that is not the last,
+so both reach the policy. Where accelerate already does the right thing it is reused through
+`super()`: the root `no_sync()` of FSDP1 and DDP, and all of `prepare`. Its FSDP2 branch is
+replaced, because it sets `requires_gradient_sync(True)` on every unit on exit instead of
+restoring their previous state, and cannot hold only some units.
 
 A forward pre-hook on the prepared model (inside DDP's wrapper) counts the micro-batches that
-run with gradients.
+run with gradients. `reduce_dtype` is written into the FSDP plugin's `mixed_precision_policy`
+field (the public dataclass field accelerate builds `fully_shard` from) before prepare.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import warnings
 from typing import Any, Iterator, Optional
@@ -30,18 +33,20 @@ from .accounting import SyncAccounting
 from .config import GradSyncConfig
 from .cpu import fsdp_requested
 from .errors import GradSyncWarning
-from .fsdp import ModelAdapter, Unit, adapt_model, is_fsdp_wrapped
-from .policies import SyncPolicy, resolve_policy
+from .fsdp import ModelAdapter, adapt_model, is_fsdp_wrapped
+from .memory import agreed_free_memory
+from .policies import ALL_REDUCE, Plan, SyncPolicy, resolve_policy
 
 _HANDLE_ATTR = "_accel_gradsync_handle"  # class attribute of the per-instance subclass
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def attach(target: Any, config: Optional[GradSyncConfig] = None) -> "GradSyncHandle":
     """Make `target`'s `accumulate()` / `no_sync()` follow `config` (default: `GradSyncConfig()`).
 
-    `target` is an `accelerate.Accelerator` whose model is already prepared, or a
-    `transformers.Trainer` (any TRL trainer), before `train()`. Returns a handle with
-    `stats()` and `detach()`; it is also a context manager that detaches on exit.
+    `target` is an `accelerate.Accelerator` (before or after `prepare`; with a `reduce_dtype`
+    other than auto, before) or a `transformers.Trainer` (any TRL trainer) before `train()`.
+    Returns a handle with `stats()` and `detach()`; it is also a context manager.
     """
     config = GradSyncConfig() if config is None else config
     if not isinstance(config, GradSyncConfig):
@@ -68,7 +73,7 @@ def _resolve_target(target: Any) -> tuple[Accelerator, Any]:
 
 
 class GradSyncHandle:
-    """What `attach` returns: live counters (`stats()`) and `detach()`."""
+    """What `attach` returns: live counters (`stats()`), the plan, and `detach()`."""
 
     def __init__(self, accelerator: Accelerator, config: GradSyncConfig, trainer: Any = None) -> None:
         self.accelerator = accelerator
@@ -77,37 +82,34 @@ class GradSyncHandle:
         self.accounting = SyncAccounting(mode=self.policy.name)
         self._trainer = trainer
         self._adapters: dict[int, Optional[ModelAdapter]] = {}
+        self._plans: dict[int, Plan] = {}
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
-        self._held: Optional[list[Unit]] = None
+        self._held: Optional[Plan] = None
         self._callback = None
         self._original_class: Optional[type] = None
+        self._free_memory: Optional[int] = None
 
         self._check_accelerate_config()
         reason = self._reason_not_applicable()
         if reason is not None:
             warnings.warn(f"accel_gradsync: {reason}; attach() does nothing.", GradSyncWarning, stacklevel=3)
             return
+        models = list(getattr(accelerator, "_models", [])) if trainer is None else []
+        self._apply_reduce_dtype(already_prepared=bool(models))
+        try:
+            for model in models:
+                # accelerate lists DDP models unwrapped; those bind at their first no_sync().
+                if accelerator.distributed_type == DistributedType.FSDP or adapt_model(model) is not None:
+                    self.bind(model)
+        except Exception:
+            self.detach()
+            raise
         if trainer is not None:
             from .trainer import GradSyncCallback
 
             self._callback = GradSyncCallback(self)
             # First in line, so the reporting callbacks (TensorBoard, W&B, ...) see our keys.
             trainer.callback_handler.callbacks.insert(0, self._callback)
-        else:
-            models = list(getattr(accelerator, "_models", []))
-            if not models:
-                raise ValueError(
-                    "accel_gradsync.attach(accelerator) found no prepared model: call it after "
-                    "`accelerator.prepare(model, ...)`."
-                )
-            try:
-                for model in models:
-                    # accelerate lists DDP models unwrapped; those bind at their first no_sync().
-                    if accelerator.distributed_type == DistributedType.FSDP or adapt_model(model) is not None:
-                        self.bind(model)
-            except Exception:
-                self.detach()
-                raise
         self._hook_accelerator()
 
     # -- public ---------------------------------------------------------------------------
@@ -120,16 +122,22 @@ class GradSyncHandle:
 
     def stats(self) -> dict:
         """Counters since attach: micro-batches (all and deferred), optimizer steps, unit
-        reduce-scatters (all-reduces for DDP) issued and skipped; `last_step/*` for the last
-        finished optimizer step."""
+        reduce-scatters / all-reduces issued and skipped, bytes reduced, measured held gradient
+        bytes, each unit's mode; `last_step/*` for the last finished optimizer step."""
         return self.accounting.stats()
 
-    def describe(self, adapter: Optional[ModelAdapter] = None) -> str:
+    def plan(self, model: Optional[nn.Module] = None) -> Optional[Plan]:
+        """The plan of `model` (default: the first bound model): held units, reason."""
+        if model is not None:
+            return self._plans.get(id(_root(model)))
+        return next(iter(self._plans.values()), None)
+
+    def describe(self) -> str:
         """The decision line printed at start, e.g. `grad sync: deferred over 4 micro-batches ...`."""
-        adapter = adapter or next((a for a in self._adapters.values() if a is not None), None)
-        if adapter is None:
+        key = next(iter(self._plans), None)
+        if key is None:
             return f"grad sync: {self.policy.name} (no FSDP/DDP model bound yet)"
-        return describe_decision(self.policy, adapter, self.micro_batches_per_step)
+        return describe_decision(self._plans[key], self._adapters[key], self.micro_batches_per_step)
 
     def detach(self) -> None:
         """Undo `attach`: the accelerator's own `no_sync` again, hooks and callback removed."""
@@ -180,8 +188,32 @@ class GradSyncHandle:
                 f"GradSyncConfig selects sync mode {self.policy.name!r} but accelerate's "
                 "GradientAccumulationPlugin(sync_each_batch=True) syncs every micro-batch. Drop "
                 "sync_each_batch (in a Trainer: accelerator_config.gradient_accumulation_kwargs), or "
-                "set GradSyncConfig(defer=False)."
+                "use sync mode 'per_micro_batch' (GradSyncConfig(defer=False))."
             )
+
+    def _apply_reduce_dtype(self, already_prepared: bool) -> None:
+        if self.config.reduce_dtype == "auto":
+            return
+        plugin = getattr(self.accelerator.state, "fsdp_plugin", None)
+        if plugin is None:
+            warnings.warn(
+                f"accel_gradsync: reduce_dtype={self.config.reduce_dtype!r} is ignored: it sets the FSDP "
+                "mixed-precision policy and this run does not use FSDP.",
+                GradSyncWarning,
+                stacklevel=4,
+            )
+            return
+        if already_prepared:
+            raise ValueError(
+                f"GradSyncConfig.reduce_dtype={self.config.reduce_dtype!r} must reach FSDP before the model "
+                "is wrapped: call accel_gradsync.attach(accelerator, config) before accelerator.prepare(...)."
+            )
+        from torch.distributed.fsdp import MixedPrecision, MixedPrecisionPolicy
+
+        policy = plugin.mixed_precision_policy
+        if policy is None:
+            policy = MixedPrecisionPolicy() if plugin.fsdp_version == 2 else MixedPrecision()
+        plugin.mixed_precision_policy = dataclasses.replace(policy, reduce_dtype=_DTYPES[self.config.reduce_dtype])
 
     def _hook_accelerator(self) -> None:
         handle = self
@@ -189,18 +221,32 @@ class GradSyncHandle:
 
         class GradSyncAccelerator(base):  # type: ignore[misc, valid-type]
             @contextlib.contextmanager
-            def no_sync(self, model):  # noqa: D401 - accelerate's signature
+            def no_sync(self, model):  # accelerate's signature
                 with handle._no_sync(model, super().no_sync):
                     yield
+
+            def prepare(self, *args, **kwargs):
+                result = super().prepare(*args, **kwargs)
+                for obj in result if isinstance(result, tuple) else (result,):
+                    if isinstance(obj, nn.Module) and (
+                        self.distributed_type == DistributedType.FSDP or adapt_model(obj) is not None
+                    ):
+                        handle.bind(obj)
+                return result
 
         GradSyncAccelerator.__name__ = GradSyncAccelerator.__qualname__ = f"GradSync{base.__name__}"
         setattr(GradSyncAccelerator, _HANDLE_ATTR, self)
         self._original_class = base
         self.accelerator.__class__ = GradSyncAccelerator
 
+    def _agreed_free_memory(self) -> int:
+        if self._free_memory is None:  # one collective per run, before the first step
+            self._free_memory = agreed_free_memory(self.config, self.accelerator.device)
+        return self._free_memory
+
     def bind(self, model: nn.Module) -> Optional[ModelAdapter]:
-        """Inspect a prepared model once: its wrapper and units, and the micro-batch counter."""
-        root = model.module if isinstance(model, DistributedDataParallel) else model
+        """Inspect a prepared model once: its wrapper and units, the plan, the micro-batch counter."""
+        root = _root(model)
         if id(root) in self._adapters:
             return self._adapters[id(root)]
         adapter = adapt_model(model)
@@ -219,14 +265,42 @@ class GradSyncHandle:
                 GradSyncWarning,
                 stacklevel=2,
             )
-        else:
-            self._hooks.append(root.register_forward_pre_hook(self._on_forward))
-            acc = self.accounting
-            acc.wrapper, acc.collective, acc.units = adapter.kind, adapter.collective, len(adapter.units)
-            # One line at start, on the main process only: the decision and what it costs.
-            self.accelerator.print(self.describe(adapter))
-        self._adapters[id(root)] = adapter
+            self._adapters[id(root)] = None
+            return None
+        plan = self.policy.plan(adapter, self._agreed_free_memory)
+        self._warn_about_plan(plan, adapter)
+        self._adapters[id(root)], self._plans[id(root)] = adapter, plan
+        self._hooks.append(root.register_forward_pre_hook(self._on_forward))
+        acc = self.accounting
+        acc.mode, acc.wrapper, acc.collective, acc.hsdp = plan.mode, adapter.kind, adapter.collective, adapter.hsdp
+        acc.units = len(adapter.units)
+        held = set(map(id, plan.held))
+        acc.unit_modes = {u.name: _unit_mode(plan) if id(u) in held else "per_micro_batch" for u in adapter.units}
+        # One line at start, on the main process only: the decision and what it costs.
+        self.accelerator.print(self.describe())
         return adapter
+
+    def _warn_about_plan(self, plan: Plan, adapter: ModelAdapter) -> None:
+        if self.config.keep_params_unsharded and adapter.kind != "fsdp2" and plan.held:
+            warnings.warn(
+                f"accel_gradsync: keep_params_unsharded is ignored on {adapter.kind}: it uses FSDP2's "
+                "set_reshard_after_backward (FSDP1's equivalent is sharding_strategy SHARD_GRAD_OP).",
+                GradSyncWarning,
+                stacklevel=3,
+            )
+        if adapter.root_only and plan.held and len(plan.held) != len(adapter.units):
+            raise AssertionError(f"{adapter.kind} can only defer every unit at once")  # policies ensure it
+        wide = [u for u in plan.held if u.held_dtype.itemsize > u.compute_dtype.itemsize]
+        if plan.hold != ALL_REDUCE and wide:
+            extra = sum(u.numel * (u.held_dtype.itemsize - u.compute_dtype.itemsize) for u in wide)
+            warnings.warn(
+                f"accel_gradsync: deferral holds gradients in {wide[0].held_dtype} (the reduce dtype), wider "
+                f"than the {wide[0].compute_dtype} compute dtype: {extra / 2**20:.1f} MiB more per rank than "
+                f"{wide[0].compute_dtype} would hold. Set reduce_dtype to match the params (or 'auto') to "
+                "halve it, at the cost of reducing in low precision.",
+                GradSyncWarning,
+                stacklevel=3,
+            )
 
     # -- hot path -----------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -236,20 +310,20 @@ class GradSyncHandle:
             with accelerate_no_sync(model):
                 yield
             return
+        plan = self._plans[id(_root(model))]
         # The micro-batch that ends an optimizer step always syncs, whatever asked for no_sync.
-        held = [] if self.accelerator.sync_gradients else self.policy.deferred_units(adapter.units)
-        if not held:
+        if self.accelerator.sync_gradients or not plan.held:
             yield
             return
         if adapter.root_only:
-            assert len(held) == len(adapter.units), f"{adapter.kind} can only defer every unit at once"
             context = accelerate_no_sync(model)
         else:
-            context = adapter.hold(held)
-        self._held = held
+            context = adapter.hold(plan.held, plan.hold, plan.keep_params_unsharded)
+        self._held = plan
         try:
             with context:
                 yield
+            self.accounting.record_held(adapter.held_grad_bytes())
         finally:
             self._held = None
 
@@ -257,21 +331,43 @@ class GradSyncHandle:
         if not (module.training and torch.is_grad_enabled()):
             return  # generation, evaluation, or log-prob passes without gradients
         adapter = self._adapters[id(module)]
-        held = self._held or []
-        synced = adapter.units if not held else [u for u in adapter.units if u not in held]
-        self.accounting.record_micro_batch(synced, held, ends_step=self.accelerator.sync_gradients)
+        plan = self._held
+        self.accounting.record_micro_batch(
+            adapter.units,
+            plan.held if plan is not None else (),
+            plan.hold if plan is not None else "",
+            ends_step=self.accelerator.sync_gradients,
+        )
 
 
-def describe_decision(policy: SyncPolicy, adapter: ModelAdapter, micro_batches: int) -> str:
-    """One line: the mode, and the collectives per optimizer step it implies."""
+def _root(model: nn.Module) -> nn.Module:
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+def _unit_mode(plan: Plan) -> str:
+    return "defer_all_reduce" if plan.hold == ALL_REDUCE else "deferred"
+
+
+def describe_decision(plan: Plan, adapter: ModelAdapter, micro_batches: int) -> str:
+    """One line: the mode, the collectives per optimizer step it implies, what it holds."""
+    m = micro_batches
     per_sync = sum(u.collectives for u in adapter.units)
-    name = adapter.collective.replace("_", "-") + "s"
-    held = len(policy.deferred_units(adapter.units))
-    chosen = per_sync * micro_batches - sum(u.collectives for u in policy.deferred_units(adapter.units)) * (
-        micro_batches - 1
+    held = sum(u.collectives for u in plan.held)
+    name = adapter.collective.replace("_", "-") + "es" if adapter.collective == "all_reduce" else "reduce-scatters"
+    if plan.hold == ALL_REDUCE:
+        cost = f"{per_sync * m} reduce-scatters and {per_sync * m - held * (m - 1)} all-reduces/step instead of {per_sync * m} each"
+    else:
+        cost = f"{per_sync * m - held * (m - 1)} {name}/step instead of {per_sync * m}"
+    line = (
+        f"grad sync: {plan.mode} over {m} micro-batches on {adapter.kind} "
+        f"({len(plan.held)} of {len(adapter.units)} units held) -> {cost}"
     )
-    return (
-        f"grad sync: {policy.name} over {micro_batches} micro-batches on {adapter.kind} "
-        f"({len(adapter.units)} units, {held} deferred) -> {chosen} unit {name}/step "
-        f"instead of {per_sync * micro_batches}"
-    )
+    if plan.held:
+        dtype = str(plan.held[0].held_dtype).removeprefix("torch.")
+        what = "sharded partial" if plan.hold == ALL_REDUCE else "unsharded"
+        line += f"; holds ~{plan.held_bytes() / 2**20:.1f} MiB {what} {dtype} grads per rank"
+        if plan.keep_params_unsharded:
+            line += " (and the unsharded params)"
+    if plan.reason:
+        line += f" [{plan.reason}]"
+    return line

@@ -22,7 +22,7 @@ def test_every_field_has_one_default_and_help():
     assert "config" not in FIELDS  # TrlParser reserves --config for the recipe YAML
     for f in dataclasses.fields(GradSyncConfig):
         assert len(f.metadata.get("help", "")) > 40, f.name
-        assert f"Default: {DEFAULTS[f.name]}" in f.metadata["help"], f.name
+        assert f"Default: {DEFAULTS[f.name]!r}" in f.metadata["help"], f.name
         assert ENV_PREFIX + f.name.upper() in f.metadata["help"], f.name
 
 

@@ -73,9 +73,10 @@ def test_fsdp2_restores_each_units_previous_flags(run):
     if wrapper != "fsdp2":
         pytest.skip("per-unit flags are FSDP2's")
     for rank in ranks:
+        # (requires_gradient_sync, requires_all_reduce, reshard_after_backward) per unit
         flags = rank["flags"]
-        assert flags["before"]["blocks.0"] == [False, False]  # switched off by the user
-        assert all(v == [False, False] for v in flags["inside"].values())  # deferred
+        assert flags["before"]["blocks.0"] == [False, False, True]  # switched off by the user
+        assert all(v == [False, False, True] for v in flags["inside"].values())  # deferred
         assert flags["after"] == flags["before"]  # not blindly True
-        assert all(v == [False, False] for v in flags["inside_raising"].values())
+        assert all(v == [False, False, True] for v in flags["inside_raising"].values())
         assert flags["after_raise"] == flags["before"]
