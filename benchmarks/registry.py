@@ -1,0 +1,95 @@
+"""Every configuration the benchmark runs, as one plain dict: name -> how to build the run.
+
+Keys of an entry:
+- `loop`: which training loop drives it (`worker.LOOPS`): "accumulate" (accelerate's
+  `accumulate`, with or without the plugin), "raw" (a hand-written FSDP2 loop) or "trainer"
+  (a stock `transformers.Trainer`).
+- `gradsync`: keyword arguments for `accel_gradsync.GradSyncConfig`, or a function of the
+  model's facts returning them (the budget modes size their budget from the full-deferral
+  gradient bytes), or None for "no plugin attached".
+- `sync_each_batch`: accelerate's `GradientAccumulationPlugin(sync_each_batch=True)`.
+- `mesh`: "2x2" runs it on 4 ranks as HSDP (replicate x shard); absent: 2 ranks, plain FSDP2.
+- `group`: where it sits in the report ("plugin", "memory-aware", "peer", "hsdp").
+- `label`: one line for the table.
+
+A mode that this version of accel_gradsync does not have (its GradSyncConfig rejects the
+arguments) is reported as "not available in this version", never a crash.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+
+def budget(fraction: float) -> Callable[[dict], dict]:
+    """A budget of `fraction` x the gradient bytes full deferral holds on one rank."""
+
+    def build(facts: dict) -> dict:
+        return {"sync_mode": "budget", "memory_budget": f"{fraction * facts['full_defer_grad_bytes'] / 2**20:.4f}MiB"}
+
+    build.fraction = fraction  # read by the report to place the point on the frontier
+    return build
+
+
+CONFIGS: dict[str, dict[str, Any]] = {
+    # The two modes of the plugin, through accelerate's own `accumulate`.
+    "per_micro_batch": {"loop": "accumulate", "gradsync": {"defer": False}, "group": "plugin",
+                        "label": "accel_gradsync per-micro-batch"},
+    "deferred": {"loop": "accumulate", "gradsync": {"defer": True}, "group": "plugin",
+                 "label": "accel_gradsync deferred"},
+    # Memory-aware modes: each defers only what fits.
+    "budget_25": {"loop": "accumulate", "gradsync": budget(0.25), "group": "memory-aware",
+                  "label": "budget = 25% of full deferral"},
+    "budget_50": {"loop": "accumulate", "gradsync": budget(0.50), "group": "memory-aware",
+                  "label": "budget = 50% of full deferral"},
+    "budget_75": {"loop": "accumulate", "gradsync": budget(0.75), "group": "memory-aware",
+                  "label": "budget = 75% of full deferral"},
+    "auto": {"loop": "accumulate", "gradsync": {"sync_mode": "auto"}, "group": "memory-aware",
+             "label": "auto (from free memory)"},
+    # The peers a user would otherwise pick.
+    "stock_accumulate": {"loop": "accumulate", "gradsync": None, "group": "peer",
+                         "label": "stock accelerate accumulate (no plugin)"},
+    "stock_sync_each_batch": {"loop": "accumulate", "gradsync": None, "sync_each_batch": True, "group": "peer",
+                              "label": "stock accelerate, sync_each_batch=True"},
+    "raw_fsdp2": {"loop": "raw", "gradsync": None, "group": "peer",
+                  "label": "hand-written set_requires_gradient_sync loop (verl)"},
+    "trainer_stock": {"loop": "trainer", "gradsync": None, "group": "peer",
+                      "label": "stock transformers Trainer"},
+    # HSDP on a 2x2 (replicate x shard) mesh, 4 ranks.
+    "hsdp_per_micro_batch": {"loop": "accumulate", "gradsync": {"defer": False}, "mesh": "2x2", "group": "hsdp",
+                             "label": "HSDP 2x2 per-micro-batch"},
+    "hsdp_deferred": {"loop": "accumulate", "gradsync": {"defer": True}, "mesh": "2x2", "group": "hsdp",
+                      "label": "HSDP 2x2 deferred"},
+    "hsdp_defer_all_reduce": {"loop": "accumulate", "gradsync": {"sync_mode": "defer_all_reduce"}, "mesh": "2x2",
+                              "group": "hsdp", "label": "HSDP 2x2 all-reduce deferral"},
+}  # fmt: skip
+
+# Model sizes: `dim` x `layers` residual MLP blocks (8 dim^2 parameters each) and a head.
+# `rows` per micro-batch is small on purpose for "large": little compute per parameter, so
+# gloo's reduce-scatter dominates (the communication-bound case).
+SIZES: dict[str, dict[str, int]] = {
+    "small": {"dim": 128, "layers": 4, "rows": 64},
+    "large": {"dim": 1024, "layers": 4, "rows": 8},
+}
+
+# HSDP runs 4 processes on the machine: one (communication-bound) size shows the trade-off.
+HSDP_SIZE = "large"
+
+QUICK = {
+    "sizes": ["small"],
+    "Ms": [1, 2, 4],
+    "configs": ["per_micro_batch", "deferred", "stock_accumulate", "stock_sync_each_batch", "raw_fsdp2"],
+    "reps": 1,
+    "steps": 2,
+}
+FULL = {"sizes": list(SIZES), "Ms": [1, 2, 4, 8], "configs": list(CONFIGS), "reps": 3, "steps": 2}
+
+
+def gradsync_kwargs(name: str, facts: dict) -> dict | None:
+    """The GradSyncConfig arguments of a configuration, for this model."""
+    spec = CONFIGS[name]["gradsync"]
+    return spec(facts) if callable(spec) else spec
+
+
+def ranks(name: str) -> int:
+    return 4 if CONFIGS[name].get("mesh") == "2x2" else 2

@@ -1,0 +1,201 @@
+"""Entry point: `python -m benchmarks.run [--quick] [--device cpu|cuda|npu] [--out benchmarks/results]`.
+
+Launches `benchmarks/worker.py` with `accelerate launch` and an FSDP2 config (2 ranks; 4 for
+the 2x2 HSDP configurations), once per model size, merges what the ranks wrote into
+`results.json`, then writes the Markdown table, the plots and the target summary (report.py).
+On CPU the workers use gloo through `accel_gradsync.enable_cpu_fsdp()`; with `--device cuda`
+or `npu` the same launch runs on NCCL/HCCL, unchanged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+from benchmarks import registry, report
+
+REPO = Path(__file__).resolve().parents[1]
+WORKER = Path(__file__).with_name("worker.py")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="small model, M=1,2,4, few configs (CI smoke test)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "npu"])
+    p.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+    p.add_argument("--sizes", help="comma-separated, from registry.SIZES")
+    p.add_argument("--Ms", help="comma-separated micro-batch counts")
+    p.add_argument("--configs", help="comma-separated, from registry.CONFIGS")
+    p.add_argument("--reps", type=int, help="interleaved repetitions of every configuration")
+    p.add_argument("--steps", type=int, help="timed optimizer steps per repetition and M")
+    p.add_argument("--timeout", type=int, default=900, help="seconds per launch")
+    return p.parse_args(argv)
+
+
+def plan(args: argparse.Namespace) -> dict:
+    base = dict(registry.QUICK if args.quick else registry.FULL)
+    for key in ("sizes", "Ms", "configs"):
+        if getattr(args, key):
+            base[key] = getattr(args, key).split(",")
+    for key in ("reps", "steps"):
+        if getattr(args, key):
+            base[key] = getattr(args, key)
+    base["Ms"] = [int(m) for m in base["Ms"]]
+    unknown = [c for c in base["configs"] if c not in registry.CONFIGS] + [
+        s for s in base["sizes"] if s not in registry.SIZES
+    ]
+    if unknown:
+        raise SystemExit(f"unknown configuration or size: {', '.join(unknown)}")
+    return base
+
+
+def launches(p: dict) -> list[tuple[str, int, list[str]]]:
+    """(size, ranks, configs) per launch: one process group per size and rank count."""
+    out = []
+    for size in p["sizes"]:
+        for nranks in (2, 4):
+            names = [c for c in p["configs"] if registry.ranks(c) == nranks and _fits(c, size)]
+            if names:
+                out.append((size, nranks, names))
+    return out
+
+
+def _fits(name: str, size: str) -> bool:
+    # HSDP runs 4 processes on the machine: one model size is enough to show the trade-off.
+    return registry.CONFIGS[name].get("mesh") is None or size == registry.HSDP_SIZE
+
+
+def accelerate_config(nranks: int, device: str) -> dict:
+    fsdp = {
+        "fsdp_version": 2,
+        "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+        "fsdp_transformer_layer_cls_to_wrap": "Block",
+        "fsdp_reshard_after_forward": True,
+        "fsdp_state_dict_type": "SHARDED_STATE_DICT",
+    }
+    # The same config on CPU, CUDA and NPU: on CPU the worker's enable_cpu_fsdp() makes it FSDP
+    # over gloo; elsewhere accelerate picks NCCL/HCCL itself.
+    return {"distributed_type": "FSDP", "num_processes": nranks, "fsdp_config": fsdp, "mixed_precision": "no"}
+
+
+def launch(size: str, nranks: int, names: list[str], p: dict, device: str, timeout: int) -> list[dict]:
+    """One `accelerate launch` of the worker; the ranks' JSON results."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    if device == "cpu":
+        env["OMP_NUM_THREADS"] = "1"  # ranks share the cores; oversubscription would dominate
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = Path(tmp, "accelerate.yaml")
+        cfg.write_text(yaml.safe_dump(accelerate_config(nranks, device)))
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(cfg),
+               "--main_process_port", str(_free_port()), str(WORKER), "--out", tmp, "--size", size,
+               "--configs", ",".join(names), "--Ms", ",".join(map(str, p["Ms"])),
+               "--reps", str(p["reps"]), "--steps", str(p["steps"])]  # fmt: skip
+        proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+        files = sorted(Path(tmp).glob("rank*.json"))
+        if proc.returncode != 0 or len(files) != nranks:
+            raise RuntimeError(
+                f"worker failed ({size}, {nranks} ranks, exit {proc.returncode}):\n"
+                f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+            )
+        return [json.loads(f.read_text()) for f in files]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def merge(ranks: list[dict]) -> dict:
+    """One entry per (configuration, M) from every rank and repetition.
+
+    A step lasts as long as its slowest rank, so a step's time is the max over ranks; the
+    median is over all timed steps of all repetitions. Collective counts and bytes are rank 0's
+    (every rank issues the same collectives); memory is the max over ranks."""
+    first = ranks[0]
+    groups: dict[tuple, list[list[dict]]] = {}
+    for rank in ranks:
+        for i, rec in enumerate(rank["records"]):
+            groups.setdefault((rec["config"], rec["M"]), [[] for _ in ranks])[ranks.index(rank)].append(rec)
+    rows = []
+    for (name, M), per_rank in groups.items():
+        times = [max(r["steps"][j]["time_s"] for r in recs) for recs in zip(*per_rank) for j in range(len(recs[0]["steps"]))]
+        rank0_steps = [s for rec in per_rank[0] for s in rec["steps"]]
+        counts = {k: statistics.median(s[k] for s in rank0_steps) for k in ("reduce_scatters", "all_reduces", "all_gathers", "bytes_sent")}
+        exact = {k: sorted({s[k] for s in rank0_steps}) for k in ("reduce_scatters", "all_reduces", "all_gathers")}
+        all_recs = [rec for recs in per_rank for rec in recs]
+        rows.append({
+            "config": name, "M": M, "label": registry.CONFIGS[name]["label"], "group": registry.CONFIGS[name]["group"],
+            "step_time_s": statistics.median(times), "step_times_s": times,
+            **{f"{k}_per_step": v for k, v in counts.items()},
+            "counts_seen_per_step": exact,
+            "held_grad_bytes": max(r["held_grad"]["bytes"] for r in all_recs),
+            "held_grad_source": per_rank[0][0]["held_grad"]["source"],
+            "handle_held_grad_bytes": max((r["held_grad"].get("handle_bytes", -1) for r in all_recs), default=-1)
+            if "handle_bytes" in per_rank[0][0]["held_grad"] else None,
+            "handle_held_grad_key": per_rank[0][0]["held_grad"].get("handle_key"),
+            "peak_rss_bytes": max(r["peak_rss_bytes"] for r in all_recs),
+            "peak_rss_scope": per_rank[0][0]["peak_rss_scope"],
+            "device_peak_bytes": max((r["device_peak_bytes"] or 0) for r in all_recs) or None,
+            "stats": per_rank[0][-1]["stats"],
+        })  # fmt: skip
+    return {"size": first["size"], "facts": first["facts"], "device": first["device"],
+            "unavailable": first["unavailable"], "versions": first["versions"], "rows": rows}  # fmt: skip
+
+
+def describe_machine(device: str) -> dict:
+    import psutil
+
+    out = {"platform": platform.platform(), "python": platform.python_version(), "processor": platform.processor(),
+           "logical_cpus": os.cpu_count(), "physical_cpus": psutil.cpu_count(logical=False),
+           "memory_gib": round(psutil.virtual_memory().total / 2**30, 1), "device": device}  # fmt: skip
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                out["cpu_model"] = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return out
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    p = plan(args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    start = time.time()
+    runs = []
+    for size, nranks, names in launches(p):
+        t0 = time.time()
+        print(f"[benchmarks] {size} model, {nranks} ranks: {', '.join(names)}", flush=True)
+        merged = merge(launch(size, nranks, names, p, args.device, args.timeout))
+        merged["ranks"] = nranks
+        merged["wall_s"] = round(time.time() - t0, 1)
+        runs.append(merged)
+    results = {
+        "command": "python -m benchmarks.run " + " ".join(sys.argv[1:] if argv is None else argv),
+        "plan": p, "machine": describe_machine(args.device), "elapsed_s": round(time.time() - start, 1),
+        "runs": runs,
+    }  # fmt: skip
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    summary = report.write_report(results, out)
+    print(summary)
+    print(f"[benchmarks] wrote {out}/results.json, results.md, *.png in {results['elapsed_s']} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
