@@ -1,0 +1,550 @@
+"""What each sync mode would cost, before launch: collectives, bytes sent, gradient memory held.
+
+Pure: the model is built on the meta device (no weights, no memory), the FSDP units are found
+the way accelerate wraps them, and the very same `policies.POLICIES` the runtime uses decide
+each mode's plan from an `EstimatedAdapter`, so the estimate and a real run cannot disagree on
+what is held. No torch.distributed here.
+
+Formulas (N shard ranks, R replicas on an HSDP mesh, M micro-batches, per unit u):
+- reduce-scatters per step: M per unit, 1 for a unit whose gradient sync is held;
+  HSDP all-reduces: the same, and also 1 for a unit whose all-reduce only is held.
+- bytes a rank sends per step: (N-1)/N x numel x sizeof(reduce dtype) per reduce-scatter
+  (ring), 2(R-1)/R x that unsharded size / N per HSDP all-reduce.
+- held bytes: `Plan.held_bytes()` (numel x sizeof(held dtype) per held unit, plus the unsharded
+  params with keep_params_unsharded).
+- peak: see `peak_grad_bytes`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+import yaml
+from torch import nn
+
+from .accounting import retained_grad_dtype
+from .config import GradSyncConfig, parse_bytes
+from .fsdp import Unit
+from .policies import ALL_REDUCE, POLICIES, Plan
+
+RECIPE_DEFAULT = "recipe-default"
+_MIXED_PRECISION = {"no": None, "fp16": torch.float16, "bf16": torch.bfloat16, "fp8": torch.bfloat16}
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_WRAP_POLICIES = ("TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP")
+
+
+# -- the accelerate config ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class FSDPSetup:
+    """The parts of an accelerate config that decide units, dtypes and mesh."""
+
+    fsdp_version: int = 1
+    num_processes: int = 1
+    mixed_precision: str = "no"
+    auto_wrap_policy: str = "NO_WRAP"
+    layer_cls_to_wrap: Optional[tuple[str, ...]] = None
+    """None: the model's `_no_split_modules`, as accelerate does."""
+    min_num_params: int = 0
+    replicate_size: int = 1
+    shard_size: int = 1
+
+    @property
+    def hsdp(self) -> bool:
+        return self.replicate_size > 1
+
+
+def read_accelerate_config(source: Union[str, os.PathLike, dict], num_processes: Optional[int] = None) -> FSDPSetup:
+    """An `FSDPSetup` from an accelerate config file (YAML/JSON) or the same keys as a dict.
+    `num_processes` overrides the file's, as `accelerate launch --num_processes` does."""
+    if isinstance(source, dict):
+        config, where = source, "the accelerate config"
+    else:
+        path = Path(source)
+        if not path.is_file():
+            raise ValueError(f"accelerate config {str(path)!r} does not exist; pass --accelerate-config <file.yaml>.")
+        config, where = yaml.safe_load(path.read_text()) or {}, str(path)
+    if str(config.get("distributed_type", "")).upper() != "FSDP":
+        raise ValueError(
+            f"{where}: distributed_type={config.get('distributed_type')!r}; the estimate covers FSDP runs, set "
+            "distributed_type: FSDP (and an fsdp_config) in the accelerate config."
+        )
+    fsdp = config.get("fsdp_config") or {}
+    version = int(fsdp.get("fsdp_version", 1))
+    processes = int(num_processes or config.get("num_processes", 1))
+    mixed = str(config.get("mixed_precision", "no")).lower()
+    if mixed not in _MIXED_PRECISION:
+        raise ValueError(f"{where}: mixed_precision={mixed!r}; valid choices: {', '.join(_MIXED_PRECISION)}.")
+    policy = str(fsdp.get("fsdp_auto_wrap_policy", "NO_WRAP")).upper()
+    if policy not in _WRAP_POLICIES:
+        raise ValueError(f"{where}: fsdp_auto_wrap_policy={policy!r}; valid choices: {', '.join(_WRAP_POLICIES)}.")
+    classes = fsdp.get("fsdp_transformer_layer_cls_to_wrap")
+    if isinstance(classes, str):
+        classes = [c.strip() for c in classes.split(",") if c.strip()]
+    parallel = config.get("parallelism_config") or {}
+    replicate = int(parallel.get("parallelism_config_dp_replicate_size", 1))
+    shard = int(parallel.get("parallelism_config_dp_shard_size", processes // replicate))
+    if replicate * shard != processes:
+        raise ValueError(
+            f"{where}: dp_replicate_size x dp_shard_size = {replicate} x {shard} != num_processes={processes}; "
+            "make their product equal the number of processes."
+        )
+    strategy = str(fsdp.get("fsdp_sharding_strategy", fsdp.get("fsdp_reshard_after_forward", "FULL_SHARD"))).upper()
+    if version == 1 and strategy in ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2", "NO_SHARD"):
+        raise ValueError(
+            f"{where}: FSDP1 sharding strategy {strategy} is not covered by the estimate; use FULL_SHARD or "
+            "SHARD_GRAD_OP, or FSDP2 with parallelism_config for HSDP."
+        )
+    return FSDPSetup(
+        fsdp_version=version,
+        num_processes=processes,
+        mixed_precision=mixed,
+        auto_wrap_policy=policy,
+        layer_cls_to_wrap=tuple(classes) if classes else None,
+        min_num_params=int(fsdp.get("fsdp_min_num_params", 0)),
+        replicate_size=replicate,
+        shard_size=shard,
+    )
+
+
+# -- the model, on the meta device -----------------------------------------------------------------
+def load_model_config(spec: Union[str, dict]) -> Any:
+    """A transformers config from `recipe-default` (the GRPO recipe's embedded tiny Qwen2), a dict
+    of config keys with `model_type`, a local directory/config.json, or a hub name (online only)."""
+    from transformers import AutoConfig
+
+    if isinstance(spec, dict):
+        kwargs = dict(spec)
+        model_type = kwargs.pop("model_type", None)
+        if model_type is None:
+            raise ValueError("a model config dict needs a `model_type` key, e.g. {'model_type': 'qwen2', ...}.")
+        return AutoConfig.for_model(model_type, **kwargs)
+    if spec == RECIPE_DEFAULT:
+        return _recipe_default_config()
+    try:
+        return AutoConfig.from_pretrained(spec)
+    except OSError as err:
+        raise ValueError(
+            f"--model {spec!r}: no transformers config found ({err}). Pass a local directory holding a "
+            f"config.json, a hub name (needs network access), or {RECIPE_DEFAULT!r}."
+        ) from None
+
+
+def _recipe_default_config() -> Any:
+    """The config `recipes/embedded.py` builds its model from, read from the source tree (the
+    recipes are scripts next to the package, not part of it)."""
+    path = Path(__file__).resolve().parents[1] / "recipes" / "embedded.py"
+    if not path.is_file():
+        raise ValueError(
+            f"--model {RECIPE_DEFAULT}: {path} is missing (it ships with the source tree, not the wheel); "
+            "pass a transformers config name or directory instead."
+        )
+    spec = importlib.util.spec_from_file_location("accel_gradsync_recipe_embedded", path)
+    embedded = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(embedded)
+    tokenizer = embedded.build_tokenizer()
+    from transformers import Qwen2Config
+
+    return Qwen2Config(
+        vocab_size=len(tokenizer),
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+        **embedded.MODEL_CONFIG,
+    )
+
+
+def build_meta_model(config: Any, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """The model of `config` with every parameter on the meta device: shapes, no storage."""
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        try:
+            return AutoModelForCausalLM.from_config(config, dtype=dtype)
+        except ValueError:  # not a causal LM (encoders, vision towers): the bare model
+            return AutoModel.from_config(config, dtype=dtype)
+
+
+# -- units, as accelerate wraps them ---------------------------------------------------------------
+def _wrap_classes(model: nn.Module, setup: FSDPSetup) -> tuple[type, ...]:
+    names = setup.layer_cls_to_wrap or tuple(getattr(model, "_no_split_modules", None) or ())
+    by_name = {type(m).__name__: type(m) for m in model.modules()}
+    missing = [n for n in names if n not in by_name]
+    if missing:
+        raise ValueError(
+            f"fsdp_transformer_layer_cls_to_wrap={','.join(names)}: {', '.join(missing)} is not a module class of "
+            f"{type(model).__name__}; use the class name of its transformer layer."
+        )
+    return tuple(by_name[n] for n in names)
+
+
+def _fsdp2_wrapped(model: nn.Module, setup: FSDPSetup) -> list[tuple[str, list[nn.Module]]]:
+    """Modules `accelerate.utils.fsdp_utils.fsdp2_prepare_model` calls `fully_shard` on, in
+    that order: policy matches bottom-up, the input embedding (untied), one group for the
+    final norm + output embedding (+ input embedding when tied), the root."""
+    names = {id(m): n for n, m in model.named_modules()}
+    order = [m for m in _bottom_up(model) if m is not model]
+    groups: list[tuple[str, list[nn.Module]]] = []
+    taken: set[int] = set()
+    if setup.auto_wrap_policy == "TRANSFORMER_BASED_WRAP":
+        classes = _wrap_classes(model, setup)
+        matches = [m for m in order if isinstance(getattr(m, "_checkpoint_wrapped_module", m), classes)]
+    elif setup.auto_wrap_policy == "SIZE_BASED_WRAP" and setup.min_num_params > 0:
+        matches = [m for m in order if sum(p.numel() for p in m.parameters()) > setup.min_num_params]
+    else:
+        matches = []
+    for m in matches:
+        groups.append((names[id(m)], [m]))
+        taken.add(id(m))
+    get_in, get_out = getattr(model, "get_input_embeddings", None), getattr(model, "get_output_embeddings", None)
+    embed_in, embed_out = get_in() if get_in else None, get_out() if get_out else None
+    tied = embed_in is not None and embed_out is not None and embed_in.weight is getattr(embed_out, "weight", None)
+    if not tied and embed_in is not None and id(embed_in) not in taken:
+        groups.append((names[id(embed_in)], [embed_in]))
+        taken.add(id(embed_in))
+    tail = [m for m in (_final_norm(model), *((embed_in, embed_out) if tied else (embed_out,))) if m is not None]
+    tail = [m for m in tail if id(m) not in taken]
+    if tail:
+        groups.append(("+".join(names[id(m)] for m in tail), tail))
+        taken.update(map(id, tail))
+    groups.append(("", [model]))
+    return groups
+
+
+def _final_norm(model: nn.Module) -> Optional[nn.Module]:
+    """accelerate's `_find_final_norm`: the last child named *Norm* of the base model."""
+    prefix = getattr(model, "base_model_prefix", "")
+    base = getattr(model, prefix, None) if prefix else model
+    if not isinstance(base, nn.Module):
+        return None
+    found = None
+    for _, child in base.named_children():
+        if "Norm" in type(child).__name__:
+            found = child
+    return found
+
+
+def _fsdp1_wrapped(model: nn.Module, setup: FSDPSetup) -> list[tuple[str, list[nn.Module]]]:
+    """Modules `FullyShardedDataParallel(model, auto_wrap_policy=...)` wraps, post-order, with
+    torch's public policy functions and the recursion of its `_recursive_wrap`."""
+    from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy, transformer_auto_wrap_policy
+
+    if setup.auto_wrap_policy == "TRANSFORMER_BASED_WRAP":
+        classes = set(_wrap_classes(model, setup))
+
+        def policy(module, recurse, nonwrapped_numel):
+            return transformer_auto_wrap_policy(module, recurse, nonwrapped_numel, classes)
+
+    elif setup.auto_wrap_policy == "SIZE_BASED_WRAP" and setup.min_num_params > 0:
+
+        def policy(module, recurse, nonwrapped_numel):
+            return size_based_auto_wrap_policy(module, recurse, nonwrapped_numel, min_num_params=setup.min_num_params)
+
+    else:
+        return [("", [model])]
+    wrapped: list[tuple[str, list[nn.Module]]] = []
+
+    def visit(name: str, module: nn.Module, root: bool) -> int:
+        numel = sum(p.numel() for p in module.parameters())
+        if not policy(module=module, recurse=True, nonwrapped_numel=numel):
+            return 0
+        inside = sum(visit(f"{name}.{n}" if name else n, child, False) for n, child in module.named_children())
+        if not root and policy(module=module, recurse=False, nonwrapped_numel=numel - inside):
+            wrapped.append((name, [module]))
+            return numel
+        return inside
+
+    visit("", model, root=True)
+    return wrapped + [("", [model])]
+
+
+def _bottom_up(model: nn.Module) -> list[nn.Module]:
+    """accelerate's `get_module_children_bottom_up`: reversed depth-first pre-order."""
+    stack, ordered = [model], []
+    while stack:
+        module = stack.pop()
+        stack.extend(module.children())
+        ordered.append(module)
+    return ordered[::-1]
+
+
+def unit_dtypes(kind: str, setup: FSDPSetup, config: GradSyncConfig, model_dtype: torch.dtype) -> dict:
+    """(sharded, compute, reduce, held) dtypes of every unit, from accelerate's mixed precision
+    (`param_dtype = reduce_dtype` = the `mixed_precision` dtype, fp32 sharded params) and
+    `GradSyncConfig.reduce_dtype`, which replaces the policy's reduce dtype."""
+    mp = _MIXED_PRECISION[setup.mixed_precision]
+    # accelerate upcasts trainable params to fp32 master weights whenever mixed precision is on.
+    sharded = torch.float32 if mp is not None else model_dtype
+    mp_reduce = _DTYPES[config.reduce_dtype] if config.reduce_dtype != "auto" else mp
+    held = retained_grad_dtype(kind, sharded, mp, mp_reduce)
+    compute = mp or sharded
+    # FSDP2 reduces what it holds; FSDP1 reduces in its policy's reduce dtype.
+    reduce = held if kind == "fsdp2" else (mp_reduce or compute)
+    return {"sharded": sharded, "compute": compute, "reduce": reduce, "held": held}
+
+
+def find_units(
+    model: nn.Module, setup: FSDPSetup, config: GradSyncConfig, model_dtype: torch.dtype = torch.float32
+) -> list[Unit]:
+    """The units a prepared model would have: per wrapped module (group), its trainable params
+    not already owned by a unit wrapped before it, each shared (tied) tensor counted once."""
+    kind = f"fsdp{setup.fsdp_version}"
+    groups = _fsdp2_wrapped(model, setup) if setup.fsdp_version == 2 else _fsdp1_wrapped(model, setup)
+    dtypes = unit_dtypes(kind, setup, config, model_dtype)
+    seen: set[int] = set()
+    units = []
+    for name, modules in groups:
+        numel = 0
+        for module in modules:
+            for p in module.parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    numel += p.numel() if p.requires_grad else 0
+        if numel:
+            units.append(
+                Unit(name, None, numel, 1, held_dtype=dtypes["held"], reduce_dtype=dtypes["reduce"],
+                     compute_dtype=dtypes["compute"], shard_size=setup.shard_size)
+            )  # fmt: skip
+    return units
+
+
+@dataclass
+class EstimatedAdapter:
+    """What `policies` read from a `fsdp.ModelAdapter`, for a model that is not wrapped."""
+
+    kind: str
+    units: list[Unit]
+    hsdp: bool = False
+    collective: str = "reduce_scatter"
+    sharded_dtype: torch.dtype = torch.float32
+
+    @property
+    def root_only(self) -> bool:
+        return self.kind != "fsdp2"  # FSDP1 defers only through the root's no_sync()
+
+
+def estimated_adapter(
+    model: nn.Module, setup: FSDPSetup, config: GradSyncConfig, model_dtype: torch.dtype = torch.float32
+) -> EstimatedAdapter:
+    kind = f"fsdp{setup.fsdp_version}"
+    if setup.hsdp and kind != "fsdp2":
+        raise ValueError("parallelism_config dp_replicate_size > 1 needs fsdp_version: 2 in the accelerate config.")
+    units = find_units(model, setup, config, model_dtype)
+    sharded = unit_dtypes(kind, setup, config, model_dtype)["sharded"]
+    return EstimatedAdapter(kind, units, hsdp=setup.hsdp, sharded_dtype=sharded)
+
+
+# -- the estimate ----------------------------------------------------------------------------------
+@dataclass
+class ModeEstimate:
+    """One row of the table: one sync mode's cost per optimizer step, per rank."""
+
+    mode: str
+    applicable: bool = True
+    reason: str = ""
+    units_held: int = 0
+    reduce_scatters: int = 0
+    all_reduces: int = 0
+    send_bytes: int = 0
+    held_bytes: int = 0
+    held_dtype: str = ""
+    peak_bytes: int = 0
+    fits: Optional[bool] = None
+    """peak_bytes <= free memory x (1 - memory_margin); None without --grad-sync-free-memory."""
+    selected: bool = False
+
+
+@dataclass
+class Estimate:
+    model: str
+    wrapper: str
+    num_processes: int
+    shard_size: int
+    replicate_size: int
+    micro_batches: int
+    mixed_precision: str
+    reduce_dtype: str
+    params: int
+    units: list[dict] = field(default_factory=list)
+    free_memory: Optional[int] = None
+    modes: list[ModeEstimate] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def mode(self, name: str) -> ModeEstimate:
+        return next(m for m in self.modes if m.mode == name)
+
+
+def collectives_per_step(plan: Plan, adapter: EstimatedAdapter, micro_batches: int) -> tuple[int, int]:
+    """(reduce-scatters, HSDP all-reduces) per optimizer step, as `integration.describe_decision`
+    counts them: a held unit skips M-1 of each; an all-reduce hold skips only all-reduces."""
+    m = micro_batches
+    per_sync = sum(u.collectives for u in adapter.units)
+    held = sum(u.collectives for u in plan.held)
+    if plan.hold == ALL_REDUCE:
+        return per_sync * m, per_sync * m - held * (m - 1)
+    issued = per_sync * m - held * (m - 1)
+    return issued, issued if adapter.hsdp else 0
+
+
+def send_bytes_per_step(plan: Plan, adapter: EstimatedAdapter, micro_batches: int, replicate: int) -> int:
+    """Bytes one rank sends per optimizer step: ring reduce-scatter (N-1)/N of the unsharded
+    gradient, HSDP ring all-reduce 2(R-1)/R of the shard."""
+    held = {id(u) for u in plan.held}
+    total = 0.0
+    for u in adapter.units:
+        n = u.shard_size
+        rs = ar = micro_batches
+        if id(u) in held:
+            ar = 1
+            rs = micro_batches if plan.hold == ALL_REDUCE else 1
+        total += rs * u.collectives * u.reduce_bytes * (n - 1) / n
+        if adapter.hsdp:
+            total += ar * u.collectives * (u.reduce_bytes / n) * 2 * (replicate - 1) / replicate
+    return int(total)
+
+
+def peak_grad_bytes(plan: Plan, adapter: EstimatedAdapter) -> int:
+    """Gradient bytes per rank at the worst moment of the first deferred micro-batch's backward:
+
+    held bytes (every held unit's unsharded gradient, and kept params; for an HSDP all-reduce
+    hold the sharded partial sums) + the sharded gradients (sharded param dtype) of the units
+    that sync every micro-batch + the largest single-unit transient:
+    - a held unit whose held dtype differs from the compute dtype (FSDP2 bf16 compute, fp32
+      reduce): its compute-dtype gradient while `to_accumulated_grad_if_needed` casts it;
+    - a unit that syncs: its unsharded gradient in compute dtype, plus its reduce-dtype copy
+      when the dtypes differ, until the reduce-scatter returns.
+    Activations, params and optimizer state are not gradients and are not counted."""
+    held = {id(u) for u in plan.held}
+    shard_grads, transient = 0, 0
+    for u in adapter.units:
+        compute = u.numel * u.compute_dtype.itemsize
+        if id(u) in held and plan.hold != ALL_REDUCE:
+            transient = max(transient, compute if u.held_dtype != u.compute_dtype else 0)
+            continue
+        if id(u) not in held:  # an all-reduce hold's partial sum is its sharded gradient, in held_bytes
+            shard_grads += u.numel * adapter.sharded_dtype.itemsize // u.shard_size
+        transient = max(transient, compute + (u.reduce_bytes if u.reduce_dtype != u.compute_dtype else 0))
+    return plan.held_bytes() + shard_grads + transient
+
+
+def estimate(
+    model_spec: Union[str, dict],
+    accelerate_config: Union[str, os.PathLike, dict],
+    micro_batches: int,
+    config: Optional[GradSyncConfig] = None,
+    num_processes: Optional[int] = None,
+    model_dtype: torch.dtype = torch.float32,
+) -> Estimate:
+    """One `ModeEstimate` per mode in `policies.POLICIES`, planned by the runtime's own policies."""
+    if micro_batches < 1:
+        raise ValueError(f"micro_batches={micro_batches}: needs at least 1 micro-batch per optimizer step.")
+    config = GradSyncConfig() if config is None else config
+    setup = read_accelerate_config(accelerate_config, num_processes)
+    model = build_meta_model(load_model_config(model_spec), model_dtype)
+    adapter = estimated_adapter(model, setup, config, model_dtype)
+    free = None
+    if config.free_memory:
+        free, _ = parse_bytes(config.free_memory, "GradSyncConfig.free_memory")
+        if free is None:
+            raise ValueError(
+                f"GradSyncConfig.free_memory={config.free_memory!r} must be an absolute size with a unit "
+                "(B, KiB, MiB, GiB), e.g. 40GiB."
+            )
+    result = Estimate(
+        model=model_spec if isinstance(model_spec, str) else str(model_spec.get("model_type")),
+        wrapper=adapter.kind,
+        num_processes=setup.num_processes,
+        shard_size=setup.shard_size,
+        replicate_size=setup.replicate_size,
+        micro_batches=micro_batches,
+        mixed_precision=setup.mixed_precision,
+        reduce_dtype=config.reduce_dtype,
+        params=sum(u.numel for u in adapter.units),
+        units=[{"name": u.name or "<root>", "numel": u.numel} for u in adapter.units],
+        free_memory=free,
+    )
+    for name, policy_cls in POLICIES.items():
+        row = ModeEstimate(name, selected=name == config.sync_mode)
+        try:
+            plan = _plan(policy_cls, config, adapter, free)
+        except ValueError as err:
+            row.applicable, row.reason = False, str(err)
+            result.modes.append(row)
+            continue
+        rs, ar = collectives_per_step(plan, adapter, micro_batches)
+        row.mode = name if plan.mode == name else f"{name} -> {plan.mode}"
+        row.reason = plan.reason
+        row.units_held = len(plan.held)
+        row.reduce_scatters, row.all_reduces = rs, ar
+        row.send_bytes = send_bytes_per_step(plan, adapter, micro_batches, setup.replicate_size)
+        row.held_bytes = plan.held_bytes()
+        row.held_dtype = _dtype_name(plan.held[0].held_dtype) if plan.held else ""
+        if plan.hold == ALL_REDUCE:
+            row.held_dtype += " (sharded)"
+        row.peak_bytes = peak_grad_bytes(plan, adapter)
+        if free is not None:
+            row.fits = row.peak_bytes <= int(free * (1 - config.memory_margin))
+        result.modes.append(row)
+    return result
+
+
+def _plan(policy_cls: type, config: GradSyncConfig, adapter: EstimatedAdapter, free: Optional[int]) -> Plan:
+    if policy_cls.name == "budget" and not config.memory_budget:
+        raise ValueError("needs a budget: set --grad-sync-memory-budget (e.g. 12GiB or 0.5 of free memory).")
+
+    def free_memory() -> int:
+        if free is None:
+            raise ValueError(f"{policy_cls.name} needs free memory per rank: set --grad-sync-free-memory (e.g. 40GiB).")
+        return free
+
+    return policy_cls(config).plan(adapter, free_memory)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype))
+
+
+# -- output ----------------------------------------------------------------------------------------
+def format_bytes(n: int) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+def format_table(est: Estimate) -> str:
+    """The human-readable table: a header line, one row per mode, then the n/a reasons."""
+    mesh = f"{est.replicate_size} replicas x {est.shard_size} shards" if est.replicate_size > 1 else f"{est.shard_size} shards"
+    lines = [
+        f"model {est.model}: {est.params:,} trainable params in {len(est.units)} {est.wrapper} units; "
+        f"{est.num_processes} processes ({mesh}); mixed_precision={est.mixed_precision}, "
+        f"reduce_dtype={est.reduce_dtype}; {est.micro_batches} micro-batches per optimizer step"
+        + (f"; free memory {format_bytes(est.free_memory)}/rank" if est.free_memory is not None else ""),
+        "",
+    ]
+    header = ["mode", "reduce-scatters/step", "all-reduces/step", "sent/rank/step", "held/rank", "held dtype",
+              "peak/rank", "fits"]  # fmt: skip
+    rows, notes = [], []
+    for m in est.modes:
+        name = m.mode + (" *" if m.selected else "")
+        if not m.applicable:
+            rows.append([name, "n/a", "", "", "", "", "", ""])
+            notes.append(f"{m.mode}: n/a: {m.reason}")
+            continue
+        fits = "-" if m.fits is None else ("yes" if m.fits else "NO")
+        rows.append([name, str(m.reduce_scatters), str(m.all_reduces) if est.replicate_size > 1 else "-",
+                     format_bytes(m.send_bytes), format_bytes(m.held_bytes), m.held_dtype or "-",
+                     format_bytes(m.peak_bytes), fits])  # fmt: skip
+        if m.reason:
+            notes.append(f"{m.mode}: {m.reason}")
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    for r in [header, *rows]:
+        lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+    lines += ["", "* the mode GradSyncConfig selects", *notes]
+    return "\n".join(lines)
