@@ -177,18 +177,25 @@ def parse_args(parser: TrlParser, args: Optional[list[str]] = None):
                 "a divisor of it, or change one of those."
             ) from error
         raise
-    valid = sorted({a.dest for a in parser._actions} - {"help"})
-    for source, remaining in (("the --config YAML", from_yaml), ("the command line", from_cli)):
-        unknown = [s.lstrip("-").split("=")[0] for s in remaining if s.startswith("-")] or remaining
+    yaml_keys = sorted({a.dest for a in parser._actions} - {"help"})
+    flags = sorted({o for a in parser._actions for o in a.option_strings if o.startswith("--")} - {"--help"})
+    for source, remaining, valid in (("the --config YAML", from_yaml, yaml_keys), ("the command line", from_cli, flags)):
+        unknown = [s.split("=")[0] for s in remaining if s.startswith("-")] or remaining
+        if valid is yaml_keys:
+            unknown = [k.lstrip("-") for k in unknown]  # TrlParser hands YAML keys back as flags
         if unknown:
-            hints = {k: difflib.get_close_matches(k.replace("-", "_"), valid, n=3) for k in unknown}
             raise ValueError(
                 f"Unknown setting(s) in {source}: "
-                + "; ".join(f"{k!r}" + (f" (did you mean {', '.join(h)}?)" if h else "") for k, h in hints.items())
+                + "; ".join(f"{k!r}" + _did_you_mean(k, valid) for k in unknown)
                 + ". Valid settings are the fields of GRPOScriptArguments, GRPOConfig, ModelConfig and "
                 "GradSyncConfig: see `python recipes/grpo.py --help`."
             )
     return parsed
+
+
+def _did_you_mean(name: str, valid: list[str]) -> str:
+    close = difflib.get_close_matches(name, valid, n=3, cutoff=0.7)
+    return f" (did you mean {', '.join(close)}?)" if close else ""
 
 
 if __name__ == "__main__":

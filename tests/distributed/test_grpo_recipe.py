@@ -1,0 +1,122 @@
+"""End to end: the README's quick-start commands, `accelerate launch` of recipes/grpo.py on 2 CPU
+processes, FSDP2 and FSDP1, with and without --defer-grad-sync, a few optimizer steps each.
+
+What the recipe logs is not taken on trust: `recipe_counter/sitecustomize.py` counts every
+rank's real collectives and records which FSDP wrappers exist, from outside the script.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from launcher import REPO, free_port
+
+COUNTER = Path(__file__).parent / "recipe_counter"
+
+# Exactly the commands the README's "GRPO recipe" quick-start shows (tests/test_recipe_readme.py
+# checks that), in the order shown.
+QUICKSTART = [
+    "accelerate launch --config_file accelerate_configs/fsdp2.yaml recipes/grpo.py --defer-grad-sync",
+    "accelerate launch --config_file accelerate_configs/fsdp2.yaml recipes/grpo.py",
+    "accelerate launch --config_file accelerate_configs/fsdp1.yaml recipes/grpo.py --defer-grad-sync",
+    "accelerate launch --config_file accelerate_configs/fsdp1.yaml recipes/grpo.py",
+]
+STEPS = 2
+MICRO_BATCHES = 4  # the recipe's default gradient_accumulation_steps
+# Only what keeps the runs short and observable; everything else is the recipe's default.
+TEST_FLAGS = ["--max_steps", str(STEPS), "--logging_steps", "1", "--save_strategy", "no", "--disable_tqdm", "true"]
+
+
+def run_command(command: str, tmp: Path, timeout: int = 300) -> dict:
+    """Launch one quick-start command from the repo root; return exit, output, counters, logs."""
+    argv = shlex.split(command)
+    assert argv[:2] == ["accelerate", "launch"], command
+    out_dir, counter_dir = tmp / "output", tmp / "counters"
+    counter_dir.mkdir(parents=True)
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "OMP_NUM_THREADS": "1",
+        "RECIPE_COUNTER_DIR": str(counter_dir),
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(COUNTER), str(REPO), os.environ.get("PYTHONPATH")])),
+    }
+    env.pop("ACCEL_GRADSYNC_DEFER", None)  # the command line alone decides the mode
+    # `accelerate launch` as a module of this interpreter, with a free port so runs never collide.
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", str(free_port()),
+           *argv[2:], *TEST_FLAGS, "--output_dir", str(out_dir)]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise AssertionError(f"{command} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    state = json.loads((out_dir / "trainer_state.json").read_text())
+    ranks = [json.loads(p.read_text()) for p in sorted(counter_dir.glob("rank*.json"))]
+    return {"stdout": proc.stdout, "logs": [e for e in state["log_history"] if "loss" in e], "ranks": ranks}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    cache: dict[str, dict] = {}
+
+    def get(command: str) -> dict:
+        if command not in cache:  # a failed launch is remembered too, not relaunched per test
+            try:
+                cache[command] = run_command(command, tmp_path_factory.mktemp("grpo"))
+            except AssertionError as error:
+                cache[command] = error
+        if isinstance(cache[command], AssertionError):
+            raise cache[command]
+        return cache[command]
+
+    return get
+
+
+@pytest.mark.parametrize("command", QUICKSTART)
+def test_quickstart_trains_with_real_fsdp_and_the_chosen_sync(runs, command):
+    run = runs(command)
+    fsdp = "fsdp1" if "fsdp1.yaml" in command else "fsdp2"
+    defer = "--defer-grad-sync" in command
+    assert len(run["ranks"]) == 2, "both ranks must report their collectives"
+    units = None
+    for rank in run["ranks"]:
+        # Really FSDP-wrapped, by the wrapper the config names (never DDP, never unsharded).
+        other = "fsdp1" if fsdp == "fsdp2" else "fsdp2"
+        assert not rank[f"{other}_modules"] and not rank["ddp_modules"], rank
+        layers = [m for m in rank[f"{fsdp}_modules"] if m.endswith("Qwen2DecoderLayer")]
+        assert len(layers) == 2, rank  # each of the embedded model's 2 decoder layers is a unit
+        units = rank[f"{fsdp}_reducing_groups"]
+        assert units >= 3, rank  # the layers and the root's own parameters
+        # Reduce-scatters match the mode: U per optimizer step deferred, M x U per micro-batch.
+        counts = rank["counts"]
+        reduce_scatters = counts.get("reduce_scatter_single", 0) + counts.get("reduce_scatter_tensor", 0)
+        assert reduce_scatters == STEPS * units * (1 if defer else MICRO_BATCHES), rank
+        assert counts.get("all_gather_single", 0) + counts.get("all_gather_into_tensor", 0) > 0, rank
+
+
+@pytest.mark.parametrize("command", QUICKSTART)
+def test_recipe_logs_agree_with_the_counted_collectives(runs, command):
+    run = runs(command)
+    fsdp = "fsdp1" if "fsdp1.yaml" in command else "fsdp2"
+    defer = "--defer-grad-sync" in command
+    units = run["ranks"][0][f"{fsdp}_reducing_groups"]
+    # The recipe's own account agrees with what was counted outside it.
+    last = run["logs"][-1]
+    assert last["grad_sync/units"] == units
+    assert last["grad_sync/optimizer_steps"] == STEPS
+    assert last["grad_sync/reduce_scatters_issued"] == STEPS * units * (1 if defer else MICRO_BATCHES)
+    assert last["grad_sync/deferred_micro_batches"] == (STEPS * (MICRO_BATCHES - 1) if defer else 0)
+
+
+@pytest.mark.parametrize("config", ["fsdp2", "fsdp1"])
+def test_deferring_does_not_change_the_first_step(runs, config):
+    deferred, per_micro_batch = (runs(c) for c in QUICKSTART if f"/{config}.yaml" in c)
+    first_d, first_p = deferred["logs"][0], per_micro_batch["logs"][0]
+    assert first_d["step"] == first_p["step"] == 1
+    # Same seed -> same generations, rewards and loss; the same gradient up to summation order.
+    assert first_d["reward"] == first_p["reward"]
+    assert first_d["loss"] == pytest.approx(first_p["loss"], rel=1e-5, abs=1e-7)
+    assert first_d["grad_norm"] == pytest.approx(first_p["grad_norm"], rel=1e-4)
