@@ -8,7 +8,8 @@ Keys of an entry:
   model's facts returning them (the budget modes size their budget from the full-deferral
   gradient bytes), or None for "no plugin attached".
 - `sync_each_batch`: accelerate's `GradientAccumulationPlugin(sync_each_batch=True)`.
-- `mesh`: "2x2" runs it on 4 ranks as HSDP (replicate x shard); absent: 2 ranks, plain FSDP2.
+- `mesh`: "2x2" runs it on 4 ranks as HSDP (accelerate's parallelism_config, replicate 2 x
+  shard 2); absent: 2 ranks, plain FSDP2.
 - `group`: where it sits in the report ("plugin", "memory-aware", "peer", "hsdp").
 - `label`: one line for the table.
 
@@ -25,7 +26,7 @@ def budget(fraction: float) -> Callable[[dict], dict]:
     """A budget of `fraction` x the gradient bytes full deferral holds on one rank."""
 
     def build(facts: dict) -> dict:
-        return {"sync_mode": "budget", "memory_budget": f"{fraction * facts['full_defer_grad_bytes'] / 2**20:.4f}MiB"}
+        return {"sync_mode": "budget", "memory_budget": f"{int(fraction * facts['full_defer_grad_bytes'])}B"}
 
     build.fraction = fraction  # read by the report to place the point on the frontier
     return build
@@ -69,7 +70,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
 # gloo's reduce-scatter dominates (the communication-bound case).
 SIZES: dict[str, dict[str, int]] = {
     "small": {"dim": 128, "layers": 4, "rows": 64},
-    "large": {"dim": 1024, "layers": 4, "rows": 8},
+    "large": {"dim": 640, "layers": 4, "rows": 8},
 }
 
 # HSDP runs 4 processes on the machine: one (communication-bound) size shows the trade-off.
@@ -78,11 +79,11 @@ HSDP_SIZE = "large"
 QUICK = {
     "sizes": ["small"],
     "Ms": [1, 2, 4],
-    "configs": ["per_micro_batch", "deferred", "stock_accumulate", "stock_sync_each_batch", "raw_fsdp2"],
+    "configs": ["per_micro_batch", "deferred", "budget_50", "stock_accumulate", "stock_sync_each_batch", "raw_fsdp2"],
     "reps": 1,
     "steps": 2,
 }
-FULL = {"sizes": list(SIZES), "Ms": [1, 2, 4, 8], "configs": list(CONFIGS), "reps": 3, "steps": 2}
+FULL = {"sizes": list(SIZES), "Ms": [1, 2, 4, 8], "configs": list(CONFIGS), "reps": 2, "steps": 2}
 
 
 def gradsync_kwargs(name: str, facts: dict) -> dict | None:

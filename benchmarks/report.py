@@ -37,7 +37,9 @@ def baseline_of(run: dict) -> str:
 # -- table ------------------------------------------------------------------------------------
 def write_table(results: dict) -> str:
     lines = [f"Command: `{results['command']}`  ", f"Wall time: {results['elapsed_s']} s  ",
-             f"Machine: {describe_machine(results['machine'])}  ", ""]  # fmt: skip
+             f"Machine: {describe_machine(results['machine'])}  ",
+             f"Load average (1/5/15 min) before: {fmt_load(results, 'before')}, after: {fmt_load(results, 'after')}  ",
+             ""]  # fmt: skip
     for run in results["runs"]:
         f, by = run["facts"], index(run)
         base = baseline_of(run)
@@ -80,6 +82,11 @@ def write_table(results: dict) -> str:
 def ordered_configs(run: dict) -> list[str]:
     present = {r["config"] for r in run["rows"]}
     return [n for n in registry.CONFIGS if n in present]
+
+
+def fmt_load(results: dict, when: str) -> str:
+    load = results.get("load_average", {}).get(when)
+    return "/".join(f"{x:.1f}" for x in load) if load else "?"
 
 
 def fmt_count(x: float) -> str:
@@ -169,19 +176,26 @@ def check_targets(results: dict) -> list[tuple[str, str, str]]:
     overhead("deferred", "raw_fsdp2", 2, "deferred (plugin) within 2% of the hand-written raw-API loop")
     overhead("per_micro_batch", "stock_sync_each_batch", 1, "per-micro-batch (plugin) within 2% of stock sync_each_batch=True")
 
-    # Exact collective counts: deferred U per step, per-micro-batch M x U.
+    # Exact collective counts per optimizer step: (reduce-scatters, all-reduces) as functions of
+    # M and U. HSDP also all-reduces across replicas on every reduce-scatter it does not defer.
+    expected_of = {
+        "per_micro_batch": lambda M, U: (M * U, 0), "stock_sync_each_batch": lambda M, U: (M * U, 0),
+        "deferred": lambda M, U: (U, 0), "stock_accumulate": lambda M, U: (U, 0), "raw_fsdp2": lambda M, U: (U, 0),
+        "hsdp_per_micro_batch": lambda M, U: (M * U, M * U), "hsdp_deferred": lambda M, U: (U, U),
+        "hsdp_defer_all_reduce": lambda M, U: (M * U, U),
+    }  # fmt: skip
     bad, seen = [], 0
     for run in runs + hsdp:
         by, U = index(run), run["facts"]["units"]
         for (name, M), r in by.items():
-            expected = {"per_micro_batch": M * U, "deferred": U, "stock_sync_each_batch": M * U,
-                        "stock_accumulate": U, "raw_fsdp2": U, "hsdp_per_micro_batch": M * U}.get(name)  # fmt: skip
-            if expected is None:
+            if name not in expected_of:
                 continue
             seen += 1
-            if r["counts_seen_per_step"]["reduce_scatters"] != [expected]:
-                bad.append(f"{run['size']}/{name}/M={M}: {r['counts_seen_per_step']['reduce_scatters']} != {expected}")
-    out.append(("reduce-scatters per step: per-micro-batch M x U, deferred U, exactly",
+            got = (r["counts_seen_per_step"]["reduce_scatters"], r["counts_seen_per_step"]["all_reduces"])
+            want = tuple([x] for x in expected_of[name](M, U))
+            if got != want:
+                bad.append(f"{run['size']}/{name}/M={M}: (reduce-scatters, all-reduces) {got} != {want}")
+    out.append(("reduce-scatters per step: per-micro-batch M x U, deferred U, exactly (HSDP: all-reduces too)",
                 "SKIP" if not seen else ("FAIL" if bad else "PASS"),
                 "; ".join(bad) if bad else f"{seen} (configuration, M) segments, every timed step exact"))
 
@@ -198,7 +212,7 @@ def check_targets(results: dict) -> list[tuple[str, str, str]]:
 
     out.append(check_frontier(results, runs))
     out.append(check_hsdp(results, hsdp))
-    kind = "quick" if results["plan"].get("reps", 0) <= registry.QUICK["reps"] and results["plan"]["sizes"] == registry.QUICK["sizes"] else "full"
+    kind = "quick" if results["plan"].get("quick") else "full"
     limit = TIME_LIMITS_S[kind]
     out.append((f"{kind} run within {limit} s", "PASS" if results["elapsed_s"] <= limit else "FAIL",
                 f"{results['elapsed_s']} s"))  # fmt: skip

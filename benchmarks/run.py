@@ -39,6 +39,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--configs", help="comma-separated, from registry.CONFIGS")
     p.add_argument("--reps", type=int, help="interleaved repetitions of every configuration")
     p.add_argument("--steps", type=int, help="timed optimizer steps per repetition and M")
+    p.add_argument("--hsdp-size", default=registry.HSDP_SIZE, help="model size of the 4-rank HSDP launch")
     p.add_argument("--timeout", type=int, default=900, help="seconds per launch")
     return p.parse_args(argv)
 
@@ -52,6 +53,8 @@ def plan(args: argparse.Namespace) -> dict:
         if getattr(args, key):
             base[key] = getattr(args, key)
     base["Ms"] = [int(m) for m in base["Ms"]]
+    base["hsdp_size"] = args.hsdp_size
+    base["quick"] = args.quick
     unknown = [c for c in base["configs"] if c not in registry.CONFIGS] + [
         s for s in base["sizes"] if s not in registry.SIZES
     ]
@@ -65,15 +68,15 @@ def launches(p: dict) -> list[tuple[str, int, list[str]]]:
     out = []
     for size in p["sizes"]:
         for nranks in (2, 4):
-            names = [c for c in p["configs"] if registry.ranks(c) == nranks and _fits(c, size)]
+            names = [c for c in p["configs"] if registry.ranks(c) == nranks and _fits(c, size, p["hsdp_size"])]
             if names:
                 out.append((size, nranks, names))
     return out
 
 
-def _fits(name: str, size: str) -> bool:
+def _fits(name: str, size: str, hsdp_size: str) -> bool:
     # HSDP runs 4 processes on the machine: one model size is enough to show the trade-off.
-    return registry.CONFIGS[name].get("mesh") is None or size == registry.HSDP_SIZE
+    return registry.CONFIGS[name].get("mesh") is None or size == hsdp_size
 
 
 def accelerate_config(nranks: int, device: str) -> dict:
@@ -86,7 +89,10 @@ def accelerate_config(nranks: int, device: str) -> dict:
     }
     # The same config on CPU, CUDA and NPU: on CPU the worker's enable_cpu_fsdp() makes it FSDP
     # over gloo; elsewhere accelerate picks NCCL/HCCL itself.
-    return {"distributed_type": "FSDP", "num_processes": nranks, "fsdp_config": fsdp, "mixed_precision": "no"}
+    config = {"distributed_type": "FSDP", "num_processes": nranks, "fsdp_config": fsdp, "mixed_precision": "no"}
+    if nranks == 4:  # the 2x2 HSDP mesh: replicate x shard, as a user would configure it
+        config["parallelism_config"] = {"parallelism_config_dp_replicate_size": 2, "parallelism_config_dp_shard_size": 2}
+    return config
 
 
 def launch(size: str, nranks: int, names: list[str], p: dict, device: str, timeout: int) -> list[dict]:
@@ -102,14 +108,27 @@ def launch(size: str, nranks: int, names: list[str], p: dict, device: str, timeo
                "--main_process_port", str(_free_port()), str(WORKER), "--out", tmp, "--size", size,
                "--configs", ",".join(names), "--Ms", ",".join(map(str, p["Ms"])),
                "--reps", str(p["reps"]), "--steps", str(p["steps"])]  # fmt: skip
-        proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        tail = stream(proc, timeout)
         files = sorted(Path(tmp).glob("rank*.json"))
         if proc.returncode != 0 or len(files) != nranks:
-            raise RuntimeError(
-                f"worker failed ({size}, {nranks} ranks, exit {proc.returncode}):\n"
-                f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-            )
+            raise RuntimeError(f"worker failed ({size}, {nranks} ranks, exit {proc.returncode}):\n" + "".join(tail))
         return [json.loads(f.read_text()) for f in files]
+
+
+def stream(proc: subprocess.Popen, timeout: int) -> list[str]:
+    """Echo the workers' progress lines; keep the last lines for an error message."""
+    deadline, tail = time.time() + timeout, []
+    for line in proc.stdout:
+        if line.startswith("[bench]"):
+            print("  " + line, end="", flush=True)
+        tail = (tail + [line])[-80:]
+        if time.time() > deadline:
+            proc.kill()
+            tail.append(f"killed after {timeout} s\n")
+            break
+    proc.wait()
+    return tail
 
 
 def _free_port() -> int:
@@ -176,7 +195,7 @@ def main(argv=None) -> int:
     p = plan(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    start = time.time()
+    start, load_before = time.time(), os.getloadavg()
     runs = []
     for size, nranks, names in launches(p):
         t0 = time.time()
@@ -188,6 +207,9 @@ def main(argv=None) -> int:
     results = {
         "command": "python -m benchmarks.run " + " ".join(sys.argv[1:] if argv is None else argv),
         "plan": p, "machine": describe_machine(args.device), "elapsed_s": round(time.time() - start, 1),
+        # Other processes on the machine slow some configurations more than others; the load
+        # average says how busy it was (interleaving spreads the rest of the noise evenly).
+        "load_average": {"before": load_before, "after": os.getloadavg()},
         "runs": runs,
     }  # fmt: skip
     (out / "results.json").write_text(json.dumps(results, indent=1))

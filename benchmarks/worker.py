@@ -53,7 +53,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--Ms", default="1,2,4,8")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--steps", type=int, default=2, help="timed optimizer steps per segment")
-    p.add_argument("--warmup", type=int, default=1, help="untimed optimizer steps per segment")
+    p.add_argument("--warmup", type=int, default=1,
+                   help="untimed optimizer steps after each prepare (the Trainer: per M)")
     return p.parse_args()
 
 
@@ -84,7 +85,6 @@ class Bench:
             "sharded_grad_bytes": params * 4 // self.world,
             **self.size,
         }
-        self._mesh = None
         self.probing = False
         self.probes: list[int] = []
 
@@ -98,24 +98,8 @@ class Bench:
         if self.probing:
             self.probes.append(held_grad_bytes(model))
 
-    def mesh(self):
-        if self._mesh is None:
-            from torch.distributed.device_mesh import init_device_mesh
-
-            self._mesh = init_device_mesh(self.device.type, (2, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
-        return self._mesh
-
-    def build_model(self, mesh: str | None):
-        model = copy.deepcopy(self.template).to(self.device)
-        if mesh == "2x2":
-            # accelerate's config has no HSDP switch for CPU FSDP; shard by hand on a 2-D mesh,
-            # and `prepare` passes an FSDPModule through unchanged.
-            from torch.distributed.fsdp import fully_shard
-
-            for block in model.blocks:
-                fully_shard(block, mesh=self.mesh())
-            fully_shard(model, mesh=self.mesh())
-        return model
+    def build_model(self):
+        return copy.deepcopy(self.template).to(self.device)
 
 
 # -- one optimizer step, per loop -----------------------------------------------------------
@@ -165,7 +149,7 @@ def check_available(name: str, facts: dict) -> str | None:
 
 def prepare(bench: Bench, name: str) -> dict:
     spec = registry.CONFIGS[name]
-    model = bench.build_model(spec.get("mesh"))
+    model = bench.build_model()  # HSDP: the launch's parallelism_config gives the 2x2 mesh
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     model, optimizer = bench.accelerator.prepare(model, optimizer)
     kwargs = registry.gradsync_kwargs(name, bench.facts)
@@ -185,7 +169,8 @@ def release(bench: Bench, run: dict) -> None:
 
 
 def measure_segment(bench: Bench, name: str, run: dict, M: int) -> dict:
-    """Warm-up steps (held gradient bytes probed), then timed steps (collectives counted)."""
+    """Timed steps, with collectives counted and held gradient bytes probed after every
+    backward (a walk over a few dozen FSDPParams: microseconds against a step of seconds)."""
     acc = bench.accelerator
     acc.gradient_accumulation_steps = M
     acc.step = 0
@@ -195,20 +180,28 @@ def measure_segment(bench: Bench, name: str, run: dict, M: int) -> dict:
     rss_before = psutil.Process().memory_info().rss
     reset_device_peak(bench.device.type)
     steps, bench.probes = [], []
-    for s in range(bench.args.warmup + bench.args.steps):
-        bench.probing = s < bench.args.warmup
+    bench.probing = True
+    for _ in range(bench.args.steps):
         dist.barrier()  # every rank starts the step together; not a wrapped collective
         bench.meter.take()
         t0 = time.perf_counter()
         step(bench, run, M)
         synchronize(bench.device)
         elapsed = time.perf_counter() - t0
-        counts = bench.meter.take()
-        if s >= bench.args.warmup:
-            steps.append({"time_s": elapsed, **counts})
+        steps.append({"time_s": elapsed, **bench.meter.take()})
     bench.probing = False
     stats = run["handle"].stats() if run["handle"] is not None else {}
     return record(bench, name, M, steps, stats, rss_reset, rss_before)
+
+
+def warm_up(bench: Bench, name: str, run: dict) -> None:
+    """Untimed steps after prepare: FSDP's lazy init and the first allocations happen here, not
+    in the first timed M."""
+    steps, bench.args.steps = bench.args.steps, bench.args.warmup
+    try:
+        measure_segment(bench, name, run, 1)
+    finally:
+        bench.args.steps = steps
 
 
 def record(bench: Bench, name: str, M: int, steps: list, stats: dict, rss_reset: bool, rss_before: int) -> dict:
@@ -251,7 +244,7 @@ def measure_trainer(bench: Bench, name: str, M: int) -> dict:
 
     class Timer(TrainerCallback):
         def on_step_begin(self, args, state, control, **kw):
-            bench.probing = state.global_step < bench.args.warmup
+            bench.probing = True
             dist.barrier()
             bench.meter.take()
             self.t0 = time.perf_counter()
@@ -294,13 +287,20 @@ def measure_trainer(bench: Bench, name: str, M: int) -> dict:
 
 # -- the run --------------------------------------------------------------------------------
 def run_configuration(bench: Bench, name: str) -> list[dict]:
+    t0 = time.time()
     if registry.CONFIGS[name]["loop"] == "trainer":
-        return [measure_trainer(bench, name, M) for M in bench.Ms]
-    run = prepare(bench, name)
-    try:
-        return [measure_segment(bench, name, run, M) for M in bench.Ms]
-    finally:
-        release(bench, run)
+        out = [measure_trainer(bench, name, M) for M in bench.Ms]
+    else:
+        run = prepare(bench, name)
+        try:
+            warm_up(bench, name, run)
+            out = [measure_segment(bench, name, run, M) for M in bench.Ms]
+        finally:
+            release(bench, run)
+    if bench.rank == 0:  # progress, streamed by run.py
+        times = ", ".join(f"M={r['M']} {min(s['time_s'] for s in r['steps']) * 1e3:.0f}ms" for r in out)
+        print(f"[bench] {bench.args.size} {name}: {times} ({time.time() - t0:.1f}s)", flush=True)
+    return out
 
 
 def main() -> None:
