@@ -27,9 +27,9 @@ import os
 import warnings
 
 import torch
-from accelerate import Accelerator
+from accelerate import ParallelismConfig
 from accelerate.state import AcceleratorState, PartialState
-from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, TorchDynamoPlugin
 
 from .errors import GradSyncWarning
 
@@ -91,9 +91,16 @@ def enable_cpu_fsdp() -> bool:
         )
     os.environ.update(_CPU_FSDP_ENV)
 
-    Accelerator(cpu=True)  # builds the shared state: MULTI_CPU over gloo (1, 4)
-    state = AcceleratorState()
+    # The shared state an `Accelerator(cpu=True)` would build: MULTI_CPU over gloo (1, 4). Built
+    # directly because an Accelerator would also validate a parallelism config (HSDP) against
+    # MULTI_CPU and refuse it; `_from_accelerator` is how accelerate itself builds it.
     plugin = FullyShardedDataParallelPlugin()  # the launcher's FSDP config, from the environment
+    parallelism = None  # HSDP and friends, from the launcher's environment, as Accelerator reads it
+    if os.environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() == "true":
+        parallelism = ParallelismConfig()
+    state = AcceleratorState(
+        cpu=True, dynamo_plugin=TorchDynamoPlugin(), parallelism_config=parallelism, _from_accelerator=True
+    )
     if state.mixed_precision != "no":
         plugin.set_mixed_precision(state.mixed_precision)
     state.fsdp_plugin = plugin  # (2) what accelerate does for MULTI_GPU

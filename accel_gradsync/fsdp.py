@@ -45,6 +45,8 @@ class Unit:
     """dtype of the unsharded parameters forward and backward run in."""
     shard_size: int = 1
     """Ranks the unit's parameters are sharded over (1 for DDP)."""
+    sharded_numel: int = 0
+    """Elements of one rank's shard, padding included (FSDP2 pads dim 0 to the shard size)."""
 
     @property
     def param_bytes(self) -> int:
@@ -112,21 +114,28 @@ class FSDP2Adapter(ModelAdapter):
             held = retained_grad_dtype("fsdp2", dtype, policy.param_dtype, policy.reduce_dtype)
             mesh = params[0].sharded_param.device_mesh  # HSDP: (replicate, shard)
             self.hsdp = self.hsdp or mesh.ndim == 2
+            shard = mesh.size(mesh.ndim - 1)
             units.append(
                 Unit(name, module, numel, len(groups), held_dtype=held, reduce_dtype=held,
-                     compute_dtype=policy.param_dtype or dtype, shard_size=mesh.size(mesh.ndim - 1))
+                     compute_dtype=policy.param_dtype or dtype, shard_size=shard,
+                     sharded_numel=sum(dim0_shard_numel(p.sharded_param.shape, shard) for p in params))
             )  # fmt: skip
         return units
 
     def held_grad_bytes(self) -> int:
         total = 0
         for unit in self.units:
-            for p in _fsdp_params(unit.module):
-                grad = p.unsharded_accumulated_grad
-                if grad is None:
-                    grad = p._unsharded_param.grad
-                if grad is not None:
-                    total += grad.numel() * grad.element_size()
+            for group in unit.module._get_fsdp_state()._fsdp_param_groups:
+                # HSDP with the all-reduce held: the sharded partial sum of the reduce-scatters.
+                partial = group._partial_reduce_output
+                if partial is not None:
+                    total += partial.numel() * partial.element_size()
+                for p in group.fsdp_params:
+                    grad = p.unsharded_accumulated_grad
+                    if grad is None:
+                        grad = p._unsharded_param.grad
+                    if grad is not None:
+                        total += grad.numel() * grad.element_size()
         return total
 
     @contextlib.contextmanager
@@ -174,7 +183,7 @@ class FSDP1Adapter(ModelAdapter):
                 shard = handle.world_size if handle.uses_sharded_strategy else 1
                 units.append(
                     Unit(name, module, numel, 1, held_dtype=held, reduce_dtype=reduce, compute_dtype=held,
-                         shard_size=shard)
+                         shard_size=shard, sharded_numel=-(-numel // shard))
                 )  # fmt: skip
         return units
 
@@ -200,10 +209,20 @@ class DDPAdapter(ModelAdapter):
         params = [p for p in model.parameters() if p.requires_grad]
         dtype = params[0].dtype if params else torch.float32
         numel = sum(p.numel() for p in params)
-        return [Unit("", model, numel, 1, held_dtype=dtype, reduce_dtype=dtype, compute_dtype=dtype)]
+        return [Unit("", model, numel, 1, dtype, dtype, dtype, shard_size=1, sharded_numel=numel)]
 
     def held_grad_bytes(self) -> int:
         return sum(p.grad.numel() * p.grad.element_size() for p in self.model.parameters() if p.grad is not None)
+
+
+def dim0_shard_numel(shape: Sequence[int], shard_size: int) -> int:
+    """Elements of one rank's FSDP2 shard of a parameter: dim 0 padded to a multiple of the shard size."""
+    if not shape:
+        return 1
+    rest = 1
+    for d in shape[1:]:
+        rest *= d
+    return -(-shape[0] // shard_size) * rest
 
 
 def adapt_model(model: nn.Module) -> Optional[ModelAdapter]:

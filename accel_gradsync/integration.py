@@ -132,6 +132,12 @@ class GradSyncHandle:
             return self._plans.get(id(_root(model)))
         return next(iter(self._plans.values()), None)
 
+    def units(self, model: Optional[nn.Module] = None) -> list:
+        """The units (`accel_gradsync.fsdp.Unit`) of `model` (default: the first bound model)."""
+        key = id(_root(model)) if model is not None else next(iter(self._plans), None)
+        adapter = self._adapters.get(key)
+        return list(adapter.units) if adapter is not None else []
+
     def describe(self) -> str:
         """The decision line printed at start, e.g. `grad sync: deferred over 4 micro-batches ...`."""
         key = next(iter(self._plans), None)

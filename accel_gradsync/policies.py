@@ -33,7 +33,7 @@ class Plan:
         """Bytes per rank the held units keep between micro-batches (gradients, plus unsharded
         parameters when they are kept). For `all_reduce` holds only a sharded partial sum."""
         if self.hold == ALL_REDUCE:
-            return sum(u.held_bytes // u.shard_size for u in self.held)
+            return sum(u.sharded_numel * u.held_dtype.itemsize for u in self.held)
         return sum(u.held_bytes + (u.param_bytes if self.keep_params_unsharded else 0) for u in self.held)
 
 

@@ -19,6 +19,11 @@ def misuse():
     return launch("errors", ["--case", "misuse"], accelerate_config("fsdp2"))
 
 
+@pytest.fixture(scope="module", params=["fsdp1", "fsdp2"])
+def modes(request):
+    return request.param, launch("errors", ["--case", "modes"], accelerate_config(request.param))
+
+
 def test_unwrapped_model_under_fsdp_config_is_refused(misuse):
     for rank in misuse:
         assert rank["not_wrapped"].startswith("ValueError")
@@ -36,3 +41,16 @@ def test_attach_twice_and_wrong_target(misuse):
         assert rank["attach_twice"].startswith("ValueError") and ".detach()" in rank["attach_twice"]
         assert rank["not_a_target"].startswith("TypeError") and "Accelerator" in rank["not_a_target"]
         assert rank["class_after_detach"] == "Accelerator"
+
+
+def test_modes_that_need_fsdp2_or_hsdp_say_so(modes):
+    wrapper, ranks = modes
+    for rank in ranks:
+        if wrapper == "fsdp1":
+            for mode in ("budget", "defer_all_reduce"):
+                assert rank[mode].startswith("ValueError") and f"sync_mode={mode!r} needs FSDP2" in rank[mode]
+                assert "fsdp_version: 2" in rank[mode]
+        else:
+            assert rank["budget"] == "no error"  # FSDP2 supports budgets
+            msg = rank["defer_all_reduce"]
+            assert msg.startswith("ValueError") and "replicate dimension" in msg and "dp_replicate_size" in msg

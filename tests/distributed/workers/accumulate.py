@@ -5,6 +5,7 @@ unsharded reference over the same global batch. With FSDP2 it also checks that e
 sync flags come back as they were, after a normal micro-batch and after one that raises."""
 
 import copy
+import json
 
 import torch
 import torch.nn.functional as F
@@ -20,9 +21,12 @@ from accel_gradsync.fsdp import sync_flags
 
 LR = 0.1
 
+DEFAULT_RUNS = [{"name": "per_micro_batch", "config": {}}, {"name": "deferred", "config": {"defer": True}}]
+
 args = parse_args(
     [
-        (("--modes",), {"default": "per_micro_batch,deferred"}),
+        # [{"name": ..., "config": GradSyncConfig kwargs, "free_memory_by_rank": [...]}, ...]
+        (("--runs",), {"type": json.loads, "default": DEFAULT_RUNS}),
         (("--M",), {"type": int, "default": 4}),
         (("--batches",), {"type": int, "default": 6}),
         (("--batch-size",), {"type": int, "default": 2}),
@@ -51,7 +55,10 @@ def reference_grads(model: torch.nn.Module) -> list[dict]:
 
 
 result = {"wrapper": None, "modes": {}}
-for mode in args.modes.split(","):
+for run in args.runs:
+    config = dict(run["config"])
+    if "free_memory_by_rank" in run:  # ranks that disagree on free memory must still agree on a plan
+        config["free_memory"] = run["free_memory_by_rank"][accelerator.process_index]
     set_seed(0)
     model = TinyNet()
     expected = reference_grads(model)
@@ -61,7 +68,7 @@ for mode in args.modes.split(","):
     if isinstance(model, DistributedDataParallel):
         # DDP all-reduces from C++; the default hook does the same through torch.distributed.
         model.register_comm_hook(None, allreduce_hook)
-    handle = accel_gradsync.attach(accelerator, accel_gradsync.GradSyncConfig(defer=mode == "deferred"))
+    handle = accel_gradsync.attach(accelerator, accel_gradsync.GradSyncConfig(**config))
     counter.take()
     steps = []
     for x, y in loader:
@@ -74,7 +81,14 @@ for mode in args.modes.split(","):
                 steps.append({"counts": counts, "max_diff": max_diff(grads, expected[len(steps)])})
             optimizer.step()
             optimizer.zero_grad()
-    result["modes"][mode] = {"steps": steps, "stats": handle.stats()}
+    plan = handle.plan()
+    result["modes"][run["name"]] = {
+        "steps": steps,
+        "stats": handle.stats(),
+        "plan": {"mode": plan.mode, "held": [u.name for u in plan.held], "hold": plan.hold,
+                 "held_bytes": plan.held_bytes(), "reason": plan.reason},
+        "units": {u.name: u.held_bytes for u in handle.units()},
+    }  # fmt: skip
     result["wrapper"] = handle.stats()["wrapper"]
     handle.detach()
     accelerator.free_memory()

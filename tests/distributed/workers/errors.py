@@ -1,6 +1,7 @@
 """Misuse that `attach` must refuse before any training step, on 2 ranks under an FSDP config.
 `--case no_enable` skips `enable_cpu_fsdp()` (accelerate then silently runs N lone processes);
-`--case misuse` runs the other refusals one after the other. Each message is reported."""
+`--case misuse` runs the other refusals one after the other; `--case modes` asks for modes the
+wrapper cannot run. Each message is reported."""
 
 import torch
 from accelerate import Accelerator
@@ -21,12 +22,20 @@ def refusal(fn) -> str:
 
 
 result = {}
-if args.case == "no_enable":
+if args.case == "no_enable":  # under an FSDP2 config
     accelerator = Accelerator(gradient_accumulation_steps=2)
     model = TinyNet()
     model, _ = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
     result["no_enable"] = refusal(lambda: accel_gradsync.attach(accelerator))
-else:
+elif args.case == "modes":  # modes the wrapper cannot run, under FSDP1 or a 1-D FSDP2 mesh
+    accel_gradsync.enable_cpu_fsdp()
+    accelerator = Accelerator(gradient_accumulation_steps=2)
+    model = TinyNet()
+    model, _ = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    for mode, extra in (("budget", {"memory_budget": "1GiB"}), ("defer_all_reduce", {})):
+        config = accel_gradsync.GradSyncConfig(sync_mode=mode, **extra)
+        result[mode] = refusal(lambda: accel_gradsync.attach(accelerator, config).detach())
+else:  # "misuse", under FSDP2
     accel_gradsync.enable_cpu_fsdp()
     plugin = GradientAccumulationPlugin(num_steps=2, sync_each_batch=True)
     accelerator = Accelerator(gradient_accumulation_plugin=plugin)

@@ -1,0 +1,124 @@
+"""The memory-aware modes on real gloo ranks: budget, auto, HSDP all-reduce deferral and
+keep-params-unsharded give the reference gradients, the collectives their plan implies, and
+never hold more than they were allowed to."""
+
+import json
+
+import pytest
+from launcher import accelerate_config, launch
+from workers.common import TinyNet
+
+M, BATCHES = 4, 6
+WINDOWS = [4, 2]
+BLOCK, HEAD = (16 * 16 + 16) * 4, 17 * 4  # fp32 gradient bytes of one Block unit and the root's head
+FULL = 2 * BLOCK + HEAD
+BUDGETS = {"0B": 0, "100B": 100, "1100B": 1100, "1200B": 1200, f"{FULL}B": FULL}
+
+
+def _runs(runs):
+    return ["--M", str(M), "--batches", str(BATCHES), "--runs", json.dumps(runs)]
+
+
+@pytest.fixture(scope="module")
+def fsdp2():
+    runs = [{"name": "deferred", "config": {"defer": True}}]
+    runs += [{"name": "keep_params", "config": {"defer": True, "keep_params_unsharded": True}}]
+    runs += [{"name": f"budget_{b}", "config": {"sync_mode": "budget", "memory_budget": b}} for b in BUDGETS]
+    runs += [{"name": "budget_fraction", "config": {"sync_mode": "budget", "memory_budget": "0.5", "free_memory": "2400B"}}]
+    runs += [
+        {"name": "auto_small", "config": {"sync_mode": "auto", "free_memory": "1000B"}},
+        {"name": "auto_ample", "config": {"sync_mode": "auto", "free_memory": "1GiB"}},
+        {"name": "auto_disagree", "config": {"sync_mode": "auto"}, "free_memory_by_rank": ["1GiB", "1000B"]},
+    ]  # fmt: skip
+    return launch("accumulate", _runs(runs), accelerate_config("fsdp2"))
+
+
+@pytest.fixture(scope="module")
+def hsdp():
+    config = accelerate_config("fsdp2", num_processes=4)
+    config["parallelism_config"] = {"parallelism_config_dp_replicate_size": 2, "parallelism_config_dp_shard_size": 2}
+    runs = [
+        {"name": "per_micro_batch", "config": {}},
+        {"name": "deferred", "config": {"defer": True}},
+        {"name": "defer_all_reduce", "config": {"sync_mode": "defer_all_reduce"}},
+        # Full deferral holds FULL bytes; all-reduce deferral only the sharded partial (about half).
+        {"name": "auto_only_all_reduce_fits", "config": {"sync_mode": "auto", "free_memory": "1500B"}},
+    ]
+    return launch("accumulate", _runs(runs), config)
+
+
+def _counts(res, name):
+    return [s["counts"].get(name, 0) for s in res["steps"]]
+
+
+def _expected(res, hsdp: bool):
+    """Collectives per step the plan implies: held units skip M-1 of their M syncs per step."""
+    plan, units = res["plan"], TinyNet.UNITS
+    held = len(plan["held"])
+    rs = [units * m - (held * (m - 1) if plan["hold"] == "gradient_sync" else 0) for m in WINDOWS]
+    ar = [units * m - held * (m - 1) for m in WINDOWS] if hsdp else [0] * len(WINDOWS)
+    return rs, ar
+
+
+def _check_run(res, hsdp=False):
+    for step in res["steps"]:
+        assert step["max_diff"] <= 1e-5, step
+    rs, ar = _expected(res, hsdp)
+    assert _counts(res, "reduce_scatter_single") == rs
+    assert _counts(res, "all_reduce") == ar
+    stats = res["stats"]
+    assert stats["reduce_scatters_issued"] == sum(rs) and stats["all_reduces_issued"] == sum(ar)
+
+
+def test_every_mode_matches_reference_and_its_plans_collectives(fsdp2, hsdp):
+    for rank in fsdp2:
+        for name, res in rank["modes"].items():
+            _check_run(res)
+    for rank in hsdp:
+        for name, res in rank["modes"].items():
+            _check_run(res, hsdp=True)
+
+
+def test_budget_holds_at_most_the_budget_and_saves_more_as_it_grows(fsdp2):
+    for rank in fsdp2:
+        skipped = []
+        for label, budget in BUDGETS.items():
+            res = rank["modes"][f"budget_{label}"]
+            measured = res["stats"]["peak_held_grad_bytes"]
+            assert measured <= budget
+            assert measured == res["plan"]["held_bytes"]  # the plan's bytes are the tensors' bytes
+            skipped.append(res["stats"]["reduce_scatters_skipped"])
+        assert skipped == sorted(skipped) and skipped[0] == 0 and skipped[-1] > skipped[1] > 0
+        held = {name: sorted(res["plan"]["held"]) for name, res in rank["modes"].items()}
+        assert held[f"budget_{FULL}B"] == held["deferred"] == ["", "blocks.0", "blocks.1"]
+        # A fraction of free memory: 0.5 x 2400 B = 1200 B, the same units as the 1200 B budget.
+        assert held["budget_fraction"] == held["budget_1200B"] == ["", "blocks.0"]
+
+
+def test_auto_picks_by_free_memory_and_ranks_agree(fsdp2, hsdp):
+    plans = [{k: r["modes"][k]["plan"] for k in ("auto_small", "auto_ample", "auto_disagree")} for r in fsdp2]
+    for plan in plans:
+        assert plan["auto_small"]["mode"] == "per_micro_batch"
+        assert plan["auto_ample"]["mode"] == "deferred"
+        assert plan["auto_disagree"]["mode"] == "per_micro_batch"  # the poorest rank decides
+        assert "auto chose" in plan["auto_small"]["reason"]
+    assert plans[0] == plans[1]
+    for rank in hsdp:
+        plan = rank["modes"]["auto_only_all_reduce_fits"]["plan"]
+        assert plan["mode"] == "defer_all_reduce", plan["reason"]
+
+
+def test_hsdp_all_reduce_deferral_keeps_gradients_sharded(hsdp):
+    for rank in hsdp:
+        deferred = rank["modes"]["deferred"]["stats"]["peak_held_grad_bytes"]
+        all_reduce_only = rank["modes"]["defer_all_reduce"]["stats"]["peak_held_grad_bytes"]
+        assert deferred == FULL
+        assert 0 < all_reduce_only < FULL / 2 + HEAD  # a shard of the partial sums, not the whole gradient
+        assert all_reduce_only == rank["modes"]["defer_all_reduce"]["plan"]["held_bytes"]
+
+
+def test_keep_params_unsharded_skips_the_next_forward_all_gathers(fsdp2):
+    for rank in fsdp2:
+        deferred = sum(_counts(rank["modes"]["deferred"], "all_gather_single"))
+        kept = sum(_counts(rank["modes"]["keep_params"], "all_gather_single"))
+        assert kept < deferred
