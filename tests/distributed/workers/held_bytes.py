@@ -5,6 +5,9 @@ wrapper holds after each deferred micro-batch, read from the tensors FSDP keeps 
 once) and from the handle's `stats()`."""
 
 import json
+import time
+
+START = time.time()
 
 import torch
 from accelerate import Accelerator
@@ -52,11 +55,13 @@ def held_tensor_bytes(model: torch.nn.Module) -> dict:
 
 
 results = []
+setup_seconds = time.time() - START
 # reduce_dtype must reach FSDP before prepare and stays on accelerate's plugin: "auto" first.
 for reduce_dtype in args.reduce_dtypes.split(","):
     for spec in json.loads(args.models):
         model_config = load_model_config(spec)
         for mode in args.modes.split(","):
+            began = time.time()
             set_seed(0)
             handle = accel_gradsync.attach(
                 accelerator, accel_gradsync.GradSyncConfig(sync_mode=mode, reduce_dtype=reduce_dtype)
@@ -87,6 +92,7 @@ for reduce_dtype in args.reduce_dtypes.split(","):
                     "counts": counts,
                     "held": held,
                     "stats": stats,
+                    "seconds": round(time.time() - began, 2),
                     "units": [{"name": u.name, "numel": u.numel, "held_dtype": str(u.held_dtype)} for u in plan.held]
                     if plan is not None
                     else [],
@@ -96,4 +102,4 @@ for reduce_dtype in args.reduce_dtypes.split(","):
             del model, optimizer
             accelerator.free_memory()
 
-write_result(args.out, {"results": results})
+write_result(args.out, {"results": results, "setup_seconds": round(setup_seconds, 2)})

@@ -1,0 +1,92 @@
+"""`accel-gradsync` (also `python -m accel_gradsync`): commands run before launch.
+
+`estimate` takes its sync settings from `GradSyncConfig` through `HfArgumentParser`, so its flags,
+defaults and environment variables are exactly the recipe's and `attach`'s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import warnings
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+from transformers import HfArgumentParser
+
+from .config import GradSyncConfig
+from .errors import GradSyncWarning
+from .estimate import RECIPE_DEFAULT, estimate, format_table
+
+_MODEL_DTYPES = ("fp32", "bf16", "fp16")
+
+
+@dataclass
+class EstimateArguments:
+    """What `accel-gradsync estimate` reads besides the sync settings."""
+
+    accelerate_config: str = field(
+        metadata={"help": "The accelerate config file the run will be launched with (FSDP version, wrap policy, "
+                  "mixed_precision, num_processes, parallelism_config replicate/shard sizes)."}
+    )  # fmt: skip
+    micro_batches: int = field(metadata={"help": "Micro-batches per optimizer step (gradient_accumulation_steps)."})
+    model: str = field(
+        default=RECIPE_DEFAULT,
+        metadata={"help": f"A transformers config: a local directory with config.json, a hub name (online only), "
+                  f"or {RECIPE_DEFAULT!r} for the GRPO recipe's embedded tiny Qwen2. Built on the meta device: "
+                  "no weights are loaded and no memory is spent."},
+    )  # fmt: skip
+    num_processes: Optional[int] = field(
+        default=None, metadata={"help": "Override the config's num_processes, as accelerate launch --num_processes does."}
+    )
+    model_dtype: str = field(
+        default="fp32",
+        metadata={"help": "dtype the model's parameters are loaded in. With mixed_precision on, accelerate upcasts "
+                  "trainable parameters to fp32 anyway.", "choices": _MODEL_DTYPES},
+    )  # fmt: skip
+    json: bool = field(default=False, metadata={"help": "Print the estimate as JSON instead of a table."})
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, HfArgumentParser]:
+    """The top-level parser and the `estimate` sub-parser."""
+    parser = argparse.ArgumentParser(
+        prog="accel-gradsync",
+        description="Plan gradient sync under FSDP before launch. See docs/estimate.md.",
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=HfArgumentParser)
+    estimate_parser = commands.add_parser(
+        "estimate",
+        dataclass_types=[EstimateArguments, GradSyncConfig],
+        help="per sync mode: collectives and bytes sent per optimizer step, gradient memory held per rank",
+        description="One row per sync mode: reduce-scatters (and HSDP all-reduces) per optimizer step, bytes "
+        "each rank sends per step, gradient bytes held per rank between micro-batches and their dtype, the peak "
+        "gradient bytes in the first deferred backward, and whether that fits --grad-sync-free-memory. The "
+        "model is built on the meta device; nothing is allocated and no process group is started.",
+    )
+    return parser, estimate_parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser, estimate_parser = build_parser()
+    parser.parse_args(argv)  # --help, a missing or unknown command, bad flags: argparse's own messages
+    with warnings.catch_warnings():
+        # Every row uses every setting, so "ignored in sync mode X" does not apply here.
+        warnings.simplefilter("ignore", GradSyncWarning)
+        try:
+            args, config = estimate_parser.parse_args_into_dataclasses(argv[1:], look_for_args_file=False)
+            result = estimate(
+                args.model, args.accelerate_config, args.micro_batches, config, args.num_processes,
+                model_dtype=_torch_dtype(args.model_dtype),
+            )  # fmt: skip
+        except ValueError as err:
+            estimate_parser.error(str(err))  # exits 2 with the usage line
+    print(json.dumps(result.to_dict(), indent=1) if args.json else format_table(result))
+    return 0
+
+
+def _torch_dtype(name: str):
+    import torch
+
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
