@@ -43,7 +43,7 @@ def write_table(results: dict) -> str:
     for run in results["runs"]:
         f, by = run["facts"], index(run)
         base = baseline_of(run)
-        mem_col = "device peak MiB" if run["device"] != "cpu" else "peak RSS MiB"
+        mem_col = "device peak MiB" if run["device"] != "cpu" else "RSS growth in step MiB"
         lines += [
             f"### {run['size']} model: {f['params'] / 1e6:.2f} M params, U = {f['units']} units, "
             f"{run['ranks']} ranks{' (2x2 HSDP mesh)' if run['ranks'] == 4 else ''}, {run['device']}",
@@ -64,7 +64,7 @@ def write_table(results: dict) -> str:
                 held = f"{r['held_grad_bytes'] / MiB:.2f}"
                 if r.get("handle_held_grad_bytes") is not None:
                     held += f" ({r['handle_held_grad_bytes'] / MiB:.2f})"
-                mem = r["device_peak_bytes"] if run["device"] != "cpu" else r["peak_rss_bytes"]
+                mem = r["device_peak_bytes"] if run["device"] != "cpu" else r.get("rss_growth_bytes", r["peak_rss_bytes"])
                 lines.append(
                     f"| {name} | {M} | {r['step_time_s'] * 1e3:.1f} | {ratio:.3f} | "
                     f"{fmt_count(r['reduce_scatters_per_step'])} | {fmt_count(r['all_reduces_per_step'])} | "

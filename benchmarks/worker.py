@@ -1,11 +1,13 @@
 """One launched process group (2 ranks, or 4 for the 2x2 HSDP mesh): every configuration given,
 for one model size, every M, all in this one process so start-up is paid once.
 
-Configurations are interleaved: each repetition runs every configuration once (in an order
-rotated per repetition), so a noisy neighbour on the machine slows all of them alike instead
-of one. Each (configuration, M) segment runs warm-up steps (where held gradient bytes are
-probed from the real tensors) and then timed steps with the collectives counted. Every rank
-writes `rank<R>.json`; `run.py` merges them.
+Configurations are interleaved step by step: every configuration is prepared up front on an
+`Accelerator` of its own (so the plugin attaches to only its own model), and each round runs
+one optimizer step of every configuration, in an order rotated per round. A noisy neighbour
+on the machine then slows all configurations alike instead of one. The stock Trainer runs its
+own loop, so it is interleaved per M instead. Every step is timed, its collectives counted,
+its held gradient bytes probed from the real tensors and its peak RSS read. Every rank writes
+`rank<R>.json`; `run.py` merges them.
 """
 
 from __future__ import annotations
@@ -105,7 +107,7 @@ class Bench:
 # -- one optimizer step, per loop -----------------------------------------------------------
 def step_accumulate(bench: Bench, run: dict, M: int) -> None:
     """What the accelerate docs show: `accumulate` around every micro-batch."""
-    acc, model, optimizer = bench.accelerator, run["model"], run["optimizer"]
+    acc, model, optimizer = run["acc"], run["model"], run["optimizer"]
     for k in range(M):
         x, y = bench.batch(k)
         with acc.accumulate(model):
@@ -148,78 +150,74 @@ def check_available(name: str, facts: dict) -> str | None:
 
 
 def prepare(bench: Bench, name: str) -> dict:
+    """The configuration's own Accelerator (accelerate shares its state between instances),
+    model, optimizer and, for plugin configurations, the attached handle."""
     spec = registry.CONFIGS[name]
+    acc = Accelerator(gradient_accumulation_steps=1)
     model = bench.build_model()  # HSDP: the launch's parallelism_config gives the 2x2 mesh
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    model, optimizer = bench.accelerator.prepare(model, optimizer)
+    model, optimizer = acc.prepare(model, optimizer)
     kwargs = registry.gradsync_kwargs(name, bench.facts)
     handle = None
     if kwargs is not None:
-        with contextlib.redirect_stdout(open(os.devnull, "w")):  # the one-line decision, per prepare
-            handle = accel_gradsync.attach(bench.accelerator, accel_gradsync.GradSyncConfig(**kwargs))
-    return {"model": model, "optimizer": optimizer, "handle": handle, "spec": spec}
+        with contextlib.redirect_stdout(open(os.devnull, "w")):  # the one-line decision
+            handle = accel_gradsync.attach(acc, accel_gradsync.GradSyncConfig(**kwargs))
+    return {"name": name, "acc": acc, "model": model, "optimizer": optimizer, "handle": handle, "spec": spec}
 
 
-def release(bench: Bench, run: dict) -> None:
-    if run["handle"] is not None:
-        run["handle"].detach()
-    run.clear()
-    bench.accelerator.free_memory()
-    gc.collect()
-
-
-def measure_segment(bench: Bench, name: str, run: dict, M: int) -> dict:
-    """Timed steps, with collectives counted and held gradient bytes probed after every
-    backward (a walk over a few dozen FSDPParams: microseconds against a step of seconds)."""
-    acc = bench.accelerator
+def measure_step(bench: Bench, run: dict, M: int) -> dict:
+    """One optimizer step of M micro-batches: time, collectives, held gradient bytes (probed after
+    every backward: a walk over a few dozen FSDPParams, microseconds against a step of
+    seconds) and peak RSS."""
+    acc = run["acc"]
+    # accelerate keeps M and sync_each_batch in state shared by all instances: set them per step.
     acc.gradient_accumulation_steps = M
     acc.step = 0
     acc.gradient_state.plugin_kwargs["sync_each_batch"] = bool(run["spec"].get("sync_each_batch"))
-    step = LOOPS[run["spec"]["loop"]]
-    rss_reset = reset_peak_rss()
-    rss_before = psutil.Process().memory_info().rss
-    reset_device_peak(bench.device.type)
-    steps, bench.probes = [], []
-    bench.probing = True
-    for _ in range(bench.args.steps):
-        dist.barrier()  # every rank starts the step together; not a wrapped collective
-        bench.meter.take()
-        t0 = time.perf_counter()
-        step(bench, run, M)
-        synchronize(bench.device)
-        elapsed = time.perf_counter() - t0
-        steps.append({"time_s": elapsed, **bench.meter.take()})
+    dist.barrier()  # every rank starts the step together; not a wrapped collective
+    memory = start_memory(bench)
+    bench.meter.take()
+    bench.probes, bench.probing = [], True
+    t0 = time.perf_counter()
+    LOOPS[run["spec"]["loop"]](bench, run, M)
+    synchronize(bench.device)
+    elapsed = time.perf_counter() - t0
     bench.probing = False
-    stats = run["handle"].stats() if run["handle"] is not None else {}
-    return record(bench, name, M, steps, stats, rss_reset, rss_before)
+    sample = {"time_s": elapsed, **bench.meter.take(), "held_grad_bytes": max(bench.probes, default=0)}
+    if run["handle"] is not None and (held := handle_held_bytes(run["handle"].stats())) is not None:
+        sample["handle_held_key"], sample["handle_held_bytes"] = held
+    return {**sample, **end_memory(bench, memory)}
 
 
-def warm_up(bench: Bench, name: str, run: dict) -> None:
-    """Untimed steps after prepare: FSDP's lazy init and the first allocations happen here, not
-    in the first timed M."""
-    steps, bench.args.steps = bench.args.steps, bench.args.warmup
-    try:
-        measure_segment(bench, name, run, 1)
-    finally:
-        bench.args.steps = steps
+def start_memory(bench: Bench) -> dict:
+    scoped = reset_peak_rss()
+    reset_device_peak(bench.device.type)
+    return {"scoped": scoped, "rss_before": psutil.Process().memory_info().rss}
 
 
-def record(bench: Bench, name: str, M: int, steps: list, stats: dict, rss_reset: bool, rss_before: int) -> dict:
-    # The tensors' count is the same for every loop (plugin or not): sharded plus unsharded
-    # gradients. The plugin's own measure, where this version has one, is kept beside it.
-    held = {"bytes": max(bench.probes, default=0), "source": "tensors (FSDPParam grads, max after each backward)"}
-    from_handle = handle_held_bytes(stats)
-    if from_handle is not None:
-        held["handle_key"], held["handle_bytes"] = from_handle
+def end_memory(bench: Bench, memory: dict) -> dict:
+    peak = peak_rss_bytes()
+    return {"peak_rss_bytes": peak, "rss_growth_bytes": max(peak - memory["rss_before"], 0),
+            "peak_rss_scope": "step" if memory["scoped"] else "process",
+            "device_peak_bytes": device_peak_bytes(bench.device.type)}  # fmt: skip
+
+
+def summarize(name: str, M: int, samples: list[dict], stats: dict) -> dict:
+    """The (configuration, M) record run.py merges: every sample, and the memory maxima."""
+    held = {"bytes": max(s["held_grad_bytes"] for s in samples),
+            "source": "tensors (FSDPParam grads, max after each backward)"}  # fmt: skip
+    if any("handle_held_bytes" in s for s in samples):
+        held["handle_key"] = samples[0]["handle_held_key"]
+        held["handle_bytes"] = max(s["handle_held_bytes"] for s in samples)
     return {
         "config": name,
         "M": M,
-        "steps": steps,
+        "steps": samples,
         "held_grad": held,
-        "peak_rss_bytes": peak_rss_bytes(),
-        "rss_before_bytes": rss_before,
-        "peak_rss_scope": "segment" if rss_reset else "process",
-        "device_peak_bytes": device_peak_bytes(bench.device.type),
+        "peak_rss_bytes": max(s["peak_rss_bytes"] for s in samples),
+        "rss_growth_bytes": max(s["rss_growth_bytes"] for s in samples),
+        "peak_rss_scope": samples[0]["peak_rss_scope"],
+        "device_peak_bytes": max((s["device_peak_bytes"] or 0) for s in samples) or None,
         "stats": {k: v for k, v in stats.items() if isinstance(v, (int, float, str))},
     }
 
@@ -231,7 +229,7 @@ def synchronize(device: torch.device) -> None:
 
 
 # -- the stock Trainer peer -----------------------------------------------------------------
-def measure_trainer(bench: Bench, name: str, M: int) -> dict:
+def measure_trainer(bench: Bench, name: str, M: int) -> tuple[list[dict], dict]:
     """A stock `transformers.Trainer` on the same model and samples, timed per optimizer step
     by a callback (from `on_step_begin` to `on_step_end`)."""
     from transformers import Trainer, TrainerCallback, TrainingArguments
@@ -244,9 +242,10 @@ def measure_trainer(bench: Bench, name: str, M: int) -> dict:
 
     class Timer(TrainerCallback):
         def on_step_begin(self, args, state, control, **kw):
-            bench.probing = True
             dist.barrier()
+            self.memory = start_memory(bench)
             bench.meter.take()
+            bench.probes, bench.probing = [], True
             self.t0 = time.perf_counter()
 
         def on_substep_end(self, args, state, control, **kw):
@@ -258,10 +257,10 @@ def measure_trainer(bench: Bench, name: str, M: int) -> dict:
         def on_step_end(self, args, state, control, **kw):
             synchronize(bench.device)
             elapsed = time.perf_counter() - self.t0
-            counts = bench.meter.take()
             bench.probing = False
+            sample = {"time_s": elapsed, **bench.meter.take(), "held_grad_bytes": max(bench.probes, default=0)}
             if state.global_step > bench.args.warmup:
-                steps.append({"time_s": elapsed, **counts})
+                steps.append({**sample, **end_memory(bench, self.memory)})
 
     with tempfile.TemporaryDirectory() as tmp:
         args = TrainingArguments(
@@ -273,51 +272,46 @@ def measure_trainer(bench: Bench, name: str, M: int) -> dict:
         )  # fmt: skip
         trainer = Trainer(model=copy.deepcopy(bench.template), args=args, train_dataset=data,
                           callbacks=[Timer()])  # fmt: skip
-        rss_reset = reset_peak_rss()
-        rss_before = psutil.Process().memory_info().rss
-        reset_device_peak(bench.device.type)
-        bench.probes = []
         trainer.train()
         wrapper = type(trainer.model_wrapped).__name__
-    out = record(bench, name, M, steps, {"wrapper_class": wrapper}, rss_reset, rss_before)
     del trainer
     gc.collect()
-    return out
+    return steps, {"wrapper_class": wrapper}
 
 
 # -- the run --------------------------------------------------------------------------------
-def run_configuration(bench: Bench, name: str) -> list[dict]:
-    t0 = time.time()
-    if registry.CONFIGS[name]["loop"] == "trainer":
-        out = [measure_trainer(bench, name, M) for M in bench.Ms]
-    else:
-        run = prepare(bench, name)
-        try:
-            warm_up(bench, name, run)
-            out = [measure_segment(bench, name, run, M) for M in bench.Ms]
-        finally:
-            release(bench, run)
-    if bench.rank == 0:  # progress, streamed by run.py
-        times = ", ".join(f"M={r['M']} {min(s['time_s'] for s in r['steps']) * 1e3:.0f}ms" for r in out)
-        print(f"[bench] {bench.args.size} {name}: {times} ({time.time() - t0:.1f}s)", flush=True)
-    return out
-
-
 def main() -> None:
     args = parse_args()
     bench = Bench(args)
     names = args.configs.split(",")
     unavailable = {n: r for n in names if (r := check_available(n, bench.facts)) is not None}
     names = [n for n in names if n not in unavailable]
-    records = []
-    if names:
-        run_configuration(bench, names[0])  # process-wide first-use costs, discarded
+    runs = [prepare(bench, n) for n in names if registry.CONFIGS[n]["loop"] != "trainer"]
+    trainers = [n for n in names if registry.CONFIGS[n]["loop"] == "trainer"]
+    for run in runs:  # FSDP's lazy init and first allocations, untimed
+        for _ in range(args.warmup):
+            measure_step(bench, run, 1)
+    samples: dict[tuple[str, int], list[dict]] = {}
+    trainer_stats: dict[str, dict] = {}
+    rounds = 0
     for rep in range(args.reps):
-        order = names[rep % len(names):] + names[: rep % len(names)] if names else []
-        for name in order:
-            for rec in run_configuration(bench, name):
-                rec["rep"] = rep
-                records.append(rec)
+        for M in bench.Ms:
+            t0 = time.time()
+            for _ in range(args.steps):
+                order = runs[rounds % len(runs):] + runs[: rounds % len(runs)] if runs else []
+                rounds += 1
+                for run in order:
+                    samples.setdefault((run["name"], M), []).append({**measure_step(bench, run, M), "rep": rep})
+            for name in trainers:
+                steps, trainer_stats[name] = measure_trainer(bench, name, M)
+                samples.setdefault((name, M), []).extend({**s, "rep": rep} for s in steps)
+            if bench.rank == 0:  # progress, streamed by run.py
+                print(f"[bench] {args.size} rep {rep} M={M}: "
+                      + ", ".join(f"{n} {min(s['time_s'] for s in samples[(n, M)]) * 1e3:.0f}ms" for n in names)
+                      + f" ({time.time() - t0:.1f}s)", flush=True)  # fmt: skip
+    stats = {run["name"]: run["handle"].stats() if run["handle"] is not None else {} for run in runs}
+    stats.update(trainer_stats)
+    records = [summarize(name, M, s, stats.get(name, {})) for (name, M), s in samples.items()]
     result = {"size": args.size, "facts": bench.facts, "device": bench.device.type,
               "unavailable": unavailable, "records": records, "versions": versions()}  # fmt: skip
     Path(args.out, f"rank{bench.rank}.json").write_text(json.dumps(result, indent=1, default=str))
