@@ -29,7 +29,7 @@ from torch import nn
 
 from .accounting import retained_grad_dtype
 from .config import GradSyncConfig, parse_bytes
-from .fsdp import Unit
+from .fsdp import Unit, dim0_shard_numel
 from .policies import ALL_REDUCE, POLICIES, Plan
 
 RECIPE_DEFAULT = "recipe-default"
@@ -295,19 +295,23 @@ def find_units(
     kind = f"fsdp{setup.fsdp_version}"
     groups = _fsdp2_wrapped(model, setup) if setup.fsdp_version == 2 else _fsdp1_wrapped(model, setup)
     dtypes = unit_dtypes(kind, setup, config, model_dtype)
+    shard = setup.shard_size
     seen: set[int] = set()
     units = []
     for name, modules in groups:
-        numel = 0
+        params = []
         for module in modules:
             for p in module.parameters():
                 if id(p) not in seen:
                     seen.add(id(p))
-                    numel += p.numel() if p.requires_grad else 0
+                    params += [p] if p.requires_grad else []
+        numel = sum(p.numel() for p in params)
+        # FSDP2 pads each parameter's dim 0 to the shard size, FSDP1 the one flat parameter.
+        sharded = sum(dim0_shard_numel(p.shape, shard) for p in params) if kind == "fsdp2" else -(-numel // shard)
         if numel:
             units.append(
                 Unit(name, None, numel, 1, held_dtype=dtypes["held"], reduce_dtype=dtypes["reduce"],
-                     compute_dtype=dtypes["compute"], shard_size=setup.shard_size)
+                     compute_dtype=dtypes["compute"], shard_size=shard, sharded_numel=sharded)
             )  # fmt: skip
     return units
 
@@ -428,7 +432,7 @@ def peak_grad_bytes(plan: Plan, adapter: EstimatedAdapter) -> int:
             transient = max(transient, compute if u.held_dtype != u.compute_dtype else 0)
             continue
         if id(u) not in held:  # an all-reduce hold's partial sum is its sharded gradient, in held_bytes
-            shard_grads += u.numel * adapter.sharded_dtype.itemsize // u.shard_size
+            shard_grads += u.sharded_numel * adapter.sharded_dtype.itemsize
         transient = max(transient, compute + (u.reduce_bytes if u.reduce_dtype != u.compute_dtype else 0))
     return plan.held_bytes() + shard_grads + transient
 

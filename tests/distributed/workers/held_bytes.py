@@ -1,6 +1,6 @@
 """Measure what `accel_gradsync.estimate` predicts: for each model (a spec `estimate` understands)
-and sync mode, one optimizer step of M micro-batches under the launched accelerate config;
-reports the real reduce-scatters/all-reduces counted, and the unsharded gradient bytes the
+and sync mode, one optimizer step of M micro-batches, after a warm-up step, under the launched
+accelerate config; reports the real reduce-scatters/all-reduces counted, and the unsharded gradient bytes the
 wrapper holds after each deferred micro-batch, read from the tensors FSDP keeps (each tensor
 once) and from the handle's `stats()`."""
 
@@ -70,13 +70,16 @@ for reduce_dtype in args.reduce_dtypes.split(","):
             optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
             model, optimizer = accelerator.prepare(model, optimizer)
             vocab = model_config.vocab_size
-            counter.take()
-            held = []
-            for k in range(args.M):
+            # The estimate is per steady-state step: the first one may sync units FSDP2 cannot hold
+            # before they have run once (see fsdp.FSDP2Adapter.holdable), so it is a warm-up.
+            for k in range(2 * args.M):
+                if k == args.M:
+                    counter.take()
+                    held = []
                 ids = torch.randint(0, vocab, (1, args.seq), generator=torch.Generator().manual_seed(k))
                 with accelerator.accumulate(model):
                     accelerator.backward(model(input_ids=ids, labels=ids).loss)
-                    if not accelerator.sync_gradients:
+                    if not accelerator.sync_gradients and k >= args.M:
                         with counter.paused():
                             held.append(held_tensor_bytes(model))
                     optimizer.step()
