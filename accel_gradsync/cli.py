@@ -40,6 +40,11 @@ class EstimateArguments:
     num_processes: Optional[int] = field(
         default=None, metadata={"help": "Override the config's num_processes, as accelerate launch --num_processes does."}
     )
+    mixed_precision: Optional[str] = field(
+        default=None,
+        metadata={"help": "Override the config's mixed_precision, as accelerate launch --mixed_precision does.",
+                  "choices": ("no", "fp16", "bf16", "fp8")},
+    )  # fmt: skip
     model_dtype: str = field(
         default="fp32",
         metadata={"help": "dtype the model's parameters are loaded in. With mixed_precision on, accelerate upcasts "
@@ -78,7 +83,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             args, config = estimate_parser.parse_args_into_dataclasses(argv[1:], look_for_args_file=False)
             result = estimate(
                 args.model, args.accelerate_config, args.micro_batches, config, args.num_processes,
-                model_dtype=_torch_dtype(args.model_dtype),
+                model_dtype=_torch_dtype(args.model_dtype), mixed_precision=args.mixed_precision,
             )  # fmt: skip
         except ValueError as err:
             estimate_parser.error(str(err))  # exits 2 with the usage line

@@ -58,9 +58,12 @@ class FSDPSetup:
         return self.replicate_size > 1
 
 
-def read_accelerate_config(source: Union[str, os.PathLike, dict], num_processes: Optional[int] = None) -> FSDPSetup:
+def read_accelerate_config(
+    source: Union[str, os.PathLike, dict], num_processes: Optional[int] = None, mixed_precision: Optional[str] = None
+) -> FSDPSetup:
     """An `FSDPSetup` from an accelerate config file (YAML/JSON) or the same keys as a dict.
-    `num_processes` overrides the file's, as `accelerate launch --num_processes` does."""
+    `num_processes` and `mixed_precision` override the file's, as the same flags of
+    `accelerate launch` do."""
     if isinstance(source, dict):
         config, where = source, "the accelerate config"
     else:
@@ -76,7 +79,7 @@ def read_accelerate_config(source: Union[str, os.PathLike, dict], num_processes:
     fsdp = config.get("fsdp_config") or {}
     version = int(fsdp.get("fsdp_version", 1))
     processes = int(num_processes or config.get("num_processes", 1))
-    mixed = str(config.get("mixed_precision", "no")).lower()
+    mixed = str(mixed_precision or config.get("mixed_precision", "no")).lower()
     if mixed not in _MIXED_PRECISION:
         raise ValueError(f"{where}: mixed_precision={mixed!r}; valid choices: {', '.join(_MIXED_PRECISION)}.")
     policy = str(fsdp.get("fsdp_auto_wrap_policy", "NO_WRAP")).upper()
@@ -444,12 +447,13 @@ def estimate(
     config: Optional[GradSyncConfig] = None,
     num_processes: Optional[int] = None,
     model_dtype: torch.dtype = torch.float32,
+    mixed_precision: Optional[str] = None,
 ) -> Estimate:
     """One `ModeEstimate` per mode in `policies.POLICIES`, planned by the runtime's own policies."""
     if micro_batches < 1:
         raise ValueError(f"micro_batches={micro_batches}: needs at least 1 micro-batch per optimizer step.")
     config = GradSyncConfig() if config is None else config
-    setup = read_accelerate_config(accelerate_config, num_processes)
+    setup = read_accelerate_config(accelerate_config, num_processes, mixed_precision)
     model = build_meta_model(load_model_config(model_spec), model_dtype)
     adapter = estimated_adapter(model, setup, config, model_dtype)
     free = None
