@@ -69,6 +69,7 @@ class SyncAccounting:
     unit_modes: dict = field(default_factory=dict)
     """Each unit's mode, by module name ("" is the root)."""
     optimizer_steps: int = 0
+    aborted_steps: int = 0
     peak_held_grad_bytes: int = 0
     total: StepCounts = field(default_factory=StepCounts)
     current: StepCounts = field(default_factory=StepCounts)
@@ -107,6 +108,12 @@ class SyncAccounting:
             self.optimizer_steps += 1
             self.last_step, self.current = self.current, StepCounts()
 
+    def abort_step(self) -> None:
+        """An exception ended the accumulation: its micro-batches stay in the totals, the next
+        window starts from zero."""
+        self.aborted_steps += 1
+        self.current = StepCounts()
+
     def record_held(self, held_grad_bytes: int) -> None:
         """The bytes measured right after a deferred micro-batch's backward."""
         self.current.held_grad_bytes = held_grad_bytes
@@ -120,6 +127,7 @@ class SyncAccounting:
             "units": self.units,
             "unit_modes": dict(self.unit_modes),
             "optimizer_steps": self.optimizer_steps,
+            "aborted_steps": self.aborted_steps,
             "peak_held_grad_bytes": self.peak_held_grad_bytes,
             **asdict(self.total),
         }

@@ -12,7 +12,7 @@ Formulas (N shard ranks, R replicas on an HSDP mesh, M micro-batches, per unit u
   (ring), 2(R-1)/R x that unsharded size / N per HSDP all-reduce.
 - held bytes: `Plan.held_bytes()` (numel x sizeof(held dtype) per held unit, plus the unsharded
   params with keep_params_unsharded).
-- peak: see `peak_grad_bytes`.
+- peak: see `peak_grad_bytes`; all-gathers: see `all_gathers_per_step`.
 """
 
 from __future__ import annotations
@@ -52,6 +52,8 @@ class FSDPSetup:
     min_num_params: int = 0
     replicate_size: int = 1
     shard_size: int = 1
+    reshard_after_forward: bool = True
+    """FSDP2 `fsdp_reshard_after_forward`; FSDP1: sharding strategy FULL_SHARD (vs SHARD_GRAD_OP)."""
 
     @property
     def hsdp(self) -> bool:
@@ -96,7 +98,8 @@ def read_accelerate_config(
             f"{where}: dp_replicate_size x dp_shard_size = {replicate} x {shard} != num_processes={processes}; "
             "make their product equal the number of processes."
         )
-    strategy = str(fsdp.get("fsdp_sharding_strategy", fsdp.get("fsdp_reshard_after_forward", "FULL_SHARD"))).upper()
+    default = "true" if version == 2 else "FULL_SHARD"
+    strategy = str(fsdp.get("fsdp_sharding_strategy", fsdp.get("fsdp_reshard_after_forward", default))).upper()
     if version == 1 and strategy in ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2", "NO_SHARD"):
         raise ValueError(
             f"{where}: FSDP1 sharding strategy {strategy} is not covered by the estimate; use FULL_SHARD or "
@@ -111,6 +114,7 @@ def read_accelerate_config(
         min_num_params=int(fsdp.get("fsdp_min_num_params", 0)),
         replicate_size=replicate,
         shard_size=shard,
+        reshard_after_forward=strategy in ("TRUE", "FULL_SHARD", "1"),
     )
 
 
@@ -185,13 +189,15 @@ def _wrap_classes(model: nn.Module, setup: FSDPSetup) -> tuple[type, ...]:
     return tuple(by_name[n] for n in names)
 
 
-def _fsdp2_wrapped(model: nn.Module, setup: FSDPSetup) -> list[tuple[str, list[nn.Module]]]:
+def _fsdp2_wrapped(model: nn.Module, setup: FSDPSetup) -> list[tuple[str, list[nn.Module], bool]]:
     """Modules `accelerate.utils.fsdp_utils.fsdp2_prepare_model` calls `fully_shard` on, in
-    that order: policy matches bottom-up, the input embedding (untied), one group for the
-    final norm + output embedding (+ input embedding when tied), the root."""
+    that order, and whether each reshards after forward: policy matches bottom-up and the input
+    embedding (untied) as configured, one group for the final norm + output embedding (+ input
+    embedding when tied) and the root never (accelerate: False, torch's default for the root)."""
     names = {id(m): n for n, m in model.named_modules()}
     order = [m for m in _bottom_up(model) if m is not model]
-    groups: list[tuple[str, list[nn.Module]]] = []
+    groups: list[tuple[str, list[nn.Module], bool]] = []
+    raf = setup.reshard_after_forward
     taken: set[int] = set()
     if setup.auto_wrap_policy == "TRANSFORMER_BASED_WRAP":
         classes = _wrap_classes(model, setup)
@@ -201,20 +207,20 @@ def _fsdp2_wrapped(model: nn.Module, setup: FSDPSetup) -> list[tuple[str, list[n
     else:
         matches = []
     for m in matches:
-        groups.append((names[id(m)], [m]))
+        groups.append((names[id(m)], [m], raf))
         taken.add(id(m))
     get_in, get_out = getattr(model, "get_input_embeddings", None), getattr(model, "get_output_embeddings", None)
     embed_in, embed_out = get_in() if get_in else None, get_out() if get_out else None
     tied = embed_in is not None and embed_out is not None and embed_in.weight is getattr(embed_out, "weight", None)
     if not tied and embed_in is not None and id(embed_in) not in taken:
-        groups.append((names[id(embed_in)], [embed_in]))
+        groups.append((names[id(embed_in)], [embed_in], raf))
         taken.add(id(embed_in))
     tail = [m for m in (_final_norm(model), *((embed_in, embed_out) if tied else (embed_out,))) if m is not None]
     tail = [m for m in tail if id(m) not in taken]
     if tail:
-        groups.append(("+".join(names[id(m)] for m in tail), tail))
+        groups.append(("+".join(names[id(m)] for m in tail), tail, False))
         taken.update(map(id, tail))
-    groups.append(("", [model]))
+    groups.append(("", [model], False))
     return groups
 
 
@@ -231,9 +237,10 @@ def _final_norm(model: nn.Module) -> Optional[nn.Module]:
     return found
 
 
-def _fsdp1_wrapped(model: nn.Module, setup: FSDPSetup) -> list[tuple[str, list[nn.Module]]]:
+def _fsdp1_wrapped(model: nn.Module, setup: FSDPSetup) -> list[tuple[str, list[nn.Module], bool]]:
     """Modules `FullyShardedDataParallel(model, auto_wrap_policy=...)` wraps, post-order, with
-    torch's public policy functions and the recursion of its `_recursive_wrap`."""
+    torch's public policy functions and the recursion of its `_recursive_wrap`. FULL_SHARD
+    reshards after forward except on the root, whose params backward needs at once."""
     from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy, transformer_auto_wrap_policy
 
     if setup.auto_wrap_policy == "TRANSFORMER_BASED_WRAP":
@@ -248,8 +255,8 @@ def _fsdp1_wrapped(model: nn.Module, setup: FSDPSetup) -> list[tuple[str, list[n
             return size_based_auto_wrap_policy(module, recurse, nonwrapped_numel, min_num_params=setup.min_num_params)
 
     else:
-        return [("", [model])]
-    wrapped: list[tuple[str, list[nn.Module]]] = []
+        return [("", [model], False)]
+    wrapped: list[tuple[str, list[nn.Module], bool]] = []
 
     def visit(name: str, module: nn.Module, root: bool) -> int:
         numel = sum(p.numel() for p in module.parameters())
@@ -257,12 +264,12 @@ def _fsdp1_wrapped(model: nn.Module, setup: FSDPSetup) -> list[tuple[str, list[n
             return 0
         inside = sum(visit(f"{name}.{n}" if name else n, child, False) for n, child in module.named_children())
         if not root and policy(module=module, recurse=False, nonwrapped_numel=numel - inside):
-            wrapped.append((name, [module]))
+            wrapped.append((name, [module], setup.reshard_after_forward))
             return numel
         return inside
 
     visit("", model, root=True)
-    return wrapped + [("", [model])]
+    return wrapped + [("", [model], False)]
 
 
 def _bottom_up(model: nn.Module) -> list[nn.Module]:
@@ -295,13 +302,20 @@ def find_units(
 ) -> list[Unit]:
     """The units a prepared model would have: per wrapped module (group), its trainable params
     not already owned by a unit wrapped before it, each shared (tied) tensor counted once."""
+    return [unit for unit, _ in _units_resharding(model, setup, config, model_dtype)]
+
+
+def _units_resharding(
+    model: nn.Module, setup: FSDPSetup, config: GradSyncConfig, model_dtype: torch.dtype
+) -> list[tuple[Unit, bool]]:
+    """`find_units`, each with whether it reshards after forward (so backward all-gathers)."""
     kind = f"fsdp{setup.fsdp_version}"
     groups = _fsdp2_wrapped(model, setup) if setup.fsdp_version == 2 else _fsdp1_wrapped(model, setup)
     dtypes = unit_dtypes(kind, setup, config, model_dtype)
     shard = setup.shard_size
     seen: set[int] = set()
     units = []
-    for name, modules in groups:
+    for name, modules, reshards in groups:
         params = []
         for module in modules:
             for p in module.parameters():
@@ -313,8 +327,8 @@ def find_units(
         sharded = sum(dim0_shard_numel(p.shape, shard) for p in params) if kind == "fsdp2" else -(-numel // shard)
         if numel:
             units.append(
-                Unit(name, None, numel, 1, held_dtype=dtypes["held"], reduce_dtype=dtypes["reduce"],
-                     compute_dtype=dtypes["compute"], shard_size=shard, sharded_numel=sharded)
+                (Unit(name, None, numel, 1, held_dtype=dtypes["held"], reduce_dtype=dtypes["reduce"],
+                     compute_dtype=dtypes["compute"], shard_size=shard, sharded_numel=sharded), reshards)
             )  # fmt: skip
     return units
 
@@ -328,6 +342,11 @@ class EstimatedAdapter:
     hsdp: bool = False
     collective: str = "reduce_scatter"
     sharded_dtype: torch.dtype = torch.float32
+    reshards_after_forward: dict = field(default_factory=dict)
+    """id(unit) -> True where the unit reshards after forward, so backward all-gathers it again."""
+    keeps_params_when_held: bool = False
+    """FSDP1 SHARD_GRAD_OP: `no_sync()` keeps the params unsharded, so held micro-batches skip
+    the next forward's all-gather (FSDP2 does so with keep_params_unsharded)."""
 
     @property
     def root_only(self) -> bool:
@@ -340,9 +359,13 @@ def estimated_adapter(
     kind = f"fsdp{setup.fsdp_version}"
     if setup.hsdp and kind != "fsdp2":
         raise ValueError("parallelism_config dp_replicate_size > 1 needs fsdp_version: 2 in the accelerate config.")
-    units = find_units(model, setup, config, model_dtype)
+    pairs = _units_resharding(model, setup, config, model_dtype)
     sharded = unit_dtypes(kind, setup, config, model_dtype)["sharded"]
-    return EstimatedAdapter(kind, units, hsdp=setup.hsdp, sharded_dtype=sharded)
+    return EstimatedAdapter(
+        kind, [u for u, _ in pairs], hsdp=setup.hsdp, sharded_dtype=sharded,
+        reshards_after_forward={id(u): r for u, r in pairs},
+        keeps_params_when_held=kind == "fsdp1" and not setup.reshard_after_forward,
+    )  # fmt: skip
 
 
 # -- the estimate ----------------------------------------------------------------------------------
@@ -360,6 +383,9 @@ class ModeEstimate:
     held_bytes: int = 0
     held_dtype: str = ""
     peak_bytes: int = 0
+    all_gathers: int = 0
+    """Parameter all-gathers per optimizer step (forward, and backward after a reshard)."""
+    all_gather_bytes: int = 0
     fits: Optional[bool] = None
     """peak_bytes <= free memory x (1 - memory_margin); None without --grad-sync-free-memory."""
     selected: bool = False
@@ -414,6 +440,23 @@ def send_bytes_per_step(plan: Plan, adapter: EstimatedAdapter, micro_batches: in
         if adapter.hsdp:
             total += ar * u.collectives * (u.reduce_bytes / n) * 2 * (replicate - 1) / replicate
     return int(total)
+
+
+def all_gathers_per_step(plan: Plan, adapter: EstimatedAdapter, micro_batches: int) -> tuple[int, int]:
+    """(all-gathers, bytes one rank sends for them) per optimizer step. Every unit all-gathers
+    its params in each forward, and again in backward when it resharded after forward; a held
+    unit whose params stay unsharded after a held backward (FSDP2 keep_params_unsharded, FSDP1
+    SHARD_GRAD_OP under no_sync) skips the next M-1 forwards' all-gathers. Ring: (N-1)/N of the
+    unsharded params in the compute dtype per all-gather."""
+    m = micro_batches
+    keeps = plan.hold != ALL_REDUCE and (plan.keep_params_unsharded or adapter.keeps_params_when_held)
+    held = {id(u) for u in plan.held} if keeps else set()
+    count, sent = 0, 0.0
+    for u in adapter.units:
+        n = (m - (m - 1) * (id(u) in held)) + (m if adapter.reshards_after_forward.get(id(u), False) else 0)
+        count += n
+        sent += n * u.param_bytes * (u.shard_size - 1) / u.shard_size
+    return count, int(sent)
 
 
 def peak_grad_bytes(plan: Plan, adapter: EstimatedAdapter) -> int:
@@ -496,6 +539,7 @@ def estimate(
         if plan.hold == ALL_REDUCE:
             row.held_dtype += " (sharded)"
         row.peak_bytes = peak_grad_bytes(plan, adapter)
+        row.all_gathers, row.all_gather_bytes = all_gathers_per_step(plan, adapter, micro_batches)
         if free is not None:
             row.fits = row.peak_bytes <= int(free * (1 - config.memory_margin))
         result.modes.append(row)
@@ -537,18 +581,18 @@ def format_table(est: Estimate) -> str:
         "",
     ]
     header = ["mode", "reduce-scatters/step", "all-reduces/step", "sent/rank/step", "held/rank", "held dtype",
-              "peak/rank", "fits"]  # fmt: skip
+              "peak/rank", "fits", "all-gathers/step"]  # fmt: skip
     rows, notes = [], []
     for m in est.modes:
         name = m.mode + (" *" if m.selected else "")
         if not m.applicable:
-            rows.append([name, "n/a", "", "", "", "", "", ""])
+            rows.append([name, "n/a", "", "", "", "", "", "", ""])
             notes.append(f"{m.mode}: n/a: {m.reason}")
             continue
         fits = "-" if m.fits is None else ("yes" if m.fits else "NO")
         rows.append([name, str(m.reduce_scatters), str(m.all_reduces) if est.replicate_size > 1 else "-",
                      format_bytes(m.send_bytes), format_bytes(m.held_bytes), m.held_dtype or "-",
-                     format_bytes(m.peak_bytes), fits])  # fmt: skip
+                     format_bytes(m.peak_bytes), fits, f"{m.all_gathers} ({format_bytes(m.all_gather_bytes)})"])  # fmt: skip
         if m.reason:
             notes.append(f"{m.mode}: {m.reason}")
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]

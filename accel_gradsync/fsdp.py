@@ -8,7 +8,10 @@ calls correctly; `root_only` tells the caller to reuse it.
 FSDP2 has setters for its per-unit flags but no getters (torch 2.13), so `_sync_flags` reads
 them back from the param groups the setters write. Those reads, the dtypes and held gradient
 tensors of FSDP2's params and FSDP1's flat parameter are the only private torch attributes
-this package touches, all in this module; nothing private is assigned.
+this package reads, all in this module. It writes private state in two places only, both
+where torch has no API and would otherwise give wrong gradients or crash:
+`even_out_held_grads` (FSDP2's uniform-dtype assertion) and `drop_held_grads` (gradients of
+an aborted accumulation that `zero_grad` cannot reach).
 """
 
 from __future__ import annotations
@@ -88,6 +91,19 @@ class ModelAdapter:
         `gradient_sync`, or (HSDP) only the cross-replica `all_reduce`."""
         raise NotImplementedError
 
+    def holdable(self, units: Sequence[Unit]) -> list[Unit]:
+        """The `units` whose sync can be held on this micro-batch (all, unless a wrapper says not)."""
+        return list(units)
+
+    def even_out_held_grads(self, units: Sequence[Unit]) -> int:
+        """Make held gradients safe to reduce together later (see FSDP2); 0 where nothing to do."""
+        return 0
+
+    def drop_held_grads(self) -> None:
+        """Discard every gradient of an aborted accumulation: `.grad`, and what the wrapper holds
+        elsewhere (FSDP2's unsharded and accumulated gradients, HSDP partial sums)."""
+        self.model.zero_grad(set_to_none=True)
+
     def held_grad_bytes(self) -> int:
         """Bytes of unsharded gradient the wrapper holds right now, read from the tensors it
         keeps (sizes only: no device synchronisation)."""
@@ -101,11 +117,17 @@ class FSDP2Adapter(ModelAdapter):
     kind = "fsdp2"
 
     def _find_units(self, model: nn.Module) -> list[Unit]:
-        units = []
+        units, seen = [], set()
         for name, module in model.named_modules():
             if not isinstance(module, FSDPModule):
                 continue
-            groups = module._get_fsdp_state()._fsdp_param_groups
+            # `fully_shard([a, b, c])` (accelerate does it for tied embeddings and the final norm)
+            # gives several modules one state and one param group: one unit, one reduce-scatter.
+            state = module._get_fsdp_state()
+            if id(state) in seen:
+                continue
+            seen.add(id(state))
+            groups = state._fsdp_param_groups
             params = [p for g in groups for p in g.fsdp_params if p.sharded_param.requires_grad]
             if not params:
                 continue
@@ -132,11 +154,52 @@ class FSDP2Adapter(ModelAdapter):
                     total += partial.numel() * partial.element_size()
                 for p in group.fsdp_params:
                     grad = p.unsharded_accumulated_grad
-                    if grad is None:
+                    if grad is None and hasattr(p, "_unsharded_param"):  # absent until first all-gather
                         grad = p._unsharded_param.grad
                     if grad is not None:
                         total += grad.numel() * grad.element_size()
         return total
+
+    def holdable(self, units: Sequence[Unit]) -> list[Unit]:
+        """The `units` FSDP2 can hold right now. torch 2.13 fails in its post-backward
+        (`to_accumulated_grad_if_needed`) on a unit that was never all-gathered, when a held
+        gradient must be cast to `reduce_dtype`: such a unit syncs until it has run once."""
+        return [
+            u for u in units
+            if u.held_dtype == u.compute_dtype or all(hasattr(p, "_unsharded_param") for p in _fsdp_params(u.module))
+        ]  # fmt: skip
+
+    def even_out_held_grads(self, units: Sequence[Unit]) -> int:
+        """After a held backward: in each unit whose held gradients are cast to `reduce_dtype`,
+        give the params that got no gradient yet a zero one in that dtype, so a first gradient
+        on a later micro-batch joins a uniform reduce-scatter (torch 2.13 asserts "FSDP
+        reduce-scatter expects uniform gradient dtype" otherwise). Returns how many it filled.
+        Such a param then ends the step with a zero gradient rather than None."""
+        filled = 0
+        for unit in units:
+            if unit.held_dtype == unit.compute_dtype:
+                continue
+            params = _fsdp_params(unit.module)
+            if not any(p.unsharded_accumulated_grad is not None for p in params):
+                continue
+            for p in params:
+                if p.unsharded_accumulated_grad is None and hasattr(p, "_unsharded_param"):
+                    if p._unsharded_param.grad is None and p.sharded_param.requires_grad:
+                        p.unsharded_accumulated_grad = torch.zeros(
+                            p._orig_size, dtype=unit.held_dtype, device=p.sharded_param.device
+                        )
+                        filled += 1
+        return filled
+
+    def drop_held_grads(self) -> None:
+        self.model.zero_grad(set_to_none=True)
+        for unit in self.units:
+            for group in unit.module._get_fsdp_state()._fsdp_param_groups:
+                group._partial_reduce_output = None
+                for p in group.fsdp_params:
+                    p.unsharded_accumulated_grad = None
+                    if hasattr(p, "_unsharded_param"):
+                        p._unsharded_param.grad = None
 
     @contextlib.contextmanager
     def hold(
@@ -186,6 +249,11 @@ class FSDP1Adapter(ModelAdapter):
                          shard_size=shard, sharded_numel=-(-numel // shard))
                 )  # fmt: skip
         return units
+
+    def drop_held_grads(self) -> None:
+        self.model.zero_grad(set_to_none=True)
+        for unit in self.units:
+            unit.module._handle.flat_param.grad = None
 
     def held_grad_bytes(self) -> int:
         # Under no_sync FSDP1 leaves the unsharded flat gradient on `flat_param.grad`.

@@ -84,7 +84,8 @@ class GradSyncHandle:
         self._adapters: dict[int, Optional[ModelAdapter]] = {}
         self._plans: dict[int, Plan] = {}
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
-        self._held: Optional[Plan] = None
+        self._held: Optional[tuple[list, str]] = None  # (units held, how) during a held micro-batch
+        self._warned: set[str] = set()
         self._callback = None
         self._original_class: Optional[type] = None
         self._free_memory: Optional[int] = None
@@ -231,6 +232,16 @@ class GradSyncHandle:
                 with handle._no_sync(model, super().no_sync):
                     yield
 
+            @contextlib.contextmanager
+            def accumulate(self, *models):
+                with super().accumulate(*models):
+                    try:
+                        yield
+                    except BaseException:
+                        handle._abort_accumulation()
+                        self.step = 0  # accelerate's window counter: the next window starts fresh
+                        raise
+
             def prepare(self, *args, **kwargs):
                 result = super().prepare(*args, **kwargs)
                 for obj in result if isinstance(result, tuple) else (result,):
@@ -308,6 +319,25 @@ class GradSyncHandle:
                 stacklevel=3,
             )
 
+    def _abort_accumulation(self) -> None:
+        """An exception (KeyboardInterrupt included) left `accumulate()`: discard the window's
+        gradients, held or not, so none leaks into the next one. Flags were restored on the way
+        out of `no_sync`."""
+        for adapter in self._adapters.values():
+            if adapter is not None:
+                adapter.drop_held_grads()
+        self.accounting.abort_step()
+        self._warn_once(
+            "abort",
+            "accel_gradsync: an exception ended an accumulation window; its gradients were discarded "
+            "and the next accumulate() starts a fresh window of M micro-batches.",
+        )
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(message, GradSyncWarning, stacklevel=4)
+
     # -- hot path -----------------------------------------------------------------------------
     @contextlib.contextmanager
     def _no_sync(self, model: nn.Module, accelerate_no_sync) -> Iterator[None]:
@@ -321,14 +351,30 @@ class GradSyncHandle:
         if self.accelerator.sync_gradients or not plan.held:
             yield
             return
+        held = plan.held
         if adapter.root_only:
             context = accelerate_no_sync(model)
         else:
-            context = adapter.hold(plan.held, plan.hold, plan.keep_params_unsharded)
-        self._held = plan
+            held = adapter.holdable(plan.held)
+            if len(held) != len(plan.held):
+                self._warn_once(
+                    "fallback",
+                    f"accel_gradsync: {len(plan.held) - len(held)} unit(s) sync this micro-batch instead of "
+                    "holding: torch's FSDP2 cannot hold a gradient that must be cast to reduce_dtype for a "
+                    "unit that has not run yet. They hold once they have run; gradients stay exact.",
+                )
+            context = adapter.hold(held, plan.hold, plan.keep_params_unsharded)
+        self._held = (held, plan.hold)
         try:
             with context:
                 yield
+            if adapter.even_out_held_grads(held):
+                self._warn_once(
+                    "even_out",
+                    "accel_gradsync: some parameters got no gradient in a held micro-batch while others in "
+                    "their unit did; they now hold a zero gradient in the reduce dtype so that a later "
+                    "first gradient reduces correctly (torch's FSDP2 needs one dtype per unit).",
+                )
             self.accounting.record_held(adapter.held_grad_bytes())
         finally:
             self._held = None
@@ -336,13 +382,9 @@ class GradSyncHandle:
     def _on_forward(self, module: nn.Module, args: Any) -> None:
         if not (module.training and torch.is_grad_enabled()):
             return  # generation, evaluation, or log-prob passes without gradients
-        adapter = self._adapters[id(module)]
-        plan = self._held
+        held, hold = self._held if self._held is not None else ((), "")
         self.accounting.record_micro_batch(
-            adapter.units,
-            plan.held if plan is not None else (),
-            plan.hold if plan is not None else "",
-            ends_step=self.accelerator.sync_gradients,
+            self._adapters[id(module)].units, held, hold, ends_step=self.accelerator.sync_gradients
         )
 
 

@@ -59,3 +59,30 @@ def test_wrong_values_name_field_value_and_choices(monkeypatch):
         GradSyncConfig()
     with pytest.raises(SystemExit):
         HfArgumentParser(GradSyncConfig).parse_args_into_dataclasses(["--defer-grad-sync", "maybe"])
+
+
+def _recipe_parser():
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "recipes" / "grpo.py"
+    spec = importlib.util.spec_from_file_location("recipe_grpo", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module.make_parser()
+
+
+def test_recipe_command_line_and_yaml_agree_with_the_dataclass(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    parser = _recipe_parser()
+    (*_, from_cli) = parser.parse_args_and_config([])
+    assert from_cli == GradSyncConfig()
+    yaml_file = tmp_path / "recipe.yaml"
+    yaml_file.write_text("output_dir: /tmp/unused\n")  # a recipe YAML that does not mention the plugin
+    (*_, from_yaml) = parser.parse_args_and_config(["--config", str(yaml_file)])
+    assert dataclasses.asdict(from_yaml) == DEFAULTS
+    yaml_file.write_text("defer: true\nsync_mode: deferred\n")
+    (*_, deferred) = parser.parse_args_and_config(["--config", str(yaml_file)])
+    assert deferred.mode == "deferred"
