@@ -35,7 +35,7 @@ from .cpu import fsdp_requested
 from .errors import GradSyncWarning
 from .fsdp import ModelAdapter, adapt_model, is_fsdp_wrapped
 from .memory import agreed_free_memory
-from .policies import ALL_REDUCE, Plan, SyncPolicy, resolve_policy
+from .policies import ALL_REDUCE, Plan, SyncPolicy, format_bytes, resolve_policy
 
 _HANDLE_ATTR = "_accel_gradsync_handle"  # class attribute of the per-instance subclass
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -312,7 +312,7 @@ class GradSyncHandle:
             extra = sum(u.numel * (u.held_dtype.itemsize - u.compute_dtype.itemsize) for u in wide)
             warnings.warn(
                 f"accel_gradsync: deferral holds gradients in {wide[0].held_dtype} (the reduce dtype), wider "
-                f"than the {wide[0].compute_dtype} compute dtype: {extra / 2**20:.1f} MiB more per rank than "
+                f"than the {wide[0].compute_dtype} compute dtype: {format_bytes(extra)} more per rank than "
                 f"{wide[0].compute_dtype} would hold. Set reduce_dtype to match the params (or 'auto') to "
                 "halve it, at the cost of reducing in low precision.",
                 GradSyncWarning,

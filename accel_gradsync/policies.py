@@ -109,7 +109,7 @@ class BudgetSync(SyncPolicy):
             if used + cost <= budget:
                 chosen.append(unit)
                 used += cost
-        reason = f"{len(chosen)} of {len(adapter.units)} units fit the {_fmt(budget)} budget ({_fmt(used)} held)"
+        reason = f"{len(chosen)} of {len(adapter.units)} units fit the {format_bytes(budget)} budget ({format_bytes(used)} held)"
         return Plan(self.name, chosen, keep_params_unsharded=keep, reason=reason)
 
 
@@ -142,7 +142,7 @@ class AutoSync(SyncPolicy):
     def plan(self, adapter: ModelAdapter, free_memory: FreeMemory) -> Plan:
         free = free_memory()
         usable = int(free * (1 - self.config.memory_margin))
-        room = f"{_fmt(usable)} usable of {_fmt(free)} free (margin {self.config.memory_margin:g})"
+        room = f"{format_bytes(usable)} usable of {format_bytes(free)} free (margin {self.config.memory_margin:g})"
         deferred = DeferredSync(self.config).plan(adapter, free_memory)
         if deferred.held_bytes() <= usable:
             choice, needs = deferred, deferred.held_bytes()
@@ -154,8 +154,8 @@ class AutoSync(SyncPolicy):
         else:
             choice, needs = PerMicroBatchSync(self.config).plan(adapter, free_memory), 0
         choice.reason = (
-            f"auto chose {choice.mode}: full deferral holds {_fmt(deferred.held_bytes())}/rank, {room}"
-            + (f"; {choice.mode} holds {_fmt(needs)}" if choice.mode == "defer_all_reduce" else "")
+            f"auto chose {choice.mode}: full deferral holds {format_bytes(deferred.held_bytes())}/rank, {room}"
+            + (f"; {choice.mode} holds {format_bytes(needs)}" if choice.mode == "defer_all_reduce" else "")
         )
         return choice
 
@@ -175,5 +175,8 @@ def resolve_policy(config: GradSyncConfig) -> SyncPolicy:
         ) from None
 
 
-def _fmt(n: int) -> str:
+def format_bytes(n: int) -> str:
+    """Bytes for a message: exact below 1 MiB, else MiB or GiB with one decimal."""
+    if n >= 2**30:
+        return f"{n / 2**30:.1f} GiB"
     return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n} B"

@@ -122,3 +122,29 @@ def test_keep_params_unsharded_skips_the_next_forward_all_gathers(fsdp2):
         deferred = sum(_counts(rank["modes"]["deferred"], "all_gather_single"))
         kept = sum(_counts(rank["modes"]["keep_params"], "all_gather_single"))
         assert kept < deferred
+
+
+@pytest.fixture(scope="module")
+def bf16():
+    config = {**accelerate_config("fsdp2"), "mixed_precision": "bf16"}
+    runs = [
+        {"name": "deferred", "config": {"defer": True}},
+        {"name": "deferred_fp32_reduce", "config": {"defer": True, "reduce_dtype": "fp32"}, "attach_before_prepare": True},
+        {"name": "deferred_bf16_reduce", "config": {"defer": True, "reduce_dtype": "bf16"}, "attach_before_prepare": True},
+    ]  # fmt: skip
+    return launch("accumulate", _runs(runs), config)
+
+
+def test_reduce_dtype_sets_what_deferral_holds_and_warns_with_the_bytes(bf16):
+    params = FULL // 4
+    for rank in bf16:
+        held = {name: res["stats"]["peak_held_grad_bytes"] for name, res in rank["modes"].items()}
+        # bf16 params: accelerate reduces in bf16 (2 bytes/param); an fp32 reduce holds 4.
+        assert held == {"deferred": 2 * params, "deferred_fp32_reduce": 4 * params, "deferred_bf16_reduce": 2 * params}
+        for name, res in rank["modes"].items():
+            assert res["plan"]["held_bytes"] == held[name]
+            for step in res["steps"]:
+                assert step["max_diff"] <= 5e-2  # bf16 compute against the fp32 reference
+        (warning,) = [w for w in rank["modes"]["deferred_fp32_reduce"]["warnings"] if "wider" in w]
+        assert "torch.float32" in warning and f"{2 * params} B more" in warning
+        assert not any("wider" in w for w in rank["modes"]["deferred"]["warnings"])

@@ -6,6 +6,7 @@ sync flags come back as they were, after a normal micro-batch and after one that
 
 import copy
 import json
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -64,11 +65,18 @@ for run in args.runs:
     expected = reference_grads(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     loader = DataLoader(TensorDataset(X, Y), batch_size=b, shuffle=False)
-    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    caught = warnings.catch_warnings(record=True)
+    warned = caught.__enter__()
+    warnings.simplefilter("always", accel_gradsync.GradSyncWarning)
+    if run.get("attach_before_prepare"):  # needed for reduce_dtype: it must reach FSDP's policy
+        handle = accel_gradsync.attach(accelerator, accel_gradsync.GradSyncConfig(**config))
+        model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    else:
+        model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+        handle = accel_gradsync.attach(accelerator, accel_gradsync.GradSyncConfig(**config))
     if isinstance(model, DistributedDataParallel):
         # DDP all-reduces from C++; the default hook does the same through torch.distributed.
         model.register_comm_hook(None, allreduce_hook)
-    handle = accel_gradsync.attach(accelerator, accel_gradsync.GradSyncConfig(**config))
     counter.take()
     steps = []
     for x, y in loader:
@@ -81,6 +89,7 @@ for run in args.runs:
                 steps.append({"counts": counts, "max_diff": max_diff(grads, expected[len(steps)])})
             optimizer.step()
             optimizer.zero_grad()
+    caught.__exit__(None, None, None)
     plan = handle.plan()
     result["modes"][run["name"]] = {
         "steps": steps,
@@ -88,6 +97,7 @@ for run in args.runs:
         "plan": {"mode": plan.mode, "held": [u.name for u in plan.held], "hold": plan.hold,
                  "held_bytes": plan.held_bytes(), "reason": plan.reason},
         "units": {u.name: u.held_bytes for u in handle.units()},
+        "warnings": [str(w.message) for w in warned if issubclass(w.category, accel_gradsync.GradSyncWarning)],
     }  # fmt: skip
     result["wrapper"] = handle.stats()["wrapper"]
     handle.detach()
