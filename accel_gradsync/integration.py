@@ -308,7 +308,7 @@ class GradSyncHandle:
         if adapter.root_only and plan.held and len(plan.held) != len(adapter.units):
             raise AssertionError(f"{adapter.kind} can only defer every unit at once")  # policies ensure it
         wide = [u for u in plan.held if u.held_dtype.itemsize > u.compute_dtype.itemsize]
-        if plan.hold != ALL_REDUCE and wide:
+        if plan.hold != ALL_REDUCE and wide and self.micro_batches_per_step > 1:
             extra = sum(u.numel * (u.held_dtype.itemsize - u.compute_dtype.itemsize) for u in wide)
             warnings.warn(
                 f"accel_gradsync: deferral holds gradients in {wide[0].held_dtype} (the reduce dtype), wider "
@@ -413,7 +413,7 @@ def describe_decision(plan: Plan, adapter: ModelAdapter, micro_batches: int) -> 
     if plan.held:
         dtype = str(plan.held[0].held_dtype).removeprefix("torch.")
         what = "sharded partial" if plan.hold == ALL_REDUCE else "unsharded"
-        line += f"; holds ~{plan.held_bytes() / 2**20:.1f} MiB {what} {dtype} grads per rank"
+        line += f"; holds ~{format_bytes(plan.held_bytes())} {what} {dtype} grads per rank"
         if plan.keep_params_unsharded:
             line += " (and the unsharded params)"
     if plan.reason:
