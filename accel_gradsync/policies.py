@@ -176,7 +176,8 @@ def resolve_policy(config: GradSyncConfig) -> SyncPolicy:
 
 
 def format_bytes(n: int) -> str:
-    """Bytes for a message: exact below 1 MiB, else MiB or GiB with one decimal."""
-    if n >= 2**30:
-        return f"{n / 2**30:.1f} GiB"
-    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n} B"
+    """Bytes for a message: exact below 1 KiB, else KiB, MiB or GiB with one decimal."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
