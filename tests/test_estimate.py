@@ -197,6 +197,21 @@ def test_bytes_sent_follow_the_ring_formulas():
     assert hsdp.mode("defer_all_reduce").send_bytes == pytest.approx(m * shard_rs + shard_ar, abs=8)
 
 
+def test_all_gathers_follow_resharding_and_kept_params():
+    m = 3
+    fsdp2 = estimate("recipe-default", fsdp(2), m, GradSyncConfig(keep_params_unsharded=True))
+    # 2 layers reshard after forward (forward + backward all-gather); accelerate's tail group does not.
+    assert fsdp2.mode("per_micro_batch").all_gathers == 3 * m + 2 * m
+    assert fsdp2.mode("deferred").all_gathers == 3 * 1 + 2 * m  # kept params: one forward all-gather
+    fsdp2_no_reshard = estimate("recipe-default", fsdp(2, fsdp_reshard_after_forward=False), m)
+    assert fsdp2_no_reshard.mode("per_micro_batch").all_gathers == 3 * m
+    grad_op = estimate("recipe-default", fsdp(1, fsdp_sharding_strategy="SHARD_GRAD_OP"), m)
+    assert grad_op.mode("deferred").all_gathers == 3  # no_sync keeps SHARD_GRAD_OP params unsharded
+    assert grad_op.mode("per_micro_batch").all_gathers == 3 * m
+    p = grad_op.params * 4
+    assert grad_op.mode("per_micro_batch").all_gather_bytes == pytest.approx(m * p / 2, abs=8)
+
+
 def test_fits_compares_the_peak_with_free_memory_less_the_margin():
     est = estimate("recipe-default", fsdp(2), 4, GradSyncConfig(free_memory="200KiB", memory_margin=0.0))
     assert est.mode("deferred").peak_bytes > 200 * 1024 and est.mode("deferred").fits is False

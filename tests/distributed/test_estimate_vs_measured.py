@@ -2,7 +2,8 @@
 recipe's default model and a ~10M-parameter Qwen2, FSDP1 and FSDP2, without and with bf16
 mixed precision (FSDP2 also with an fp32 reduce, the 4-bytes-per-param case), the estimated
 held bytes are within 2% of the bytes FSDP really holds between micro-batches, in the
-estimated dtype, and the estimated reduce-scatters per optimizer step equal the real ones
+estimated dtype, and the estimated reduce-scatters (FSDP2: and all-gathers) per optimizer step
+equal the real ones
 (in the second optimizer step: the estimate describes the steady state).
 
 One launch per (FSDP version, mixed precision), each running both models in both modes."""
@@ -87,6 +88,8 @@ def test_collective_counts_per_step_are_exact(run):
         reduce_scatters = counts.get("reduce_scatter_single", 0) + counts.get("reduce_scatter_tensor", 0)
         assert reduce_scatters == row.reduce_scatters, (est.model, result["mode"], counts, row)
         assert counts.get("all_reduce", 0) == row.all_reduces == 0  # a 1-D mesh: no HSDP all-reduce
+        if est.wrapper == "fsdp2":  # FSDP1's all-gathers bypass the wrapped torch.distributed functions
+            assert counts.get("all_gather_single", 0) + counts.get("all_gather_into_tensor", 0) == row.all_gathers
 
 
 def test_deferral_saves_what_the_estimate_says(run):
