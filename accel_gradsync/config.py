@@ -160,6 +160,11 @@ class GradSyncConfig:
                 )
 
     @property
+    def free_memory_bytes(self) -> Optional[int]:
+        """`free_memory` in bytes, or None when it is to be measured."""
+        return parse_bytes(self.free_memory)[0] if self.free_memory else None
+
+    @property
     def mode(self) -> str:
         """Name of the sync policy this config selects (see `accel_gradsync.policies.POLICIES`)."""
         return self.sync_mode
@@ -210,8 +215,10 @@ def _coerce(name: str, value: Any, source: str) -> Any:
         return value
     if name in ("memory_budget", "free_memory"):
         value = "" if value is None else str(value).strip()
-        if value:
-            parse_bytes(value, source)
+        if value and parse_bytes(value, source)[0] is None and name == "free_memory":
+            raise ValueError(
+                f"{source}={value!r} must be an absolute size with a unit (B, KiB, MiB, GiB), e.g. 40GiB."
+            )
         return value
     if name == "memory_margin":
         try:

@@ -7,7 +7,7 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from .config import GradSyncConfig, parse_bytes
+from .config import GradSyncConfig
 
 
 def free_device_memory(device: torch.device) -> int:
@@ -22,14 +22,8 @@ def free_device_memory(device: torch.device) -> int:
 def agreed_free_memory(config: GradSyncConfig, device: torch.device) -> int:
     """This rank's free memory (or `config.free_memory`), then the minimum over all ranks, so
     every rank takes the same decision even when their free memory differs."""
-    if config.free_memory:
-        free, _ = parse_bytes(config.free_memory, "GradSyncConfig.free_memory")
-        if free is None:
-            raise ValueError(
-                f"GradSyncConfig.free_memory={config.free_memory!r} must be an absolute size with a unit "
-                "(B, KiB, MiB, GiB), e.g. 40GiB."
-            )
-    else:
+    free = config.free_memory_bytes
+    if free is None:
         free = free_device_memory(device)
     if dist.is_available() and dist.is_initialized():
         value = torch.tensor([free], dtype=torch.int64, device=device)

@@ -57,6 +57,15 @@ def test_wrong_values_name_field_value_and_choices(monkeypatch):
     monkeypatch.setenv("ACCEL_GRADSYNC_DEFER", "2")
     with pytest.raises(ValueError, match=r"ACCEL_GRADSYNC_DEFER='2'.*valid choices"):
         GradSyncConfig()
+    monkeypatch.delenv("ACCEL_GRADSYNC_DEFER")
+    with pytest.raises(ValueError, match=r"GradSyncConfig.free_memory='0.5' must be an absolute size"):
+        GradSyncConfig(sync_mode="auto", free_memory="0.5")
+    with pytest.raises(ValueError, match=r"memory_budget='-1GiB' is not a memory size"):
+        GradSyncConfig(sync_mode="budget", memory_budget="-1GiB")
+    with pytest.raises(ValueError, match=r"sync_mode='budget' needs a memory budget"):
+        GradSyncConfig(sync_mode="budget")
+    with pytest.raises(ValueError, match=r"defer=True and GradSyncConfig.sync_mode='auto' contradict"):
+        GradSyncConfig(defer=True, sync_mode="auto")
     with pytest.raises(SystemExit):
         HfArgumentParser(GradSyncConfig).parse_args_into_dataclasses(["--defer-grad-sync", "maybe"])
 
