@@ -158,6 +158,7 @@ def merge(ranks: list[dict]) -> dict:
         rows.append({
             "config": name, "M": M, "label": registry.CONFIGS[name]["label"], "group": registry.CONFIGS[name]["group"],
             "step_time_s": statistics.median(times), "step_times_s": times,
+            **cpu_times(per_rank),
             **{f"{k}_per_step": v for k, v in counts.items()},
             "counts_seen_per_step": exact,
             "held_grad_bytes": max(r["held_grad"]["bytes"] for r in all_recs),
@@ -173,6 +174,14 @@ def merge(ranks: list[dict]) -> dict:
         })  # fmt: skip
     return {"size": first["size"], "facts": first["facts"], "device": first["device"],
             "unavailable": first["unavailable"], "versions": first["versions"], "rows": rows}  # fmt: skip
+
+
+def cpu_times(per_rank: list[list[dict]]) -> dict:
+    """Median over steps of the busiest rank's CPU seconds, where the worker recorded them."""
+    if "cpu_s" not in per_rank[0][0]["steps"][0]:
+        return {}
+    cpu = [max(r["steps"][j]["cpu_s"] for r in recs) for recs in zip(*per_rank) for j in range(len(recs[0]["steps"]))]
+    return {"step_cpu_s": statistics.median(cpu), "step_cpus_s": cpu}
 
 
 def describe_machine(device: str) -> dict:

@@ -178,12 +178,14 @@ def measure_step(bench: Bench, run: dict, M: int) -> dict:
     memory = start_memory(bench)
     bench.meter.take()
     bench.probes, bench.probing = [], True
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     LOOPS[run["spec"]["loop"]](bench, run, M)
     synchronize(bench.device)
-    elapsed = time.perf_counter() - t0
+    elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     bench.probing = False
-    sample = {"time_s": elapsed, **bench.meter.take(), "held_grad_bytes": max(bench.probes, default=0)}
+    # CPU time of this rank (all its threads, gloo's included): what the step itself cost, much
+    # less sensitive than wall time to other processes competing for the cores.
+    sample = {"time_s": elapsed, "cpu_s": cpu, **bench.meter.take(), "held_grad_bytes": max(bench.probes, default=0)}
     if run["handle"] is not None and (held := handle_held_bytes(run["handle"].stats())) is not None:
         sample["handle_held_key"], sample["handle_held_bytes"] = held
     return {**sample, **end_memory(bench, memory)}
@@ -246,7 +248,7 @@ def measure_trainer(bench: Bench, name: str, M: int) -> tuple[list[dict], dict]:
             self.memory = start_memory(bench)
             bench.meter.take()
             bench.probes, bench.probing = [], True
-            self.t0 = time.perf_counter()
+            self.t0, self.cpu0 = time.perf_counter(), time.process_time()
 
         def on_substep_end(self, args, state, control, **kw):
             bench.probe(trainer.model_wrapped)
@@ -256,9 +258,10 @@ def measure_trainer(bench: Bench, name: str, M: int) -> tuple[list[dict], dict]:
 
         def on_step_end(self, args, state, control, **kw):
             synchronize(bench.device)
-            elapsed = time.perf_counter() - self.t0
+            elapsed, cpu = time.perf_counter() - self.t0, time.process_time() - self.cpu0
             bench.probing = False
-            sample = {"time_s": elapsed, **bench.meter.take(), "held_grad_bytes": max(bench.probes, default=0)}
+            sample = {"time_s": elapsed, "cpu_s": cpu, **bench.meter.take(),
+                      "held_grad_bytes": max(bench.probes, default=0)}  # fmt: skip
             if state.global_step > bench.args.warmup:
                 steps.append({**sample, **end_memory(bench, self.memory)})
 
