@@ -108,11 +108,11 @@ def test_runtime_counters_agree_with_the_estimate(run):
     kind, _, _ = run
     mismatches = []
     for result, est, row in _rows(run):
-        stats = result["stats"]
-        if stats["last_step/reduce_scatters_issued"] != row.reduce_scatters:
-            mismatches.append((est.model, result["mode"], "reduce_scatters", stats["last_step/reduce_scatters_issued"], row.reduce_scatters))
-        if result["mode"] == "deferred" and stats["last_step/held_grad_bytes"] != row.held_bytes:
-            mismatches.append((est.model, result["mode"], "held", stats["last_step/held_grad_bytes"], row.held_bytes))
+        issued, held = result["stats"]["last_step/reduce_scatters_issued"], result["stats"]["last_step/held_grad_bytes"]
+        if issued != row.reduce_scatters:
+            mismatches.append((est.model, result["mode"], "reduce_scatters", issued, row.reduce_scatters))
+        if result["mode"] == "deferred" and held != row.held_bytes:
+            mismatches.append((est.model, result["mode"], "held", held, row.held_bytes))
     if mismatches and kind == "fsdp2":
         pytest.xfail(f"fsdp.FSDP2Adapter counts a multi-module fully_shard group once per module: {mismatches}")
     assert not mismatches
