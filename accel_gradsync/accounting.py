@@ -36,6 +36,21 @@ def retained_grad_dtype(
     return compute
 
 
+def unit_dtypes(
+    wrapper: str,
+    param_dtype: torch.dtype,
+    mp_param_dtype: Optional[torch.dtype] = None,
+    mp_reduce_dtype: Optional[torch.dtype] = None,
+) -> tuple[torch.dtype, torch.dtype, torch.dtype]:
+    """(held, reduce, compute) dtypes of one unit's gradient. FSDP2 reduce-scatters what it holds
+    (`reduce_dtype`, else the compute dtype); FSDP1 computes and holds in the compute dtype and
+    reduces in its policy's `reduce_dtype`; DDP uses the parameter dtype throughout."""
+    compute = mp_param_dtype or param_dtype
+    held = retained_grad_dtype(wrapper, param_dtype, mp_param_dtype, mp_reduce_dtype)
+    reduce = held if wrapper == "fsdp2" else (mp_reduce_dtype or compute)
+    return held, reduce, compute
+
+
 @dataclass
 class StepCounts:
     """What one accumulation window (one optimizer step) did."""

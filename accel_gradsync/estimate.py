@@ -27,10 +27,11 @@ import torch
 import yaml
 from torch import nn
 
-from .accounting import retained_grad_dtype
-from .config import GradSyncConfig, parse_bytes
+from .accounting import unit_dtypes as accounting_unit_dtypes
+from .config import GradSyncConfig
 from .fsdp import Unit, dim0_shard_numel
-from .policies import ALL_REDUCE, POLICIES, Plan
+from .policies import ALL_REDUCE, POLICIES, Plan, format_bytes
+from .policies import collectives_per_step as _collectives_per_step
 
 RECIPE_DEFAULT = "recipe-default"
 _MIXED_PRECISION = {"no": None, "fp16": torch.float16, "bf16": torch.bfloat16, "fp8": torch.bfloat16}
@@ -290,10 +291,7 @@ def unit_dtypes(kind: str, setup: FSDPSetup, config: GradSyncConfig, model_dtype
     # accelerate upcasts trainable params to fp32 master weights whenever mixed precision is on.
     sharded = torch.float32 if mp is not None else model_dtype
     mp_reduce = _DTYPES[config.reduce_dtype] if config.reduce_dtype != "auto" else mp
-    held = retained_grad_dtype(kind, sharded, mp, mp_reduce)
-    compute = mp or sharded
-    # FSDP2 reduces what it holds; FSDP1 reduces in its policy's reduce dtype.
-    reduce = held if kind == "fsdp2" else (mp_reduce or compute)
+    held, reduce, compute = accounting_unit_dtypes(kind, sharded, mp, mp_reduce)
     return {"sharded": sharded, "compute": compute, "reduce": reduce, "held": held}
 
 
@@ -413,16 +411,9 @@ class Estimate:
         return next(m for m in self.modes if m.mode == name)
 
 
-def collectives_per_step(plan: Plan, adapter: EstimatedAdapter, micro_batches: int) -> tuple[int, int]:
-    """(reduce-scatters, HSDP all-reduces) per optimizer step, as `integration.describe_decision`
-    counts them: a held unit skips M-1 of each; an all-reduce hold skips only all-reduces."""
-    m = micro_batches
-    per_sync = sum(u.collectives for u in adapter.units)
-    held = sum(u.collectives for u in plan.held)
-    if plan.hold == ALL_REDUCE:
-        return per_sync * m, per_sync * m - held * (m - 1)
-    issued = per_sync * m - held * (m - 1)
-    return issued, issued if adapter.hsdp else 0
+def collectives_per_step(plan: Plan, adapter: "EstimatedAdapter", micro_batches: int) -> tuple[int, int]:
+    """(reduce-scatters, HSDP all-reduces) per optimizer step: the runtime's own count."""
+    return _collectives_per_step(plan, adapter.units, adapter.hsdp, micro_batches)
 
 
 def send_bytes_per_step(plan: Plan, adapter: EstimatedAdapter, micro_batches: int, replicate: int) -> int:
@@ -499,14 +490,7 @@ def estimate(
     setup = read_accelerate_config(accelerate_config, num_processes, mixed_precision)
     model = build_meta_model(load_model_config(model_spec), model_dtype)
     adapter = estimated_adapter(model, setup, config, model_dtype)
-    free = None
-    if config.free_memory:
-        free, _ = parse_bytes(config.free_memory, "GradSyncConfig.free_memory")
-        if free is None:
-            raise ValueError(
-                f"GradSyncConfig.free_memory={config.free_memory!r} must be an absolute size with a unit "
-                "(B, KiB, MiB, GiB), e.g. 40GiB."
-            )
+    free = config.free_memory_bytes
     result = Estimate(
         model=model_spec if isinstance(model_spec, str) else str(model_spec.get("model_type")),
         wrapper=adapter.kind,
@@ -563,13 +547,6 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 # -- output ----------------------------------------------------------------------------------------
-def format_bytes(n: int) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n} B"
-
-
 def format_table(est: Estimate) -> str:
     """The human-readable table: a header line, one row per mode, then the n/a reasons."""
     mesh = f"{est.replicate_size} replicas x {est.shard_size} shards" if est.replicate_size > 1 else f"{est.shard_size} shards"

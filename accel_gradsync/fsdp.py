@@ -26,7 +26,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
 from torch.nn.parallel import DistributedDataParallel
 
-from .accounting import retained_grad_dtype
+from .accounting import unit_dtypes
 
 
 @dataclass(frozen=True, eq=False)
@@ -132,14 +132,16 @@ class FSDP2Adapter(ModelAdapter):
             if not params:
                 continue
             numel = sum(p.sharded_param.numel() for p in params)  # DTensor: the global size
-            policy, dtype = groups[0].mp_policy, params[0].sharded_param.dtype
-            held = retained_grad_dtype("fsdp2", dtype, policy.param_dtype, policy.reduce_dtype)
+            policy = groups[0].mp_policy
+            held, reduce, compute = unit_dtypes(
+                "fsdp2", params[0].sharded_param.dtype, policy.param_dtype, policy.reduce_dtype
+            )
             mesh = params[0].sharded_param.device_mesh  # HSDP: (replicate, shard)
             self.hsdp = self.hsdp or mesh.ndim == 2
             shard = mesh.size(mesh.ndim - 1)
             units.append(
-                Unit(name, module, numel, len(groups), held_dtype=held, reduce_dtype=held,
-                     compute_dtype=policy.param_dtype or dtype, shard_size=shard,
+                Unit(name, module, numel, len(groups), held_dtype=held, reduce_dtype=reduce,
+                     compute_dtype=compute, shard_size=shard,
                      sharded_numel=sum(dim0_shard_numel(p.sharded_param.shape, shard) for p in params))
             )  # fmt: skip
         return units
@@ -240,12 +242,12 @@ class FSDP1Adapter(ModelAdapter):
             if handle is not None and handle.flat_param.requires_grad:
                 numel = handle.flat_param._unpadded_unsharded_size.numel()
                 policy = module.mixed_precision
-                dtype = handle.flat_param.dtype
-                held = retained_grad_dtype("fsdp1", dtype, policy.param_dtype, policy.reduce_dtype)
-                reduce = policy.reduce_dtype or policy.param_dtype or dtype
+                held, reduce, compute = unit_dtypes(
+                    "fsdp1", handle.flat_param.dtype, policy.param_dtype, policy.reduce_dtype
+                )
                 shard = handle.world_size if handle.uses_sharded_strategy else 1
                 units.append(
-                    Unit(name, module, numel, 1, held_dtype=held, reduce_dtype=reduce, compute_dtype=held,
+                    Unit(name, module, numel, 1, held_dtype=held, reduce_dtype=reduce, compute_dtype=compute,
                          shard_size=shard, sharded_numel=-(-numel // shard))
                 )  # fmt: skip
         return units

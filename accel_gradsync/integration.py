@@ -35,7 +35,7 @@ from .cpu import fsdp_requested
 from .errors import GradSyncWarning
 from .fsdp import ModelAdapter, adapt_model, is_fsdp_wrapped
 from .memory import agreed_free_memory
-from .policies import ALL_REDUCE, Plan, SyncPolicy, format_bytes, resolve_policy
+from .policies import ALL_REDUCE, Plan, SyncPolicy, collectives_per_step, format_bytes, resolve_policy
 
 _HANDLE_ATTR = "_accel_gradsync_handle"  # class attribute of the per-instance subclass
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -399,13 +399,14 @@ def _unit_mode(plan: Plan) -> str:
 def describe_decision(plan: Plan, adapter: ModelAdapter, micro_batches: int) -> str:
     """One line: the mode, the collectives per optimizer step it implies, what it holds."""
     m = micro_batches
-    per_sync = sum(u.collectives for u in adapter.units)
-    held = sum(u.collectives for u in plan.held)
-    name = adapter.collective.replace("_", "-") + "es" if adapter.collective == "all_reduce" else "reduce-scatters"
-    if plan.hold == ALL_REDUCE:
-        cost = f"{per_sync * m} reduce-scatters and {per_sync * m - held * (m - 1)} all-reduces/step instead of {per_sync * m} each"
+    rs, ar = collectives_per_step(plan, adapter.units, adapter.hsdp, m)
+    every = sum(u.collectives for u in adapter.units) * m
+    if adapter.collective == "all_reduce":
+        cost = f"{rs} all-reduces/step instead of {every}"  # DDP: whole-model passes, bucketed
+    elif adapter.hsdp:
+        cost = f"{rs} reduce-scatters and {ar} all-reduces/step instead of {every} each"
     else:
-        cost = f"{per_sync * m - held * (m - 1)} {name}/step instead of {per_sync * m}"
+        cost = f"{rs} reduce-scatters/step instead of {every}"
     line = (
         f"grad sync: {plan.mode} over {m} micro-batches on {adapter.kind} "
         f"({len(plan.held)} of {len(adapter.units)} units held) -> {cost}"

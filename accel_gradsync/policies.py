@@ -9,7 +9,7 @@ always syncs every unit, whatever the plan says.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 from .config import GradSyncConfig, parse_bytes
 from .fsdp import ModelAdapter, Unit
@@ -35,6 +35,18 @@ class Plan:
         if self.hold == ALL_REDUCE:
             return sum(u.sharded_numel * u.held_dtype.itemsize for u in self.held)
         return sum(u.held_bytes + (u.param_bytes if self.keep_params_unsharded else 0) for u in self.held)
+
+
+def collectives_per_step(plan: Plan, units: Sequence[Unit], hsdp: bool, micro_batches: int) -> tuple[int, int]:
+    """(reduce-scatters, HSDP all-reduces) per optimizer step: every unit syncs on each of the M
+    micro-batches, a held unit skips M-1 of them, an all-reduce hold skips only all-reduces."""
+    m = micro_batches
+    per_sync = sum(u.collectives for u in units)
+    held = sum(u.collectives for u in plan.held)
+    if plan.hold == ALL_REDUCE:
+        return per_sync * m, per_sync * m - held * (m - 1)
+    issued = per_sync * m - held * (m - 1)
+    return issued, issued if hsdp else 0
 
 
 FreeMemory = Callable[[], int]
