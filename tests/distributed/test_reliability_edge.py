@@ -1,0 +1,255 @@
+"""Issue 7, edge cases of real training on 2 gloo ranks: every optimizer step's gradients must
+equal a single-process unsharded fp32 reference (bf16 runs: within bf16 rounding), every FSDP2
+unit's sync flags must come back as they were, and the collectives must follow the plan.
+
+One FSDP2 launch runs every schedule of SPECS (see workers/schedules.py) with a fresh model,
+then the save_state/load_state scenario of workers/reliability_checkpoint.py. FSDP1 and DDP
+run the exception and epoch schedules in launches of their own, marked slow."""
+
+import json
+import tempfile
+
+import pytest
+from launcher import accelerate_config, launch
+from workers.schedules import ROUTES
+
+DEFERRED, PMB = {"defer": True}, {}
+BUDGET = {"sync_mode": "budget", "memory_budget": "1100B"}  # holds blocks.0 and blocks.1 of TinyNet
+MODES = {"deferred": DEFERRED, "per_micro_batch": PMB, "budget": BUDGET}
+BLOCK, HEAD = 16 * 16 + 16, 17  # TinyNet trainable elements: one Block unit, the root's head
+# 11 micro-batches, M=3: an error after backward (k=1), a KeyboardInterrupt after backward at a
+# non-final position of the next window (k=3), an error in forward (k=7) right after a step.
+RAISES = [[0, 1, "after_backward"], [0, 3, "keyboard"], [0, 7, "forward"]]
+
+SPECS = (
+    [{"name": f"cond_{r}", "model": "cond", "route": r, "M": 3, "L": 6, "config": DEFERRED} for r in ROUTES]
+    + [
+        {"name": "cond_skip_final_budget", "model": "cond", "route": "skip_final", "M": 3, "L": 6, "config": BUDGET},
+        {"name": "frozen", "model": "frozen", "M": 3, "L": 5, "config": DEFERRED},
+        {"name": "m1_deferred", "M": 1, "L": 3, "config": DEFERRED},
+        {"name": "epochs_deferred", "M": 3, "L": 7, "epochs": 2, "config": DEFERRED},
+        {"name": "epochs_budget", "M": 3, "L": 7, "epochs": 2, "config": BUDGET},
+    ]
+    + [{"name": f"raise_{m}", "M": 3, "L": 11, "raises": RAISES, "config": c} for m, c in MODES.items()]
+    + [{"name": f"nozero_raise_{m}", "M": 3, "L": 11, "raises": RAISES, "config": c, "zero_grad_on_abort": False}
+       for m, c in MODES.items()]
+    + [
+        {"name": f"bf16_{mode}_reduce_{rd}", "M": 3, "L": 5, "param_dtype": "bf16", "attach_before_prepare": True,
+         "config": {**cfg, "reduce_dtype": rd}}
+        for rd in ("fp32", "bf16") for mode, cfg in (("deferred", DEFERRED), ("per_micro_batch", PMB))
+    ]
+    + [
+        # FSDP2's "expects uniform gradient dtype" case: bf16 compute, fp32 reduce, a parameter
+        # whose first gradient of the step arrives on the final micro-batch.
+        {"name": "bf16_cond_only_final", "model": "cond", "route": "only_final", "M": 3, "L": 6,
+         "param_dtype": "bf16", "attach_before_prepare": True, "config": {"defer": True, "reduce_dtype": "fp32"}},
+    ]
+)  # fmt: skip
+CHECKPOINT = {"per_micro_batch": PMB, "deferred": DEFERRED}
+
+
+def _launch(config, specs, checkpoint=None):
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
+        json.dump(specs, f)
+        f.flush()
+        args = ["--specs", f.name] + (["--checkpoint", json.dumps(checkpoint)] if checkpoint else [])
+        return launch("reliability_edge", args, config, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def fsdp2():
+    return _launch(accelerate_config("fsdp2"), SPECS, CHECKPOINT)
+
+
+def _runs(ranks, prefix):
+    out = [(name, r) for rank in ranks for name, r in rank["runs"].items() if name.startswith(prefix)]
+    assert out, prefix
+    return out
+
+
+def _exact(name, run, tol=1e-5):
+    assert run["error"] is None, (name, run["error"])
+    assert len(run["steps"]) == run["expected_steps"], (name, run["steps"])
+    for step in run["steps"]:
+        assert step["max_diff"] <= tol and not step["missing"] and not step["extra"], (name, step)
+
+
+def _counts(name, run):
+    got = [s["reduce_scatters"] for s in run["steps"]]
+    assert got == run["expected_reduce_scatters"], (name, got, run["plan"])
+
+
+def _flags_and_memory(name, run):
+    assert run["flags_between"] and run["flags_end"], name
+    assert all(b == 0 for b in run["held_after_step"]), (name, run["held_after_step"])
+
+
+# -- conditional computation ------------------------------------------------------------------
+@pytest.mark.parametrize("route", ROUTES + ("skip_final_budget",))
+def test_conditional_computation_gradients_match_reference(fsdp2, route):
+    for name, run in _runs(fsdp2, f"cond_{route}"):
+        _exact(name, run)
+        _flags_and_memory(name, run)
+        repeated = [w for w in set(run["train_warnings"]) if run["train_warnings"].count(w) > 1]
+        assert not repeated, repeated  # a fallback says so once, not every step
+
+
+def test_first_gradient_on_final_micro_batch_under_bf16_with_fp32_reduce(fsdp2):
+    """torch's FSDP2 fails here by itself ("expects uniform gradient dtype"): the plugin must
+    keep training, with gradients right, and say so at most once per reason."""
+    for name, run in _runs(fsdp2, "bf16_cond_only_final"):
+        assert run["error"] is None, run["error"]
+        assert len(run["steps"]) == run["expected_steps"]
+        assert all(s["rel_err"] < 2e-2 and not s["missing"] for s in run["steps"]), run["steps"]
+        assert len(run["train_warnings"]) == len(set(run["train_warnings"])), run["train_warnings"]
+        _flags_and_memory(name, run)
+
+
+# -- frozen parameters, M = 1, epochs -----------------------------------------------------------
+def test_frozen_unit_is_not_a_unit_and_gradients_match(fsdp2):
+    for name, run in _runs(fsdp2, "frozen"):
+        _exact(name, run)
+        _counts(name, run)
+        assert sorted(run["plan"]["held"]) == ["", "blocks.1"]  # blocks.0 has nothing to reduce
+        assert run["stats"]["peak_held_grad_bytes"] == (BLOCK + HEAD) * 4
+
+
+def test_one_micro_batch_per_step_defers_nothing_and_stays_quiet(fsdp2):
+    for name, run in _runs(fsdp2, "m1_deferred"):
+        _exact(name, run)
+        _counts(name, run)
+        assert run["train_warnings"] == [] and len(run["attach_warnings"]) <= 1, run
+        stats = run["stats"]
+        assert stats["deferred_micro_batches"] == 0 and stats["reduce_scatters_skipped"] == 0
+        assert stats["peak_held_grad_bytes"] == 0 and stats["optimizer_steps"] == 3
+
+
+@pytest.mark.parametrize("mode", ["deferred", "budget"])
+def test_epochs_with_a_short_last_window_sync_and_match(fsdp2, mode):
+    for name, run in _runs(fsdp2, f"epochs_{mode}"):
+        _exact(name, run)
+        _counts(name, run)  # windows 3, 3, 1 per epoch
+        assert run["estimated_reduce_scatters"] == run["expected_reduce_scatters"]
+        assert run["syncs_as_planned"]
+        _flags_and_memory(name, run)
+        assert run["stats"]["optimizer_steps"] == 6 and run["stats"]["micro_batches"] == 14
+
+
+# -- an exception or KeyboardInterrupt in the middle of an accumulation --------------------------
+@pytest.mark.parametrize("mode", list(MODES))
+def test_aborted_accumulation_restores_flags_and_leaves_no_gradient(fsdp2, mode):
+    for name, run in _runs(fsdp2, f"raise_{mode}"):
+        assert run["error"] is None, run["error"]
+        assert len(run["aborts"]) == len(RAISES)
+        for abort in run["aborts"]:
+            assert abort["flags_restored"], (name, abort)
+            assert abort["held_after_zero_grad"] == 0, (name, abort)  # nothing left outside .grad
+        _flags_and_memory(name, run)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_after_an_abort_the_next_accumulation_starts_fresh_and_matches(fsdp2, mode):
+    for name, run in _runs(fsdp2, f"raise_{mode}"):
+        assert run["syncs_as_planned"], name  # M micro-batches, syncing on the last
+        _exact(name, run)
+        _counts(name, run)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_abort_discards_the_window_even_without_the_users_zero_grad(fsdp2, mode):
+    """The plugin says "its gradients were discarded" when an exception ends a window: then
+    nothing of that window may reach the next step even if the handler does not zero_grad."""
+    for name, run in _runs(fsdp2, f"nozero_raise_{mode}"):
+        assert run["syncs_as_planned"], name
+        _exact(name, run)
+
+
+# -- mixed precision ---------------------------------------------------------------------------
+@pytest.mark.parametrize("reduce_dtype", ["fp32", "bf16"])
+def test_bf16_params_match_reference_within_rounding(fsdp2, reduce_dtype):
+    for rank in fsdp2:
+        runs = {m: rank["runs"][f"bf16_{m}_reduce_{reduce_dtype}"] for m in ("deferred", "per_micro_batch")}
+        for mode, run in runs.items():
+            assert run["error"] is None, run["error"]
+            assert len(run["steps"]) == run["expected_steps"]
+            for step in run["steps"]:
+                assert step["rel_err"] < (1e-2 if reduce_dtype == "fp32" else 3e-2), (mode, step)
+            # From the second step on: with an fp32 reduce the plugin syncs a unit's first micro-batch
+            # (torch's FSDP2 cannot hold a not-yet-cast gradient before the unit has run once).
+            got = [s["reduce_scatters"] for s in run["steps"]]
+            assert got[1:] == run["expected_reduce_scatters"][1:], (mode, got)
+            _flags_and_memory(mode, run)
+        # Deferral holds the unsharded gradient in the reduce dtype (FSDP2 casts it there).
+        itemsize = 4 if reduce_dtype == "fp32" else 2
+        assert runs["deferred"]["stats"]["peak_held_grad_bytes"] == (2 * BLOCK + HEAD) * itemsize
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="attach() before prepare() does not bind under FSDP2: accelerate's FSDP2 prepare returns a list, "
+    "GradSyncAccelerator.prepare only looks at tuples, so binding waits for the first no_sync()",
+)
+def test_attach_before_prepare_binds_at_prepare(fsdp2):
+    for name, run in _runs(fsdp2, "bf16_"):
+        assert run["bound_at_prepare"], name
+
+
+# -- checkpoints -------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", list(CHECKPOINT))
+def test_save_state_mid_accumulation_does_not_disturb_training(fsdp2, mode):
+    for rank in fsdp2:
+        ck = rank["checkpoint"][mode]
+        assert ck["save_and_continue"]["max_diff"] == 0.0, ck
+        assert ck["save_and_continue_grads"] == [0.0] * ck["reference_steps"]
+
+
+@pytest.mark.parametrize("mode", list(CHECKPOINT))
+def test_resume_from_a_window_boundary_matches_uninterrupted_run(fsdp2, mode):
+    for rank in fsdp2:
+        ck = rank["checkpoint"][mode]
+        assert ck["resume_boundary"]["max_diff"] <= 1e-6, ck
+        assert ck["resume_boundary_steps"] == ck["reference_steps"] - 1
+
+
+@pytest.mark.parametrize(
+    "mode",
+    [
+        pytest.param(m, marks=pytest.mark.xfail(
+            strict=True,
+            reason="save_state() in the middle of an accumulation saves no gradient: the micro-batches "
+            "already accumulated (held unsharded grads, or sharded .grad per micro-batch) are lost on resume",
+        ))
+        for m in CHECKPOINT
+    ],
+)  # fmt: skip
+def test_resume_from_the_middle_of_a_window_loses_no_gradient(fsdp2, mode):
+    for rank in fsdp2:
+        ck = rank["checkpoint"][mode]
+        assert ck["resume_middle_accelerate_step"] == 5  # accelerate restores its position
+        assert ck["resume_middle"]["max_diff"] <= 1e-6, ck
+
+
+# -- FSDP1 and DDP -----------------------------------------------------------------------------
+OTHER_SPECS = [
+    {"name": "m1_deferred", "M": 1, "L": 3, "config": DEFERRED},
+    {"name": "epochs_deferred", "M": 3, "L": 7, "epochs": 2, "config": DEFERRED},
+    {"name": "raise_deferred", "M": 3, "L": 11, "raises": RAISES, "config": DEFERRED},
+    {"name": "raise_per_micro_batch", "M": 3, "L": 11, "raises": RAISES, "config": PMB},
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("wrapper", ["fsdp1", "ddp"])
+def test_fsdp1_and_ddp_epochs_and_aborts(wrapper):
+    ranks = _launch(None if wrapper == "ddp" else accelerate_config("fsdp1"), OTHER_SPECS)
+    for rank in ranks:
+        for name, run in rank["runs"].items():
+            assert run["wrapper"] == wrapper
+            _exact(name, run)
+            assert run["syncs_as_planned"], name
+            if wrapper == "fsdp1":
+                _counts(name, run)
+            assert all(a["held_after_zero_grad"] == 0 for a in run["aborts"]), run["aborts"]
+            # FSDP1 keeps its sharded flat gradient after the optimizer's zero_grad (use_orig_params):
+            # the level must stay flat, not grow.
+            assert len(set(run["held_after_step"])) <= 1, (name, run["held_after_step"])

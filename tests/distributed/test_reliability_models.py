@@ -1,0 +1,69 @@
+"""Issue 7 with real transformers models under FSDP2 on 2 gloo ranks: a tiny Qwen2 whose input
+and output embeddings are one tied parameter, and the same model with PEFT LoRA adapters (the
+base frozen). Every optimizer step's gradients equal a single-process reference, and only the
+units holding trainable parameters are units.
+
+The same launch builds a transformers Trainer whose accelerator config asks for
+`sync_each_batch=True` and attaches deferral to it: the error must name both settings before
+any step, and the Trainer's output_dir must stay empty."""
+
+import json
+
+import pytest
+from launcher import accelerate_config, launch
+
+M, BATCHES = 3, 4
+WINDOWS = [3, 1]
+MODES = {"per_micro_batch": {}, "deferred": {"defer": True}}
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    runs = [{"name": f"{model}_{mode}", "model": model, "config": cfg} for model in ("tied", "lora") for mode, cfg in MODES.items()]
+    config = accelerate_config("fsdp2")
+    config["fsdp_config"]["fsdp_transformer_layer_cls_to_wrap"] = "Qwen2DecoderLayer"
+    args = ["--runs", json.dumps(runs), "--M", str(M), "--batches", str(BATCHES), "--trainer-errors"]
+    return launch("reliability_models", args, config)
+
+
+@pytest.mark.parametrize("model", ["tied", "lora"])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_gradients_match_single_process_reference(ranks, model, mode):
+    for rank in ranks:
+        run = rank["runs"][f"{model}_{mode}"]
+        assert run["error"] is None, run["error"]
+        assert len(run["steps"]) == run["expected_steps"] == len(WINDOWS)
+        for step in run["steps"]:
+            assert step["max_diff"] <= 1e-5 and not step["missing"] and not step["extra"], step
+        units = run["unit_collectives"]
+        expected = [units if mode == "deferred" else units * m for m in WINDOWS]
+        assert [s["reduce_scatters"] for s in run["steps"]] == expected
+
+
+def test_tied_embedding_is_counted_once(ranks):
+    for rank in ranks:
+        run = rank["runs"]["tied_deferred"]
+        assert sum(run["units"].values()) == run["trainable_numel"]  # the tied weight once
+        assert run["plan"]["held_bytes"] == run["trainable_numel"] * 4
+        assert run["stats"]["peak_held_grad_bytes"] == run["plan"]["held_bytes"]
+
+
+def test_lora_units_are_the_adapters_only(ranks):
+    for rank in ranks:
+        run = rank["runs"]["lora_deferred"]
+        assert run["trainable_names"] and all("lora_" in n for n in run["trainable_names"])
+        # The root holds only frozen embeddings, norm and head: it reduces nothing.
+        assert sorted(run["units"]) == ["base_model.model.model.layers.0", "base_model.model.model.layers.1"]
+        assert sum(run["units"].values()) == run["trainable_numel"]
+        assert run["plan"]["held_bytes"] == run["trainable_numel"] * 4
+        assert run["stats"]["peak_held_grad_bytes"] == run["plan"]["held_bytes"]
+
+
+def test_trainer_with_sync_each_batch_refuses_deferral_before_any_step(ranks):
+    for rank in ranks:
+        err = rank["trainer_errors"]
+        msg = err["sync_each_batch"]
+        assert msg.startswith("ValueError"), msg
+        assert "sync_each_batch" in msg and "deferred" in msg and "per_micro_batch" in msg
+        assert err["written"] == [], err  # nothing in output_dir
+        assert err["global_step"] == 0
