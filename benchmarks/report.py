@@ -183,6 +183,11 @@ def check_targets(results: dict) -> list[tuple[str, str, str]]:
         cpu_detail = "; ".join(f"{s}: " + ", ".join(f"M={m} {v:.3f}" for m, v in r.items()) for s, r in cpu.items() if r)
         detail += f"; worst single M {worst:.3f}" + (f"; CPU-time ratios (less load-sensitive): {cpu_detail}" if cpu_detail else "")
         out.append((what, "PASS" if ok else "FAIL", detail))
+        share = sync_control_overhead(runs, a, b)
+        if share:
+            worst_share = max(v for v, _ in share)
+            out.append((f"{a}: the sync choice's own cost within 2% of a step, against {b} (microbenchmark)",
+                        "PASS" if worst_share <= OVERHEAD_TOLERANCE else "FAIL", "; ".join(n for _, n in share)))
 
     overhead("deferred", "raw_fsdp2", 2, "deferred (plugin) within 2% of the hand-written raw-API loop")
     overhead("per_micro_batch", "stock_sync_each_batch", 1, "per-micro-batch (plugin) within 2% of stock sync_each_batch=True")
@@ -228,6 +233,22 @@ def check_targets(results: dict) -> list[tuple[str, str, str]]:
     out.append((f"{kind} run within {limit} s", "PASS" if results["elapsed_s"] <= limit else "FAIL",
                 f"{results['elapsed_s']} s"))  # fmt: skip
     return out
+
+
+def sync_control_overhead(runs: list[dict], a: str, b: str) -> list[tuple[float, str]]:
+    """The wrapper's own cost, from the sync-control microbenchmark: (a's - b's microseconds per
+    micro-batch) x M as a fraction of b's step at the largest M. Noise-robust where the step
+    times are not."""
+    notes = []
+    for run in runs:
+        by = index(run)
+        M = max((m for (c, m) in by if c == b), default=None)
+        if M is None or (a, M) not in by or not by[(a, M)].get("sync_control_us") or not by[(b, M)].get("sync_control_us"):
+            continue
+        ua, ub = by[(a, M)]["sync_control_us"], by[(b, M)]["sync_control_us"]
+        share = (ua - ub) * M * 1e-6 / by[(b, M)]["step_time_s"]
+        notes.append((share, f"{run['size']}: {ua:.0f} vs {ub:.0f} us per micro-batch = {share:+.3%} of the step at M={M}"))
+    return notes
 
 
 def check_frontier(results: dict, runs: list[dict]) -> tuple[str, str, str]:

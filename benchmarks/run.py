@@ -171,6 +171,8 @@ def merge(ranks: list[dict]) -> dict:
             "peak_rss_scope": per_rank[0][0]["peak_rss_scope"],
             "device_peak_bytes": max((r["device_peak_bytes"] or 0) for r in all_recs) or None,
             "stats": per_rank[0][-1]["stats"],
+            # The slowest rank's cost of the sync choice per micro-batch (None: the Trainer).
+            "sync_control_us": max((r.get("sync_control_us") or 0) for r in all_recs) or None,
         })  # fmt: skip
     return {"size": first["size"], "facts": first["facts"], "device": first["device"],
             "unavailable": first["unavailable"], "versions": first["versions"], "rows": rows}  # fmt: skip

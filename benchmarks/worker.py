@@ -191,6 +191,33 @@ def measure_step(bench: Bench, run: dict, M: int) -> dict:
     return {**sample, **end_memory(bench, memory)}
 
 
+def measure_sync_control(bench: Bench, run: dict, iterations: int = 100, repeats: int = 5) -> float:
+    """Microseconds per micro-batch spent choosing and applying the sync mode, without forward or
+    backward: a non-final and a final `accumulate` (the raw loop: its two
+    `set_requires_gradient_sync` calls). This is the whole of what a wrapper can add, measured
+    apart from steps whose wall time on a shared machine varies by far more. The minimum over
+    repeats drops the repeats the scheduler interrupted."""
+    acc, model, loop = run["acc"], run["model"], run["spec"]["loop"]
+    acc.gradient_accumulation_steps = 2
+    acc.step = 0
+    acc.gradient_state.plugin_kwargs["sync_each_batch"] = bool(run["spec"].get("sync_each_batch"))
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(iterations):
+            if loop == "raw":
+                model.set_requires_gradient_sync(False)
+                model.set_requires_gradient_sync(True)
+            else:
+                with acc.accumulate(model):  # not the last micro-batch: no_sync (or the plugin's)
+                    pass
+                with acc.accumulate(model):  # the last one: syncs
+                    pass
+        best = min(best, (time.perf_counter() - t0) / (2 * iterations) * 1e6)
+    acc.step = 0
+    return best
+
+
 def start_memory(bench: Bench) -> dict:
     scoped = reset_peak_rss()
     reset_device_peak(bench.device.type)
@@ -294,6 +321,7 @@ def main() -> None:
     for run in runs:  # FSDP's lazy init and first allocations, untimed
         for _ in range(args.warmup):
             measure_step(bench, run, 1)
+    sync_control = {run["name"]: measure_sync_control(bench, run) for run in runs}
     samples: dict[tuple[str, int], list[dict]] = {}
     trainer_stats: dict[str, dict] = {}
     rounds = 0
@@ -315,6 +343,8 @@ def main() -> None:
     stats = {run["name"]: run["handle"].stats() if run["handle"] is not None else {} for run in runs}
     stats.update(trainer_stats)
     records = [summarize(name, M, s, stats.get(name, {})) for (name, M), s in samples.items()]
+    for rec in records:
+        rec["sync_control_us"] = sync_control.get(rec["config"])
     result = {"size": args.size, "facts": bench.facts, "device": bench.device.type,
               "unavailable": unavailable, "records": records, "versions": versions()}  # fmt: skip
     Path(args.out, f"rank{bench.rank}.json").write_text(json.dumps(result, indent=1, default=str))
