@@ -101,6 +101,7 @@ def launch(size: str, nranks: int, names: list[str], p: dict, device: str, timeo
         # keeps freed buffers (its mmap threshold grows to 32 MiB), and a step's peak RSS would
         # depend on which configuration ran before it.
         env.setdefault("MALLOC_MMAP_THRESHOLD_", str(2**20))
+        env["CUDA_VISIBLE_DEVICES"] = ""  # --device cpu means gloo even on a machine with GPUs
     with tempfile.TemporaryDirectory() as tmp:
         cfg = Path(tmp, "accelerate.yaml")
         cfg.write_text(yaml.safe_dump(accelerate_config(nranks, device)))
@@ -145,9 +146,9 @@ def merge(ranks: list[dict]) -> dict:
     (every rank issues the same collectives); memory is the max over ranks."""
     first = ranks[0]
     groups: dict[tuple, list[list[dict]]] = {}
-    for rank in ranks:
-        for i, rec in enumerate(rank["records"]):
-            groups.setdefault((rec["config"], rec["M"]), [[] for _ in ranks])[ranks.index(rank)].append(rec)
+    for r, rank in enumerate(ranks):
+        for rec in rank["records"]:
+            groups.setdefault((rec["config"], rec["M"]), [[] for _ in ranks])[r].append(rec)
     rows = []
     for (name, M), per_rank in groups.items():
         times = [max(r["steps"][j]["time_s"] for r in recs) for recs in zip(*per_rank) for j in range(len(recs[0]["steps"]))]
