@@ -176,14 +176,16 @@ _UNITS = {"b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
 
 
-def parse_bytes(text: str, source: str = "memory size") -> tuple[Optional[int], Optional[float]]:
+def parse_bytes(
+    text: str, source: str = "memory size", fraction_ok: bool = True
+) -> tuple[Optional[int], Optional[float]]:
     """`12GiB` -> (bytes, None); `0.25` -> (None, fraction). Raises ValueError otherwise."""
     match = _SIZE.match(str(text))
     unit = match.group(2).lower() if match else ""
     if not match or unit not in _UNITS and unit != "":
         raise ValueError(
             f"{source}={text!r} is not a memory size; use a number with a unit B, KiB, MiB or GiB "
-            "(e.g. 12GiB) or a fraction of free memory between 0 and 1 (e.g. 0.5)."
+            + ("(e.g. 12GiB) or a fraction of free memory between 0 and 1 (e.g. 0.5)." if fraction_ok else "(e.g. 40GiB).")
         )
     number = float(match.group(1))
     if unit:
@@ -215,7 +217,7 @@ def _coerce(name: str, value: Any, source: str) -> Any:
         return value
     if name in ("memory_budget", "free_memory"):
         value = "" if value is None else str(value).strip()
-        if value and parse_bytes(value, source)[0] is None and name == "free_memory":
+        if value and parse_bytes(value, source, fraction_ok=name != "free_memory")[0] is None:
             raise ValueError(
                 f"{source}={value!r} must be an absolute size with a unit (B, KiB, MiB, GiB), e.g. 40GiB."
             )

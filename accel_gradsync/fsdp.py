@@ -207,9 +207,9 @@ class FSDP2Adapter(ModelAdapter):
     def hold(
         self, units: Sequence[Unit], what: str = "gradient_sync", keep_params_unsharded: bool = False
     ) -> Iterator[None]:
-        # Save every unit, not only the held ones: a unit the user switched off before the
-        # step must come back switched off, and an exception must not leave anything held.
-        saved = [(u.module, _sync_flags(u.module)) for u in self.units]
+        # Each held unit gets back exactly the flags it had (not blindly True): one the user
+        # switched off stays off, and an exception leaves nothing held. Others are not touched.
+        saved = [(u.module, _sync_flags(u.module)) for u in units]
         try:
             for u in units:
                 if what == "all_reduce":
@@ -223,8 +223,10 @@ class FSDP2Adapter(ModelAdapter):
         finally:
             for module, (reduce_grads, all_reduce_grads, reshard) in saved:
                 module.set_requires_gradient_sync(reduce_grads, recurse=False)
-                module.set_requires_all_reduce(all_reduce_grads, recurse=False)
-                module.set_reshard_after_backward(reshard, recurse=False)
+                if all_reduce_grads != reduce_grads:  # the setter above set both to reduce_grads
+                    module.set_requires_all_reduce(all_reduce_grads, recurse=False)
+                if keep_params_unsharded:
+                    module.set_reshard_after_backward(reshard, recurse=False)
 
 
 class FSDP1Adapter(ModelAdapter):

@@ -105,6 +105,8 @@ class GradSyncHandle:
         except Exception:
             self.detach()
             raise
+        # accelerate's checkpoints hold no gradients: say so when one is cut mid-window.
+        self._hooks.append(accelerator.register_save_state_pre_hook(self._on_save_state))
         if trainer is not None:
             from .trainer import GradSyncCallback
 
@@ -244,7 +246,8 @@ class GradSyncHandle:
 
             def prepare(self, *args, **kwargs):
                 result = super().prepare(*args, **kwargs)
-                for obj in result if isinstance(result, tuple) else (result,):
+                # One object comes back alone; several as a tuple (a list under FSDP2).
+                for obj in result if isinstance(result, (tuple, list)) else (result,):
                     if isinstance(obj, nn.Module) and (
                         self.distributed_type == DistributedType.FSDP or adapt_model(obj) is not None
                     ):
@@ -333,6 +336,17 @@ class GradSyncHandle:
             "and the next accumulate() starts a fresh window of M micro-batches.",
         )
 
+    def _on_save_state(self, models: list, weights: list, output_dir: str) -> None:
+        done = self.accounting.current.micro_batches
+        if done:
+            self._warn_once(
+                "save_state",
+                f"accel_gradsync: save_state() after {done} of {self.micro_batches_per_step} micro-batches of an "
+                "accumulation window: accelerate's checkpoint holds no gradients (held or sharded), so a run "
+                "resumed from it loses those micro-batches. Save after the optimizer step "
+                "(when accelerator.sync_gradients is True) for an exact resume.",
+            )
+
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
             self._warned.add(key)
@@ -382,6 +396,15 @@ class GradSyncHandle:
     def _on_forward(self, module: nn.Module, args: Any) -> None:
         if not (module.training and torch.is_grad_enabled()):
             return  # generation, evaluation, or log-prob passes without gradients
+        if self._held is None and not self.accelerator.sync_gradients and self.policy.name != "per_micro_batch":
+            # A non-final micro-batch that skipped no_sync: accelerate's shared sync_each_batch was
+            # switched on after attach (by another Accelerator or Trainer in this process).
+            if self.accelerator.gradient_state.plugin_kwargs.get("sync_each_batch", False):
+                self._warn_once(
+                    "sync_each_batch",
+                    f"accel_gradsync: sync mode {self.policy.name!r} is not applied: accelerate's "
+                    "sync_each_batch=True was set after attach() and makes every micro-batch sync.",
+                )
         held, hold = self._held if self._held is not None else ((), "")
         self.accounting.record_micro_batch(
             self._adapters[id(module)].units, held, hold, ends_step=self.accelerator.sync_gradients

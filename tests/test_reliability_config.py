@@ -84,11 +84,7 @@ def test_defer_and_a_different_mode_name_both_settings():
     "free",
     [
         "0.5",
-        pytest.param("-3GiB", marks=pytest.mark.xfail(
-            strict=True,
-            reason="free_memory='-3GiB' is refused with memory_budget's message, which suggests a fraction "
-            "of free memory (e.g. 0.5): free_memory refuses fractions",
-        )),
+        "-3GiB",
     ],
 )  # fmt: skip
 def test_free_memory_must_be_an_absolute_size_when_the_config_is_built(free):

@@ -9,6 +9,7 @@ there too: no deferred gradient lost or counted twice."""
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -67,8 +68,11 @@ def _train(accelerator, config: dict, seed: int, ckpt: dict, resume_from: str | 
 def run_checkpoint(accelerator, config: dict, root: str) -> dict:
     ckpt = {BOUNDARY: os.path.join(root, "boundary"), MIDDLE: os.path.join(root, "middle")}
     ref_params, ref_grads, _ = _train(accelerator, config, seed=0, ckpt={})
-    saved_params, saved_grads, _ = _train(accelerator, config, seed=0, ckpt=ckpt)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", accel_gradsync.GradSyncWarning)
+        saved_params, saved_grads, _ = _train(accelerator, config, seed=0, ckpt=ckpt)
     out = {
+        "save_warnings": [str(w.message) for w in caught if issubclass(w.category, accel_gradsync.GradSyncWarning)],
         "save_and_continue": compare(saved_params, ref_params),
         "save_and_continue_grads": [compare(a, b)["max_diff"] for a, b in zip(saved_grads, ref_grads)],
     }
