@@ -217,7 +217,8 @@ def _coerce(name: str, value: Any, source: str) -> Any:
         return value
     if name in ("memory_budget", "free_memory"):
         value = "" if value is None else str(value).strip()
-        if value and parse_bytes(value, source, fraction_ok=name != "free_memory")[0] is None:
+        fraction_ok = name != "free_memory"  # a fraction of free memory cannot describe free memory
+        if value and parse_bytes(value, source, fraction_ok)[1] is not None and not fraction_ok:
             raise ValueError(
                 f"{source}={value!r} must be an absolute size with a unit (B, KiB, MiB, GiB), e.g. 40GiB."
             )

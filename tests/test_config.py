@@ -51,6 +51,12 @@ def test_environment_sits_between_explicit_value_and_default(monkeypatch):
     assert parsed.defer is True  # an absent flag leaves the environment in charge
 
 
+def test_memory_sizes_accept_units_and_budgets_accept_fractions():
+    assert GradSyncConfig(sync_mode="budget", memory_budget="0.25").memory_budget == "0.25"
+    assert GradSyncConfig(sync_mode="budget", memory_budget="512MiB").memory_budget == "512MiB"
+    assert GradSyncConfig(sync_mode="auto", free_memory="40GiB").free_memory_bytes == 40 * 2**30
+
+
 def test_wrong_values_name_field_value_and_choices(monkeypatch):
     with pytest.raises(ValueError, match=r"GradSyncConfig.defer='maybe'.*valid choices: True or False"):
         GradSyncConfig(defer="maybe")
