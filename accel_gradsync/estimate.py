@@ -380,6 +380,8 @@ class ModeEstimate:
     send_bytes: int = 0
     held_bytes: int = 0
     held_dtype: str = ""
+    sharded_bytes: int = 0
+    """Sharded gradients the units that sync every micro-batch keep between micro-batches."""
     peak_bytes: int = 0
     all_gathers: int = 0
     """Parameter all-gathers per optimizer step (forward, and backward after a reshard)."""
@@ -450,6 +452,14 @@ def all_gathers_per_step(plan: Plan, adapter: EstimatedAdapter, micro_batches: i
     return count, int(sent)
 
 
+def sharded_grad_bytes(plan: Plan, adapter: EstimatedAdapter) -> int:
+    """Sharded gradient bytes per rank that units syncing every micro-batch accumulate between
+    micro-batches (about P/N x sizeof(sharded dtype) in per_micro_batch mode). An all-reduce
+    hold's partial sums are sharded too, but counted in held bytes."""
+    held = {id(u) for u in plan.held}
+    return sum(u.sharded_numel * adapter.sharded_dtype.itemsize for u in adapter.units if id(u) not in held)
+
+
 def peak_grad_bytes(plan: Plan, adapter: EstimatedAdapter) -> int:
     """Gradient bytes per rank at the worst moment of the first deferred micro-batch's backward:
 
@@ -462,16 +472,14 @@ def peak_grad_bytes(plan: Plan, adapter: EstimatedAdapter) -> int:
       when the dtypes differ, until the reduce-scatter returns.
     Activations, params and optimizer state are not gradients and are not counted."""
     held = {id(u) for u in plan.held}
-    shard_grads, transient = 0, 0
+    transient = 0
     for u in adapter.units:
         compute = u.numel * u.compute_dtype.itemsize
         if id(u) in held and plan.hold != ALL_REDUCE:
             transient = max(transient, compute if u.held_dtype != u.compute_dtype else 0)
             continue
-        if id(u) not in held:  # an all-reduce hold's partial sum is its sharded gradient, in held_bytes
-            shard_grads += u.sharded_numel * adapter.sharded_dtype.itemsize
         transient = max(transient, compute + (u.reduce_bytes if u.reduce_dtype != u.compute_dtype else 0))
-    return plan.held_bytes() + shard_grads + transient
+    return plan.held_bytes() + sharded_grad_bytes(plan, adapter) + transient
 
 
 def estimate(
@@ -522,6 +530,7 @@ def estimate(
         row.held_dtype = _dtype_name(plan.held[0].held_dtype) if plan.held else ""
         if plan.hold == ALL_REDUCE:
             row.held_dtype += " (sharded)"
+        row.sharded_bytes = sharded_grad_bytes(plan, adapter)
         row.peak_bytes = peak_grad_bytes(plan, adapter)
         row.all_gathers, row.all_gather_bytes = all_gathers_per_step(plan, adapter, micro_batches)
         if free is not None:
@@ -558,18 +567,18 @@ def format_table(est: Estimate) -> str:
         "",
     ]
     header = ["mode", "reduce-scatters/step", "all-reduces/step", "sent/rank/step", "held/rank", "held dtype",
-              "peak/rank", "fits", "all-gathers/step"]  # fmt: skip
+              "sharded grads/rank", "peak/rank", "fits", "all-gathers/step"]  # fmt: skip
     rows, notes = [], []
     for m in est.modes:
         name = m.mode + (" *" if m.selected else "")
         if not m.applicable:
-            rows.append([name, "n/a", "", "", "", "", "", "", ""])
+            rows.append([name, "n/a"] + [""] * (len(header) - 2))
             notes.append(f"{m.mode}: n/a: {m.reason}")
             continue
         fits = "-" if m.fits is None else ("yes" if m.fits else "NO")
         rows.append([name, str(m.reduce_scatters), str(m.all_reduces) if est.replicate_size > 1 else "-",
                      format_bytes(m.send_bytes), format_bytes(m.held_bytes), m.held_dtype or "-",
-                     format_bytes(m.peak_bytes), fits, f"{m.all_gathers} ({format_bytes(m.all_gather_bytes)})"])  # fmt: skip
+                     format_bytes(m.sharded_bytes), format_bytes(m.peak_bytes), fits, f"{m.all_gathers} ({format_bytes(m.all_gather_bytes)})"])  # fmt: skip
         if m.reason:
             notes.append(f"{m.mode}: {m.reason}")
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]

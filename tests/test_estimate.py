@@ -197,6 +197,16 @@ def test_bytes_sent_follow_the_ring_formulas():
     assert hsdp.mode("defer_all_reduce").send_bytes == pytest.approx(m * shard_rs + shard_ar, abs=8)
 
 
+def test_sharded_gradients_are_what_per_micro_batch_keeps_between_micro_batches():
+    n = 4
+    est = estimate("recipe-default", fsdp(2, processes=n), 4)
+    sharded = est.mode("per_micro_batch").sharded_bytes
+    # About P/N x 4 bytes: each rank's padded shard of every unit, in the fp32 sharded dtype.
+    assert est.params * 4 / n <= sharded <= est.params * 4 / n + len(est.units) * 4 * 1024
+    assert est.mode("deferred").sharded_bytes == 0  # nothing is reduced before the last micro-batch
+    assert est.mode("per_micro_batch").held_bytes == 0
+
+
 def test_all_gathers_follow_resharding_and_kept_params():
     m = 3
     fsdp2 = estimate("recipe-default", fsdp(2), m, GradSyncConfig(keep_params_unsharded=True))
