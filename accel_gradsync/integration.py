@@ -287,9 +287,12 @@ class GradSyncHandle:
             )
             self._adapters[id(root)] = None
             return None
+        self._adapters[id(root)] = adapter
+        if not adapter.units:
+            return adapter  # nothing trainable (a frozen reference model): no gradient to schedule
         plan = self.policy.plan(adapter, self._agreed_free_memory)
         self._warn_about_plan(plan, adapter)
-        self._adapters[id(root)], self._plans[id(root)] = adapter, plan
+        self._plans[id(root)] = plan
         self._hooks.append(root.register_forward_pre_hook(self._on_forward))
         acc = self.accounting
         acc.mode, acc.wrapper, acc.collective, acc.hsdp = plan.mode, adapter.kind, adapter.collective, adapter.hsdp
@@ -360,9 +363,9 @@ class GradSyncHandle:
             with accelerate_no_sync(model):
                 yield
             return
-        plan = self._plans[id(_root(model))]
+        plan = self._plans.get(id(_root(model)))
         # The micro-batch that ends an optimizer step always syncs, whatever asked for no_sync.
-        if self.accelerator.sync_gradients or not plan.held:
+        if self.accelerator.sync_gradients or plan is None or not plan.held:
             yield
             return
         held = plan.held
