@@ -104,6 +104,16 @@ class ModelAdapter:
         elsewhere (FSDP2's unsharded and accumulated gradients, HSDP partial sums)."""
         self.model.zero_grad(set_to_none=True)
 
+    def grad_state(self) -> Optional[list]:
+        """This rank's gradients of the window in progress, wherever the wrapper keeps them, for
+        a mid-window checkpoint; None where the wrapper cannot give them back."""
+        return [None if p.grad is None else p.grad.detach().clone() for p in self.model.parameters()]
+
+    def load_grad_state(self, state: list) -> None:
+        """Put `grad_state()`'s gradients back before the window continues."""
+        for p, grad in zip(self.model.parameters(), state):
+            p.grad = None if grad is None else grad.to(p.device)
+
     def held_grad_bytes(self) -> int:
         """Bytes of unsharded gradient the wrapper holds right now, read from the tensors it
         keeps (sizes only: no device synchronisation)."""
@@ -203,6 +213,42 @@ class FSDP2Adapter(ModelAdapter):
                     if hasattr(p, "_unsharded_param"):
                         p._unsharded_param.grad = None
 
+    def grad_state(self) -> list:
+        state = []
+        for unit in self.units:
+            for group in unit.module._get_fsdp_state()._fsdp_param_groups:
+                params = []
+                for p in group.fsdp_params:
+                    held = p.unsharded_accumulated_grad
+                    if held is None and hasattr(p, "_unsharded_param"):
+                        held = p._unsharded_param.grad
+                    sharded = p.sharded_param.grad
+                    params.append((
+                        None if held is None else held.detach().clone(),
+                        None if sharded is None else sharded.to_local().detach().clone(),
+                    ))  # fmt: skip
+                partial = group._partial_reduce_output
+                state.append((params, None if partial is None else partial.detach().clone()))
+        return state
+
+    def load_grad_state(self, state: list) -> None:
+        from torch.distributed.tensor import DTensor
+
+        groups = [g for u in self.units for g in u.module._get_fsdp_state()._fsdp_param_groups]
+        assert len(groups) == len(state), "a grad checkpoint from a different model"  # invariant
+        for group, (params, partial) in zip(groups, state):
+            group._partial_reduce_output = partial
+            for p, (held, sharded) in zip(group.fsdp_params, params):
+                # FSDP2 adds later micro-batches' gradients to `unsharded_accumulated_grad` and
+                # reduce-scatters it on the last one, whatever the dtypes.
+                p.unsharded_accumulated_grad = held
+                if sharded is not None:
+                    sp = p.sharded_param
+                    p.sharded_param.grad = DTensor.from_local(
+                        sharded.to(sp.device), sp.device_mesh, sp.placements, run_check=False,
+                        shape=sp.shape, stride=sp.stride(),
+                    )  # fmt: skip
+
     @contextlib.contextmanager
     def hold(
         self, units: Sequence[Unit], what: str = "gradient_sync", keep_params_unsharded: bool = False
@@ -258,6 +304,9 @@ class FSDP1Adapter(ModelAdapter):
         self.model.zero_grad(set_to_none=True)
         for unit in self.units:
             unit.module._handle.flat_param.grad = None
+
+    def grad_state(self) -> None:
+        return None  # FSDP1's flat gradient views cannot be put back from outside
 
     def held_grad_bytes(self) -> int:
         # Under no_sync FSDP1 leaves the unsharded flat gradient on `flat_param.grad`.

@@ -89,6 +89,7 @@ class GradSyncHandle:
         self._callback = None
         self._original_class: Optional[type] = None
         self._free_memory: Optional[int] = None
+        self._pending_grads: Optional[list] = None  # from a mid-window checkpoint, until the next micro-batch
 
         self._check_accelerate_config()
         reason = self._reason_not_applicable()
@@ -105,8 +106,9 @@ class GradSyncHandle:
         except Exception:
             self.detach()
             raise
-        # accelerate's checkpoints hold no gradients: say so when one is cut mid-window.
+        # accelerate's checkpoints hold no gradients: a mid-window one gets them from us.
         self._hooks.append(accelerator.register_save_state_pre_hook(self._on_save_state))
+        self._hooks.append(accelerator.register_load_state_pre_hook(self._on_load_state))
         if trainer is not None:
             from .trainer import GradSyncCallback
 
@@ -339,16 +341,39 @@ class GradSyncHandle:
             "and the next accumulate() starts a fresh window of M micro-batches.",
         )
 
+    def _grads_file(self, directory: str) -> str:
+        return os.path.join(directory, f"accel_gradsync_grads_rank{self.accelerator.process_index}.pt")
+
     def _on_save_state(self, models: list, weights: list, output_dir: str) -> None:
+        """accelerate saves no gradients. Mid-window, save this rank's (held or sharded) ones
+        next to the checkpoint, so a resumed run finishes the window exactly."""
+        path = self._grads_file(output_dir)
         done = self.accounting.current.micro_batches
+        state = [a.grad_state() for a in self._adapters.values() if a is not None] if done else []
+        if done and all(s is not None for s in state):
+            torch.save(state, path)
+            return
+        if os.path.exists(path):
+            os.remove(path)  # a boundary checkpoint over an older mid-window one
         if done:
             self._warn_once(
                 "save_state",
                 f"accel_gradsync: save_state() after {done} of {self.micro_batches_per_step} micro-batches of an "
-                "accumulation window: accelerate's checkpoint holds no gradients (held or sharded), so a run "
-                "resumed from it loses those micro-batches. Save after the optimizer step "
+                "accumulation window: accelerate's checkpoint holds no gradients and FSDP1's cannot be put "
+                "back, so a run resumed from it loses those micro-batches. Save after the optimizer step "
                 "(when accelerator.sync_gradients is True) for an exact resume.",
             )
+
+    def _on_load_state(self, models: list, input_dir: str) -> None:
+        path = self._grads_file(input_dir)
+        # Put back at the next micro-batch, once load_state has restored the parameters.
+        self._pending_grads = torch.load(path, weights_only=True) if os.path.exists(path) else None
+
+    def _restore_grads(self) -> None:
+        adapters = [a for a in self._adapters.values() if a is not None]
+        for adapter, state in zip(adapters, self._pending_grads):
+            adapter.load_grad_state(state)
+        self._pending_grads = None
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
@@ -399,6 +424,8 @@ class GradSyncHandle:
     def _on_forward(self, module: nn.Module, args: Any) -> None:
         if not (module.training and torch.is_grad_enabled()):
             return  # generation, evaluation, or log-prob passes without gradients
+        if self._pending_grads is not None:
+            self._restore_grads()
         if self._held is None and not self.accelerator.sync_gradients and self.policy.name != "per_micro_batch":
             # A non-final micro-batch that skipped no_sync: accelerate's shared sync_each_batch was
             # switched on after attach (by another Accelerator or Trainer in this process).
