@@ -109,5 +109,10 @@ def parse_args(extra=None) -> argparse.Namespace:
 
 
 def write_result(out: str, result: dict) -> None:
+    """Write this rank's result, then leave the process group: gloo's threads can otherwise abort
+    the interpreter at exit ("terminate called without an active exception")."""
     rank = int(os.environ.get("RANK", "0"))
     Path(out, f"rank{rank}.json").write_text(json.dumps(result, indent=1, default=str))
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
