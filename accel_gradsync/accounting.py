@@ -7,7 +7,7 @@ one whole-model all-reduce pass (which DDP splits into buckets of its own choosi
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
@@ -67,9 +67,12 @@ class StepCounts:
     """Unsharded gradient bytes the wrapper held after the last deferred micro-batch, measured."""
 
     def add(self, other: "StepCounts") -> None:
-        for name, value in asdict(other).items():
-            if name != "held_grad_bytes":  # a level, not a flow
-                setattr(self, name, getattr(self, name) + value)
+        # Runs on every micro-batch: plain getattr, not asdict (which deep-copies).
+        for name in _FLOWS:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+
+_FLOWS = tuple(f.name for f in fields(StepCounts) if f.name != "held_grad_bytes")  # a level, not a flow
 
 
 @dataclass
