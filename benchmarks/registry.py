@@ -65,13 +65,21 @@ CONFIGS: dict[str, dict[str, Any]] = {
                               "group": "hsdp", "label": "HSDP 2x2 all-reduce deferral"},
 }  # fmt: skip
 
-# Model sizes: `dim` x `layers` residual MLP blocks (8 dim^2 parameters each) and a head.
+# The overhead pairs: configurations that issue the same collectives on the same bytes, so
+# their step times differ only by what the wrapper costs. The worker runs each pair back to
+# back in every round and the report compares them round by round.
+PAIRS: tuple[tuple[str, str], ...] = (("deferred", "raw_fsdp2"), ("per_micro_batch", "stock_sync_each_batch"))
+
+# Model sizes: `dim` x `layers` residual MLP blocks and a root of the same size (8 dim^2 + 5 dim
+# parameters each; model.py).
 # `rows` per micro-batch is small on purpose for "large": little compute per parameter, so
-# gloo's reduce-scatter dominates (the communication-bound case).
+# gloo's reduce-scatter dominates (the communication-bound case). `steps`: timed rounds per M
+# in the full run; the small model's steps are cheap, and its many rounds are what resolves a
+# wrapper's per-micro-batch cost, which is the largest share of the shortest step.
 SIZES: dict[str, dict[str, int]] = {
-    "small": {"dim": 128, "layers": 4, "rows": 64},
-    "medium": {"dim": 384, "layers": 4, "rows": 8},
-    "large": {"dim": 640, "layers": 4, "rows": 8},
+    "small": {"dim": 128, "layers": 4, "rows": 64, "steps": 12},
+    "medium": {"dim": 384, "layers": 4, "rows": 8, "steps": 3},
+    "large": {"dim": 720, "layers": 4, "rows": 8, "steps": 3},
 }
 
 # HSDP runs 4 processes on the machine: one (communication-bound) size shows the trade-off.
@@ -84,8 +92,8 @@ QUICK = {
     "reps": 1,
     "steps": 2,
 }
-# Step-level interleaving spreads the noise already; more samples cost minutes on 2 cores.
-FULL = {"sizes": ["small", "large"], "Ms": [1, 2, 4, 8], "configs": list(CONFIGS), "reps": 1, "steps": 3}
+# steps None: each size's own `steps` (a full run must fit 10 minutes on 2 cores).
+FULL = {"sizes": ["small", "large"], "Ms": [1, 2, 4, 8], "configs": list(CONFIGS), "reps": 1, "steps": None}
 
 
 def gradsync_kwargs(name: str, facts: dict) -> dict | None:

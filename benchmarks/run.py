@@ -38,7 +38,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--Ms", help="comma-separated micro-batch counts")
     p.add_argument("--configs", help="comma-separated, from registry.CONFIGS")
     p.add_argument("--reps", type=int, help="interleaved repetitions of every configuration")
-    p.add_argument("--steps", type=int, help="timed optimizer steps per repetition and M")
+    p.add_argument("--steps", type=int, help="timed optimizer steps per repetition and M (default: per model size)")
+    p.add_argument("--no-pin", action="store_true", help="CPU: leave the ranks unpinned (default: one core per rank)")
     p.add_argument("--hsdp-size", default=registry.HSDP_SIZE, help="model size of the 4-rank HSDP launch")
     p.add_argument("--timeout", type=int, default=900, help="seconds per launch")
     return p.parse_args(argv)
@@ -55,6 +56,7 @@ def plan(args: argparse.Namespace) -> dict:
     base["Ms"] = [int(m) for m in base["Ms"]]
     base["hsdp_size"] = args.hsdp_size
     base["quick"] = args.quick
+    base["no_pin"] = args.no_pin
     unknown = [c for c in base["configs"] if c not in registry.CONFIGS] + [
         s for s in base["sizes"] if s not in registry.SIZES
     ]
@@ -108,7 +110,9 @@ def launch(size: str, nranks: int, names: list[str], p: dict, device: str, timeo
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(cfg),
                "--main_process_port", str(_free_port()), str(WORKER), "--out", tmp, "--size", size,
                "--configs", ",".join(names), "--Ms", ",".join(map(str, p["Ms"])),
-               "--reps", str(p["reps"]), "--steps", str(p["steps"])]  # fmt: skip
+               "--reps", str(p["reps"]), "--steps", str(p["steps"] or registry.SIZES[size]["steps"])]  # fmt: skip
+        if device == "cpu" and not p.get("no_pin"):
+            cmd.append("--pin-cores")
         proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         tail = stream(proc, timeout)
         files = sorted(Path(tmp).glob("rank*.json"))
@@ -159,6 +163,9 @@ def merge(ranks: list[dict]) -> dict:
         rows.append({
             "config": name, "M": M, "label": registry.CONFIGS[name]["label"], "group": registry.CONFIGS[name]["group"],
             "step_time_s": statistics.median(times), "step_times_s": times,
+            # The round each of those steps ran in (None: the Trainer, which runs its own loop):
+            # the report pairs configurations that ran in the same round.
+            "step_rounds": [s.get("round") for s in rank0_steps],
             **cpu_times(per_rank),
             **{f"{k}_per_step": v for k, v in counts.items()},
             "counts_seen_per_step": exact,
@@ -176,6 +183,7 @@ def merge(ranks: list[dict]) -> dict:
             "sync_control_us": max((r.get("sync_control_us") or 0) for r in all_recs) or None,
         })  # fmt: skip
     return {"size": first["size"], "facts": first["facts"], "device": first["device"],
+            "pinned_cores": [rank.get("pinned_core") for rank in ranks],
             "unavailable": first["unavailable"], "versions": first["versions"], "rows": rows}  # fmt: skip
 
 

@@ -4,10 +4,12 @@ for one model size, every M, all in this one process so start-up is paid once.
 Configurations are interleaved step by step: every configuration is prepared up front on an
 `Accelerator` of its own (so the plugin attaches to only its own model), and each round runs
 one optimizer step of every configuration, in an order rotated per round. A noisy neighbour
-on the machine then slows all configurations alike instead of one. The stock Trainer runs its
-own loop, so it is interleaved per M instead. Every step is timed, its collectives counted,
-its held gradient bytes probed from the real tensors and its peak RSS read. Every rank writes
-`rank<R>.json`; `run.py` merges them.
+on the machine then slows all configurations alike instead of one. The two configurations of
+an overhead pair (`registry.PAIRS`) run back to back in every round, in alternating order, so
+the report can compare them round by round. The stock Trainer runs its own loop, so it is
+interleaved per M instead. Every step is timed, its collectives counted, its held gradient
+bytes probed from the real tensors and its peak RSS read. Every rank writes `rank<R>.json`;
+`run.py` merges them.
 """
 
 from __future__ import annotations
@@ -57,7 +59,19 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=2, help="timed optimizer steps per segment")
     p.add_argument("--warmup", type=int, default=1,
                    help="untimed optimizer steps after each prepare (the Trainer: per M)")
+    p.add_argument("--pin-cores", action="store_true",
+                   help="CPU runs: pin rank r to core r mod cores, as each rank owns its device on a GPU node")
     return p.parse_args()
+
+
+def pin_to_core() -> int | None:
+    """Pin this rank to one core of those it may use (rank mod count). Unpinned, the ranks' main,
+    autograd and gloo threads migrate between the cores and every collective waits on whichever
+    rank the scheduler last moved: step times then vary by 10-20% on a quiet 2-core machine."""
+    cores = sorted(os.sched_getaffinity(0))
+    core = cores[int(os.environ.get("LOCAL_RANK", "0")) % len(cores)]
+    os.sched_setaffinity(0, {core})
+    return core
 
 
 class Bench:
@@ -106,15 +120,20 @@ class Bench:
 
 # -- one optimizer step, per loop -----------------------------------------------------------
 def step_accumulate(bench: Bench, run: dict, M: int) -> None:
-    """What the accelerate docs show: `accumulate` around every micro-batch."""
+    """What the accelerate docs show, `accumulate` around every micro-batch, stepping the
+    optimizer on the micro-batch that syncs, as the Trainer does. (The docs call `step()` on every
+    micro-batch and let accelerate skip it; in accelerate 1.15 that skipped call still costs two
+    uncached `importlib.util.find_spec("lomo_optim")` lookups, a cost of the loop, not of the
+    gradient sync this benchmark compares.)"""
     acc, model, optimizer = run["acc"], run["model"], run["optimizer"]
     for k in range(M):
         x, y = bench.batch(k)
         with acc.accumulate(model):
             acc.backward(model(x, y)["loss"])
             bench.probe(model)
-            optimizer.step()
-            optimizer.zero_grad()
+            if acc.sync_gradients:
+                optimizer.step()
+                optimizer.zero_grad()
 
 
 def step_raw(bench: Bench, run: dict, M: int) -> None:
@@ -309,9 +328,25 @@ def measure_trainer(bench: Bench, name: str, M: int) -> tuple[list[dict], dict]:
     return steps, {"wrapper_class": wrapper}
 
 
+def round_order(runs: list[dict], k: int) -> list[dict]:
+    """Round k's order: the overhead pairs as adjacent blocks (a, b on even rounds, b, a on odd
+    ones, so neither always runs first), every other configuration a block of its own, and the
+    blocks rotated by k."""
+    by_name = {run["name"]: run for run in runs}
+    blocks = [[by_name[n] for n in (pair if k % 2 == 0 else pair[::-1])]
+              for pair in registry.PAIRS if all(n in by_name for n in pair)]  # fmt: skip
+    done = {run["name"] for block in blocks for run in block}
+    blocks += [[run] for run in runs if run["name"] not in done]
+    if not blocks:
+        return []
+    k %= len(blocks)
+    return [run for block in blocks[k:] + blocks[:k] for run in block]
+
+
 # -- the run --------------------------------------------------------------------------------
 def main() -> None:
     args = parse_args()
+    core = pin_to_core() if args.pin_cores else None  # before torch starts its threads
     bench = Bench(args)
     names = args.configs.split(",")
     unavailable = {n: r for n in names if (r := check_available(n, bench.facts)) is not None}
@@ -329,10 +364,10 @@ def main() -> None:
         for M in bench.Ms:
             t0 = time.time()
             for _ in range(args.steps):
-                order = runs[rounds % len(runs):] + runs[: rounds % len(runs)] if runs else []
+                for run in round_order(runs, rounds):
+                    samples.setdefault((run["name"], M), []).append(
+                        {**measure_step(bench, run, M), "rep": rep, "round": rounds})
                 rounds += 1
-                for run in order:
-                    samples.setdefault((run["name"], M), []).append({**measure_step(bench, run, M), "rep": rep})
             for name in trainers:
                 steps, trainer_stats[name] = measure_trainer(bench, name, M)
                 samples.setdefault((name, M), []).extend({**s, "rep": rep} for s in steps)
@@ -345,7 +380,7 @@ def main() -> None:
     records = [summarize(name, M, s, stats.get(name, {})) for (name, M), s in samples.items()]
     for rec in records:
         rec["sync_control_us"] = sync_control.get(rec["config"])
-    result = {"size": args.size, "facts": bench.facts, "device": bench.device.type,
+    result = {"size": args.size, "facts": bench.facts, "device": bench.device.type, "pinned_core": core,
               "unavailable": unavailable, "records": records, "versions": versions()}  # fmt: skip
     Path(args.out, f"rank{bench.rank}.json").write_text(json.dumps(result, indent=1, default=str))
 
