@@ -64,7 +64,7 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def pin_to_core() -> int | None:
+def pin_to_core() -> int:
     """Pin this rank to one core of those it may use (rank mod count). Unpinned, the ranks' main,
     autograd and gloo threads migrate between the cores and every collective waits on whichever
     rank the scheduler last moved: step times then vary by 10-20% on a quiet 2-core machine."""
@@ -99,7 +99,7 @@ class Bench:
             "world_size": self.world,
             "full_defer_grad_bytes": params * 4,  # fp32 params, no mixed precision: fp32 grads
             "sharded_grad_bytes": params * 4 // self.world,
-            **self.size,
+            **{k: v for k, v in self.size.items() if k != "steps"},  # steps: a run setting, not a fact
         }
         self.probing = False
         self.probes: list[int] = []
