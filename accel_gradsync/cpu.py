@@ -32,6 +32,7 @@ from accelerate.state import AcceleratorState, PartialState
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, TorchDynamoPlugin
 
 from .errors import GradSyncWarning
+from .teardown import install_exit_guard
 
 # The environment `accelerate launch` would export for a CPU FSDP run, if it supported one.
 _CPU_FSDP_ENV = {
@@ -107,6 +108,7 @@ def enable_cpu_fsdp() -> bool:
     state.distributed_type = DistributedType.FSDP
     PartialState().distributed_type = DistributedType.FSDP
     check_fsdp_state()
+    install_exit_guard()  # gloo's workers must be done before the interpreter exits (teardown.py)
     return True
 
 

@@ -36,6 +36,7 @@ from .errors import GradSyncWarning
 from .fsdp import ModelAdapter, adapt_model, is_fsdp_wrapped
 from .memory import agreed_free_memory
 from .policies import ALL_REDUCE, Plan, SyncPolicy, collectives_per_step, format_bytes, resolve_policy
+from .teardown import install_exit_guard
 
 _HANDLE_ATTR = "_accel_gradsync_handle"  # class attribute of the per-instance subclass
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -92,6 +93,7 @@ class GradSyncHandle:
         self._pending_grads: Optional[list] = None  # from a mid-window checkpoint, until the next micro-batch
 
         self._check_accelerate_config()
+        install_exit_guard()  # gloo's workers must be done before the interpreter exits (teardown.py)
         reason = self._reason_not_applicable()
         if reason is not None:
             warnings.warn(f"accel_gradsync: {reason}; attach() does nothing.", GradSyncWarning, stacklevel=3)

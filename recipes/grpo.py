@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import shutil
 import sys
 from dataclasses import dataclass, field
 from typing import Optional
@@ -98,10 +99,36 @@ def main(script_args, training_args, model_args, grad_sync_args):
     )
     accel_gradsync.attach(trainer, grad_sync_args)
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
-    trainer.save_model(training_args.output_dir)
+    save_model_whole(trainer, training_args.output_dir)
     trainer.save_state()
     trainer.accelerator.print(f"Model and trainer state saved to {training_args.output_dir}.")
     trainer.accelerator.end_training()
+
+
+def save_model_whole(trainer, output_dir: str) -> None:
+    """`trainer.save_model(output_dir)`, written to a staging folder beside output_dir and moved
+    in only once every rank has finished: a run stopped while saving (Ctrl-C, a killed rank)
+    leaves no half-written weights in output_dir."""
+    accelerator = trainer.accelerator
+    staging = os.path.normpath(output_dir) + ".saving"
+    try:
+        if accelerator.is_main_process:
+            shutil.rmtree(staging, ignore_errors=True)  # what an earlier killed run left
+        accelerator.wait_for_everyone()
+        trainer.save_model(staging)
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            os.makedirs(output_dir, exist_ok=True)
+            # FSDP1 on CPU saves a sharded state dict, which writes nothing here (README).
+            for name in os.listdir(staging) if os.path.isdir(staging) else ():
+                target = os.path.join(output_dir, name)
+                if os.path.isdir(target):  # FSDP1's sharded state dict is a folder
+                    shutil.rmtree(target)
+                os.replace(os.path.join(staging, name), target)
+    finally:
+        if accelerator.is_main_process:
+            shutil.rmtree(staging, ignore_errors=True)
+    accelerator.wait_for_everyone()
 
 
 def resolve_rewards(names: list[str]) -> list:

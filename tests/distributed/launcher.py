@@ -66,6 +66,16 @@ def run_distributed(
         return subprocess.run(cmd, env=full_env, cwd=cwd or REPO, capture_output=True, text=True, timeout=timeout)
 
 
+def recipe_launch(argv: list[str], env: Optional[dict] = None) -> tuple[list[str], dict]:
+    """The command and environment that run `accelerate launch <argv>` from the repo root as a
+    module of this interpreter, on a free port, offline, with the mode set by `argv` alone."""
+    full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **(env or {})}
+    full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [full_env.get("PYTHONPATH"), str(REPO)]))
+    full_env.pop("ACCEL_GRADSYNC_DEFER", None)
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", str(free_port()), *argv]
+    return cmd, full_env
+
+
 def launch(
     worker: str, args: list[str], config: Optional[dict] = None, env: Optional[dict] = None, timeout: int = 600
 ) -> list[dict]:

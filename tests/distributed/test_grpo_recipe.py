@@ -11,11 +11,10 @@ import json
 import os
 import shlex
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from launcher import REPO, free_port
+from launcher import REPO, recipe_launch
 
 COUNTER = Path(__file__).parent / "recipe_counter"
 
@@ -39,17 +38,10 @@ def run_command(command: str, tmp: Path, timeout: int = 300) -> dict:
     assert argv[:2] == ["accelerate", "launch"], command
     out_dir, counter_dir = tmp / "output", tmp / "counters"
     counter_dir.mkdir(parents=True)
-    env = {
-        **os.environ,
-        "HF_HUB_OFFLINE": "1",
-        "OMP_NUM_THREADS": "1",
-        "RECIPE_COUNTER_DIR": str(counter_dir),
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(COUNTER), str(REPO), os.environ.get("PYTHONPATH")])),
-    }
-    env.pop("ACCEL_GRADSYNC_DEFER", None)  # the command line alone decides the mode
-    # `accelerate launch` as a module of this interpreter, with a free port so runs never collide.
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", str(free_port()),
-           *argv[2:], *TEST_FLAGS, "--output_dir", str(out_dir)]  # fmt: skip
+    # recipe_counter's sitecustomize counts every rank's collectives from outside the script.
+    env = {"RECIPE_COUNTER_DIR": str(counter_dir),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(COUNTER), os.environ.get("PYTHONPATH")]))}  # fmt: skip
+    cmd, env = recipe_launch([*argv[2:], *TEST_FLAGS, "--output_dir", str(out_dir)], env)
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise AssertionError(f"{command} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
