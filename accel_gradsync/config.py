@@ -100,9 +100,10 @@ class GradSyncConfig:
     )
     keep_params_unsharded: Optional[bool] = _flag(
         "keep_params_unsharded",
-        "With deferral, also keep each deferred unit's parameters unsharded after backward "
-        "(FSDP2 set_reshard_after_backward(False)): the next micro-batch's forward needs no "
-        "all-gather, at the cost of the unsharded parameters in memory.",
+        "With deferral (FSDP2), keep each unit's parameters unsharded for the whole accumulation "
+        "window: one all-gather per unit per optimizer step instead of up to 2 per micro-batch, at "
+        "the cost of the unsharded parameters (compute dtype) beside the held gradients on every "
+        "rank until the window's last backward.",
         nargs="?",
         const=True,
     )

@@ -10,13 +10,14 @@ Formulas (N shard ranks, R replicas on an HSDP mesh, M micro-batches, per unit u
   HSDP all-reduces: the same, and also 1 for a unit whose all-reduce only is held.
 - bytes a rank sends per step: (N-1)/N x numel x sizeof(reduce dtype) per reduce-scatter
   (ring), 2(R-1)/R x that unsharded size / N per HSDP all-reduce.
-- held bytes: `Plan.held_bytes()` (numel x sizeof(held dtype) per held unit, plus the unsharded
-  params with keep_params_unsharded).
-- peak: see `peak_grad_bytes`; all-gathers: see `all_gathers_per_step`.
+- held bytes: `Plan.held_grad_bytes()` (numel x sizeof(held dtype) per held unit) and
+  `Plan.held_param_bytes()` (numel x sizeof(compute dtype) per windowed unit).
+- peak: see `peak_grad_bytes`; all-gathers: `policies.all_gathers_per_step`, the runtime's own.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 from dataclasses import asdict, dataclass, field
@@ -30,10 +31,12 @@ from torch import nn
 from .accounting import unit_dtypes as accounting_unit_dtypes
 from .config import GradSyncConfig
 from .fsdp import Unit, dim0_shard_numel
-from .policies import ALL_REDUCE, POLICIES, Plan, format_bytes
+from .policies import ALL_REDUCE, POLICIES, DeferredSync, Plan, all_gathers_per_step, format_bytes
 from .policies import collectives_per_step as _collectives_per_step
 
 RECIPE_DEFAULT = "recipe-default"
+WINDOW_ROW = "deferred+window"
+"""The row for deferral with every unit windowed (`keep_params_unsharded`), shown whatever is selected."""
 _MIXED_PRECISION = {"no": None, "fp16": torch.float16, "bf16": torch.bfloat16, "fp8": torch.bfloat16}
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _WRAP_POLICIES = ("TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP")
@@ -326,7 +329,8 @@ def _units_resharding(
         if numel:
             units.append(
                 (Unit(name, None, numel, 1, held_dtype=dtypes["held"], reduce_dtype=dtypes["reduce"],
-                     compute_dtype=dtypes["compute"], shard_size=shard, sharded_numel=sharded), reshards)
+                     compute_dtype=dtypes["compute"], shard_size=shard, sharded_numel=sharded,
+                     reshards_after_forward=reshards), reshards)
             )  # fmt: skip
     return units
 
@@ -340,11 +344,9 @@ class EstimatedAdapter:
     hsdp: bool = False
     collective: str = "reduce_scatter"
     sharded_dtype: torch.dtype = torch.float32
-    reshards_after_forward: dict = field(default_factory=dict)
-    """id(unit) -> True where the unit reshards after forward, so backward all-gathers it again."""
     keeps_params_when_held: bool = False
     """FSDP1 SHARD_GRAD_OP: `no_sync()` keeps the params unsharded, so held micro-batches skip
-    the next forward's all-gather (FSDP2 does so with keep_params_unsharded)."""
+    the next forward's all-gather (FSDP2 windows do so per unit)."""
 
     @property
     def root_only(self) -> bool:
@@ -361,7 +363,6 @@ def estimated_adapter(
     sharded = unit_dtypes(kind, setup, config, model_dtype)["sharded"]
     return EstimatedAdapter(
         kind, [u for u, _ in pairs], hsdp=setup.hsdp, sharded_dtype=sharded,
-        reshards_after_forward={id(u): r for u, r in pairs},
         keeps_params_when_held=kind == "fsdp1" and not setup.reshard_after_forward,
     )  # fmt: skip
 
@@ -379,7 +380,10 @@ class ModeEstimate:
     all_reduces: int = 0
     send_bytes: int = 0
     held_bytes: int = 0
+    """Gradient bytes held per rank between micro-batches."""
     held_dtype: str = ""
+    held_param_bytes: int = 0
+    """Unsharded parameter bytes the windowed units keep per rank through the window."""
     sharded_bytes: int = 0
     """Sharded gradients the units that sync every micro-batch keep between micro-batches."""
     peak_bytes: int = 0
@@ -433,23 +437,6 @@ def send_bytes_per_step(plan: Plan, adapter: EstimatedAdapter, micro_batches: in
         if adapter.hsdp:
             total += ar * u.collectives * (u.reduce_bytes / n) * 2 * (replicate - 1) / replicate
     return int(total)
-
-
-def all_gathers_per_step(plan: Plan, adapter: EstimatedAdapter, micro_batches: int) -> tuple[int, int]:
-    """(all-gathers, bytes one rank sends for them) per optimizer step. Every unit all-gathers
-    its params in each forward, and again in backward when it resharded after forward; a held
-    unit whose params stay unsharded after a held backward (FSDP2 keep_params_unsharded, FSDP1
-    SHARD_GRAD_OP under no_sync) skips the next M-1 forwards' all-gathers. Ring: (N-1)/N of the
-    unsharded params in the compute dtype per all-gather."""
-    m = micro_batches
-    keeps = plan.hold != ALL_REDUCE and (plan.keep_params_unsharded or adapter.keeps_params_when_held)
-    held = {id(u) for u in plan.held} if keeps else set()
-    count, sent = 0, 0.0
-    for u in adapter.units:
-        n = (m - (m - 1) * (id(u) in held)) + (m if adapter.reshards_after_forward.get(id(u), False) else 0)
-        count += n
-        sent += n * u.param_bytes * (u.shard_size - 1) / u.shard_size
-    return count, int(sent)
 
 
 def sharded_grad_bytes(plan: Plan, adapter: EstimatedAdapter) -> int:
@@ -512,21 +499,25 @@ def estimate(
         units=[{"name": u.name or "<root>", "numel": u.numel} for u in adapter.units],
         free_memory=free,
     )
-    for name, policy_cls in POLICIES.items():
-        row = ModeEstimate(name, selected=name == config.sync_mode)
+    for name, policy_cls in [*POLICIES.items(), (WINDOW_ROW, DeferredSync)]:
+        windowed = config.sync_mode == "deferred" and config.keep_params_unsharded
+        row = ModeEstimate(name, selected=name == ("deferred+window" if windowed else config.sync_mode))
         try:
-            plan = _plan(policy_cls, config, adapter, free)
+            # The deferred rows show deferral without and with the window, whatever the config says.
+            window = {"deferred": False, WINDOW_ROW: True}.get(name)
+            plan = _plan(policy_cls, config, adapter, free, micro_batches, window)
         except ValueError as err:
             row.applicable, row.reason = False, str(err)
             result.modes.append(row)
             continue
         rs, ar = collectives_per_step(plan, adapter, micro_batches)
-        row.mode = name if plan.mode == name else f"{name} -> {plan.mode}"
+        row.mode = name if plan.mode == name or name == WINDOW_ROW else f"{name} -> {plan.mode}"
         row.reason = plan.reason
         row.units_held = len(plan.held)
         row.reduce_scatters, row.all_reduces = rs, ar
         row.send_bytes = send_bytes_per_step(plan, adapter, micro_batches, setup.replicate_size)
-        row.held_bytes = plan.held_bytes()
+        row.held_bytes = plan.held_grad_bytes()
+        row.held_param_bytes = plan.held_param_bytes()
         row.held_dtype = _dtype_name(plan.held[0].held_dtype) if plan.held else ""
         if plan.hold == ALL_REDUCE:
             row.held_dtype += " (sharded)"
@@ -539,7 +530,14 @@ def estimate(
     return result
 
 
-def _plan(policy_cls: type, config: GradSyncConfig, adapter: EstimatedAdapter, free: Optional[int]) -> Plan:
+def _plan(
+    policy_cls: type, config: GradSyncConfig, adapter: EstimatedAdapter, free: Optional[int], micro_batches: int,
+    window: Optional[bool] = None,
+) -> Plan:
+    if window and adapter.kind != "fsdp2":
+        raise ValueError("keeps FSDP2 units' params unsharded through the window; FSDP1's equivalent is SHARD_GRAD_OP.")
+    if window is not None:
+        config = dataclasses.replace(config, keep_params_unsharded=window)
     if policy_cls.name == "budget" and not config.memory_budget:
         raise ValueError("needs a budget: set --grad-sync-memory-budget (e.g. 12GiB or 0.5 of free memory).")
 
@@ -548,7 +546,7 @@ def _plan(policy_cls: type, config: GradSyncConfig, adapter: EstimatedAdapter, f
             raise ValueError(f"{policy_cls.name} needs free memory per rank: set --grad-sync-free-memory (e.g. 40GiB).")
         return free
 
-    return policy_cls(config).plan(adapter, free_memory)
+    return policy_cls(config).plan(adapter, free_memory, micro_batches)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -566,8 +564,8 @@ def format_table(est: Estimate) -> str:
         + (f"; free memory {format_bytes(est.free_memory)}/rank" if est.free_memory is not None else ""),
         "",
     ]
-    header = ["mode", "reduce-scatters/step", "all-reduces/step", "sent/rank/step", "held/rank", "held dtype",
-              "sharded grads/rank", "peak/rank", "fits", "all-gathers/step"]  # fmt: skip
+    header = ["mode", "reduce-scatters/step", "all-reduces/step", "sent/rank/step", "held grads/rank", "held dtype",
+              "held params/rank", "sharded grads/rank", "peak/rank", "fits", "all-gathers/step"]  # fmt: skip
     rows, notes = [], []
     for m in est.modes:
         name = m.mode + (" *" if m.selected else "")
@@ -578,7 +576,7 @@ def format_table(est: Estimate) -> str:
         fits = "-" if m.fits is None else ("yes" if m.fits else "NO")
         rows.append([name, str(m.reduce_scatters), str(m.all_reduces) if est.replicate_size > 1 else "-",
                      format_bytes(m.send_bytes), format_bytes(m.held_bytes), m.held_dtype or "-",
-                     format_bytes(m.sharded_bytes), format_bytes(m.peak_bytes), fits, f"{m.all_gathers} ({format_bytes(m.all_gather_bytes)})"])  # fmt: skip
+                     format_bytes(m.held_param_bytes), format_bytes(m.sharded_bytes), format_bytes(m.peak_bytes), fits, f"{m.all_gathers} ({format_bytes(m.all_gather_bytes)})"])  # fmt: skip
         if m.reason:
             notes.append(f"{m.mode}: {m.reason}")
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 from torch import nn
@@ -50,6 +50,10 @@ class Unit:
     """Ranks the unit's parameters are sharded over (1 for DDP)."""
     sharded_numel: int = 0
     """Elements of one rank's shard, padding included (FSDP2 pads dim 0 to the shard size)."""
+    reshards_after_forward: bool = False
+    """The unit frees its unsharded params after forward, so backward all-gathers them again
+    (FSDP2 `reshard_after_forward`, FSDP1 FULL_SHARD; never the root, whose params backward
+    needs at once)."""
 
     @property
     def param_bytes(self) -> int:
@@ -76,6 +80,9 @@ class ModelAdapter:
     """True where deferral is all-or-nothing through the root's `no_sync()` (FSDP1, DDP)."""
     hsdp: bool = False
     """True when the mesh has a replicate dimension: gradients are also all-reduced across replicas."""
+    keeps_params_when_held: bool = False
+    """FSDP1 SHARD_GRAD_OP: `no_sync()` keeps the params unsharded, so a held micro-batch skips the
+    next forward's all-gather (FSDP2 does it per unit, in a window: see `FSDP2Adapter.hold`)."""
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
@@ -85,11 +92,20 @@ class ModelAdapter:
         raise NotImplementedError
 
     def hold(
-        self, units: Sequence[Unit], what: str = "gradient_sync", keep_params_unsharded: bool = False
+        self, units: Sequence[Unit], what: str = "gradient_sync", windowed: Sequence[Unit] = ()
     ) -> contextlib.AbstractContextManager:
         """Skip the sync of `units` for the enclosed forward and backward: the whole
-        `gradient_sync`, or (HSDP) only the cross-replica `all_reduce`."""
+        `gradient_sync`, or (HSDP) only the cross-replica `all_reduce`; keep the params of the
+        `windowed` ones unsharded through it (FSDP2)."""
         raise NotImplementedError
+
+    def keep_params_through_forward(self, units: Sequence[Unit]) -> Callable[[], None]:
+        """Before the last micro-batch's forward: keep the params of `units` unsharded through it,
+        so its backward gathers nothing. Returns the call that restores the flags after forward."""
+        return lambda: None
+
+    def reshard(self, units: Sequence[Unit]) -> None:
+        """Free the unsharded params of `units` (after an aborted window)."""
 
     def holdable(self, units: Sequence[Unit]) -> list[Unit]:
         """The `units` whose sync can be held on this micro-batch (all, unless a wrapper says not)."""
@@ -149,10 +165,13 @@ class FSDP2Adapter(ModelAdapter):
             mesh = params[0].sharded_param.device_mesh  # HSDP: (replicate, shard)
             self.hsdp = self.hsdp or mesh.ndim == 2
             shard = mesh.size(mesh.ndim - 1)
+            # The root keeps its params after forward (FSDP2's lazy init), whatever it was given.
+            reshards = name != "" and all(g.post_forward_mesh_info is not None for g in groups)
             units.append(
                 Unit(name, module, numel, len(groups), held_dtype=held, reduce_dtype=reduce,
                      compute_dtype=compute, shard_size=shard,
-                     sharded_numel=sum(dim0_shard_numel(p.sharded_param.shape, shard) for p in params))
+                     sharded_numel=sum(dim0_shard_numel(p.sharded_param.shape, shard) for p in params),
+                     reshards_after_forward=reshards)
             )  # fmt: skip
         return units
 
@@ -251,28 +270,52 @@ class FSDP2Adapter(ModelAdapter):
 
     @contextlib.contextmanager
     def hold(
-        self, units: Sequence[Unit], what: str = "gradient_sync", keep_params_unsharded: bool = False
+        self, units: Sequence[Unit], what: str = "gradient_sync", windowed: Sequence[Unit] = ()
     ) -> Iterator[None]:
-        # Each held unit gets back exactly the flags it had (not blindly True): one the user
-        # switched off stays off, and an exception leaves nothing held. Others are not touched.
+        # Each unit gets back exactly the flags it had (not blindly True): one the user switched
+        # off stays off, and an exception leaves nothing held. Others are not touched.
         saved = [(u.module, _sync_flags(u.module)) for u in units]
+        restore_forward = self.keep_params_through_forward(windowed)
         try:
             for u in units:
                 if what == "all_reduce":
                     u.module.set_requires_all_reduce(False, recurse=False)
                 else:
                     u.module.set_requires_gradient_sync(False, recurse=False)
-                if keep_params_unsharded:
-                    # The next micro-batch's forward then finds them unsharded: no all-gather.
-                    u.module.set_reshard_after_backward(False, recurse=False)
+            for u in windowed:
+                # Unsharded from this forward until the window's last backward: no all-gather in
+                # this backward nor in the next micro-batch's forward.
+                u.module.set_reshard_after_backward(False, recurse=False)
             yield
         finally:
+            restore_forward()
             for module, (reduce_grads, all_reduce_grads, reshard) in saved:
                 module.set_requires_gradient_sync(reduce_grads, recurse=False)
                 if all_reduce_grads != reduce_grads:  # the setter above set both to reduce_grads
                     module.set_requires_all_reduce(all_reduce_grads, recurse=False)
-                if keep_params_unsharded:
-                    module.set_reshard_after_backward(reshard, recurse=False)
+                module.set_reshard_after_backward(reshard, recurse=False)
+
+    def keep_params_through_forward(self, units: Sequence[Unit]) -> Callable[[], None]:
+        # torch's setter cannot express what it replaces (the root's automatic False, or a
+        # reshard to a smaller mesh), so the exact previous state is put back directly.
+        states = [u.module._get_fsdp_state() for u in units if u.reshards_after_forward]
+        saved = [(s, s._auto_reshard_after_forward, [g.post_forward_mesh_info for g in s._fsdp_param_groups])
+                 for s in states]  # fmt: skip
+        for u in units:
+            if u.reshards_after_forward:
+                u.module.set_reshard_after_forward(False, False)  # `recurse` is positional in torch 2.13
+
+        def restore() -> None:
+            for state, auto, infos in saved:
+                state._auto_reshard_after_forward = auto
+                for group, info in zip(state._fsdp_param_groups, infos):
+                    group.post_forward_mesh_info = info
+
+        return restore
+
+    def reshard(self, units: Sequence[Unit]) -> None:
+        for u in units:
+            u.module.reshard()
 
 
 class FSDP1Adapter(ModelAdapter):
@@ -294,9 +337,13 @@ class FSDP1Adapter(ModelAdapter):
                     "fsdp1", handle.flat_param.dtype, policy.param_dtype, policy.reduce_dtype
                 )
                 shard = handle.world_size if handle.uses_sharded_strategy else 1
+                full_shard = handle._sharding_strategy.name in ("FULL_SHARD", "HYBRID_SHARD")
+                # SHARD_GRAD_OP keeps params unsharded after forward, and under no_sync after backward.
+                self.keeps_params_when_held = self.keeps_params_when_held or handle._sharding_strategy.name == "SHARD_GRAD_OP"
                 units.append(
                     Unit(name, module, numel, 1, held_dtype=held, reduce_dtype=reduce, compute_dtype=compute,
-                         shard_size=shard, sharded_numel=-(-numel // shard))
+                         shard_size=shard, sharded_numel=-(-numel // shard),
+                         reshards_after_forward=full_shard and name != "")
                 )  # fmt: skip
         return units
 

@@ -35,7 +35,15 @@ from .cpu import fsdp_requested
 from .errors import GradSyncWarning
 from .fsdp import ModelAdapter, adapt_model, is_fsdp_wrapped
 from .memory import agreed_free_memory
-from .policies import ALL_REDUCE, Plan, SyncPolicy, collectives_per_step, format_bytes, resolve_policy
+from .policies import (
+    ALL_REDUCE,
+    Plan,
+    SyncPolicy,
+    all_gathers_per_step,
+    collectives_per_step,
+    format_bytes,
+    resolve_policy,
+)
 from .teardown import install_exit_guard
 
 _HANDLE_ATTR = "_accel_gradsync_handle"  # class attribute of the per-instance subclass
@@ -91,6 +99,7 @@ class GradSyncHandle:
         self._original_class: Optional[type] = None
         self._free_memory: Optional[int] = None
         self._pending_grads: Optional[list] = None  # from a mid-window checkpoint, until the next micro-batch
+        self._restore_forward: Optional[Any] = None  # flags to put back after the last micro-batch's forward
 
         self._check_accelerate_config()
         install_exit_guard()  # gloo's workers must be done before the interpreter exits (teardown.py)
@@ -294,24 +303,26 @@ class GradSyncHandle:
         self._adapters[id(root)] = adapter
         if not adapter.units:
             return adapter  # nothing trainable (a frozen reference model): no gradient to schedule
-        plan = self.policy.plan(adapter, self._agreed_free_memory)
+        plan = self.policy.plan(adapter, self._agreed_free_memory, self.micro_batches_per_step)
         self._warn_about_plan(plan, adapter)
         self._plans[id(root)] = plan
         self._hooks.append(root.register_forward_pre_hook(self._on_forward))
+        self._hooks.append(root.register_forward_hook(self._after_forward))
         acc = self.accounting
         acc.mode, acc.wrapper, acc.collective, acc.hsdp = plan.mode, adapter.kind, adapter.collective, adapter.hsdp
         acc.units = len(adapter.units)
-        held = set(map(id, plan.held))
-        acc.unit_modes = {u.name: _unit_mode(plan) if id(u) in held else "per_micro_batch" for u in adapter.units}
+        acc.unit_modes = {u.name: plan.level(u) for u in adapter.units}
         # One line at start, on the main process only: the decision and what it costs.
         self.accelerator.print(self.describe())
         return adapter
 
     def _warn_about_plan(self, plan: Plan, adapter: ModelAdapter) -> None:
         if self.config.keep_params_unsharded and adapter.kind != "fsdp2" and plan.held:
+            instead = {"fsdp1": "FSDP1's nearest equivalent is sharding_strategy SHARD_GRAD_OP",
+                       "ddp": "DDP never shards parameters"}[adapter.kind]  # fmt: skip
             warnings.warn(
-                f"accel_gradsync: keep_params_unsharded is ignored on {adapter.kind}: it uses FSDP2's "
-                "set_reshard_after_backward (FSDP1's equivalent is sharding_strategy SHARD_GRAD_OP).",
+                f"accel_gradsync: keep_params_unsharded does not apply on {adapter.kind}: it keeps FSDP2 units' "
+                f"parameters unsharded through the accumulation window ({instead}).",
                 GradSyncWarning,
                 stacklevel=3,
             )
@@ -333,9 +344,12 @@ class GradSyncHandle:
         """An exception (KeyboardInterrupt included) left `accumulate()`: discard the window's
         gradients, held or not, so none leaks into the next one. Flags were restored on the way
         out of `no_sync`."""
-        for adapter in self._adapters.values():
+        self._after_forward()
+        for key, adapter in self._adapters.items():
             if adapter is not None:
                 adapter.drop_held_grads()
+                if key in self._plans:
+                    adapter.reshard(self._plans[key].windowed)  # a window's params, gathered for nothing now
         self.accounting.abort_step()
         self._warn_once(
             "abort",
@@ -407,7 +421,8 @@ class GradSyncHandle:
                     "holding: torch's FSDP2 cannot hold a gradient that must be cast to reduce_dtype for a "
                     "unit that has not run yet. They hold once they have run; gradients stay exact.",
                 )
-            context = adapter.hold(held, plan.hold, plan.keep_params_unsharded)
+            windowed = [u for u in plan.windowed if any(u is h for h in held)]
+            context = adapter.hold(held, plan.hold, windowed)
         self._held = (held, plan.hold)
         try:
             with context:
@@ -438,40 +453,56 @@ class GradSyncHandle:
                     "sync_each_batch=True was set after attach() and makes every micro-batch sync.",
                 )
         held, hold = self._held if self._held is not None else ((), "")
+        plan = self._plans.get(id(module))
+        if self.accelerator.sync_gradients and plan is not None and plan.windowed:
+            # The window's last forward keeps its params too, so its backward gathers nothing;
+            # the backward then reshards (reshard_after_backward is back to what it was).
+            self._after_forward()
+            self._restore_forward = self._adapters[id(module)].keep_params_through_forward(plan.windowed)
         self.accounting.record_micro_batch(
             self._adapters[id(module)].units, held, hold, ends_step=self.accelerator.sync_gradients
         )
+
+
+    def _after_forward(self, *_: Any) -> None:
+        if self._restore_forward is not None:
+            self._restore_forward()
+            self._restore_forward = None
 
 
 def _root(model: nn.Module) -> nn.Module:
     return model.module if isinstance(model, DistributedDataParallel) else model
 
 
-def _unit_mode(plan: Plan) -> str:
-    return "defer_all_reduce" if plan.hold == ALL_REDUCE else "deferred"
-
-
 def describe_decision(plan: Plan, adapter: ModelAdapter, micro_batches: int) -> str:
-    """One line: the mode, the collectives per optimizer step it implies, what it holds."""
+    """One line: the mode, each unit's level, the collectives per optimizer step it implies and
+    what it holds, gradients and params apart."""
     m = micro_batches
     rs, ar = collectives_per_step(plan, adapter.units, adapter.hsdp, m)
     every = sum(u.collectives for u in adapter.units) * m
     if adapter.collective == "all_reduce":
         cost = f"{rs} all-reduces/step instead of {every}"  # DDP: whole-model passes, bucketed
-    elif adapter.hsdp:
-        cost = f"{rs} reduce-scatters and {ar} all-reduces/step instead of {every} each"
     else:
-        cost = f"{rs} reduce-scatters/step instead of {every}"
-    line = (
-        f"grad sync: {plan.mode} over {m} micro-batches on {adapter.kind} "
-        f"({len(plan.held)} of {len(adapter.units)} units held) -> {cost}"
-    )
+        ag, _ = all_gathers_per_step(plan, adapter, m)
+        every_ag, _ = all_gathers_per_step(Plan("per_micro_batch"), adapter, m)
+        if adapter.hsdp:
+            cost = f"{rs} reduce-scatters, {ar} all-reduces and {ag} all-gathers/step instead of {every}, {every} and {every_ag}"
+        else:
+            cost = f"{rs} reduce-scatters and {ag} all-gathers/step instead of {every} and {every_ag}"
+    levels = [plan.level(u) for u in adapter.units]
+    counts = ", ".join(f"{levels.count(lv)} {lv.replace('_', '-')}" for lv in _LEVELS[plan.hold] if lv in levels)
+    line = f"grad sync: {plan.mode} over {m} micro-batches on {adapter.kind} ({counts}) -> {cost}"
     if plan.held:
         dtype = str(plan.held[0].held_dtype).removeprefix("torch.")
         what = "sharded partial" if plan.hold == ALL_REDUCE else "unsharded"
-        line += f"; holds ~{format_bytes(plan.held_bytes())} {what} {dtype} grads per rank"
-        if plan.keep_params_unsharded:
-            line += " (and the unsharded params)"
+        line += f"; holds ~{format_bytes(plan.held_grad_bytes())} {what} {dtype} grads"
+        if plan.windowed:
+            param_dtype = str(plan.windowed[0].compute_dtype).removeprefix("torch.")
+            line += f" + ~{format_bytes(plan.held_param_bytes())} unsharded {param_dtype} params"
+        line += " per rank"
     if plan.reason:
         line += f" [{plan.reason}]"
     return line
+
+
+_LEVELS = {"gradient_sync": ("windowed", "deferred", "per_micro_batch"), ALL_REDUCE: ("defer_all_reduce", "per_micro_batch")}

@@ -9,7 +9,7 @@ always syncs every unit, whatever the plan says.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from .config import GradSyncConfig, parse_bytes
 from .fsdp import ModelAdapter, Unit
@@ -20,21 +20,45 @@ ALL_REDUCE = "all_reduce"  # HSDP: reduce-scatter, skip the cross-replica all-re
 
 @dataclass
 class Plan:
-    """What a policy decided for one model."""
+    """What a policy decided for one model: each unit's level.
+
+    - per micro-batch (not in `held`): reduce-scatter every micro-batch, 0 bytes held;
+    - deferred (`held`): reduce-scatter once per step, holds the unit's unsharded gradient;
+    - windowed (`held` and `windowed`, FSDP2): also keep the unit's params unsharded from the
+      window's first forward to its last backward, so it all-gathers once per step; holds the
+      unsharded gradient and the unsharded params (compute dtype).
+    """
 
     mode: str
     held: list[Unit] = field(default_factory=list)
     """Units whose sync is held on non-final micro-batches."""
     hold: str = GRADIENT_SYNC
-    keep_params_unsharded: bool = False
+    windowed: list[Unit] = field(default_factory=list)
+    """Held units whose params stay unsharded for the whole window (a subset of `held`)."""
     reason: str = ""
 
-    def held_bytes(self) -> int:
-        """Bytes per rank the held units keep between micro-batches (gradients, plus unsharded
-        parameters when they are kept). For `all_reduce` holds only a sharded partial sum."""
+    def held_grad_bytes(self) -> int:
+        """Gradient bytes per rank the held units keep between micro-batches. For an
+        `all_reduce` hold only a sharded partial sum."""
         if self.hold == ALL_REDUCE:
             return sum(u.sharded_numel * u.held_dtype.itemsize for u in self.held)
-        return sum(u.held_bytes + (u.param_bytes if self.keep_params_unsharded else 0) for u in self.held)
+        return sum(u.held_bytes for u in self.held)
+
+    def held_param_bytes(self) -> int:
+        """Unsharded parameter bytes per rank the windowed units keep through the window."""
+        return sum(u.param_bytes for u in self.windowed)
+
+    def held_bytes(self) -> int:
+        """Everything the plan keeps per rank between micro-batches: gradients and params."""
+        return self.held_grad_bytes() + self.held_param_bytes()
+
+    def level(self, unit: Unit) -> str:
+        """`per_micro_batch`, `deferred`, `windowed` or (HSDP) `defer_all_reduce`."""
+        if not any(u is unit for u in self.held):
+            return "per_micro_batch"
+        if self.hold == ALL_REDUCE:
+            return "defer_all_reduce"
+        return "windowed" if any(u is unit for u in self.windowed) else "deferred"
 
 
 def collectives_per_step(plan: Plan, units: Sequence[Unit], hsdp: bool, micro_batches: int) -> tuple[int, int]:
@@ -47,6 +71,29 @@ def collectives_per_step(plan: Plan, units: Sequence[Unit], hsdp: bool, micro_ba
         return per_sync * m, per_sync * m - held * (m - 1)
     issued = per_sync * m - held * (m - 1)
     return issued, issued if hsdp else 0
+
+
+def unit_all_gathers(unit: Unit, level: str, micro_batches: int, keeps_params_when_held: bool = False) -> int:
+    """Parameter all-gathers of one unit per optimizer step: one in each forward, another in each
+    backward when it reshards after forward; a windowed unit gathers once per step. FSDP1
+    SHARD_GRAD_OP under `no_sync()` keeps params after a held backward: one gather per step too."""
+    m = micro_batches
+    if level == "windowed" or (level == "deferred" and keeps_params_when_held):
+        return 1 if m > 1 else 1 + unit.reshards_after_forward
+    return m * (1 + unit.reshards_after_forward)
+
+
+def all_gathers_per_step(plan: Plan, adapter: Any, micro_batches: int) -> tuple[int, int]:
+    """(all-gathers, bytes one rank sends for them) per optimizer step, over `adapter.units`.
+    Ring: (N-1)/N of the unsharded params in the compute dtype per all-gather."""
+    if adapter.collective == "all_reduce":
+        return 0, 0  # DDP keeps whole params on every rank
+    count, sent = 0, 0.0
+    for u in adapter.units:
+        n = unit_all_gathers(u, plan.level(u), micro_batches, adapter.keeps_params_when_held)
+        count += n
+        sent += n * u.param_bytes * (u.shard_size - 1) / u.shard_size
+    return count, int(sent)
 
 
 FreeMemory = Callable[[], int]
@@ -62,7 +109,7 @@ class SyncPolicy:
     def __init__(self, config: GradSyncConfig) -> None:
         self.config = config
 
-    def plan(self, adapter: ModelAdapter, free_memory: FreeMemory) -> Plan:
+    def plan(self, adapter: ModelAdapter, free_memory: FreeMemory, micro_batches: int) -> Plan:
         raise NotImplementedError
 
     def _require_fsdp2(self, adapter: ModelAdapter, why: str) -> None:
@@ -73,9 +120,6 @@ class SyncPolicy:
                 "'per_micro_batch'."
             )
 
-    def _keep_params(self, adapter: ModelAdapter) -> bool:
-        return self.config.keep_params_unsharded and adapter.kind == "fsdp2"
-
 
 class PerMicroBatchSync(SyncPolicy):
     """Reduce-scatter every unit after every micro-batch: M x U collectives per optimizer step,
@@ -84,45 +128,73 @@ class PerMicroBatchSync(SyncPolicy):
     name = "per_micro_batch"
     description = "reduce-scatter after every micro-batch (sharded grads, lowest memory)"
 
-    def plan(self, adapter: ModelAdapter, free_memory: FreeMemory) -> Plan:
+    def plan(self, adapter: ModelAdapter, free_memory: FreeMemory, micro_batches: int) -> Plan:
         return Plan(self.name)
 
 
 class DeferredSync(SyncPolicy):
     """Skip every unit's reduce-scatter until the last micro-batch: U collectives per step, but
     each rank holds the whole unsharded gradient between micro-batches. FSDP2:
-    `set_requires_gradient_sync(False)`; FSDP1/DDP: root `no_sync()`."""
+    `set_requires_gradient_sync(False)`; FSDP1/DDP: root `no_sync()`.
+
+    With `keep_params_unsharded` (FSDP2) every unit is windowed: its params stay unsharded from
+    the window's first forward to its last backward (`set_reshard_after_forward(False)` and
+    `set_reshard_after_backward(False)` until then), so it all-gathers once per optimizer step
+    instead of up to 2M times; ZeRO-1 memory inside the window, fully sharded again before the
+    optimizer step. FSDP1's nearest equivalent is the SHARD_GRAD_OP sharding strategy."""
 
     name = "deferred"
     description = "reduce-scatter once per optimizer step (unsharded grads held)"
 
-    def plan(self, adapter: ModelAdapter, free_memory: FreeMemory) -> Plan:
-        return Plan(self.name, list(adapter.units), keep_params_unsharded=self._keep_params(adapter))
+    def plan(self, adapter: ModelAdapter, free_memory: FreeMemory, micro_batches: int) -> Plan:
+        units = list(adapter.units)
+        window = self.config.keep_params_unsharded and adapter.kind == "fsdp2"
+        return Plan(self.name, units, windowed=units if window else [])
 
 
 class BudgetSync(SyncPolicy):
-    """FSDP2 only: defer the set of units whose held bytes fit the budget, sync the rest every
-    micro-batch (`set_requires_gradient_sync(False, recurse=False)` per unit).
-
-    Every unit saves (M-1) reduce-scatters of its own bytes when deferred, so the most
-    communication is saved by holding the most bytes that fit: first-fit decreasing by size."""
+    """FSDP2 only: give each unit the level (per micro-batch, deferred, windowed) that saves the
+    most bytes of communication within the budget (`choose_levels`), applied per unit with
+    `set_requires_gradient_sync(False, recurse=False)` and the reshard setters."""
 
     name = "budget"
-    description = "defer only the units whose unsharded grads fit a memory budget"
+    description = "defer (and window) only the units whose held bytes fit a memory budget"
 
-    def plan(self, adapter: ModelAdapter, free_memory: FreeMemory) -> Plan:
+    def plan(self, adapter: ModelAdapter, free_memory: FreeMemory, micro_batches: int) -> Plan:
         self._require_fsdp2(adapter, "per-unit requires_gradient_sync; FSDP1 has only the root's no_sync()")
         absolute, fraction = parse_bytes(self.config.memory_budget, "GradSyncConfig.memory_budget")
         budget = absolute if absolute is not None else int(fraction * free_memory())
-        keep = self._keep_params(adapter)
-        chosen, used = [], 0
-        for unit in sorted(adapter.units, key=lambda u: u.held_bytes, reverse=True):
-            cost = unit.held_bytes + (unit.param_bytes if keep else 0)
-            if used + cost <= budget:
-                chosen.append(unit)
-                used += cost
-        reason = f"{len(chosen)} of {len(adapter.units)} units fit the {format_bytes(budget)} budget ({format_bytes(used)} held)"
-        return Plan(self.name, chosen, keep_params_unsharded=keep, reason=reason)
+        plan = choose_levels(self.name, adapter.units, budget, micro_batches)
+        plan.reason = f"{_level_counts(plan, adapter.units)} within the {format_bytes(budget)} budget ({format_bytes(plan.held_bytes())} held)"
+        return plan
+
+
+def choose_levels(mode: str, units: Sequence[Unit], budget: int, micro_batches: int) -> Plan:
+    """The per-unit levels that save the most communication bytes while holding at most `budget`
+    bytes per rank. Deferring a unit saves M-1 reduce-scatters of its gradient for its gradient
+    bytes; windowing it saves all its all-gathers but one, for its param bytes on top. Greedy by
+    bytes saved per byte held (the order of the fractional knapsack), first fit; a unit whose
+    window pays more per byte than its deferral is offered both at once."""
+    m = micro_batches
+    offers = []  # (bytes saved per byte held, bytes held, unit, level reached, prerequisite level)
+    for u in units:
+        deferral = (m - 1) * u.collectives * u.reduce_bytes
+        window = (unit_all_gathers(u, "deferred", m) - 1) * u.param_bytes
+        if deferral <= 0:
+            continue  # one micro-batch per step: nothing to hold
+        offers.append((deferral / u.held_bytes, u.held_bytes, u, "deferred", "per_micro_batch"))
+        if window > 0:
+            offers.append((window / u.param_bytes, u.param_bytes, u, "windowed", "deferred"))
+            both = u.held_bytes + u.param_bytes
+            offers.append(((deferral + window) / both, both, u, "windowed", "per_micro_batch"))
+    levels: dict[int, str] = {}
+    used = 0
+    for _, cost, unit, level, needs in sorted(offers, key=lambda o: (o[0], o[1]), reverse=True):
+        if levels.get(id(unit), "per_micro_batch") == needs and used + cost <= budget:
+            levels[id(unit)] = level
+            used += cost
+    held = [u for u in units if id(u) in levels]
+    return Plan(mode, held, windowed=[u for u in held if levels[id(u)] == "windowed"])
 
 
 class DeferAllReduceSync(SyncPolicy):
@@ -133,7 +205,7 @@ class DeferAllReduceSync(SyncPolicy):
     name = "defer_all_reduce"
     description = "HSDP: reduce-scatter every micro-batch, all-reduce across replicas once per step"
 
-    def plan(self, adapter: ModelAdapter, free_memory: FreeMemory) -> Plan:
+    def plan(self, adapter: ModelAdapter, free_memory: FreeMemory, micro_batches: int) -> Plan:
         self._require_fsdp2(adapter, "set_requires_all_reduce")
         if not adapter.hsdp:
             raise ValueError(
@@ -145,31 +217,54 @@ class DeferAllReduceSync(SyncPolicy):
 
 
 class AutoSync(SyncPolicy):
-    """Defer when the held bytes (plus the safety margin) fit the free device memory of every
-    rank; else, on an HSDP mesh, defer only the all-reduce; else sync every micro-batch."""
+    """FSDP2: the per-unit levels `budget` would choose with the usable free memory of the poorest
+    rank as the budget; on an HSDP mesh where not every unit fits, defer only the all-reduce if
+    that fits. FSDP1/DDP: deferred if it fits, else per micro-batch."""
 
     name = "auto"
-    description = "deferred if it fits free memory, else defer_all_reduce (HSDP), else per_micro_batch"
+    description = "the most communication-saving levels that fit free memory (FSDP2), else defer_all_reduce (HSDP), else per_micro_batch"
 
-    def plan(self, adapter: ModelAdapter, free_memory: FreeMemory) -> Plan:
+    def plan(self, adapter: ModelAdapter, free_memory: FreeMemory, micro_batches: int) -> Plan:
         free = free_memory()
         usable = int(free * (1 - self.config.memory_margin))
         room = f"{format_bytes(usable)} usable of {format_bytes(free)} free (margin {self.config.memory_margin:g})"
-        deferred = DeferredSync(self.config).plan(adapter, free_memory)
-        if deferred.held_bytes() <= usable:
-            choice, needs = deferred, deferred.held_bytes()
-        elif adapter.hsdp and adapter.kind == "fsdp2":
-            choice = DeferAllReduceSync(self.config).plan(adapter, free_memory)
-            needs = choice.held_bytes()
-            if needs > usable:
-                choice = PerMicroBatchSync(self.config).plan(adapter, free_memory)
+        full = DeferredSync(self.config).plan(adapter, free_memory, micro_batches)
+        if adapter.kind == "fsdp2":
+            choice = choose_levels(self.name, adapter.units, usable, micro_batches)
+            if adapter.hsdp and len(choice.held) < len(adapter.units):
+                # Deferring every unit's all-reduce beats fully deferring only some of them.
+                choice = DeferAllReduceSync(self.config).plan(adapter, free_memory, micro_batches)
         else:
-            choice, needs = PerMicroBatchSync(self.config).plan(adapter, free_memory), 0
+            choice = full if full.held_bytes() <= usable else Plan(self.name)
+        if choice.held_bytes() > usable:
+            choice = Plan(self.name)
+        choice.mode = _mode_of(choice, adapter.units)
         choice.reason = (
-            f"auto chose {choice.mode}: full deferral holds {format_bytes(deferred.held_bytes())}/rank, {room}"
-            + (f"; {choice.mode} holds {format_bytes(needs)}" if choice.mode == "defer_all_reduce" else "")
+            f"auto chose {_level_counts(choice, adapter.units)}: full deferral holds "
+            f"{format_bytes(full.held_bytes())}/rank, {room}; the plan holds {format_bytes(choice.held_bytes())}"
         )
         return choice
+
+
+def _mode_of(plan: Plan, units: Sequence[Unit]) -> str:
+    """The plain mode a plan amounts to: `per_micro_batch`, `deferred`, `defer_all_reduce`, or
+    `budget` for a mix of levels."""
+    if not plan.held:
+        return "per_micro_batch"
+    if plan.hold == ALL_REDUCE:
+        return "defer_all_reduce"
+    return "deferred" if len(plan.held) == len(units) else "budget"
+
+
+def _level_counts(plan: Plan, units: Sequence[Unit]) -> str:
+    """e.g. `2 windowed, 1 deferred, 0 per micro-batch` (units at each level)."""
+    levels = [plan.level(u) for u in units]
+    if plan.hold == ALL_REDUCE:
+        return f"{levels.count('defer_all_reduce')} defer_all_reduce, {levels.count('per_micro_batch')} per micro-batch"
+    return (
+        f"{levels.count('windowed')} windowed, {levels.count('deferred')} deferred, "
+        f"{levels.count('per_micro_batch')} per micro-batch"
+    )
 
 
 POLICIES: dict[str, type[SyncPolicy]] = {

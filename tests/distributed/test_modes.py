@@ -41,6 +41,7 @@ def hsdp():
         {"name": "per_micro_batch", "config": {}},
         {"name": "deferred", "config": {"defer": True}},
         {"name": "defer_all_reduce", "config": {"sync_mode": "defer_all_reduce"}},
+        {"name": "window", "config": {"defer": True, "keep_params_unsharded": True}},
         # Full deferral holds FULL bytes; all-reduce deferral only the sharded partial (about half).
         {"name": "auto_only_all_reduce_fits", "config": {"sync_mode": "auto", "free_memory": "1500B"}},
     ]
@@ -86,11 +87,13 @@ def test_budget_holds_at_most_the_budget_and_saves_more_as_it_grows(fsdp2):
             res = rank["modes"][f"budget_{label}"]
             measured = res["stats"]["peak_held_grad_bytes"]
             assert measured <= budget
-            assert measured == res["plan"]["held_bytes"]  # the plan's bytes are the tensors' bytes
+            assert measured == res["held_grad_bytes"]  # the plan's gradient bytes are the tensors' bytes
             skipped.append(res["stats"]["reduce_scatters_skipped"])
         assert skipped == sorted(skipped) and skipped[0] == 0 and skipped[-1] > skipped[1] > 0
         held = {name: sorted(res["plan"]["held"]) for name, res in rank["modes"].items()}
-        assert held[f"budget_{FULL}B"] == held["deferred"] == ["", "blocks.0", "blocks.1"]
+        assert held["deferred"] == ["", "blocks.0", "blocks.1"]
+        # The full-deferral bytes buy more as one Block windowed (its params too) and the head deferred.
+        assert held[f"budget_{FULL}B"] == ["", "blocks.0"] and rank["modes"][f"budget_{FULL}B"]["windowed"] == ["blocks.0"]
         # A fraction of free memory: 0.5 x 2400 B = 1200 B, the same units as the 1200 B budget.
         assert held["budget_fraction"] == held["budget_1200B"] == ["", "blocks.0"]
 
@@ -98,9 +101,11 @@ def test_budget_holds_at_most_the_budget_and_saves_more_as_it_grows(fsdp2):
 def test_auto_picks_by_free_memory_and_ranks_agree(fsdp2, hsdp):
     plans = [{k: r["modes"][k]["plan"] for k in ("auto_small", "auto_ample", "auto_disagree")} for r in fsdp2]
     for plan in plans:
-        assert plan["auto_small"]["mode"] == "per_micro_batch"
+        # 900 B usable: only the root's head fits, windowed (68 B of gradient + 68 B of params).
+        assert plan["auto_small"]["mode"] == "budget" and plan["auto_small"]["held"] == [""]
+        assert plan["auto_small"]["held_bytes"] <= 900
         assert plan["auto_ample"]["mode"] == "deferred"
-        assert plan["auto_disagree"]["mode"] == "per_micro_batch"  # the poorest rank decides
+        assert plan["auto_disagree"] == plan["auto_small"]  # the poorest rank decides
         assert "auto chose" in plan["auto_small"]["reason"]
     assert plans[0] == plans[1]
     for rank in hsdp:
@@ -115,6 +120,14 @@ def test_hsdp_all_reduce_deferral_keeps_gradients_sharded(hsdp):
         assert deferred == FULL
         assert 0 < all_reduce_only < FULL / 2 + HEAD  # a shard of the partial sums, not the whole gradient
         assert all_reduce_only == rank["modes"]["defer_all_reduce"]["plan"]["held_bytes"]
+
+
+def test_hsdp_window_gathers_each_unit_once_per_step(hsdp):
+    for rank in hsdp:
+        res = rank["modes"]["window"]
+        gathers = _counts(res, "all_gather_single")
+        assert gathers[1:] == [TinyNet.UNITS] * (len(WINDOWS) - 1) and gathers[0] <= TinyNet.UNITS
+        assert res["flags_restored"] and res["sharded_after_step"]
 
 
 def test_keep_params_unsharded_skips_the_next_forward_all_gathers(fsdp2):

@@ -55,6 +55,38 @@ def reference_grads(model: torch.nn.Module) -> list[dict]:
     return out
 
 
+def reshard_after_forward(model: torch.nn.Module) -> dict:
+    """Each FSDP2 unit's reshard_after_forward, as FSDP2 keeps it (no public getter)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return {n: [g.post_forward_mesh_info is not None for g in m._get_fsdp_state()._fsdp_param_groups]
+            for n, m in model.named_modules() if isinstance(m, FSDPModule)}  # fmt: skip
+
+
+def all_sharded(model: torch.nn.Module) -> bool:
+    """True when no FSDP2 unit holds its unsharded params."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return all(g.is_sharded for m in model.modules() if isinstance(m, FSDPModule)
+               for g in m._get_fsdp_state()._fsdp_param_groups)  # fmt: skip
+
+
+def abort_a_window(model, optimizer, after: int) -> dict:
+    """Run `after` micro-batches of a window, then raise inside the next one, after its forward."""
+    try:
+        for k in range(after + 1):
+            x, y = X[k * b : (k + 1) * b], Y[k * b : (k + 1) * b]
+            with accelerator.accumulate(model):
+                loss = F.mse_loss(model(x), y)
+                if k == after:
+                    raise RuntimeError("micro-batch failed")
+                accelerator.backward(loss)
+    except RuntimeError:
+        pass
+    optimizer.zero_grad()
+    return {"sharded_after_abort": all_sharded(model)}
+
+
 result = {"wrapper": None, "modes": {}}
 for run in args.runs:
     config = dict(run["config"])
@@ -77,6 +109,11 @@ for run in args.runs:
     if isinstance(model, DistributedDataParallel):
         # DDP all-reduces from C++; the default hook does the same through torch.distributed.
         model.register_comm_hook(None, allreduce_hook)
+    fsdp2 = handle.stats()["wrapper"] == "fsdp2"
+    with torch.no_grad():  # an evaluation (or generation) pass first; FSDP2's lazy init sets the root's flags
+        model(X[:b])
+    flags_before = (sync_flags(model), reshard_after_forward(model)) if fsdp2 else None
+    aborted = abort_a_window(model, optimizer, run["abort_after"]) if "abort_after" in run else {}
     counter.take()
     steps = []
     for x, y in loader:
@@ -97,6 +134,12 @@ for run in args.runs:
         "plan": {"mode": plan.mode, "held": [u.name for u in plan.held], "hold": plan.hold,
                  "held_bytes": plan.held_bytes(), "reason": plan.reason},
         "units": {u.name: u.held_bytes for u in handle.units()},
+        "windowed": [u.name for u in plan.windowed],
+        "held_grad_bytes": plan.held_grad_bytes(),
+        "decision": handle.describe(),
+        "flags_restored": None if not fsdp2 else flags_before == (sync_flags(model), reshard_after_forward(model)),
+        "sharded_after_step": all_sharded(model) if fsdp2 else None,
+        **aborted,
         "warnings": [str(w.message) for w in warned if issubclass(w.category, accel_gradsync.GradSyncWarning)],
     }  # fmt: skip
     result["wrapper"] = handle.stats()["wrapper"]

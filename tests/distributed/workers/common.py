@@ -85,13 +85,14 @@ def full_grads(model: nn.Module) -> dict[str, torch.Tensor]:
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
 
     def clean(name: str) -> str:
-        return name.replace("_fsdp_wrapped_module.", "").replace("module.", "", 1 if name.startswith("module.") else 0)
+        name = name.replace("_fsdp_wrapped_module.", "").replace("_checkpoint_wrapped_module.", "")
+        return name.replace("module.", "", 1 if name.startswith("module.") else 0)
 
     if isinstance(model, FSDP1):
         with FSDP1.summon_full_params(model, with_grads=True):
             return {clean(n): p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     if isinstance(model, FSDPModule):
-        return {n: p.grad.full_tensor().detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+        return {clean(n): p.grad.full_tensor().detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     return {clean(n): p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
