@@ -111,3 +111,23 @@ def test_deferring_does_not_change_the_first_step(runs, config):
     assert first_d["reward"] == first_p["reward"]
     assert first_d["loss"] == pytest.approx(first_p["loss"], rel=1e-5, abs=1e-7)
     assert first_d["grad_norm"] == pytest.approx(first_p["grad_norm"], rel=1e-4)
+
+
+WINDOW = QUICKSTART[0] + " --grad-sync-keep-params-unsharded"
+
+
+def test_window_mode_in_grpo_gathers_less_and_learns_the_same_first_step(runs):
+    """Generation runs between windows (no-grad forwards); the window must survive it."""
+    window, deferred, per_micro_batch = runs(WINDOW), runs(QUICKSTART[0]), runs(QUICKSTART[1])
+    assert "windowed" in window["stdout"]  # the decision line
+    for w, d in zip(window["ranks"], deferred["ranks"]):
+        gathers = [sum(r["counts"].get(n, 0) for n in ("all_gather_single", "all_gather_into_tensor")) for r in (w, d)]
+        units = w["fsdp2_reducing_groups"]
+        # Training gathers each unit once per step instead of up to 2M times; generation gathers as before.
+        assert gathers[0] <= gathers[1] - STEPS * units * (MICRO_BATCHES - 1), gathers
+        counts = w["counts"]
+        assert counts.get("reduce_scatter_single", 0) + counts.get("reduce_scatter_tensor", 0) == STEPS * units
+    first_w, first_p = window["logs"][0], per_micro_batch["logs"][0]
+    assert first_w["reward"] == first_p["reward"]
+    assert first_w["loss"] == pytest.approx(first_p["loss"], rel=1e-5, abs=1e-7)
+    assert first_w["grad_norm"] == pytest.approx(first_p["grad_norm"], rel=1e-4)
