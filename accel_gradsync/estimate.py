@@ -515,7 +515,7 @@ def estimate(
     for name, policy_cls in POLICIES.items():
         row = ModeEstimate(name, selected=name == config.sync_mode)
         try:
-            plan = _plan(policy_cls, config, adapter, free)
+            plan = _plan(policy_cls, config, adapter, free).over(micro_batches)
         except ValueError as err:
             row.applicable, row.reason = False, str(err)
             result.modes.append(row)

@@ -452,6 +452,7 @@ def _unit_mode(plan: Plan) -> str:
 def describe_decision(plan: Plan, adapter: ModelAdapter, micro_batches: int) -> str:
     """One line: the mode, the collectives per optimizer step it implies, what it holds."""
     m = micro_batches
+    plan = plan.over(m)
     rs, ar = collectives_per_step(plan, adapter.units, adapter.hsdp, m)
     every = sum(u.collectives for u in adapter.units) * m
     if adapter.collective == "all_reduce":
@@ -461,7 +462,7 @@ def describe_decision(plan: Plan, adapter: ModelAdapter, micro_batches: int) -> 
     else:
         cost = f"{rs} reduce-scatters/step instead of {every}"
     line = (
-        f"grad sync: {plan.mode} over {m} micro-batches on {adapter.kind} "
+        f"grad sync: {plan.mode} over {m} micro-batch{'es' if m != 1 else ''} on {adapter.kind} "
         f"({len(plan.held)} of {len(adapter.units)} units held) -> {cost}"
     )
     if plan.held:

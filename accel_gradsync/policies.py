@@ -16,6 +16,7 @@ from .fsdp import ModelAdapter, Unit
 
 GRADIENT_SYNC = "gradient_sync"  # skip reduce-scatter (and all-reduce): set_requires_gradient_sync(False)
 ALL_REDUCE = "all_reduce"  # HSDP: reduce-scatter, skip the cross-replica all-reduce: set_requires_all_reduce(False)
+NOTHING_TO_DEFER = "one micro-batch per optimizer step: nothing to defer"
 
 
 @dataclass
@@ -35,6 +36,13 @@ class Plan:
         if self.hold == ALL_REDUCE:
             return sum(u.sharded_numel * u.held_dtype.itemsize for u in self.held)
         return sum(u.held_bytes + (u.param_bytes if self.keep_params_unsharded else 0) for u in self.held)
+
+    def over(self, micro_batches: int) -> "Plan":
+        """This plan as it plays out over `micro_batches` per optimizer step: with one, every
+        micro-batch ends its step and syncs, so a deferring mode holds nothing."""
+        if micro_batches > 1 or not self.held:
+            return self
+        return Plan(self.mode, reason=NOTHING_TO_DEFER)
 
 
 def collectives_per_step(plan: Plan, units: Sequence[Unit], hsdp: bool, micro_batches: int) -> tuple[int, int]:
