@@ -79,14 +79,15 @@ class GradSyncConfig:
         "Sync mode: per_micro_batch (sync every micro-batch), deferred (sync once per optimizer "
         "step), auto (deferred if the held gradients fit free device memory, else defer_all_reduce "
         "on an HSDP mesh, else per_micro_batch), budget (FSDP2: defer only the units that fit "
-        "--grad-sync-memory-budget), defer_all_reduce (HSDP: reduce-scatter every micro-batch, "
+        "--grad-sync-memory-budget; the default when a budget is given), defer_all_reduce (HSDP: reduce-scatter every micro-batch, "
         "all-reduce across replicas once per step).",
         choices=SYNC_MODES,
     )
     memory_budget: Optional[str] = _flag(
         "memory_budget",
         "Budget mode: gradient bytes each rank may hold unsharded, e.g. 12GiB, 512MiB, 1048576B "
-        "(units B, KiB, MiB, GiB), or a fraction of free device memory such as 0.25.",
+        "(units B, KiB, MiB, GiB), or a fraction of free device memory such as 0.25. Given without "
+        "--grad-sync-mode or --defer-grad-sync, it selects budget mode.",
     )
     memory_margin: Optional[float] = _flag(
         "memory_margin",
@@ -137,6 +138,9 @@ class GradSyncConfig:
             )
         if self.defer:
             self.sync_mode = "deferred"
+        elif self.memory_budget and "sync_mode" not in explicit:
+            # A budget names what to hold, as --defer-grad-sync does: asking for the mode as well is noise.
+            self.sync_mode = "budget"
         if self.sync_mode == "budget" and not self.memory_budget:
             raise ValueError(
                 "GradSyncConfig.sync_mode='budget' needs a memory budget: set --grad-sync-memory-budget "
