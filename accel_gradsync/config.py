@@ -177,7 +177,7 @@ class GradSyncConfig:
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 _UNITS = {"b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30}
-_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+_SIZE = re.compile(r"^\s*(-?[0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
 
 
 def parse_bytes(
@@ -186,12 +186,13 @@ def parse_bytes(
     """`12GiB` -> (bytes, None); `0.25` -> (None, fraction). Raises ValueError otherwise."""
     match = _SIZE.match(str(text))
     unit = match.group(2).lower() if match else ""
-    if not match or unit not in _UNITS and unit != "":
+    number = float(match.group(1)) if match else 0.0
+    if not match or unit not in _UNITS and unit != "" or number < 0:
         raise ValueError(
-            f"{source}={text!r} is not a memory size; use a number with a unit B, KiB, MiB or GiB "
+            f"{source}={text!r} is not a memory size{': it must be >= 0' if number < 0 else ''}; use a number "
+            "with a unit B, KiB, MiB or GiB "
             + ("(e.g. 12GiB) or a fraction of free memory between 0 and 1 (e.g. 0.5)." if fraction_ok else "(e.g. 40GiB).")
         )
-    number = float(match.group(1))
     if unit:
         return int(number * _UNITS[unit]), None
     if not 0 <= number <= 1:

@@ -1,5 +1,5 @@
 """Issue 14 C: every bad input to `accel-gradsync estimate` ends in one line naming the input and
-what is wrong, exit code 2 and no traceback."""
+what is wrong, exit code 2 and no traceback; negative sizes say they must be >= 0."""
 
 import dataclasses
 import subprocess
@@ -81,6 +81,20 @@ def test_a_model_directory_without_config_json(good, tmp_path, capsys):
     model.mkdir()
     line = cli_error(capsys, "--accelerate-config", good, "--model", str(model))
     assert str(model) in line and "no config.json" in line and "model_type" not in line, line
+
+
+@pytest.mark.parametrize("flag", ["--grad-sync-memory-budget", "--grad-sync-free-memory"])
+@pytest.mark.parametrize("joined", [False, True])
+def test_negative_sizes_on_the_command_line_must_be_at_least_zero(good, capsys, flag, joined):
+    size = [f"{flag}=-1GiB"] if joined else [flag, "-1GiB"]  # argparse reads a lone -1GiB as an option
+    line = cli_error(capsys, "--accelerate-config", good, *size)
+    assert "='-1GiB'" in line and "must be >= 0" in line, line
+
+
+@pytest.mark.parametrize("budget", ["-5", "-1GiB", "-0.5"])
+def test_negative_budgets_must_be_at_least_zero(budget):
+    with pytest.raises(ValueError, match=rf"GradSyncConfig.memory_budget='{budget}'.*must be >= 0"):
+        GradSyncConfig(memory_budget=budget)
 
 
 def test_the_real_command_exits_2_with_one_line(tmp_path):
