@@ -209,11 +209,13 @@ def _coerce(name: str, value: Any, source: str) -> Any:
     if expected is bool:
         if isinstance(value, bool):
             return value
+        if type(value) is int and value in (0, 1):  # as "0"/"1" are; other ints are more likely a slip
+            return bool(value)
         if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
             return value.strip().lower() in _TRUE
         raise ValueError(
             f"{source}={value!r} is not a valid value for `{name}`; valid choices: "
-            f"True or False (also {', '.join(_TRUE + _FALSE)} as text)."
+            f"True or False, 1 or 0 (also {', '.join(_TRUE + _FALSE)} as text)."
         )
     if name in ("sync_mode", "reduce_dtype"):
         choices = SYNC_MODES if name == "sync_mode" else REDUCE_DTYPES

@@ -1,5 +1,6 @@
 """Issue 14 C: every bad input to `accel-gradsync estimate` ends in one line naming the input and
-what is wrong, exit code 2 and no traceback; negative sizes say they must be >= 0."""
+what is wrong, exit code 2 and no traceback; negative sizes say they must be >= 0; defer accepts
+the ints 0 and 1 as it accepts "0" and "1"."""
 
 import dataclasses
 import subprocess
@@ -95,6 +96,14 @@ def test_negative_sizes_on_the_command_line_must_be_at_least_zero(good, capsys, 
 def test_negative_budgets_must_be_at_least_zero(budget):
     with pytest.raises(ValueError, match=rf"GradSyncConfig.memory_budget='{budget}'.*must be >= 0"):
         GradSyncConfig(memory_budget=budget)
+
+
+def test_defer_accepts_the_ints_0_and_1_only():
+    assert GradSyncConfig(defer=1).defer is True and GradSyncConfig(defer=1).mode == "deferred"
+    assert GradSyncConfig(defer=0).defer is False and GradSyncConfig(defer=0).mode == "per_micro_batch"
+    for other in (2, -1, 1.0):
+        with pytest.raises(ValueError, match=rf"GradSyncConfig.defer={other!r} is not a valid value for `defer`"):
+            GradSyncConfig(defer=other)
 
 
 def test_the_real_command_exits_2_with_one_line(tmp_path):
