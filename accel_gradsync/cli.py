@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import warnings
 from dataclasses import dataclass, field
@@ -73,7 +74,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, HfArgumentParser]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = _join_negative_values(list(sys.argv[1:] if argv is None else argv))
     parser, estimate_parser = build_parser()
     parser.parse_args(argv)  # --help, a missing or unknown command, bad flags: argparse's own messages
     with warnings.catch_warnings():
@@ -89,6 +90,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             estimate_parser.error(str(err))  # exits 2 with the usage line
     print(json.dumps(result.to_dict(), indent=1) if args.json else format_table(result))
     return 0
+
+
+def _join_negative_values(argv: list[str]) -> list[str]:
+    """`--flag -1GiB` as `--flag=-1GiB`. argparse passes only plain numbers such as -1 as values
+    and takes -1GiB for an unknown option, so the user would read "expected one argument"
+    instead of what is wrong with the value."""
+    joined: list[str] = []
+    for arg in argv:
+        if joined and joined[-1].startswith("--") and "=" not in joined[-1] and re.match(r"-\.?\d", arg):
+            joined[-1] += "=" + arg
+        else:
+            joined.append(arg)
+    return joined
 
 
 def _torch_dtype(name: str):

@@ -79,14 +79,15 @@ class GradSyncConfig:
         "Sync mode: per_micro_batch (sync every micro-batch), deferred (sync once per optimizer "
         "step), auto (deferred if the held gradients fit free device memory, else defer_all_reduce "
         "on an HSDP mesh, else per_micro_batch), budget (FSDP2: defer only the units that fit "
-        "--grad-sync-memory-budget), defer_all_reduce (HSDP: reduce-scatter every micro-batch, "
+        "--grad-sync-memory-budget; the default when a budget is given), defer_all_reduce (HSDP: reduce-scatter every micro-batch, "
         "all-reduce across replicas once per step).",
         choices=SYNC_MODES,
     )
     memory_budget: Optional[str] = _flag(
         "memory_budget",
         "Budget mode: gradient bytes each rank may hold unsharded, e.g. 12GiB, 512MiB, 1048576B "
-        "(units B, KiB, MiB, GiB), or a fraction of free device memory such as 0.25.",
+        "(units B, KiB, MiB, GiB), or a fraction of free device memory such as 0.25. Given without "
+        "--grad-sync-mode or --defer-grad-sync, it selects budget mode.",
     )
     memory_margin: Optional[float] = _flag(
         "memory_margin",
@@ -138,6 +139,9 @@ class GradSyncConfig:
             )
         if self.defer:
             self.sync_mode = "deferred"
+        elif self.memory_budget and "sync_mode" not in explicit:
+            # A budget names what to hold, as --defer-grad-sync does: asking for the mode as well is noise.
+            self.sync_mode = "budget"
         if self.sync_mode == "budget" and not self.memory_budget:
             raise ValueError(
                 "GradSyncConfig.sync_mode='budget' needs a memory budget: set --grad-sync-memory-budget "
@@ -174,7 +178,7 @@ class GradSyncConfig:
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 _UNITS = {"b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30}
-_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+_SIZE = re.compile(r"^\s*(-?[0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
 
 
 def parse_bytes(
@@ -183,12 +187,13 @@ def parse_bytes(
     """`12GiB` -> (bytes, None); `0.25` -> (None, fraction). Raises ValueError otherwise."""
     match = _SIZE.match(str(text))
     unit = match.group(2).lower() if match else ""
-    if not match or unit not in _UNITS and unit != "":
+    number = float(match.group(1)) if match else 0.0
+    if not match or unit not in _UNITS and unit != "" or number < 0:
         raise ValueError(
-            f"{source}={text!r} is not a memory size; use a number with a unit B, KiB, MiB or GiB "
+            f"{source}={text!r} is not a memory size{': it must be >= 0' if number < 0 else ''}; use a number "
+            "with a unit B, KiB, MiB or GiB "
             + ("(e.g. 12GiB) or a fraction of free memory between 0 and 1 (e.g. 0.5)." if fraction_ok else "(e.g. 40GiB).")
         )
-    number = float(match.group(1))
     if unit:
         return int(number * _UNITS[unit]), None
     if not 0 <= number <= 1:
@@ -205,11 +210,13 @@ def _coerce(name: str, value: Any, source: str) -> Any:
     if expected is bool:
         if isinstance(value, bool):
             return value
+        if type(value) is int and value in (0, 1):  # as "0"/"1" are; other ints are more likely a slip
+            return bool(value)
         if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
             return value.strip().lower() in _TRUE
         raise ValueError(
             f"{source}={value!r} is not a valid value for `{name}`; valid choices: "
-            f"True or False (also {', '.join(_TRUE + _FALSE)} as text)."
+            f"True or False, 1 or 0 (also {', '.join(_TRUE + _FALSE)} as text)."
         )
     if name in ("sync_mode", "reduce_dtype"):
         choices = SYNC_MODES if name == "sync_mode" else REDUCE_DTYPES

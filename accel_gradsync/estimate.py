@@ -73,10 +73,7 @@ def read_accelerate_config(
     if isinstance(source, dict):
         config, where = source, "the accelerate config"
     else:
-        path = Path(source)
-        if not path.is_file():
-            raise ValueError(f"accelerate config {str(path)!r} does not exist; pass --accelerate-config <file.yaml>.")
-        config, where = yaml.safe_load(path.read_text()) or {}, str(path)
+        config, where = _load_config_file(Path(source)), str(source)
     if str(config.get("distributed_type", "")).upper() != "FSDP":
         raise ValueError(
             f"{where}: distributed_type={config.get('distributed_type')!r}; the estimate covers FSDP runs, set "
@@ -84,7 +81,10 @@ def read_accelerate_config(
         )
     fsdp = config.get("fsdp_config") or {}
     version = int(fsdp.get("fsdp_version", 1))
-    processes = int(num_processes or config.get("num_processes", 1))
+    processes = int(num_processes if num_processes is not None else config.get("num_processes", 1))
+    if processes < 1:
+        setting = "--num_processes" if num_processes is not None else f"{where}: num_processes"
+        raise ValueError(f"{setting}={processes} is not a number of processes; give at least 1, as for accelerate launch.")
     mixed = str(mixed_precision or config.get("mixed_precision", "no")).lower()
     if mixed not in _MIXED_PRECISION:
         raise ValueError(f"{where}: mixed_precision={mixed!r}; valid choices: {', '.join(_MIXED_PRECISION)}.")
@@ -122,6 +122,33 @@ def read_accelerate_config(
     )
 
 
+def _load_config_file(path: Path) -> dict:
+    """The settings of an accelerate config file; a file that is not one says so in one line."""
+    if path.is_dir():
+        raise ValueError(
+            f"accelerate config {str(path)!r} is a directory; pass the config file itself, e.g. "
+            "--accelerate-config accelerate_configs/fsdp2.yaml."
+        )
+    if not path.is_file():
+        raise ValueError(f"accelerate config {str(path)!r} does not exist; pass --accelerate-config <file.yaml>.")
+    try:
+        config = yaml.safe_load(path.read_text())
+    except (yaml.YAMLError, UnicodeDecodeError) as err:
+        mark = getattr(err, "problem_mark", None)  # yaml's own message spans several lines
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(err, "problem", None) or getattr(err, "reason", None) or "unreadable"
+        raise ValueError(
+            f"accelerate config {str(path)!r} is not valid YAML{at}: {problem}; fix it, or write it again with "
+            "`accelerate config`."
+        ) from None
+    if not isinstance(config, (dict, type(None))):
+        raise ValueError(
+            f"accelerate config {str(path)!r} holds a YAML {type(config).__name__}, not a mapping of settings; "
+            "it needs keys such as distributed_type: FSDP and fsdp_config, as `accelerate config` writes."
+        )
+    return config or {}
+
+
 # -- the model, on the meta device -----------------------------------------------------------------
 def load_model_config(spec: Union[str, dict]) -> Any:
     """A transformers config from `recipe-default` (the GRPO recipe's embedded tiny Qwen2), a dict
@@ -136,6 +163,12 @@ def load_model_config(spec: Union[str, dict]) -> Any:
         return AutoConfig.for_model(model_type, **kwargs)
     if spec == RECIPE_DEFAULT:
         return _recipe_default_config()
+    if Path(spec).is_dir() and not (Path(spec) / "config.json").is_file():
+        # transformers would report a missing `model_type` key, as if there were a config.json.
+        raise ValueError(
+            f"--model {spec!r}: the directory holds no config.json; pass a directory with a transformers "
+            f"config.json, a hub name (needs network access), or {RECIPE_DEFAULT!r}."
+        )
     try:
         return AutoConfig.from_pretrained(spec)
     except OSError as err:
@@ -505,7 +538,7 @@ def estimate(
         try:
             # The deferred rows show deferral without and with the window, whatever the config says.
             window = {"deferred": False, WINDOW_ROW: True}.get(name)
-            plan = _plan(policy_cls, config, adapter, free, micro_batches, window)
+            plan = _plan(policy_cls, config, adapter, free, micro_batches, window).over(micro_batches)
         except ValueError as err:
             row.applicable, row.reason = False, str(err)
             result.modes.append(row)

@@ -478,6 +478,7 @@ def describe_decision(plan: Plan, adapter: ModelAdapter, micro_batches: int) -> 
     """One line: the mode, each unit's level, the collectives per optimizer step it implies and
     what it holds, gradients and params apart."""
     m = micro_batches
+    plan = plan.over(m)
     rs, ar = collectives_per_step(plan, adapter.units, adapter.hsdp, m)
     every = sum(u.collectives for u in adapter.units) * m
     if adapter.collective == "all_reduce":
@@ -491,7 +492,7 @@ def describe_decision(plan: Plan, adapter: ModelAdapter, micro_batches: int) -> 
             cost = f"{rs} reduce-scatters and {ag} all-gathers/step instead of {every} and {every_ag}"
     levels = [plan.level(u) for u in adapter.units]
     counts = ", ".join(f"{levels.count(lv)} {lv.replace('_', '-')}" for lv in _LEVELS[plan.hold] if lv in levels)
-    line = f"grad sync: {plan.mode} over {m} micro-batches on {adapter.kind} ({counts}) -> {cost}"
+    line = f"grad sync: {plan.mode} over {m} micro-batch{'es' if m != 1 else ''} on {adapter.kind} ({counts}) -> {cost}"
     if plan.held:
         dtype = str(plan.held[0].held_dtype).removeprefix("torch.")
         what = "sharded partial" if plan.hold == ALL_REDUCE else "unsharded"

@@ -16,6 +16,7 @@ from .fsdp import ModelAdapter, Unit
 
 GRADIENT_SYNC = "gradient_sync"  # skip reduce-scatter (and all-reduce): set_requires_gradient_sync(False)
 ALL_REDUCE = "all_reduce"  # HSDP: reduce-scatter, skip the cross-replica all-reduce: set_requires_all_reduce(False)
+NOTHING_TO_DEFER = "one micro-batch per optimizer step: nothing to defer"
 
 
 @dataclass
@@ -59,6 +60,13 @@ class Plan:
         if self.hold == ALL_REDUCE:
             return "defer_all_reduce"
         return "windowed" if any(u is unit for u in self.windowed) else "deferred"
+
+    def over(self, micro_batches: int) -> "Plan":
+        """This plan as it plays out over `micro_batches` per optimizer step: with one, every
+        micro-batch ends its step and syncs, so a deferring mode holds nothing."""
+        if micro_batches > 1 or self.mode == "per_micro_batch":
+            return self
+        return Plan(self.mode, reason=NOTHING_TO_DEFER)
 
 
 def collectives_per_step(plan: Plan, units: Sequence[Unit], hsdp: bool, micro_batches: int) -> tuple[int, int]:
