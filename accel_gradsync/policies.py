@@ -226,8 +226,9 @@ class DeferAllReduceSync(SyncPolicy):
 
 class AutoSync(SyncPolicy):
     """FSDP2: the per-unit levels `budget` would choose with the usable free memory of the poorest
-    rank as the budget; on an HSDP mesh where not every unit fits, defer only the all-reduce if
-    that fits. FSDP1/DDP: deferred if it fits, else per micro-batch."""
+    rank as the budget; on an HSDP mesh where not every unit fits that way, full deferral without
+    windows if it fits, else only the all-reduce. FSDP1/DDP: deferred if it fits, else per
+    micro-batch."""
 
     name = "auto"
     description = "the most communication-saving levels that fit free memory (FSDP2), else defer_all_reduce (HSDP), else per_micro_batch"
@@ -240,8 +241,11 @@ class AutoSync(SyncPolicy):
         if adapter.kind == "fsdp2":
             choice = choose_levels(self.name, adapter.units, usable, micro_batches)
             if adapter.hsdp and len(choice.held) < len(adapter.units):
-                # Deferring every unit's all-reduce beats fully deferring only some of them.
-                choice = DeferAllReduceSync(self.config).plan(adapter, free_memory, micro_batches)
+                # The greedy counts no all-reduce savings: deferring every unit's all-reduce (or
+                # its whole sync, without windows, where that fits) beats holding only some units.
+                deferred = Plan(self.name, list(adapter.units))
+                fits = deferred.held_bytes() <= usable
+                choice = deferred if fits else DeferAllReduceSync(self.config).plan(adapter, free_memory, micro_batches)
         else:
             choice = full if full.held_bytes() <= usable else Plan(self.name)
         if choice.held_bytes() > usable:
