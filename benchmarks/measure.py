@@ -110,6 +110,28 @@ def held_grad_bytes(model: nn.Module) -> int:
     return total
 
 
+def held_param_bytes(model: nn.Module) -> int:
+    """Unsharded parameter bytes this rank holds right now: FSDP2 params whose unsharded storage
+    is allocated (FSDP2 frees it by resizing the storage to 0 when it reshards). Between
+    micro-batches that is what a window keeps (and the root, which FSDP2 never reshards after
+    forward, until the backward that reshards it)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    seen, total = set(), 0
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        for group in module._get_fsdp_state()._fsdp_param_groups:
+            for fp in group.fsdp_params:
+                unsharded = getattr(fp, "_unsharded_param", None)
+                if id(fp) in seen or unsharded is None:
+                    continue
+                seen.add(id(fp))
+                if unsharded.untyped_storage().size() > 0:
+                    total += unsharded.numel() * unsharded.element_size()
+    return total
+
+
 def _local_nbytes(t: torch.Tensor) -> int:
     t = getattr(t, "_local_tensor", t)
     return t.numel() * t.element_size()

@@ -2,12 +2,14 @@
 
 Keys of an entry:
 - `loop`: which training loop drives it (`worker.LOOPS`): "accumulate" (accelerate's
-  `accumulate`, with or without the plugin), "raw" (a hand-written FSDP2 loop) or "trainer"
+  `accumulate`, with or without the plugin), "raw" / "raw_window" (hand-written FSDP2 loops) or "trainer"
   (a stock `transformers.Trainer`).
 - `gradsync`: keyword arguments for `accel_gradsync.GradSyncConfig`, or a function of the
   model's facts returning them (the budget modes size their budget from the full-deferral
   gradient bytes), or None for "no plugin attached".
 - `sync_each_batch`: accelerate's `GradientAccumulationPlugin(sync_each_batch=True)`.
+- `reshard_after_forward`: False applies what `fsdp_reshard_after_forward: false` in the
+  accelerate config gives FSDP2's units (`set_reshard_after_forward(False)` after prepare).
 - `mesh`: "2x2" runs it on 4 ranks as HSDP (accelerate's parallelism_config, replicate 2 x
   shard 2); absent: 2 ranks, plain FSDP2.
 - `group`: where it sits in the report ("plugin", "memory-aware", "peer", "hsdp").
@@ -23,10 +25,11 @@ from typing import Any, Callable
 
 
 def budget(fraction: float) -> Callable[[dict], dict]:
-    """A budget of `fraction` x the gradient bytes full deferral holds on one rank."""
+    """A budget of `fraction` x the bytes a full window holds on one rank (every unit's unsharded
+    gradient and params): the budget modes choose each unit's level inside that span."""
 
     def build(facts: dict) -> dict:
-        return {"sync_mode": "budget", "memory_budget": f"{int(fraction * facts['full_defer_grad_bytes'])}B"}
+        return {"sync_mode": "budget", "memory_budget": f"{int(fraction * facts['full_window_bytes'])}B"}
 
     build.fraction = fraction  # read by the report to place the point on the frontier
     return build
@@ -38,13 +41,15 @@ CONFIGS: dict[str, dict[str, Any]] = {
                         "label": "accel_gradsync per-micro-batch"},
     "deferred": {"loop": "accumulate", "gradsync": {"defer": True}, "group": "plugin",
                  "label": "accel_gradsync deferred"},
+    "window": {"loop": "accumulate", "gradsync": {"defer": True, "keep_params_unsharded": True}, "group": "plugin",
+               "label": "accel_gradsync deferred + window (params unsharded through the window)"},
     # Memory-aware modes: each defers only what fits.
     "budget_25": {"loop": "accumulate", "gradsync": budget(0.25), "group": "memory-aware",
-                  "label": "budget = 25% of full deferral"},
+                  "label": "budget = 25% of a full window's bytes"},
     "budget_50": {"loop": "accumulate", "gradsync": budget(0.50), "group": "memory-aware",
-                  "label": "budget = 50% of full deferral"},
+                  "label": "budget = 50% of a full window's bytes"},
     "budget_75": {"loop": "accumulate", "gradsync": budget(0.75), "group": "memory-aware",
-                  "label": "budget = 75% of full deferral"},
+                  "label": "budget = 75% of a full window's bytes"},
     "auto": {"loop": "accumulate", "gradsync": {"sync_mode": "auto"}, "group": "memory-aware",
              "label": "auto (from free memory)"},
     # The peers a user would otherwise pick.
@@ -54,6 +59,10 @@ CONFIGS: dict[str, dict[str, Any]] = {
                               "label": "stock accelerate, sync_each_batch=True"},
     "raw_fsdp2": {"loop": "raw", "gradsync": None, "group": "peer",
                   "label": "hand-written set_requires_gradient_sync loop (verl)"},
+    "raw_window": {"loop": "raw_window", "gradsync": None, "reshard_after_forward": False, "group": "peer",
+                   "label": "hand-written window loop (PyTorch issue 124319)"},
+    "stock_no_reshard": {"loop": "accumulate", "gradsync": None, "reshard_after_forward": False, "group": "peer",
+                         "label": "stock accelerate accumulate, fsdp_reshard_after_forward: false"},
     "trainer_stock": {"loop": "trainer", "gradsync": None, "group": "peer",
                       "label": "stock transformers Trainer"},
     # HSDP on a 2x2 (replicate x shard) mesh, 4 ranks.
@@ -68,7 +77,11 @@ CONFIGS: dict[str, dict[str, Any]] = {
 # The overhead pairs: configurations that issue the same collectives on the same bytes, so
 # their step times differ only by what the wrapper costs. The worker runs each pair back to
 # back in every round and the report compares them round by round.
-PAIRS: tuple[tuple[str, str], ...] = (("deferred", "raw_fsdp2"), ("per_micro_batch", "stock_sync_each_batch"))
+PAIRS: tuple[tuple[str, str], ...] = (
+    ("deferred", "raw_fsdp2"),
+    ("per_micro_batch", "stock_sync_each_batch"),
+    ("window", "raw_window"),
+)
 
 # Model sizes: `dim` x `layers` residual MLP blocks and a root of the same size (8 dim^2 + 5 dim
 # parameters each; model.py).
@@ -88,7 +101,8 @@ HSDP_SIZE = "medium"
 QUICK = {
     "sizes": ["small"],
     "Ms": [1, 2, 4],
-    "configs": ["per_micro_batch", "deferred", "budget_50", "stock_accumulate", "stock_sync_each_batch", "raw_fsdp2"],
+    "configs": ["per_micro_batch", "deferred", "window", "budget_50", "stock_accumulate", "stock_sync_each_batch",
+                "raw_fsdp2", "raw_window"],
     "reps": 1,
     "steps": 2,
 }

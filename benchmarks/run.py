@@ -170,6 +170,7 @@ def merge(ranks: list[dict]) -> dict:
             **{f"{k}_per_step": v for k, v in counts.items()},
             "counts_seen_per_step": exact,
             "held_grad_bytes": max(r["held_grad"]["bytes"] for r in all_recs),
+            "held_param_bytes": max(r["held_grad"].get("param_bytes", 0) for r in all_recs),
             "held_grad_source": per_rank[0][0]["held_grad"]["source"],
             "handle_held_grad_bytes": max((r["held_grad"].get("handle_bytes", -1) for r in all_recs), default=-1)
             if "handle_bytes" in per_rank[0][0]["held_grad"] else None,

@@ -40,6 +40,7 @@ from benchmarks.measure import (  # noqa: E402
     device_peak_bytes,
     handle_held_bytes,
     held_grad_bytes,
+    held_param_bytes,
     peak_rss_bytes,
     reset_device_peak,
     reset_peak_rss,
@@ -98,11 +99,12 @@ class Bench:
             "units": self.size["layers"] + 1,
             "world_size": self.world,
             "full_defer_grad_bytes": params * 4,  # fp32 params, no mixed precision: fp32 grads
+            "full_window_bytes": params * 4 * 2,  # and the unsharded fp32 params beside them
             "sharded_grad_bytes": params * 4 // self.world,
             **{k: v for k, v in self.size.items() if k != "steps"},  # steps: a run setting, not a fact
         }
         self.probing = False
-        self.probes: list[int] = []
+        self.probes: list[tuple[int, int]] = []
 
     def batch(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         rows = self.size["rows"]
@@ -110,9 +112,9 @@ class Bench:
         return self.X[idx].to(self.device), self.Y[idx].to(self.device)
 
     def probe(self, model) -> None:
-        """Called after every backward; records held gradient bytes during warm-up steps only."""
+        """Called after every backward of a timed step: (held gradient, held unsharded param) bytes."""
         if self.probing:
-            self.probes.append(held_grad_bytes(model))
+            self.probes.append((held_grad_bytes(model), held_param_bytes(model)))
 
     def build_model(self):
         return copy.deepcopy(self.template).to(self.device)
@@ -136,6 +138,21 @@ def step_accumulate(bench: Bench, run: dict, M: int) -> None:
                 optimizer.zero_grad()
 
 
+def step_raw_window(bench: Bench, run: dict, M: int) -> None:
+    """PyTorch issue 124319 by hand: params never resharded after forward (set once at prepare)
+    and resharded after backward only on the last micro-batch, so each unit all-gathers once per
+    step; the gradient sync deferred as in `step_raw`. The floor for the plugin's window mode."""
+    model, optimizer = run["model"], run["optimizer"].optimizer
+    for k in range(M):
+        x, y = bench.batch(k)
+        model.set_requires_gradient_sync(k == M - 1)
+        model.set_reshard_after_backward(k == M - 1)
+        (model(x, y)["loss"] / M).backward()
+        bench.probe(model)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
 def step_raw(bench: Bench, run: dict, M: int) -> None:
     """verl's approach: FSDP2's own switch, flipped by hand, and the bare torch optimizer.
     Nothing between the user and FSDP, so it is the lower bound for any wrapper's overhead."""
@@ -149,7 +166,7 @@ def step_raw(bench: Bench, run: dict, M: int) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
-LOOPS = {"accumulate": step_accumulate, "raw": step_raw}
+LOOPS = {"accumulate": step_accumulate, "raw": step_raw, "raw_window": step_raw_window}
 
 
 # -- one configuration ----------------------------------------------------------------------
@@ -172,10 +189,15 @@ def prepare(bench: Bench, name: str) -> dict:
     """The configuration's own Accelerator (accelerate shares its state between instances),
     model, optimizer and, for plugin configurations, the attached handle."""
     spec = registry.CONFIGS[name]
-    acc = Accelerator(gradient_accumulation_steps=1)
+    # M is set per step (measure_step); the plan is made once, at attach, for the largest M,
+    # since the levels budget and auto pick depend on M (nothing is held at M = 1).
+    acc = Accelerator(gradient_accumulation_steps=max(bench.Ms))
     model = bench.build_model()  # HSDP: the launch's parallelism_config gives the 2x2 mesh
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     model, optimizer = acc.prepare(model, optimizer)
+    if spec.get("reshard_after_forward") is False:
+        # What `fsdp_reshard_after_forward: false` in the accelerate config gives FSDP2's units.
+        model.set_reshard_after_forward(False)
     kwargs = registry.gradsync_kwargs(name, bench.facts)
     handle = None
     if kwargs is not None:
@@ -204,10 +226,16 @@ def measure_step(bench: Bench, run: dict, M: int) -> dict:
     bench.probing = False
     # CPU time of this rank (all its threads, gloo's included): what the step itself cost, much
     # less sensitive than wall time to other processes competing for the cores.
-    sample = {"time_s": elapsed, "cpu_s": cpu, **bench.meter.take(), "held_grad_bytes": max(bench.probes, default=0)}
+    sample = {"time_s": elapsed, "cpu_s": cpu, **bench.meter.take(), **held_maxima(bench.probes)}
     if run["handle"] is not None and (held := handle_held_bytes(run["handle"].stats())) is not None:
         sample["handle_held_key"], sample["handle_held_bytes"] = held
     return {**sample, **end_memory(bench, memory)}
+
+
+def held_maxima(probes: list[tuple[int, int]]) -> dict:
+    """The most gradient bytes, and the most unsharded param bytes, held after any backward of a step."""
+    return {"held_grad_bytes": max((g for g, _ in probes), default=0),
+            "held_param_bytes": max((p for _, p in probes), default=0)}  # fmt: skip
 
 
 def measure_sync_control(bench: Bench, run: dict, iterations: int = 100, repeats: int = 5) -> float:
@@ -227,6 +255,11 @@ def measure_sync_control(bench: Bench, run: dict, iterations: int = 100, repeats
             if loop == "raw":
                 model.set_requires_gradient_sync(False)
                 model.set_requires_gradient_sync(True)
+            elif loop == "raw_window":
+                model.set_requires_gradient_sync(False)
+                model.set_reshard_after_backward(False)
+                model.set_requires_gradient_sync(True)
+                model.set_reshard_after_backward(True)
             else:
                 with acc.accumulate(model):  # not the last micro-batch: no_sync (or the plugin's)
                     pass
@@ -253,7 +286,8 @@ def end_memory(bench: Bench, memory: dict) -> dict:
 def summarize(name: str, M: int, samples: list[dict], stats: dict) -> dict:
     """The (configuration, M) record run.py merges: every sample, and the memory maxima."""
     held = {"bytes": max(s["held_grad_bytes"] for s in samples),
-            "source": "tensors (FSDPParam grads, max after each backward)"}  # fmt: skip
+            "param_bytes": max(s.get("held_param_bytes", 0) for s in samples),
+            "source": "tensors (FSDPParam grads and unsharded param storage, max after each backward)"}  # fmt: skip
     if any("handle_held_bytes" in s for s in samples):
         held["handle_key"] = samples[0]["handle_held_key"]
         held["handle_bytes"] = max(s["handle_held_bytes"] for s in samples)
@@ -306,8 +340,7 @@ def measure_trainer(bench: Bench, name: str, M: int) -> tuple[list[dict], dict]:
             synchronize(bench.device)
             elapsed, cpu = time.perf_counter() - self.t0, time.process_time() - self.cpu0
             bench.probing = False
-            sample = {"time_s": elapsed, "cpu_s": cpu, **bench.meter.take(),
-                      "held_grad_bytes": max(bench.probes, default=0)}  # fmt: skip
+            sample = {"time_s": elapsed, "cpu_s": cpu, **bench.meter.take(), **held_maxima(bench.probes)}
             if state.global_step > bench.args.warmup:
                 steps.append({**sample, **end_memory(bench, self.memory)})
 

@@ -40,15 +40,18 @@ def test_overhead_fails_when_the_paired_median_is_over_2_percent():
         assert status["deferred (plugin) within 2% of the hand-written raw-API loop"] == want
 
 
-def test_frontier_compares_each_round_with_that_rounds_line():
-    def results(budget_times):
+def test_frontier_compares_each_round_with_that_rounds_segment():
+    def results(budget_times, held):
         rows = [row("per_micro_batch", 8, [2.0, 4.0], held=100), row("deferred", 8, [1.0, 2.0], held=200),
-                row("budget_50", 8, budget_times, held=150)]  # fmt: skip
+                row("window", 8, [0.5, 1.0], held=300), row("budget_50", 8, budget_times, held=held)]  # fmt: skip
         return {"plan": {"Ms": [8]}}, [run_of(rows)]
 
-    # The line at 50% is 1.5 s in round 0 and 3.0 s in round 1.
-    assert report.check_frontier(*results([1.5, 2.9]))[1] == "PASS"
-    assert report.check_frontier(*results([1.7, 3.4]))[1] == "FAIL"  # +13% of a step in both rounds
+    # Per-micro-batch -> deferred at 150: 1.5 s in round 0 and 3.0 s in round 1.
+    assert report.check_frontier(*results([1.5, 2.9], 150))[1] == "PASS"
+    assert report.check_frontier(*results([1.7, 3.4], 150))[1] == "FAIL"  # +13% of a step in both rounds
+    # Deferred -> window at 250: 0.75 s and 1.5 s.
+    assert report.check_frontier(*results([0.75, 1.45], 250))[1] == "PASS"
+    assert report.check_frontier(*results([1.0, 2.0], 250))[1] == "FAIL"  # as slow as deferral, holding more
 
 
 def test_round_order_keeps_pairs_adjacent_and_alternates_who_runs_first():
