@@ -89,6 +89,10 @@ class SyncAccounting:
     optimizer_steps: int = 0
     aborted_steps: int = 0
     peak_held_grad_bytes: int = 0
+    plan_changes: int = 0
+    """auto: plan changes after its first plan (fall-backs and recoveries)."""
+    measured_peaks: list = field(default_factory=list)
+    """auto: the measured peak bytes per rank of each of the last optimizer steps."""
     total: StepCounts = field(default_factory=StepCounts)
     current: StepCounts = field(default_factory=StepCounts)
     last_step: StepCounts = field(default_factory=StepCounts)
@@ -147,6 +151,11 @@ class SyncAccounting:
             "optimizer_steps": self.optimizer_steps,
             "aborted_steps": self.aborted_steps,
             "peak_held_grad_bytes": self.peak_held_grad_bytes,
+            "plan_changes": self.plan_changes,
+            **{f"units_{level}": list(self.unit_modes.values()).count(level)
+               for level in ("windowed", "deferred", "per_micro_batch", "defer_all_reduce")},
+            "measured_peaks": list(self.measured_peaks),
+            **({"measured_peak_bytes": self.measured_peaks[-1]} if self.measured_peaks else {}),
             **asdict(self.total),
         }
         del out["held_grad_bytes"]  # per step only: see last_step/held_grad_bytes

@@ -77,10 +77,11 @@ class GradSyncConfig:
     sync_mode: Optional[str] = _flag(
         "sync_mode",
         "Sync mode: per_micro_batch (sync every micro-batch), deferred (sync once per optimizer "
-        "step), auto (deferred if the held gradients fit free device memory, else defer_all_reduce "
-        "on an HSDP mesh, else per_micro_batch), budget (FSDP2: defer only the units that fit "
-        "--grad-sync-memory-budget; the default when a budget is given), defer_all_reduce (HSDP: reduce-scatter every micro-batch, "
-        "all-reduce across replicas once per step).",
+        "step), auto (step 1 syncs every micro-batch and measures its peak memory; then each unit "
+        "windowed, deferred or per micro-batch as what is left allows, on an HSDP mesh else "
+        "defer_all_reduce; falls back when peaks grow), budget (FSDP2: per unit, what fits "
+        "--grad-sync-memory-budget; the default when a budget is given), defer_all_reduce (HSDP: "
+        "reduce-scatter every micro-batch, all-reduce across replicas once per step).",
         choices=SYNC_MODES,
     )
     memory_budget: Optional[str] = _flag(
@@ -91,13 +92,15 @@ class GradSyncConfig:
     )
     memory_margin: Optional[float] = _flag(
         "memory_margin",
-        "auto mode: fraction of free device memory kept back as a safety margin (0 <= margin < 1).",
+        "auto mode: fraction of the device's capacity kept back as a safety margin above the "
+        "measured peak (0 <= margin < 1).",
         type=float,
     )
     free_memory: Optional[str] = _flag(
         "free_memory",
-        "Free device memory per rank to plan with instead of measuring it (auto mode and fractional "
-        "budgets), e.g. 40GiB. Empty: measure (CUDA/NPU mem_get_info, on CPU available RAM).",
+        "Memory per rank to plan with, e.g. 40GiB: auto's capacity instead of the device's (CUDA/NPU "
+        "total memory, on CPU the available RAM), and what a fractional budget is a fraction of "
+        "instead of measured free memory. Empty: read it from the device.",
     )
     keep_params_unsharded: Optional[bool] = _flag(
         "keep_params_unsharded",

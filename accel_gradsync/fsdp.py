@@ -275,7 +275,7 @@ class FSDP2Adapter(ModelAdapter):
         # Each unit gets back exactly the flags it had (not blindly True): one the user switched
         # off stays off, and an exception leaves nothing held. Others are not touched.
         saved = [(u.module, _sync_flags(u.module)) for u in units]
-        restore_forward = self.keep_params_through_forward(windowed)
+        restore_forward = self.keep_params_through_forward(windowed) if windowed else None
         try:
             for u in units:
                 if what == "all_reduce":
@@ -288,12 +288,14 @@ class FSDP2Adapter(ModelAdapter):
                 u.module.set_reshard_after_backward(False, recurse=False)
             yield
         finally:
-            restore_forward()
+            if restore_forward is not None:
+                restore_forward()
             for module, (reduce_grads, all_reduce_grads, reshard) in saved:
                 module.set_requires_gradient_sync(reduce_grads, recurse=False)
                 if all_reduce_grads != reduce_grads:  # the setter above set both to reduce_grads
                     module.set_requires_all_reduce(all_reduce_grads, recurse=False)
-                module.set_reshard_after_backward(reshard, recurse=False)
+                if windowed:
+                    module.set_reshard_after_backward(reshard, recurse=False)
 
     def keep_params_through_forward(self, units: Sequence[Unit]) -> Callable[[], None]:
         # torch's setter cannot express what it replaces (the root's automatic False, or a

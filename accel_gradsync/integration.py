@@ -24,6 +24,7 @@ import warnings
 from typing import Any, Iterator, Optional
 
 import torch
+import torch.distributed as dist
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
 from torch import nn
@@ -34,7 +35,7 @@ from .config import GradSyncConfig
 from .cpu import fsdp_requested
 from .errors import GradSyncWarning
 from .fsdp import ModelAdapter, adapt_model, is_fsdp_wrapped
-from .memory import agreed_free_memory
+from .memory import MemoryProbe, agreed_free_memory, memory_probe
 from .policies import (
     ALL_REDUCE,
     Plan,
@@ -44,18 +45,23 @@ from .policies import (
     format_bytes,
     resolve_policy,
 )
+from .replan import MeasuredAuto
 from .teardown import install_exit_guard
 
 _HANDLE_ATTR = "_accel_gradsync_handle"  # class attribute of the per-instance subclass
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def attach(target: Any, config: Optional[GradSyncConfig] = None) -> "GradSyncHandle":
+def attach(
+    target: Any, config: Optional[GradSyncConfig] = None, *, memory_probe: Optional[MemoryProbe] = None
+) -> "GradSyncHandle":
     """Make `target`'s `accumulate()` / `no_sync()` follow `config` (default: `GradSyncConfig()`).
 
     `target` is an `accelerate.Accelerator` (before or after `prepare`; with a `reduce_dtype`
     other than auto, before) or a `transformers.Trainer` (any TRL trainer) before `train()`.
     Returns a handle with `stats()` and `detach()`; it is also a context manager.
+    `memory_probe` replaces the device's memory readings that `auto` plans from (tests, dry
+    runs: `accel_gradsync.memory.ScriptedMemoryProbe`).
     """
     config = GradSyncConfig() if config is None else config
     if not isinstance(config, GradSyncConfig):
@@ -66,7 +72,7 @@ def attach(target: Any, config: Optional[GradSyncConfig] = None) -> "GradSyncHan
             "accel_gradsync.attach() was already called on this accelerator; call `.detach()` on the "
             "handle it returned before attaching again."
         )
-    return GradSyncHandle(accelerator, config, trainer)
+    return GradSyncHandle(accelerator, config, trainer, memory_probe)
 
 
 def _resolve_target(target: Any) -> tuple[Accelerator, Any]:
@@ -84,7 +90,10 @@ def _resolve_target(target: Any) -> tuple[Accelerator, Any]:
 class GradSyncHandle:
     """What `attach` returns: live counters (`stats()`), the plan, and `detach()`."""
 
-    def __init__(self, accelerator: Accelerator, config: GradSyncConfig, trainer: Any = None) -> None:
+    def __init__(
+        self, accelerator: Accelerator, config: GradSyncConfig, trainer: Any = None,
+        memory_probe: Optional[MemoryProbe] = None,
+    ) -> None:  # fmt: skip
         self.accelerator = accelerator
         self.config = config
         self.policy: SyncPolicy = resolve_policy(config)
@@ -98,6 +107,8 @@ class GradSyncHandle:
         self._callback = None
         self._original_class: Optional[type] = None
         self._free_memory: Optional[int] = None
+        self._memory_probe = memory_probe
+        self._auto: dict[int, list] = {}  # measured auto per model: [MeasuredAuto, window key at the last read]
         self._pending_grads: Optional[list] = None  # from a mid-window checkpoint, until the next micro-batch
         self._restore_forward: Optional[Any] = None  # flags to put back after the last micro-batch's forward
 
@@ -303,18 +314,56 @@ class GradSyncHandle:
         self._adapters[id(root)] = adapter
         if not adapter.units:
             return adapter  # nothing trainable (a frozen reference model): no gradient to schedule
-        plan = self.policy.plan(adapter, self._agreed_free_memory, self.micro_batches_per_step)
+        if self.policy.name == "auto" and self.micro_batches_per_step > 1:
+            # auto measures step 1 and plans from step 2 on (replan.py).
+            if self._memory_probe is None:
+                self._memory_probe = memory_probe(self.accelerator.device, self.config)
+            planner = MeasuredAuto(self.config, self._memory_probe, self._agree_peak)
+            plan = planner.first_plan()
+            self._auto[id(root)] = [planner, self._window_key()]
+        else:
+            plan = self.policy.plan(adapter, self._agreed_free_memory, self.micro_batches_per_step)
         self._warn_about_plan(plan, adapter)
-        self._plans[id(root)] = plan
         self._hooks.append(root.register_forward_pre_hook(self._on_forward))
         self._hooks.append(root.register_forward_hook(self._after_forward))
         acc = self.accounting
-        acc.mode, acc.wrapper, acc.collective, acc.hsdp = plan.mode, adapter.kind, adapter.collective, adapter.hsdp
+        acc.wrapper, acc.collective, acc.hsdp = adapter.kind, adapter.collective, adapter.hsdp
         acc.units = len(adapter.units)
-        acc.unit_modes = {u.name: plan.level(u) for u in adapter.units}
+        self._set_plan(root, adapter, plan)
         # One line at start, on the main process only: the decision and what it costs.
         self.accelerator.print(self.describe())
         return adapter
+
+    def _set_plan(self, root: nn.Module, adapter: ModelAdapter, plan: Plan) -> None:
+        self._plans[id(root)] = plan
+        self.accounting.mode = plan.mode
+        self.accounting.unit_modes = {u.name: plan.level(u) for u in adapter.units}
+
+    def _window_key(self) -> tuple[int, int]:
+        """Changes when a window ends (an optimizer step, or an aborted accumulation)."""
+        return self.accounting.optimizer_steps, self.accounting.aborted_steps
+
+    def _replan(self, root: nn.Module, adapter: ModelAdapter, auto: list) -> None:
+        """At a window's first micro-batch: read the last step's peak; change the plan if auto says so."""
+        planner, key = auto
+        if key == self._window_key():
+            return
+        auto[1] = self._window_key()
+        change = planner.at_window_start(adapter, self._plans[id(root)], self.micro_batches_per_step)
+        self.accounting.measured_peaks = list(planner.peaks)
+        self.accounting.plan_changes = sum(p.changes for p, _ in self._auto.values())
+        if change is not None:
+            self._set_plan(root, adapter, change.plan)
+            self.accelerator.print(change.message)
+            self.accelerator.print(describe_decision(change.plan, adapter, self.micro_batches_per_step))
+
+    def _agree_peak(self, peak: int, capacity: int) -> tuple[int, int]:
+        """(the largest peak, the smallest capacity) over all ranks: one all-reduce per optimizer step."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return peak, capacity
+        value = torch.tensor([peak, -capacity], dtype=torch.int64, device=self.accelerator.device)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return int(value[0].item()), -int(value[1].item())
 
     def _warn_about_plan(self, plan: Plan, adapter: ModelAdapter) -> None:
         if self.config.keep_params_unsharded and adapter.kind != "fsdp2" and plan.held:
@@ -404,6 +453,9 @@ class GradSyncHandle:
             with accelerate_no_sync(model):
                 yield
             return
+        auto = self._auto.get(id(_root(model)))
+        if auto is not None:
+            self._replan(_root(model), adapter, auto)
         plan = self._plans.get(id(_root(model)))
         # The micro-batch that ends an optimizer step always syncs, whatever asked for no_sync.
         if self.accelerator.sync_gradients or plan is None or not plan.held:

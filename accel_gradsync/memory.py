@@ -1,7 +1,17 @@
-"""Free device memory per rank, agreed across ranks: the input of the `auto` and fractional
-`budget` decisions. Runs once per model, before the first step, never in the micro-batch loop."""
+"""Memory per rank, the input of `auto` and fractional `budget` decisions.
+
+`agreed_free_memory` reads free memory once, before the first step (fractional budgets). `auto`
+plans from measurements instead, through a `MemoryProbe`: the memory a rank may use (its
+capacity) and the peak in use during an optimizer step. One small interface with a device
+(CUDA / Ascend NPU) and a CPU implementation, and `ScriptedMemoryProbe`, which plays a device
+with a given capacity and a scripted series of peaks (tests, dry runs). Reading a probe is a
+host-side counter read: no device synchronisation.
+"""
 
 from __future__ import annotations
+
+import os
+from typing import Optional, Sequence
 
 import psutil
 import torch
@@ -30,3 +40,101 @@ def agreed_free_memory(config: GradSyncConfig, device: torch.device) -> int:
         dist.all_reduce(value, op=dist.ReduceOp.MIN)
         free = int(value.item())
     return free
+
+
+class MemoryProbe:
+    """A rank's memory as `auto` sees it: `capacity()` bytes it may use, and `peak()` bytes in use
+    at the worst moment since `reset_peak()`."""
+
+    def capacity(self) -> int:
+        raise NotImplementedError
+
+    def reset_peak(self) -> None:
+        raise NotImplementedError
+
+    def peak(self) -> int:
+        raise NotImplementedError
+
+
+class DeviceMemoryProbe(MemoryProbe):
+    """CUDA, or Ascend NPU through torch_npu's same-named calls: the device's total memory, and
+    the caching allocator's peak of allocated bytes since a reset."""
+
+    def __init__(self, device: torch.device, capacity: Optional[int] = None) -> None:
+        self.device = device
+        self.backend = getattr(torch, device.type)  # torch.cuda, or torch.npu with torch_npu
+        self._capacity = capacity if capacity is not None else int(self.backend.mem_get_info(device)[1])
+
+    def capacity(self) -> int:
+        return self._capacity
+
+    def reset_peak(self) -> None:
+        self.backend.reset_peak_memory_stats(self.device)
+
+    def peak(self) -> int:
+        return int(self.backend.max_memory_allocated(self.device))
+
+
+class CpuMemoryProbe(MemoryProbe):
+    """CPU: the RAM available when the probe was made is the capacity, and the peak is how much
+    this process's resident memory grew above what it was at the reset (Linux VmHWM, reset
+    through /proc/self/clear_refs, as the benchmarks measure a step)."""
+
+    def __init__(self, capacity: Optional[int] = None) -> None:
+        self._capacity = capacity if capacity is not None else psutil.virtual_memory().available
+        self._base = _rss()
+
+    def capacity(self) -> int:
+        return self._capacity
+
+    def reset_peak(self) -> None:
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # resets the peak-RSS counter to the current RSS
+        except OSError:
+            pass  # elsewhere the peak stays the process's peak since start
+        self._base = _rss()
+
+    def peak(self) -> int:
+        return max(_peak_rss() - self._base, 0)
+
+
+class ScriptedMemoryProbe(MemoryProbe):
+    """Plays a device: a fixed capacity, and `peaks[k]` as the peak of the k-th measured step
+    (the last value repeats). Each `reset_peak()` starts the next step."""
+
+    def __init__(self, capacity: int, peaks: Sequence[int]) -> None:
+        assert peaks, "a scripted probe needs at least one peak"  # invariant of the test set-up
+        self._capacity, self.peaks, self.step = capacity, list(peaks), -1
+
+    def capacity(self) -> int:
+        return self._capacity
+
+    def reset_peak(self) -> None:
+        self.step += 1
+
+    def peak(self) -> int:
+        return self.peaks[min(max(self.step, 0), len(self.peaks) - 1)]
+
+
+def memory_probe(device: torch.device, config: GradSyncConfig) -> MemoryProbe:
+    """The probe for `device`; `config.free_memory` replaces the device's capacity."""
+    capacity = config.free_memory_bytes
+    if device.type in ("cuda", "npu"):
+        return DeviceMemoryProbe(device, capacity)
+    return CpuMemoryProbe(capacity)
+
+
+def _rss() -> int:
+    return psutil.Process(os.getpid()).memory_info().rss
+
+
+def _peak_rss() -> int:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return _rss()

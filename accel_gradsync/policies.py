@@ -225,40 +225,51 @@ class DeferAllReduceSync(SyncPolicy):
 
 
 class AutoSync(SyncPolicy):
-    """FSDP2: the per-unit levels `budget` would choose with the usable free memory of the poorest
-    rank as the budget; on an HSDP mesh where not every unit fits that way, full deferral without
-    windows if it fits, else only the all-reduce. FSDP1/DDP: deferred if it fits, else per
-    micro-batch."""
+    """The most communication-saving plan that fits memory: `plan_within` the usable bytes.
+
+    At run time `attach` measures instead of reading free memory (accel_gradsync/replan.py):
+    step 1 syncs every micro-batch while the peak is measured, and the plan fits
+    `capacity x (1 - margin) - peak`. This policy's own `plan` is that decision for a given free
+    memory, which is what the estimate shows before launch."""
 
     name = "auto"
-    description = "the most communication-saving levels that fit free memory (FSDP2), else defer_all_reduce (HSDP), else per_micro_batch"
+    description = "the most communication-saving levels that fit measured memory (FSDP2), else defer_all_reduce (HSDP), else per_micro_batch"
 
     def plan(self, adapter: ModelAdapter, free_memory: FreeMemory, micro_batches: int) -> Plan:
         free = free_memory()
         usable = int(free * (1 - self.config.memory_margin))
-        room = f"{format_bytes(usable)} usable of {format_bytes(free)} free (margin {self.config.memory_margin:g})"
-        full = DeferredSync(self.config).plan(adapter, free_memory, micro_batches)
-        if adapter.kind == "fsdp2":
-            choice = choose_levels(self.name, adapter.units, usable, micro_batches)
-            if adapter.hsdp and len(choice.held) < len(adapter.units):
-                # The greedy counts no all-reduce savings: deferring every unit's all-reduce (or
-                # its whole sync, without windows, where that fits) beats holding only some units.
-                deferred = Plan(self.name, list(adapter.units))
-                fits = deferred.held_bytes() <= usable
-                choice = deferred if fits else DeferAllReduceSync(self.config).plan(adapter, free_memory, micro_batches)
-        else:
-            choice = full if full.held_bytes() <= usable else Plan(self.name)
-        if choice.held_bytes() > usable:
-            choice = Plan(self.name)
-        choice.mode = _mode_of(choice, adapter.units)
+        choice = plan_within(adapter, usable, micro_batches)
+        full = Plan(self.name, list(adapter.units))
         choice.reason = (
             f"auto chose {_level_counts(choice, adapter.units)}: full deferral holds "
-            f"{format_bytes(full.held_bytes())}/rank, {room}; the plan holds {format_bytes(choice.held_bytes())}"
+            f"{format_bytes(full.held_bytes())}/rank, {format_bytes(usable)} usable of {format_bytes(free)} free "
+            f"(margin {self.config.memory_margin:g}); the plan holds {format_bytes(choice.held_bytes())}"
         )
         return choice
 
 
-def _mode_of(plan: Plan, units: Sequence[Unit]) -> str:
+def plan_within(adapter: ModelAdapter, usable: int, micro_batches: int) -> Plan:
+    """The plan that saves the most communication while holding at most `usable` bytes per rank.
+    FSDP2: the levels `choose_levels` picks; on an HSDP mesh where not every unit fits that way,
+    full deferral without windows if it fits, else only the all-reduce deferred. FSDP1/DDP: full
+    deferral if it fits, else per micro-batch."""
+    full = Plan("auto", list(adapter.units))
+    if adapter.kind == "fsdp2":
+        choice = choose_levels("auto", adapter.units, usable, micro_batches)
+        if adapter.hsdp and len(choice.held) < len(adapter.units):
+            # The greedy counts no all-reduce savings: deferring every unit's all-reduce (or its
+            # whole sync, without windows, where that fits) beats holding only some units.
+            all_reduce = Plan("auto", list(adapter.units), hold=ALL_REDUCE)
+            choice = full if full.held_bytes() <= usable else all_reduce
+    else:
+        choice = full if full.held_bytes() <= usable else Plan("auto")
+    if choice.held_bytes() > usable:
+        choice = Plan("auto")
+    choice.mode = mode_of(choice, adapter.units)
+    return choice
+
+
+def mode_of(plan: Plan, units: Sequence[Unit]) -> str:
     """The plain mode a plan amounts to: `per_micro_batch`, `deferred`, `defer_all_reduce`, or
     `budget` for a mix of levels."""
     if not plan.held:

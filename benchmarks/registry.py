@@ -90,7 +90,7 @@ PAIRS: tuple[tuple[str, str], ...] = (
 # in the full run; the small model's steps are cheap, and its many rounds are what resolves a
 # wrapper's per-micro-batch cost, which is the largest share of the shortest step.
 SIZES: dict[str, dict[str, int]] = {
-    "small": {"dim": 128, "layers": 4, "rows": 64, "steps": 12},
+    "small": {"dim": 128, "layers": 4, "rows": 64, "steps": 36},
     "medium": {"dim": 384, "layers": 4, "rows": 8, "steps": 3},
     "large": {"dim": 720, "layers": 4, "rows": 8, "steps": 3},
 }

@@ -30,7 +30,7 @@ SMALL = dict(
     tie_word_embeddings=False,
 )
 MODELS = ["recipe-default", SMALL]
-RUNS = {  # id: (fsdp version, mixed precision, reduce dtypes)
+RUNS = {  # id: (fsdp version, mixed precision, reduce dtypes); FSDP2 also runs the window
     "fsdp1-fp32": ("fsdp1", "no", "auto"),
     "fsdp1-bf16": ("fsdp1", "bf16", "auto"),
     "fsdp2-fp32": ("fsdp2", "no", "auto"),
@@ -49,9 +49,9 @@ def _config(kind: str, mixed_precision: str) -> dict:
 def run(request):
     kind, mixed_precision, reduce_dtypes = RUNS[request.param]
     config = _config(kind, mixed_precision)
-    ranks = launch(
-        "held_bytes", ["--models", json.dumps(MODELS), "--M", str(M), "--reduce-dtypes", reduce_dtypes], config
-    )
+    modes = "per_micro_batch,deferred" + (",deferred+window" if kind == "fsdp2" else "")
+    args = ["--models", json.dumps(MODELS), "--M", str(M), "--reduce-dtypes", reduce_dtypes, "--modes", modes]
+    ranks = launch("held_bytes", args, config)
     estimates = {}
     for result in ranks[0]["results"]:
         key = (json.dumps(result["model"]), result["reduce_dtype"])
@@ -78,6 +78,23 @@ def test_held_bytes_within_two_percent_in_the_estimated_dtype(run):
             assert held["bytes"] > 0
             assert abs(row.held_bytes - held["bytes"]) <= 0.02 * held["bytes"], (est.model, row, held)
             assert held["dtypes"] == [_DTYPE[row.held_dtype]], (est.model, row.held_dtype, held)
+        checked += 1
+    assert checked >= 2
+
+
+def test_window_held_params_and_gradients_are_exact(run):
+    """Issue 12: the window row's held gradient and held parameter bytes are the tensors' bytes."""
+    kind, _, _ = run
+    if kind != "fsdp2":
+        pytest.skip("the window is FSDP2's")
+    checked = 0
+    for result, est, row in _rows(run):
+        if result["mode"] != "deferred+window":
+            continue
+        assert len(result["held"]) == M - 1
+        for held in result["held"]:
+            assert (held["bytes"], held["param_bytes"]) == (row.held_bytes, row.held_param_bytes), (est.model, row, held)
+            assert held["dtypes"] == [_DTYPE[row.held_dtype]]
         checked += 1
     assert checked >= 2
 
@@ -110,6 +127,6 @@ def test_runtime_counters_agree_with_the_estimate(run):
         issued, held = result["stats"]["last_step/reduce_scatters_issued"], result["stats"]["last_step/held_grad_bytes"]
         if issued != row.reduce_scatters:
             mismatches.append((est.model, result["mode"], "reduce_scatters", issued, row.reduce_scatters))
-        if result["mode"] == "deferred" and held != row.held_bytes:
+        if result["mode"] in ("deferred", "deferred+window") and held != row.held_bytes:
             mismatches.append((est.model, result["mode"], "held", held, row.held_bytes))
     assert not mismatches

@@ -131,3 +131,21 @@ def test_window_mode_in_grpo_gathers_less_and_learns_the_same_first_step(runs):
     assert first_w["reward"] == first_p["reward"]
     assert first_w["loss"] == pytest.approx(first_p["loss"], rel=1e-5, abs=1e-7)
     assert first_w["grad_norm"] == pytest.approx(first_p["grad_norm"], rel=1e-4)
+
+
+AUTO = QUICKSTART[1] + " --grad-sync-mode auto"
+
+
+def test_auto_measures_step_one_per_micro_batch_then_follows_its_plan(runs):
+    """Issue 13: counted from outside, step 1 reduce-scatters every micro-batch; step 2 follows the
+    plan auto printed after measuring (on this machine's RAM every unit fits: one per unit)."""
+    run = runs(AUTO)
+    assert "grad sync: auto measured step 1: peak" in run["stdout"]
+    for rank in run["ranks"]:
+        units = rank["fsdp2_reducing_groups"]
+        counts = rank["counts"]
+        reduce_scatters = counts.get("reduce_scatter_single", 0) + counts.get("reduce_scatter_tensor", 0)
+        assert reduce_scatters == MICRO_BATCHES * units + (STEPS - 1) * units
+    last = run["logs"][-1]
+    assert last["grad_sync/units_windowed"] == units and last["grad_sync/plan_changes"] == 0
+    assert last["grad_sync/measured_peak_bytes"] > 0

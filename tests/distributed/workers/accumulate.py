@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import accel_gradsync
 from accel_gradsync.fsdp import sync_flags
+from accel_gradsync.memory import ScriptedMemoryProbe
 
 LR = 0.1
 
@@ -92,6 +93,11 @@ for run in args.runs:
     config = dict(run["config"])
     if "free_memory_by_rank" in run:  # ranks that disagree on free memory must still agree on a plan
         config["free_memory"] = run["free_memory_by_rank"][accelerator.process_index]
+    probe = None
+    if "probe" in run:  # auto on a scripted device: a capacity and each step's peak, per rank
+        spec, r = run["probe"], accelerator.process_index
+        capacity = spec["capacity_by_rank"][r] if "capacity_by_rank" in spec else spec["capacity"]
+        probe = ScriptedMemoryProbe(capacity, spec["peaks_by_rank"][r] if "peaks_by_rank" in spec else [0])
     set_seed(0)
     model = TinyNet()
     expected = reference_grads(model)
@@ -101,11 +107,11 @@ for run in args.runs:
     warned = caught.__enter__()
     warnings.simplefilter("always", accel_gradsync.GradSyncWarning)
     if run.get("attach_before_prepare"):  # needed for reduce_dtype: it must reach FSDP's policy
-        handle = accel_gradsync.attach(accelerator, accel_gradsync.GradSyncConfig(**config))
+        handle = accel_gradsync.attach(accelerator, accel_gradsync.GradSyncConfig(**config), memory_probe=probe)
         model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     else:
         model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-        handle = accel_gradsync.attach(accelerator, accel_gradsync.GradSyncConfig(**config))
+        handle = accel_gradsync.attach(accelerator, accel_gradsync.GradSyncConfig(**config), memory_probe=probe)
     if isinstance(model, DistributedDataParallel):
         # DDP all-reduces from C++; the default hook does the same through torch.distributed.
         model.register_comm_hook(None, allreduce_hook)
@@ -123,7 +129,8 @@ for run in args.runs:
                 counts = counter.take()
                 with counter.paused():
                     grads = full_grads(model)
-                steps.append({"counts": counts, "max_diff": max_diff(grads, expected[len(steps)])})
+                levels = {k: v for k, v in handle.stats().items() if k.startswith("units_")}
+                steps.append({"counts": counts, "max_diff": max_diff(grads, expected[len(steps)]), "levels": levels})
             optimizer.step()
             optimizer.zero_grad()
     caught.__exit__(None, None, None)
@@ -136,6 +143,7 @@ for run in args.runs:
         "units": {u.name: u.held_bytes for u in handle.units()},
         "windowed": [u.name for u in plan.windowed],
         "held_grad_bytes": plan.held_grad_bytes(),
+        **({"probe": run["probe"]} if "probe" in run else {}),
         "decision": handle.describe(),
         "flags_restored": None if not fsdp2 else flags_before == (sync_flags(model), reshard_after_forward(model)),
         "sharded_after_step": all_sharded(model) if fsdp2 else None,

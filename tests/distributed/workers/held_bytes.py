@@ -35,12 +35,16 @@ accelerator = Accelerator(gradient_accumulation_steps=args.M)
 
 
 def held_tensor_bytes(model: torch.nn.Module) -> dict:
-    """Bytes and dtypes of the unsharded gradients FSDP holds now, each tensor counted once."""
-    grads = {}
+    """Bytes and dtypes of the unsharded gradients FSDP holds now, each tensor counted once, and
+    the bytes of FSDP2's unsharded params whose storage is allocated (what a window keeps)."""
+    grads, params = {}, {}
     for module in model.modules():
         if isinstance(module, FSDPModule):
             for group in module._get_fsdp_state()._fsdp_param_groups:
                 for p in group.fsdp_params:
+                    unsharded = getattr(p, "_unsharded_param", None)
+                    if unsharded is not None and unsharded.untyped_storage().size() > 0:
+                        params[id(unsharded)] = unsharded
                     grad = p.unsharded_accumulated_grad
                     grad = p._unsharded_param.grad if grad is None else grad
                     if grad is not None:
@@ -51,6 +55,7 @@ def held_tensor_bytes(model: torch.nn.Module) -> dict:
     return {
         "bytes": sum(g.numel() * g.element_size() for g in grads.values()),
         "dtypes": sorted({str(g.dtype).removeprefix("torch.") for g in grads.values()}),
+        "param_bytes": sum(p.numel() * p.element_size() for p in params.values()),
     }
 
 
@@ -63,9 +68,11 @@ for reduce_dtype in args.reduce_dtypes.split(","):
         for mode in args.modes.split(","):
             began = time.time()
             set_seed(0)
-            handle = accel_gradsync.attach(
-                accelerator, accel_gradsync.GradSyncConfig(sync_mode=mode, reduce_dtype=reduce_dtype)
-            )
+            # "deferred+window": the estimate's row for deferral with keep_params_unsharded.
+            window = mode == "deferred+window"
+            config = accel_gradsync.GradSyncConfig(sync_mode="deferred" if window else mode, reduce_dtype=reduce_dtype,
+                                                   keep_params_unsharded=window)  # fmt: skip
+            handle = accel_gradsync.attach(accelerator, config)
             model = AutoModelForCausalLM.from_config(model_config)
             optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
             model, optimizer = accelerator.prepare(model, optimizer)
