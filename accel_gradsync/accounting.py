@@ -80,6 +80,9 @@ class SyncAccounting:
     """Totals since `attach`, plus the window in progress and the last finished one."""
 
     mode: str
+    """The plan's mode now (auto: what it chose)."""
+    mode_selected: str = ""
+    """The mode GradSyncConfig selects."""
     wrapper: str = "none"
     collective: str = "reduce_scatter"
     hsdp: bool = False
@@ -145,7 +148,9 @@ class SyncAccounting:
         """Flat dict: totals since attach, and the last finished step under `last_step/`."""
         out = {
             "mode": self.mode,
+            "mode_selected": self.mode_selected,
             "wrapper": self.wrapper,
+            "hsdp": self.hsdp,
             "units": self.units,
             "unit_modes": dict(self.unit_modes),
             "optimizer_steps": self.optimizer_steps,
@@ -161,3 +166,28 @@ class SyncAccounting:
         del out["held_grad_bytes"]  # per step only: see last_step/held_grad_bytes
         out.update({f"last_step/{k}": v for k, v in asdict(self.last_step).items()})
         return out
+
+
+# How each counter of one model's stats() combines over several bound models. Every model sees
+# every micro-batch of a window, so window counts are each model's (the largest, should one
+# model skip a forward); what the models issue and hold is theirs, added up.
+_ONCE_PER_WINDOW = ("optimizer_steps", "aborted_steps", "micro_batches", "deferred_micro_batches")
+
+
+def combined_stats(per_model: dict[str, dict], mode_selected: str) -> dict:
+    """The stats() of a run with one or more bound models: window counts once, collectives,
+    bytes, held bytes and units added up, and each model's own under `models`."""
+    if not per_model:  # nothing bound yet: every counter at zero
+        return {**SyncAccounting(mode=mode_selected, mode_selected=mode_selected).stats(), "models": {}}
+    stats = list(per_model.values())
+    out = dict(stats[0])
+    for key, value in stats[0].items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or key == "measured_peak_bytes":
+            continue
+        values = [s.get(key, 0) for s in stats]
+        out[key] = max(values) if key.removeprefix("last_step/") in _ONCE_PER_WINDOW else sum(values)
+    if len(stats) > 1:
+        out["mode"] = "+".join(dict.fromkeys(s["mode"] for s in stats))
+        out["unit_modes"] = {f"{name}/{unit}": mode for name, s in per_model.items() for unit, mode in s["unit_modes"].items()}
+    out["models"] = per_model
+    return out

@@ -35,6 +35,8 @@ DEFAULTS: dict[str, Any] = {
     "free_memory": "",
     "keep_params_unsharded": False,
     "reduce_dtype": "auto",
+    # A Trainer log line carries the few per-step counters; the ~20 others stay in stats().
+    "log_all_counters": False,
 }
 
 
@@ -117,6 +119,15 @@ class GradSyncConfig:
         "prepared: auto keeps accelerate's choice (the param dtype), fp32 or bf16. FSDP2 holds "
         "deferred gradients in this dtype when it differs from the param dtype (fp32: 4 bytes/param).",
         choices=REDUCE_DTYPES,
+    )
+    log_all_counters: Optional[bool] = _flag(
+        "log_all_counters",
+        "Trainer logs (console and report_to): every grad_sync/ counter (totals since attach and the "
+        "last step's), instead of the few per-step ones: reduce-scatters (HSDP/DDP: all-reduces) "
+        "issued and skipped in the step, held gradient bytes, units at each level (auto: plan "
+        "changes and the measured peak). stats() always has everything.",
+        nargs="?",
+        const=True,
     )
 
     def __post_init__(self) -> None:

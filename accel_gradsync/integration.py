@@ -30,7 +30,7 @@ from accelerate.utils import DistributedType
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from .accounting import SyncAccounting
+from .accounting import SyncAccounting, combined_stats
 from .config import GradSyncConfig
 from .cpu import fsdp_requested
 from .errors import GradSyncWarning
@@ -97,12 +97,13 @@ class GradSyncHandle:
         self.accelerator = accelerator
         self.config = config
         self.policy: SyncPolicy = resolve_policy(config)
-        self.accounting = SyncAccounting(mode=self.policy.name)
+        self._accounts: dict[int, SyncAccounting] = {}  # per bound model, by id(root)
+        self._names: dict[int, str] = {}
         self._trainer = trainer
         self._adapters: dict[int, Optional[ModelAdapter]] = {}
         self._plans: dict[int, Plan] = {}
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
-        self._held: Optional[tuple[list, str]] = None  # (units held, how) during a held micro-batch
+        self._held: dict[int, tuple[list, str]] = {}  # by id(root): (units held, how) during a held micro-batch
         self._warned: set[str] = set()
         self._callback = None
         self._original_class: Optional[type] = None
@@ -151,7 +152,9 @@ class GradSyncHandle:
         """Counters since attach: micro-batches (all and deferred), optimizer steps, unit
         reduce-scatters / all-reduces issued and skipped, bytes reduced, measured held gradient
         bytes, each unit's mode; `last_step/*` for the last finished optimizer step."""
-        return self.accounting.stats()
+        return combined_stats(
+            {self._names[key]: acc.stats() for key, acc in self._accounts.items()}, self.policy.name
+        )
 
     def plan(self, model: Optional[nn.Module] = None) -> Optional[Plan]:
         """The plan of `model` (default: the first bound model): held units, reason."""
@@ -320,38 +323,43 @@ class GradSyncHandle:
                 self._memory_probe = memory_probe(self.accelerator.device, self.config)
             planner = MeasuredAuto(self.config, self._memory_probe, self._agree_peak)
             plan = planner.first_plan()
-            self._auto[id(root)] = [planner, self._window_key()]
+            self._auto[id(root)] = [planner, (0, 0)]
         else:
             plan = self.policy.plan(adapter, self._agreed_free_memory, self.micro_batches_per_step)
         self._warn_about_plan(plan, adapter)
         self._hooks.append(root.register_forward_pre_hook(self._on_forward))
         self._hooks.append(root.register_forward_hook(self._after_forward))
-        acc = self.accounting
-        acc.wrapper, acc.collective, acc.hsdp = adapter.kind, adapter.collective, adapter.hsdp
-        acc.units = len(adapter.units)
+        name = _model_name(root)
+        taken = set(self._names.values())
+        self._names[id(root)] = name if name not in taken else f"{name}#{len(taken) + 1}"
+        self._accounts[id(root)] = SyncAccounting(
+            mode=plan.mode, mode_selected=self.policy.name, wrapper=adapter.kind,
+            collective=adapter.collective, hsdp=adapter.hsdp, units=len(adapter.units),
+        )  # fmt: skip
         self._set_plan(root, adapter, plan)
-        # One line at start, on the main process only: the decision and what it costs.
-        self.accelerator.print(self.describe())
+        # One line at start, on the main process only: this model's decision and what it costs.
+        self.accelerator.print(describe_decision(plan, adapter, self.micro_batches_per_step))
         return adapter
 
     def _set_plan(self, root: nn.Module, adapter: ModelAdapter, plan: Plan) -> None:
         self._plans[id(root)] = plan
-        self.accounting.mode = plan.mode
-        self.accounting.unit_modes = {u.name: plan.level(u) for u in adapter.units}
+        self._accounts[id(root)].mode = plan.mode
+        self._accounts[id(root)].unit_modes = {u.name: plan.level(u) for u in adapter.units}
 
-    def _window_key(self) -> tuple[int, int]:
-        """Changes when a window ends (an optimizer step, or an aborted accumulation)."""
-        return self.accounting.optimizer_steps, self.accounting.aborted_steps
+    def _window_key(self, root: nn.Module) -> tuple[int, int]:
+        """Changes when a window of `root` ends (an optimizer step, or an aborted accumulation)."""
+        acc = self._accounts[id(root)]
+        return acc.optimizer_steps, acc.aborted_steps
 
     def _replan(self, root: nn.Module, adapter: ModelAdapter, auto: list) -> None:
         """At a window's first micro-batch: read the last step's peak; change the plan if auto says so."""
         planner, key = auto
-        if key == self._window_key():
+        if key == self._window_key(root):
             return
-        auto[1] = self._window_key()
+        auto[1] = self._window_key(root)
         change = planner.at_window_start(adapter, self._plans[id(root)], self.micro_batches_per_step)
-        self.accounting.measured_peaks = list(planner.peaks)
-        self.accounting.plan_changes = sum(p.changes for p, _ in self._auto.values())
+        acc = self._accounts[id(root)]
+        acc.measured_peaks, acc.plan_changes = list(planner.peaks), planner.changes
         if change is not None:
             self._set_plan(root, adapter, change.plan)
             self.accelerator.print(change.message)
@@ -399,7 +407,8 @@ class GradSyncHandle:
                 adapter.drop_held_grads()
                 if key in self._plans:
                     adapter.reshard(self._plans[key].windowed)  # a window's params, gathered for nothing now
-        self.accounting.abort_step()
+        for acc in self._accounts.values():
+            acc.abort_step()
         self._warn_once(
             "abort",
             "accel_gradsync: an exception ended an accumulation window; its gradients were discarded "
@@ -413,7 +422,7 @@ class GradSyncHandle:
         """accelerate saves no gradients. Mid-window, save this rank's (held or sharded) ones
         next to the checkpoint, so a resumed run finishes the window exactly."""
         path = self._grads_file(output_dir)
-        done = self.accounting.current.micro_batches
+        done = max((acc.current.micro_batches for acc in self._accounts.values()), default=0)
         state = [a.grad_state() for a in self._adapters.values() if a is not None] if done else []
         if done and all(s is not None for s in state):
             torch.save(state, path)
@@ -475,7 +484,7 @@ class GradSyncHandle:
                 )
             windowed = [u for u in plan.windowed if any(u is h for h in held)]
             context = adapter.hold(held, plan.hold, windowed)
-        self._held = (held, plan.hold)
+        self._held[id(_root(model))] = (held, plan.hold)
         try:
             with context:
                 yield
@@ -486,16 +495,16 @@ class GradSyncHandle:
                     "their unit did; they now hold a zero gradient in the reduce dtype so that a later "
                     "first gradient reduces correctly (torch's FSDP2 needs one dtype per unit).",
                 )
-            self.accounting.record_held(adapter.held_grad_bytes())
+            self._accounts[id(_root(model))].record_held(adapter.held_grad_bytes())
         finally:
-            self._held = None
+            self._held.pop(id(_root(model)), None)
 
     def _on_forward(self, module: nn.Module, args: Any) -> None:
         if not (module.training and torch.is_grad_enabled()):
             return  # generation, evaluation, or log-prob passes without gradients
         if self._pending_grads is not None:
             self._restore_grads()
-        if self._held is None and not self.accelerator.sync_gradients and self.policy.name != "per_micro_batch":
+        if id(module) not in self._held and not self.accelerator.sync_gradients and self.policy.name != "per_micro_batch":
             # A non-final micro-batch that skipped no_sync: accelerate's shared sync_each_batch was
             # switched on after attach (by another Accelerator or Trainer in this process).
             if self.accelerator.gradient_state.plugin_kwargs.get("sync_each_batch", False):
@@ -504,14 +513,14 @@ class GradSyncHandle:
                     f"accel_gradsync: sync mode {self.policy.name!r} is not applied: accelerate's "
                     "sync_each_batch=True was set after attach() and makes every micro-batch sync.",
                 )
-        held, hold = self._held if self._held is not None else ((), "")
+        held, hold = self._held.get(id(module), ((), ""))
         plan = self._plans.get(id(module))
         if self.accelerator.sync_gradients and plan is not None and plan.windowed:
             # The window's last forward keeps its params too, so its backward gathers nothing;
             # the backward then reshards (reshard_after_backward is back to what it was).
             self._after_forward()
             self._restore_forward = self._adapters[id(module)].keep_params_through_forward(plan.windowed)
-        self.accounting.record_micro_batch(
+        self._accounts[id(module)].record_micro_batch(
             self._adapters[id(module)].units, held, hold, ends_step=self.accelerator.sync_gradients
         )
 
@@ -520,6 +529,14 @@ class GradSyncHandle:
         if self._restore_forward is not None:
             self._restore_forward()
             self._restore_forward = None
+
+
+def _model_name(root: nn.Module) -> str:
+    """The user's class name of a wrapped model (not FSDP1's wrapper or FSDP2's `FSDP<cls>`)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
+
+    model = root.module if isinstance(root, FSDP1) else root
+    return next(c.__name__ for c in type(model).__mro__ if not c.__module__.startswith("torch.distributed"))
 
 
 def _root(model: nn.Module) -> nn.Module:

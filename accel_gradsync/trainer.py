@@ -11,6 +11,31 @@ if TYPE_CHECKING:
     from .integration import GradSyncHandle
 
 LOG_PREFIX = "grad_sync/"
+# The per-step counters a log line carries by default: log key -> stats() key.
+STEP_COUNTERS = {
+    "reduce_scatters": "last_step/reduce_scatters_issued",
+    "reduce_scatters_skipped": "last_step/reduce_scatters_skipped",
+    "held_grad_bytes": "last_step/held_grad_bytes",
+    "units_windowed": "units_windowed",
+    "units_deferred": "units_deferred",
+    "units_per_micro_batch": "units_per_micro_batch",
+}
+ALL_REDUCE_COUNTERS = {"all_reduces": "last_step/all_reduces_issued", "all_reduces_skipped": "last_step/all_reduces_skipped"}
+AUTO_COUNTERS = {"plan_changes": "plan_changes", "measured_peak_bytes": "measured_peak_bytes"}
+
+
+def log_counters(stats: dict, everything: bool = False) -> dict:
+    """The `grad_sync/` entries of one Trainer log: the few per-step counters (all-reduces only
+    where there are some: DDP, HSDP; plan changes and the measured peak only under auto), or
+    with `everything` every numeric counter."""
+    if everything:
+        return {LOG_PREFIX + k: v for k, v in stats.items() if isinstance(v, (int, float))}
+    keys = dict(STEP_COUNTERS)
+    if stats.get("wrapper") == "ddp" or stats.get("hsdp"):
+        keys.update(ALL_REDUCE_COUNTERS)
+    if stats.get("mode_selected") == "auto":
+        keys.update(AUTO_COUNTERS)
+    return {LOG_PREFIX + name: stats[key] for name, key in keys.items() if key in stats}
 
 
 class GradSyncCallback(TrainerCallback):
@@ -25,7 +50,7 @@ class GradSyncCallback(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs: Any):
         if logs is None:
             return
-        counters = {LOG_PREFIX + k: v for k, v in self.handle.stats().items() if isinstance(v, (int, float))}
+        counters = log_counters(self.handle.stats(), self.handle.config.log_all_counters)
         logs.update(counters)  # what the reporting callbacks after us send to report_to
         if state.log_history:
             state.log_history[-1].update(counters)  # the Trainer recorded this entry just before

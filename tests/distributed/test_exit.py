@@ -87,7 +87,7 @@ def launches():
 
 def training_started(launch: Launch) -> dict[int, psutil.Process]:
     """Wait until both ranks are past their first logged optimizer step; return them by rank."""
-    launch.wait_for("'grad_sync/optimizer_steps'")
+    launch.wait_for("'grad_sync/reduce_scatters'")
     ranks = launch.ranks()
     assert sorted(ranks) == [0, 1], launch.output[-3000:]
     return ranks

@@ -95,11 +95,24 @@ def test_recipe_logs_agree_with_the_counted_collectives(runs, command):
     defer = "--defer-grad-sync" in command
     units = run["ranks"][0][f"{fsdp}_reducing_groups"]
     # The recipe's own account agrees with what was counted outside it.
+    # The few per-step counters a log carries by default, for the last step.
+    last = run["logs"][-1]
+    held = units if defer else 0
+    assert last["grad_sync/reduce_scatters"] == units * (1 if defer else MICRO_BATCHES)
+    assert last["grad_sync/reduce_scatters_skipped"] == held * (MICRO_BATCHES - 1)
+    assert last["grad_sync/units_deferred"] == held and last["grad_sync/units_per_micro_batch"] == units - held
+    assert (last["grad_sync/held_grad_bytes"] > 0) == defer
+    assert len([k for k in last if k.startswith("grad_sync/")]) == 6  # not the ~20 counters of stats()
+
+
+def test_every_counter_is_logged_on_request(runs):
+    run = runs(QUICKSTART[0] + " --grad-sync-log-all-counters")
+    units = run["ranks"][0]["fsdp2_reducing_groups"]
     last = run["logs"][-1]
     assert last["grad_sync/units"] == units
     assert last["grad_sync/optimizer_steps"] == STEPS
-    assert last["grad_sync/reduce_scatters_issued"] == STEPS * units * (1 if defer else MICRO_BATCHES)
-    assert last["grad_sync/deferred_micro_batches"] == (STEPS * (MICRO_BATCHES - 1) if defer else 0)
+    assert last["grad_sync/reduce_scatters_issued"] == STEPS * units
+    assert last["grad_sync/deferred_micro_batches"] == STEPS * (MICRO_BATCHES - 1)
 
 
 @pytest.mark.parametrize("config", ["fsdp2", "fsdp1"])
@@ -148,4 +161,4 @@ def test_auto_measures_step_one_per_micro_batch_then_follows_its_plan(runs):
         assert reduce_scatters == MICRO_BATCHES * units + (STEPS - 1) * units
     last = run["logs"][-1]
     assert last["grad_sync/units_windowed"] == units and last["grad_sync/plan_changes"] == 0
-    assert last["grad_sync/measured_peak_bytes"] > 0
+    assert last["grad_sync/measured_peak_bytes"] > 0  # auto's logs also carry what it measured

@@ -1,0 +1,48 @@
+"""Issue 14, defect 1: two trained models on one accelerator (policy and value, each prepared
+with its own optimizer) plus a frozen reference model, one `attach`, deferred, M = 4, 2 optimizer
+steps. What `stats()` says must add up to what ran, counted from outside, and each model gets
+its own decision line and its own counters; the frozen model stays out. FSDP2 and FSDP1."""
+
+import pytest
+from launcher import accelerate_config, launch
+from workers.common import TinyNet
+
+M, STEPS = 4, 2
+BLOCK, HEAD = (16 * 16 + 16) * 4, 17 * 4  # fp32 gradient bytes of one Block unit and the root's head
+FULL = 2 * BLOCK + HEAD
+
+
+@pytest.fixture(scope="module", params=["fsdp2", "fsdp1"])
+def ranks(request):
+    return request.param, launch("two_models", ["--M", str(M), "--steps", str(STEPS)], accelerate_config(request.param))
+
+
+def test_window_counts_once_and_collectives_add_up(ranks):
+    _, results = ranks
+    for rank in results:
+        stats, counts = rank["stats"], rank["counts"]
+        assert stats["optimizer_steps"] == STEPS and stats["micro_batches"] == M * STEPS
+        assert stats["deferred_micro_batches"] == (M - 1) * STEPS
+        real = counts.get("reduce_scatter_single", 0) + counts.get("reduce_scatter_tensor", 0)
+        assert stats["reduce_scatters_issued"] == real == 2 * TinyNet.UNITS * STEPS  # both models, U per step
+        assert stats["reduce_scatters_skipped"] == 2 * TinyNet.UNITS * (M - 1) * STEPS
+        assert stats["units"] == 2 * TinyNet.UNITS
+        # Both models hold their whole gradient at once (FSDP1 pads its flat gradient a little).
+        assert stats["peak_held_grad_bytes"] == sum(m["peak_held_grad_bytes"] for m in rank["models"].values())
+        assert all(m["peak_held_grad_bytes"] >= FULL for m in rank["models"].values())
+
+
+def test_each_model_has_its_own_counters_and_decision_line(ranks):
+    kind, results = ranks
+    for rank in results:
+        models = rank["models"]
+        assert sorted(models) == ["TinyNet", "TinyNet#2"]  # the frozen reference model is not bound
+        for model in models.values():
+            assert model["units"] == TinyNet.UNITS and model["optimizer_steps"] == STEPS
+            assert model["reduce_scatters_issued"] == TinyNet.UNITS * STEPS
+        assert sorted(rank["stats"]["unit_modes"]) == sorted(
+            f"{name}/{unit}" for name, m in models.items() for unit in m["unit_modes"]
+        )
+    decisions = results[0]["decisions"]  # printed on the main process only
+    assert len(decisions) == 2 and all(f"on {kind}" in d and "3 deferred" in d for d in decisions), decisions
+    assert not results[1]["decisions"]

@@ -1,0 +1,51 @@
+"""Two trained models on one accelerator (a policy and a value model, each prepared with its own
+optimizer as accelerate's FSDP2 requires) and a frozen reference model, one `attach`, deferred
+sync: what the handle counts against the collectives counted from outside, and the decision
+lines it printed."""
+
+import contextlib
+import io
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+from common import CollectiveCounter, TinyNet, make_data, parse_args, write_result
+
+import accel_gradsync
+
+args = parse_args([(("--M",), {"type": int, "default": 4}), (("--steps",), {"type": int, "default": 2})])
+accel_gradsync.enable_cpu_fsdp()
+counter = CollectiveCounter()
+accelerator = Accelerator(gradient_accumulation_steps=args.M)
+set_seed(0)
+policy, value, reference = TinyNet(), TinyNet(), TinyNet()
+reference.requires_grad_(False)
+policy_opt = torch.optim.SGD(policy.parameters(), lr=0.1)
+value_opt = torch.optim.SGD(value.parameters(), lr=0.1)
+policy, policy_opt = accelerator.prepare(policy, policy_opt)
+value, value_opt = accelerator.prepare(value, value_opt)
+# accelerate's FSDP2 prepares a model only with an optimizer: the frozen one gets an idle one.
+reference, _ = accelerator.prepare(reference, torch.optim.SGD(reference.parameters(), lr=0.0))
+printed = io.StringIO()
+with contextlib.redirect_stdout(printed):
+    handle = accel_gradsync.attach(accelerator, accel_gradsync.GradSyncConfig(defer=True))
+X, Y = make_data(args.M * args.steps * 2, seed=accelerator.process_index)
+counter.take()
+for k in range(args.M * args.steps):
+    x, y = X[2 * k : 2 * k + 2], Y[2 * k : 2 * k + 2]
+    with accelerator.accumulate(policy, value):
+        with torch.no_grad():
+            baseline = reference(x)
+        loss = ((policy(x) - y) ** 2).mean() + ((value(x) - baseline) ** 2).mean()
+        accelerator.backward(loss)
+        if accelerator.sync_gradients:
+            policy_opt.step(), value_opt.step()
+            policy_opt.zero_grad(), value_opt.zero_grad()
+counts = counter.take()
+stats = handle.stats()
+write_result(args.out, {
+    "counts": counts,
+    "stats": {k: v for k, v in stats.items() if k != "models"},
+    "models": stats["models"],
+    "decisions": [line for line in printed.getvalue().splitlines() if line.startswith("grad sync:")],
+})  # fmt: skip
