@@ -153,7 +153,7 @@ class FSDP2Adapter(ModelAdapter):
             if id(state) in seen:
                 continue
             seen.add(id(state))
-            groups = state._fsdp_param_groups
+            groups = _groups(state)
             params = [p for g in groups for p in g.fsdp_params if p.sharded_param.requires_grad]
             if not params:
                 continue
@@ -178,7 +178,7 @@ class FSDP2Adapter(ModelAdapter):
     def held_grad_bytes(self) -> int:
         total = 0
         for unit in self.units:
-            for group in unit.module._get_fsdp_state()._fsdp_param_groups:
+            for group in _groups(unit.module._get_fsdp_state()):
                 # HSDP with the all-reduce held: the sharded partial sum of the reduce-scatters.
                 partial = group._partial_reduce_output
                 if partial is not None:
@@ -225,7 +225,7 @@ class FSDP2Adapter(ModelAdapter):
     def drop_held_grads(self) -> None:
         self.model.zero_grad(set_to_none=True)
         for unit in self.units:
-            for group in unit.module._get_fsdp_state()._fsdp_param_groups:
+            for group in _groups(unit.module._get_fsdp_state()):
                 group._partial_reduce_output = None
                 for p in group.fsdp_params:
                     p.unsharded_accumulated_grad = None
@@ -235,7 +235,7 @@ class FSDP2Adapter(ModelAdapter):
     def grad_state(self) -> list:
         state = []
         for unit in self.units:
-            for group in unit.module._get_fsdp_state()._fsdp_param_groups:
+            for group in _groups(unit.module._get_fsdp_state()):
                 params = []
                 for p in group.fsdp_params:
                     held = p.unsharded_accumulated_grad
@@ -253,7 +253,7 @@ class FSDP2Adapter(ModelAdapter):
     def load_grad_state(self, state: list) -> None:
         from torch.distributed.tensor import DTensor
 
-        groups = [g for u in self.units for g in u.module._get_fsdp_state()._fsdp_param_groups]
+        groups = [g for u in self.units for g in _groups(u.module._get_fsdp_state())]
         assert len(groups) == len(state), "a grad checkpoint from a different model"  # invariant
         for group, (params, partial) in zip(groups, state):
             group._partial_reduce_output = partial
@@ -301,7 +301,7 @@ class FSDP2Adapter(ModelAdapter):
         # torch's setter cannot express what it replaces (the root's automatic False, or a
         # reshard to a smaller mesh), so the exact previous state is put back directly.
         states = [u.module._get_fsdp_state() for u in units if u.reshards_after_forward]
-        saved = [(s, s._auto_reshard_after_forward, [g.post_forward_mesh_info for g in s._fsdp_param_groups])
+        saved = [(s, s._auto_reshard_after_forward, [g.post_forward_mesh_info for g in _groups(s)])
                  for s in states]  # fmt: skip
         for u in units:
             if u.reshards_after_forward:
@@ -310,7 +310,7 @@ class FSDP2Adapter(ModelAdapter):
         def restore() -> None:
             for state, auto, infos in saved:
                 state._auto_reshard_after_forward = auto
-                for group, info in zip(state._fsdp_param_groups, infos):
+                for group, info in zip(_groups(state), infos):
                     group.post_forward_mesh_info = info
 
         return restore
@@ -411,15 +411,25 @@ def is_fsdp_wrapped(model: nn.Module) -> bool:
     return any(isinstance(m, (FSDPModule, FSDP1)) for m in model.modules())
 
 
+def _groups(state) -> list:
+    """An FSDP2 state's param groups: torch 2.13 keeps a list (`_fsdp_param_groups`), earlier
+    releases (2.11 was checked) one group or None (`_fsdp_param_group`)."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return groups
+    group = state._fsdp_param_group
+    return [] if group is None else [group]
+
+
 def _fsdp_params(module: FSDPModule) -> list:
     """The FSDPParams one FSDP2 unit manages directly."""
-    return [p for g in module._get_fsdp_state()._fsdp_param_groups for p in g.fsdp_params]
+    return [p for g in _groups(module._get_fsdp_state()) for p in g.fsdp_params]
 
 
 def _sync_flags(module: FSDPModule) -> tuple[bool, bool, bool]:
     """(requires_gradient_sync, requires_all_reduce, reshard_after_backward) of one FSDP2 unit,
     as its setters left them."""
-    groups = module._get_fsdp_state()._fsdp_param_groups
+    groups = _groups(module._get_fsdp_state())
     return (
         all(g.reduce_grads for g in groups),
         all(g.all_reduce_grads for g in groups),

@@ -1,0 +1,63 @@
+"""One-GPU check of what CPU runs cannot show: the CUDA memory probe `auto` plans from (capacity,
+a peak after a 1 GiB allocation, the reset), and the FSDP2 window on CUDA (world size 1, NCCL):
+flags restored, and the unsharded params freed by the window's last backward, before the
+optimizer step. `python benchmarks/device_check.py` from the repo root on a machine with a GPU;
+writes gpu_check.json to $OUT (or the current folder).
+
+Seen on one H200 (torch 2.11.0+cu130, 2026-11-30): capacity 139.8 GiB, peak 1.0 GiB after the
+1 GiB allocation, 1 MiB after the reset; memory after each backward 833, 833, 833 MiB inside the
+window and 577 MiB after its last one (the 256 MiB of unsharded fp32 params freed), the same in
+the second step; every flag restored."""
+import json, os, sys
+import torch, torch.distributed as dist
+sys.path.insert(0, os.getcwd())
+from accel_gradsync.memory import DeviceMemoryProbe
+from accel_gradsync.fsdp import FSDP2Adapter, sync_flags
+
+out = {"torch": torch.__version__, "device": torch.cuda.get_device_name()}
+dev = torch.device("cuda", 0)
+probe = DeviceMemoryProbe(dev)
+out["capacity_gib"] = probe.capacity() / 2**30
+probe.reset_peak()
+x = torch.empty(2**30, dtype=torch.uint8, device=dev)  # 1 GiB
+del x
+out["peak_after_1gib_gib"] = probe.peak() / 2**30
+probe.reset_peak()
+y = torch.empty(2**20, dtype=torch.uint8, device=dev)
+out["peak_after_reset_mib"] = probe.peak() / 2**20
+del y
+
+print(json.dumps(out), flush=True)
+os.environ.setdefault("MASTER_ADDR", "127.0.0.1"); os.environ.setdefault("MASTER_PORT", "29533")
+dist.init_process_group("nccl", rank=0, world_size=1)
+from torch.distributed.fsdp import fully_shard
+torch.manual_seed(0)
+dim = 4096
+model = torch.nn.Sequential(*[torch.nn.Linear(dim, dim) for _ in range(4)]).to(dev)
+for layer in model:
+    fully_shard(layer)
+fully_shard(model)
+adapter = FSDP2Adapter(model)
+units = adapter.units
+before = sync_flags(model)
+M = 4
+mem = []
+x = torch.randn(8, dim, device=dev)
+for step in range(2):
+    for k in range(M):
+        last = k == M - 1
+        if last:
+            restore = adapter.keep_params_through_forward(units)
+            loss = model(x).square().mean(); restore()
+            loss.backward()
+        else:
+            with adapter.hold(units, "gradient_sync", units):
+                model(x).square().mean().backward()
+        torch.cuda.synchronize()
+        mem.append(torch.cuda.memory_allocated() / 2**20)
+out["flags_restored"] = sync_flags(model) == before
+out["mem_after_each_backward_mib"] = [round(m, 1) for m in mem]
+out["param_mib_fp32"] = sum(p.numel() for p in model.parameters()) * 4 / 2**20
+dist.destroy_process_group()
+print(json.dumps(out, indent=1))
+open(os.path.join(os.environ.get("OUT", "."), "gpu_check.json"), "w").write(json.dumps(out, indent=1))
