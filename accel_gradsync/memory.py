@@ -88,15 +88,11 @@ class CpuMemoryProbe(MemoryProbe):
         return self._capacity
 
     def reset_peak(self) -> None:
-        try:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")  # resets the peak-RSS counter to the current RSS
-        except OSError:
-            pass  # elsewhere the peak stays the process's peak since start
+        reset_peak_rss()
         self._base = _rss()
 
     def peak(self) -> int:
-        return max(_peak_rss() - self._base, 0)
+        return max(peak_rss_bytes() - self._base, 0)
 
 
 class ScriptedMemoryProbe(MemoryProbe):
@@ -129,7 +125,19 @@ def _rss() -> int:
     return psutil.Process(os.getpid()).memory_info().rss
 
 
-def _peak_rss() -> int:
+def reset_peak_rss() -> bool:
+    """Reset this process's peak-RSS counter (Linux VmHWM, through /proc/self/clear_refs) to the
+    current RSS. False where that is not possible: the peak then runs from process start."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size since the last reset (Linux VmHWM), else since process start."""
     try:
         with open("/proc/self/status") as f:
             for line in f:
@@ -137,4 +145,6 @@ def _peak_rss() -> int:
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return _rss()
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from accel_gradsync.memory import peak_rss_bytes, reset_peak_rss  # noqa: F401 (the worker's memory readings)
+
 # name -> (tensor argument whose size defines the traffic, bytes sent per rank per byte of it
 # on a ring of n ranks). all_gather: each rank sends its shard to n-1 peers = (n-1)/n of the
 # output; reduce_scatter: (n-1)/n of the input; all_reduce = reduce_scatter + all_gather.
@@ -84,29 +86,32 @@ class CollectiveMeter:
         return out
 
 
+def fsdp2_params(model: nn.Module) -> list:
+    """Every FSDP2 `FSDPParam` of the model, once (torch 2.13's private param groups)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    seen: dict[int, object] = {}
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            for group in module._get_fsdp_state()._fsdp_param_groups:
+                for fp in group.fsdp_params:
+                    seen.setdefault(id(fp), fp)
+    return list(seen.values())
+
+
 def held_grad_bytes(model: nn.Module) -> int:
     """Gradient bytes this rank holds right now, from the real tensors: sharded gradients plus
     every unsharded (deferred) gradient FSDP2 keeps between micro-batches. FSDP2 has no public
     getter for the deferred gradient, so this reads its `FSDPParam` fields (torch 2.13)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    seen, total = set(), 0
-    for module in model.modules():
-        if not isinstance(module, FSDPModule):
-            continue
-        for group in module._get_fsdp_state()._fsdp_param_groups:
-            for fp in group.fsdp_params:
-                if id(fp) in seen:
-                    continue
-                seen.add(id(fp))
-                grads = [getattr(fp, "unsharded_accumulated_grad", None)]
-                unsharded = getattr(fp, "_unsharded_param", None)
-                grads.append(None if unsharded is None else unsharded.grad)
-                sharded = fp.sharded_param.grad
-                grads.append(None if sharded is None else getattr(sharded, "_local_tensor", sharded))
-                total += sum(_local_nbytes(g) for g in grads if g is not None)
-    if not seen:  # not FSDP2 (DDP, plain): every .grad is whole
-        total = sum(_local_nbytes(p.grad) for p in model.parameters() if p.grad is not None)
+    params = fsdp2_params(model)
+    if not params:  # not FSDP2 (DDP, plain): every .grad is whole
+        return sum(_local_nbytes(p.grad) for p in model.parameters() if p.grad is not None)
+    total = 0
+    for fp in params:
+        unsharded, sharded = getattr(fp, "_unsharded_param", None), fp.sharded_param.grad
+        grads = [getattr(fp, "unsharded_accumulated_grad", None), None if unsharded is None else unsharded.grad,
+                 None if sharded is None else getattr(sharded, "_local_tensor", sharded)]  # fmt: skip
+        total += sum(_local_nbytes(g) for g in grads if g is not None)
     return total
 
 
@@ -115,20 +120,11 @@ def held_param_bytes(model: nn.Module) -> int:
     is allocated (FSDP2 frees it by resizing the storage to 0 when it reshards). Between
     micro-batches that is what a window keeps (and the root, which FSDP2 never reshards after
     forward, until the backward that reshards it)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    seen, total = set(), 0
-    for module in model.modules():
-        if not isinstance(module, FSDPModule):
-            continue
-        for group in module._get_fsdp_state()._fsdp_param_groups:
-            for fp in group.fsdp_params:
-                unsharded = getattr(fp, "_unsharded_param", None)
-                if id(fp) in seen or unsharded is None:
-                    continue
-                seen.add(id(fp))
-                if unsharded.untyped_storage().size() > 0:
-                    total += unsharded.numel() * unsharded.element_size()
+    total = 0
+    for fp in fsdp2_params(model):
+        unsharded = getattr(fp, "_unsharded_param", None)
+        if unsharded is not None and unsharded.untyped_storage().size() > 0:
+            total += unsharded.numel() * unsharded.element_size()
     return total
 
 
@@ -146,31 +142,6 @@ def handle_held_bytes(stats: dict) -> tuple[str, float] | None:
         return None
     keys.sort(key=lambda k: (not k.startswith("last_step/"), k))
     return keys[0], float(stats[keys[0]])
-
-
-def reset_peak_rss() -> bool:
-    """Reset the kernel's peak-RSS counter (VmHWM) of this process, so the next read is the peak
-    of one configuration only. Linux only; False where it is not possible."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def peak_rss_bytes() -> int:
-    """Peak resident set size since the last reset (Linux VmHWM), else since process start."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def device_peak_bytes(device: str) -> int | None:
