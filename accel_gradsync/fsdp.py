@@ -143,6 +143,7 @@ class FSDP2Adapter(ModelAdapter):
     kind = "fsdp2"
 
     def _find_units(self, model: nn.Module) -> list[Unit]:
+        check_fsdp2_internals(model)
         units, seen = [], set()
         for name, module in model.named_modules():
             if not isinstance(module, FSDPModule):
@@ -409,6 +410,41 @@ def adapt_model(model: nn.Module) -> Optional[ModelAdapter]:
 def is_fsdp_wrapped(model: nn.Module) -> bool:
     """True when the model or any submodule is sharded by FSDP1 or FSDP2."""
     return any(isinstance(m, (FSDPModule, FSDP1)) for m in model.modules())
+
+
+# The private FSDP2 attributes this module reads or writes, by object (see the module docstring).
+_FSDP2_INTERNALS = {
+    "param group": ("fsdp_params", "mp_policy", "reduce_grads", "all_reduce_grads", "reshard_after_backward",
+                    "post_forward_mesh_info", "_partial_reduce_output"),
+    "FSDPParam": ("sharded_param", "unsharded_accumulated_grad", "_orig_size"),
+}  # fmt: skip
+TESTED_TORCH = "2.13"
+
+
+def check_fsdp2_internals(model: nn.Module) -> None:
+    """Raise, naming the torch version and what is missing, when this torch's FSDP2 lacks a private
+    attribute the adapter relies on (they change between releases; the ones read are those of
+    torch 2.13, with 2.11's single param group also understood)."""
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        state = module._get_fsdp_state()
+        if not hasattr(state, "_fsdp_param_groups") and not hasattr(state, "_fsdp_param_group"):
+            missing = "FSDPState._fsdp_param_groups"
+        else:
+            groups = _groups(state)
+            if not groups:
+                continue
+            missing = next((f"{kind}.{a}" for kind, obj in (("param group", groups[0]),
+                            ("FSDPParam", groups[0].fsdp_params[0] if groups[0].fsdp_params else None))
+                            if obj is not None for a in _FSDP2_INTERNALS[kind] if not hasattr(obj, a)), None)  # fmt: skip
+        if missing is not None:
+            raise RuntimeError(
+                f"accel_gradsync reads FSDP2's private {missing}, which torch {torch.__version__} does not "
+                f"have (tested: torch {TESTED_TORCH}, see constraints.txt). Install torch=={TESTED_TORCH}.0, or "
+                "use sync_mode 'per_micro_batch' without attach()."
+            )
+        return  # one unit tells: every FSDP2 state of a torch release has the same fields
 
 
 def _groups(state) -> list:
