@@ -4,7 +4,11 @@ weights, a prompt dataset of additions with verifiable answers, and the reward f
 
 The rewards give partial credit (digits, short answers, near misses) because a randomly
 initialised model almost never emits an exact answer: without a graded signal every completion
-of a group scores the same and GRPO's advantages are all zero.
+of a group scores the same and GRPO's advantages are all zero. From random weights, though, GRPO
+learns the format and then collapses onto one number printed for every prompt (every completion
+of a group scores the same again, and the gradient is zero). So `warm_up` first gives the model
+a few seconds of supervised training on other sums: it answers with a number, right about one
+time in five, and GRPO has something to sharpen.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import random
 import re
 from typing import Any
 
+import torch
 from datasets import Dataset
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
@@ -61,6 +66,30 @@ def build_dataset(n: int = 2000, max_operand: int = 20, seed: int = 0) -> Datase
     rng = random.Random(seed)
     pairs = [(rng.randint(0, max_operand), rng.randint(0, max_operand)) for _ in range(n)]
     return Dataset.from_dict({"prompt": [f"{a}+{b}=" for a, b in pairs], "answer": [str(a + b) for a, b in pairs]})
+
+
+def warm_up(model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerFast, steps: int, seed: int = 1) -> float:
+    """Supervised training on `a+b=sum<eos>` texts from a dataset of other sums (seed `seed`),
+    batches of 64, AdamW: 200 steps take about 3 s on one core and leave the tiny model right
+    about 20% of the time when sampling. Deterministic: every rank computes the same weights.
+    Returns the last loss."""
+    data = build_dataset(seed=seed)
+    texts = [p + a for p, a in zip(data["prompt"], data["answer"])]
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    generator = torch.Generator().manual_seed(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model.train()
+    loss = torch.tensor(float("nan"))
+    for _ in range(steps):
+        seqs = [tokenizer(texts[i])["input_ids"] + [eos] for i in torch.randint(len(texts), (64,), generator=generator)]
+        width = max(map(len, seqs))
+        ids = torch.tensor([s + [pad] * (width - len(s)) for s in seqs])
+        mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
+        loss = model(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return float(loss)
 
 
 # -- rewards ----------------------------------------------------------------------------------

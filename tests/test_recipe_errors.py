@@ -112,3 +112,28 @@ def test_the_script_exits_before_writing_anything(tmp_path):
     assert proc.returncode != 0
     assert "ValueError: --prompt_column 'prompt'" in proc.stderr and "Set --prompt_column" in proc.stderr
     assert not out.exists()
+
+
+def test_negative_warm_up_steps_are_refused_before_anything_is_built(tmp_path):
+    script_args, training_args, model_args, grad_sync_args = parse("--sft_warmup_steps", "-5", "--output_dir", str(tmp_path / "out"))
+    with pytest.raises(ValueError, match=r"--sft_warmup_steps -5: must be >= 0"):
+        grpo.main(script_args, training_args, model_args, grad_sync_args)
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_warm_up_gives_the_tiny_model_the_format_deterministically():
+    import torch
+    from transformers import set_seed
+
+    import embedded
+
+    models = []
+    for _ in range(2):  # every rank builds and warms up its own copy: they must be identical
+        set_seed(42)
+        tokenizer = embedded.build_tokenizer()
+        model = embedded.build_model(tokenizer)
+        loss = embedded.warm_up(model, tokenizer, steps=60)
+        models.append(model)
+    assert loss < 1.6  # from about 3 (random over 17 tokens)
+    for a, b in zip(models[0].parameters(), models[1].parameters()):
+        assert torch.equal(a, b)
