@@ -89,7 +89,7 @@ def warm_up(model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerFast, steps: 
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    return float(loss)
+    return float(loss.detach())
 
 
 # -- rewards ----------------------------------------------------------------------------------
