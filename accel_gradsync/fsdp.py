@@ -80,6 +80,8 @@ class ModelAdapter:
     """True where deferral is all-or-nothing through the root's `no_sync()` (FSDP1, DDP)."""
     hsdp: bool = False
     """True when the mesh has a replicate dimension: gradients are also all-reduced across replicas."""
+    backend: str = ""
+    """The process-group backend the units reduce over ("nccl", "hccl", "gloo"; FSDP2)."""
     keeps_params_when_held: bool = False
     """FSDP1 SHARD_GRAD_OP: `no_sync()` keeps the params unsharded, so a held micro-batch skips the
     next forward's all-gather (FSDP2 does it per unit, in a window: see `FSDP2Adapter.hold`)."""
@@ -164,6 +166,7 @@ class FSDP2Adapter(ModelAdapter):
                 "fsdp2", params[0].sharded_param.dtype, policy.param_dtype, policy.reduce_dtype
             )
             mesh = params[0].sharded_param.device_mesh  # HSDP: (replicate, shard)
+            self.backend = self.backend or str(torch.distributed.get_backend(mesh.get_group(mesh.ndim - 1)))
             self.hsdp = self.hsdp or mesh.ndim == 2
             shard = mesh.size(mesh.ndim - 1)
             # The root keeps its params after forward (FSDP2's lazy init), whatever it was given.

@@ -18,6 +18,13 @@ GRADIENT_SYNC = "gradient_sync"  # skip reduce-scatter (and all-reduce): set_req
 ALL_REDUCE = "all_reduce"  # HSDP: reduce-scatter, skip the cross-replica all-reduce: set_requires_all_reduce(False)
 NOTHING_TO_DEFER = "one micro-batch per optimizer step: nothing to defer"
 
+REDUCE_SCATTER_COST: dict[str, float] = {"gloo": 2.0}
+"""The time one byte of reduce-scatter takes against one byte of all-gather, by process-group
+backend (absent: 1). NCCL and HCCL run both as rings over the same bytes. gloo's
+`reduce_scatter_tensor` takes 1.8x to 2.5x an `all_gather_into_tensor` of the same tensor (2
+ranks, 0.5 to 16 MiB, pinned or not; `python -m benchmarks.run` measures it and prints it beside
+this figure)."""
+
 
 @dataclass
 class Plan:
@@ -172,29 +179,37 @@ class BudgetSync(SyncPolicy):
         self._require_fsdp2(adapter, "per-unit requires_gradient_sync; FSDP1 has only the root's no_sync()")
         absolute, fraction = parse_bytes(self.config.memory_budget, "GradSyncConfig.memory_budget")
         budget = absolute if absolute is not None else int(fraction * free_memory())
-        plan = choose_levels(self.name, adapter.units, budget, micro_batches)
+        plan = choose_levels(self.name, adapter.units, budget, micro_batches, reduce_scatter_cost_of(adapter))
         plan.reason = f"{_level_counts(plan, adapter.units)} within the {format_bytes(budget)} budget ({format_bytes(plan.held_bytes())} held)"
         return plan
 
 
-def choose_levels(mode: str, units: Sequence[Unit], budget: int, micro_batches: int) -> Plan:
-    """The per-unit levels that save the most communication bytes while holding at most `budget`
-    bytes per rank. Deferring a unit saves M-1 reduce-scatters of its gradient for its gradient
-    bytes; windowing it saves all its all-gathers but one, for its param bytes on top. Greedy by
-    bytes saved per byte held (the order of the fractional knapsack), first fit; a unit whose
-    window pays more per byte than its deferral is offered both at once."""
+def choose_levels(
+    mode: str, units: Sequence[Unit], budget: int, micro_batches: int, reduce_scatter_cost: float = 1.0
+) -> Plan:
+    """The per-unit levels that save the most communication while holding at most `budget` bytes
+    per rank. Deferring a unit saves M-1 reduce-scatters of its gradient; windowing it saves all
+    its all-gathers but one. Bytes saved are counted as all-gather bytes: a reduce-scatter byte
+    weighs `reduce_scatter_cost` (the backend's, `REDUCE_SCATTER_COST`).
+
+    Greedy by bytes saved per byte a level adds over per-micro-batch (the order of the fractional
+    knapsack), first fit within the budget of held bytes. Deferral adds the unsharded gradient
+    less the sharded one FSDP2 no longer keeps through the window (1/N of it); a window adds the
+    unsharded params. A unit whose window pays more per byte than its deferral is offered both at
+    once."""
     m = micro_batches
-    offers = []  # (bytes saved per byte held, bytes held, unit, level reached, prerequisite level)
+    offers = []  # (bytes saved per byte added, bytes held, unit, level reached, prerequisite level)
     for u in units:
-        deferral = (m - 1) * u.collectives * u.reduce_bytes
+        deferral = reduce_scatter_cost * (m - 1) * u.collectives * u.reduce_bytes
         window = (unit_all_gathers(u, "deferred", m) - 1) * u.param_bytes
         if deferral <= 0:
             continue  # one micro-batch per step: nothing to hold
-        offers.append((deferral / u.held_bytes, u.held_bytes, u, "deferred", "per_micro_batch"))
+        added = max(u.held_bytes * (u.shard_size - 1) // u.shard_size, 1)  # unsharded only on one rank: free
+        offers.append((deferral / added, u.held_bytes, u, "deferred", "per_micro_batch"))
         if window > 0:
             offers.append((window / u.param_bytes, u.param_bytes, u, "windowed", "deferred"))
             both = u.held_bytes + u.param_bytes
-            offers.append(((deferral + window) / both, both, u, "windowed", "per_micro_batch"))
+            offers.append(((deferral + window) / (added + u.param_bytes), both, u, "windowed", "per_micro_batch"))
     levels: dict[int, str] = {}
     used = 0
     for _, cost, unit, level, needs in sorted(offers, key=lambda o: (o[0], o[1]), reverse=True):
@@ -255,7 +270,7 @@ def plan_within(adapter: ModelAdapter, usable: int, micro_batches: int) -> Plan:
     deferral if it fits, else per micro-batch."""
     full = Plan("auto", list(adapter.units))
     if adapter.kind == "fsdp2":
-        choice = choose_levels("auto", adapter.units, usable, micro_batches)
+        choice = choose_levels("auto", adapter.units, usable, micro_batches, reduce_scatter_cost_of(adapter))
         if adapter.hsdp and len(choice.held) < len(adapter.units):
             # The greedy counts no all-reduce savings: deferring every unit's all-reduce (or its
             # whole sync, without windows, where that fits) beats holding only some units.
@@ -267,6 +282,11 @@ def plan_within(adapter: ModelAdapter, usable: int, micro_batches: int) -> Plan:
         choice = Plan("auto")
     choice.mode = mode_of(choice, adapter.units)
     return choice
+
+
+def reduce_scatter_cost_of(adapter: ModelAdapter) -> float:
+    """What a reduce-scatter byte weighs against an all-gather byte on the model's backend."""
+    return REDUCE_SCATTER_COST.get(getattr(adapter, "backend", ""), 1.0)  # the estimate: a GPU/NPU cluster
 
 
 def mode_of(plan: Plan, units: Sequence[Unit]) -> str:

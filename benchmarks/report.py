@@ -25,6 +25,7 @@ TIME_LIMITS_S = {"quick": 120, "full": 600}
 OVERHEAD_TOLERANCE = 0.02  # the issue's "within 2%"
 CLEAR_MARGIN = 1.10  # "faster by a clear margin": at least 10% less step time
 WINDOW_SPEEDUP = 4.0  # issue 12: the window at least 4x faster than per-micro-batch at M = 8 (large model)
+COST_TOLERANCE = 0.3  # the planner's per-backend reduce-scatter weight against the run's own measurement
 # "On the frontier" within measurement: a budget point's median excess over the frontier (the
 # lines per-micro-batch -> deferred -> window in held bytes, paired by round) may be up to 2% of
 # the per-micro-batch step. Budget modes choose whole units' levels, so with equal blocks the
@@ -243,6 +244,16 @@ def check_targets(results: dict) -> list[tuple[str, str, str]]:
     overhead("deferred", "raw_fsdp2", 2, "deferred (plugin) within 2% of the hand-written raw-API loop")
     overhead("per_micro_batch", "stock_sync_each_batch", 1, "per-micro-batch (plugin) within 2% of stock sync_each_batch=True")
     overhead("window", "raw_window", 2, "window (plugin) within 2% of the hand-written window loop")
+
+    # The budget planner weighs a reduce-scatter byte by a figure per backend: hold it against
+    # the run's own measurement (one unit's gradient, before the configurations ran).
+    costs = [(run["size"], run["facts"]["reduce_scatter_cost"]) for run in runs + hsdp if "reduce_scatter_cost" in run["facts"]]
+    if costs:
+        ok = all(abs(c["measured"] / c["planner"] - 1) <= COST_TOLERANCE for _, c in costs)
+        out.append((f"the planner's reduce-scatter weight within {COST_TOLERANCE:.0%} of the measured time ratio",
+                    "PASS" if ok else "FAIL",
+                    "; ".join(f"{size}: {c['backend']} reduce-scatter / all-gather of one unit {c['measured']:.2f}, "
+                              f"planner {c['planner']:g}" for size, c in costs)))  # fmt: skip
 
     # Exact collective counts per optimizer step: (reduce-scatters, all-reduces) as functions of
     # M and U. HSDP also all-reduces across replicas on every reduce-scatter it does not defer.

@@ -19,8 +19,14 @@ RUNS = [
     {"name": "window", "config": WINDOW},
     {"name": "window_after_abort", "config": WINDOW, "abort_after": 2},
     # Per unit, fp32: a Block holds 1088 B of gradient and 1088 B of params, the root's head 68 + 68 B.
-    # 2300 B: one Block windowed (saves 3 reduce-scatters and 7 all-gathers of it), the head deferred.
-    {"name": "budget_2300B", "config": {"sync_mode": "budget", "memory_budget": "2300B"}},
+    # On 2 gloo ranks deferring a unit saves 3 reduce-scatters of 2 all-gather bytes each
+    # (policies.REDUCE_SCATTER_COST) per half a gradient byte it adds (the sharded half is not kept):
+    # 12 per byte at M = 4, before a window's 7 all-gathers per param byte.
+    # 3340 B: every unit deferred (2244 B), then one Block windowed (1088 B more); the head's window
+    # (68 B more) no longer fits.
+    {"name": "budget_3340B", "config": {"sync_mode": "budget", "memory_budget": "3340B"}},
+    # 2200 B: both Blocks deferred; the head's 68 B no longer fit.
+    {"name": "budget_2200B", "config": {"sync_mode": "budget", "memory_budget": "2200B"}},
     {"name": "budget_ample", "config": {"sync_mode": "budget", "memory_budget": "1MiB"}},
 ]
 
@@ -66,7 +72,7 @@ def test_window_gathers_each_unit_once_per_step_and_matches_the_reference(fp32):
 
 def test_window_restores_every_flag_and_reshards_before_the_optimizer_step(fp32):
     for rank in fp32:
-        for name in ("window", "window_after_abort", "budget_2300B", "budget_ample"):
+        for name in ("window", "window_after_abort", "budget_3340B", "budget_ample"):
             res = rank["modes"][name]
             assert res["flags_restored"], name  # requires_gradient_sync, reshard_after_{forward,backward}
             assert res["sharded_after_step"], name  # ZeRO-1 memory only inside the window
@@ -82,17 +88,20 @@ def test_an_aborted_window_reshards_and_the_next_window_is_exact(fp32):
 
 def test_budget_picks_levels_per_unit_and_holds_what_it_planned(fp32):
     for rank in fp32:
-        tight, ample = rank["modes"]["budget_2300B"], rank["modes"]["budget_ample"]
+        tight, ample = rank["modes"]["budget_3340B"], rank["modes"]["budget_ample"]
+        tighter = rank["modes"]["budget_2200B"]
         assert sorted(ample["windowed"]) == ["", "blocks.0", "blocks.1"]  # everything fits windowed
         assert _gathers(ample)[1:] == [UNITS] * (len(WINDOWS) - 1)
-        assert tight["plan"]["held_bytes"] == 2 * 1088 + 68 <= 2300
-        assert tight["windowed"] == ["blocks.0"] and sorted(tight["plan"]["held"]) == ["", "blocks.0"]
+        assert tight["plan"]["held_bytes"] == 3 * 1088 + 68 <= 3340
+        assert tight["windowed"] == ["blocks.0"] and sorted(tight["plan"]["held"]) == ["", "blocks.0", "blocks.1"]
+        assert tighter["windowed"] == [] and sorted(tighter["plan"]["held"]) == ["blocks.0", "blocks.1"]
+        assert "2 deferred, 1 per-micro-batch" in tighter["decision"], tighter["decision"]
         # Block 0 once; Block 1 in each forward and backward; the root's head in each forward.
         assert _gathers(tight)[1:] == [1 + 2 * m + m for m in WINDOWS[1:]]
         # The measured held gradient bytes are the plan's; the decision line names each level.
         for res in (tight, ample):
             assert res["stats"]["peak_held_grad_bytes"] == res["held_grad_bytes"]
-        assert "1 windowed, 1 deferred, 1 per-micro-batch" in tight["decision"], tight["decision"]
+        assert "1 windowed, 2 deferred" in tight["decision"], tight["decision"]
         assert "3 windowed" in ample["decision"] and f"{UNITS} all-gathers/step" in ample["decision"]
 
 
