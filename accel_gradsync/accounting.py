@@ -64,7 +64,8 @@ class StepCounts:
     bytes_reduced: int = 0
     """Unsharded gradient bytes handed to the issued reduce-scatters (DDP: all-reduces)."""
     held_grad_bytes: int = 0
-    """Unsharded gradient bytes the wrapper held after the last deferred micro-batch, measured."""
+    """Unsharded gradient bytes the wrapper held after the last deferred micro-batch, measured
+    before the window's last forward."""
 
     def add(self, other: "StepCounts") -> None:
         # Runs on every micro-batch: plain getattr, not asdict (which deep-copies).
@@ -140,7 +141,7 @@ class SyncAccounting:
         self.current = StepCounts()
 
     def record_held(self, held_grad_bytes: int) -> None:
-        """The bytes measured right after a deferred micro-batch's backward."""
+        """The bytes measured after the window's held micro-batches, before its last forward."""
         self.current.held_grad_bytes = held_grad_bytes
         self.peak_held_grad_bytes = max(self.peak_held_grad_bytes, held_grad_bytes)
 

@@ -495,7 +495,6 @@ class GradSyncHandle:
                     "their unit did; they now hold a zero gradient in the reduce dtype so that a later "
                     "first gradient reduces correctly (torch's FSDP2 needs one dtype per unit).",
                 )
-            self._accounts[id(_root(model))].record_held(adapter.held_grad_bytes())
         finally:
             self._held.pop(id(_root(model)), None)
 
@@ -515,15 +514,17 @@ class GradSyncHandle:
                 )
         held, hold = self._held.get(id(module), ((), ""))
         plan = self._plans.get(id(module))
+        account = self._accounts[id(module)]
+        if self.accelerator.sync_gradients and account.current.deferred_micro_batches:
+            # Held gradients only grow through a window: their bytes before its last forward are
+            # its peak, read once per window instead of after every held backward.
+            account.record_held(self._adapters[id(module)].held_grad_bytes())
         if self.accelerator.sync_gradients and plan is not None and plan.windowed:
             # The window's last forward keeps its params too, so its backward gathers nothing;
             # the backward then reshards (reshard_after_backward is back to what it was).
             self._after_forward()
             self._restore_forward = self._adapters[id(module)].keep_params_through_forward(plan.windowed)
-        self._accounts[id(module)].record_micro_batch(
-            self._adapters[id(module)].units, held, hold, ends_step=self.accelerator.sync_gradients
-        )
-
+        account.record_micro_batch(self._adapters[id(module)].units, held, hold, ends_step=self.accelerator.sync_gradients)
 
     def _after_forward(self, *_: Any) -> None:
         if self._restore_forward is not None:
