@@ -25,7 +25,7 @@ TIME_LIMITS_S = {"quick": 120, "full": 600}
 OVERHEAD_TOLERANCE = 0.02  # the issue's "within 2%"
 CLEAR_MARGIN = 1.10  # "faster by a clear margin": at least 10% less step time
 WINDOW_SPEEDUP = 4.0  # issue 12: the window at least 4x faster than per-micro-batch at M = 8 (large model)
-COST_TOLERANCE = 0.3  # the planner's per-backend reduce-scatter weight against the run's own measurement
+COST_FACTOR = 1.5  # the planner's per-backend reduce-scatter weight against the run's own (noisy) measurement
 # "On the frontier" within measurement: a budget point's median excess over the frontier (the
 # lines per-micro-batch -> deferred -> window in held bytes, paired by round) may be up to 2% of
 # the per-micro-batch step. Budget modes choose whole units' levels, so with equal blocks the
@@ -249,8 +249,8 @@ def check_targets(results: dict) -> list[tuple[str, str, str]]:
     # the run's own measurement (one unit's gradient, before the configurations ran).
     costs = [(run["size"], run["facts"]["reduce_scatter_cost"]) for run in runs + hsdp if "reduce_scatter_cost" in run["facts"]]
     if costs:
-        ok = all(abs(c["measured"] / c["planner"] - 1) <= COST_TOLERANCE for _, c in costs)
-        out.append((f"the planner's reduce-scatter weight within {COST_TOLERANCE:.0%} of the measured time ratio",
+        ok = all(max(c["measured"] / c["planner"], c["planner"] / c["measured"]) <= COST_FACTOR for _, c in costs)
+        out.append((f"the planner's reduce-scatter weight within a factor {COST_FACTOR:g} of the measured time ratio",
                     "PASS" if ok else "FAIL",
                     "; ".join(f"{size}: {c['backend']} reduce-scatter / all-gather of one unit {c['measured']:.2f}, "
                               f"planner {c['planner']:g}" for size, c in costs)))  # fmt: skip
