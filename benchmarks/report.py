@@ -435,9 +435,12 @@ def check_cluster_targets(results: dict) -> list[tuple[str, str, str]]:
     out = []
     for link in cluster_links(results):
         sub = link_results(results, link)
-        # The loopback run-time target speaks of the loopback plans; the cluster's own is below.
+        # The loopback targets the link decides (exact counts, deferral and window margins, HSDP).
+        # Not the wrapper-overhead (2%) and frontier targets: the loopback run resolves those with
+        # 36 rounds per M; a few rounds per link on a shared machine cannot. Nor the loopback
+        # run-time target: the cluster's own is below.
         out += [(f"[{link}] {w}", s, m) for w, s, m in check_targets(sub)
-                if not re.match(r"(quick run|full run|run time target)", w)]  # fmt: skip
+                if not re.search(r"within 2%|frontier|^(quick run|full run|run time target)", w)]  # fmt: skip
         for run in [r for r in sub["runs"] if r["ranks"] == 2]:
             big = [M for M in results["plan"]["Ms"] if M >= 4]
             for name in ("deferred", "window"):
