@@ -162,10 +162,11 @@ def test_a_crashed_runs_leftovers_are_removed_by_the_next_cluster():
 def test_quick_benchmark_on_two_simulated_hosts(tmp_path):
     """`python -m benchmarks.run --cluster 2x1 --link 1gbit --quick`: one accelerate launch per
     host; exact collective counts, and the collectives' bytes crossed the shaped links."""
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.run", "--cluster", "2x1", "--link", "1gbit", "--quick",
-                           "--out", str(tmp_path)], cwd=REPO, env={**os.environ, "HF_HUB_OFFLINE": "1"},
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
-    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    proc = subprocess.Popen([sys.executable, "-m", "benchmarks.run", "--cluster", "2x1", "--link", "1gbit", "--quick",
+                             "--out", str(tmp_path)], cwd=REPO, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    stdout, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == 0, f"{stdout[-3000:]}\n{stderr[-6000:]}"
     assert our_namespaces(proc.pid) == []
     results = json.loads((tmp_path / "results.json").read_text())
     plain, hsdp = results["runs"]
@@ -183,7 +184,7 @@ def test_quick_benchmark_on_two_simulated_hosts(tmp_path):
     timed = 2 * sum(r["bytes_sent_per_step"] * len(r["step_times_s"]) for r in plain["rows"])
     assert plain["link_bytes"] >= timed > 0
     assert hsdp["link_bytes"] > 0  # the replicas' all-reduces crossed it too
-    assert "[PASS] [1gbit] collectives crossed the shaped link" in proc.stdout
+    assert "[PASS] [1gbit] collectives crossed the shaped link" in stdout
     assert (tmp_path / "speedup_vs_link.png").read_bytes()[:4] == b"\x89PNG"
     assert "## 1gbit link per host" in (tmp_path / "results.md").read_text()
 
