@@ -56,7 +56,7 @@ def test_without_root_it_refuses_and_says_so():
          "import sys; sys.path.insert(0, '.')\nfrom benchmarks.cluster import Cluster\nwith Cluster(2, '1gbit'): pass"],
         cwd=REPO, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
-    if "unshare failed" in proc.stderr or "Operation not permitted" in proc.stderr and "Traceback" not in proc.stderr:
+    if "Traceback" not in proc.stderr:  # unshare itself failed: Python never ran
         pytest.skip(f"cannot make a user namespace here: {proc.stderr.strip()}")
     assert proc.returncode != 0
     assert "ClusterUnavailable: the simulated cluster needs root" in proc.stderr, proc.stderr
@@ -85,7 +85,7 @@ def test_hosts_talk_through_the_shaped_link_and_nowhere_else():
         for h, ns in enumerate(c.namespaces):
             routes = subprocess.run(["ip", "-n", ns, "route"], capture_output=True, text=True).stdout
             # Only the test subnet: no default route, so nothing leaves for the machine's network.
-            assert routes.split() [:1] == ["198.18.0.0/24"] and "default" not in routes, routes
+            assert routes.split()[:1] == ["198.18.0.0/24"] and "default" not in routes, routes
             assert f"inet {c.address(h)}/24" in subprocess.run(["ip", "-n", ns, "addr"], capture_output=True,
                                                                text=True).stdout  # fmt: skip
         sent_before = c.link_bytes()
