@@ -118,3 +118,24 @@ def gradsync_kwargs(name: str, facts: dict) -> dict | None:
 
 def ranks(name: str) -> int:
     return 4 if CONFIGS[name].get("mesh") == "2x2" else 2
+
+# The simulated cluster (`--cluster 2x1`, benchmarks/cluster.py), run once per link bandwidth:
+# every sync mode and peer across 2 hosts, and the HSDP mesh as 2 hosts x 2 ranks. The medium
+# model and M = 1, 4, 8 keep the run (two links) within 10 minutes on 2 cores; the large model's
+# per-micro-batch step alone takes ~14 s on a 1 Gbit/s link.
+CLUSTER = {
+    "sizes": ["medium"],
+    "Ms": [1, 4, 8],
+    "configs": ["per_micro_batch", "deferred", "window", "budget_50", "auto", "stock_accumulate", "raw_fsdp2",
+                "raw_window", "hsdp_per_micro_batch", "hsdp_deferred", "hsdp_defer_all_reduce"],
+    "reps": 1,
+    "steps": 2,
+}
+CLUSTER_QUICK = {
+    "sizes": ["small"],
+    "Ms": [1, 4],
+    "configs": ["per_micro_batch", "deferred", "window", "hsdp_per_micro_batch", "hsdp_defer_all_reduce"],
+    "reps": 1,
+    "steps": 1,
+    "hsdp_size": "small",
+}

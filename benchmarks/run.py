@@ -1,10 +1,14 @@
-"""Entry point: `python -m benchmarks.run [--quick] [--device cpu|cuda|npu] [--out benchmarks/results]`.
+"""Entry point: `python -m benchmarks.run [--quick] [--device cpu|cuda|npu] [--cluster 2x1 --link 1gbit,10gbit] [--out benchmarks/results]`.
 
 Launches `benchmarks/worker.py` with `accelerate launch` and an FSDP2 config (2 ranks; 4 for
 the 2x2 HSDP configurations), once per model size, merges what the ranks wrote into
 `results.json`, then writes the Markdown table, the plots and the target summary (report.py).
 On CPU the workers use gloo through `accel_gradsync.enable_cpu_fsdp()`; with `--device cuda`
 or `npu` the same launch runs on NCCL/HCCL, unchanged.
+
+With `--cluster HxR` (root only) the same launches run on H simulated hosts (`cluster.py`: network
+namespaces joined by links shaped to each `--link` bandwidth), R ranks per host and the 4-rank
+HSDP mesh as H hosts x 4/H ranks: one `accelerate launch` per host, as on a real cluster.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from pathlib import Path
 
 import yaml
 
-from benchmarks import registry, report
+from benchmarks import cluster, registry, report
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).with_name("worker.py")
@@ -40,13 +44,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, help="interleaved repetitions of every configuration")
     p.add_argument("--steps", type=int, help="timed optimizer steps per repetition and M (default: per model size)")
     p.add_argument("--no-pin", action="store_true", help="CPU: leave the ranks unpinned (default: one core per rank)")
-    p.add_argument("--hsdp-size", default=registry.HSDP_SIZE, help="model size of the 4-rank HSDP launch")
+    p.add_argument("--hsdp-size", help=f"model size of the 4-rank HSDP launch (default: {registry.HSDP_SIZE}; "
+                                       "the quick cluster run: small)")
     p.add_argument("--timeout", type=int, default=900, help="seconds per launch")
+    p.add_argument("--cluster", metavar="HxR",
+                   help="run on H simulated hosts x R ranks (2x1): network namespaces joined by shaped links; "
+                        "needs root, ip and tc (benchmarks/cluster.py)")
+    p.add_argument("--link", default="1gbit,10gbit",
+                   help="with --cluster: comma-separated link bandwidths in tc's spelling, one run of every "
+                        "launch per link (default: 1gbit,10gbit)")
     return p.parse_args(argv)
 
 
 def plan(args: argparse.Namespace) -> dict:
-    base = dict(registry.QUICK if args.quick else registry.FULL)
+    if args.cluster:
+        base = dict(registry.CLUSTER_QUICK if args.quick else registry.CLUSTER)
+    else:
+        base = dict(registry.QUICK if args.quick else registry.FULL)
     for key in ("sizes", "Ms", "configs"):
         if getattr(args, key):
             base[key] = getattr(args, key).split(",")
@@ -54,7 +68,7 @@ def plan(args: argparse.Namespace) -> dict:
         if getattr(args, key):
             base[key] = getattr(args, key)
     base["Ms"] = [int(m) for m in base["Ms"]]
-    base["hsdp_size"] = args.hsdp_size
+    base["hsdp_size"] = args.hsdp_size or base.get("hsdp_size", registry.HSDP_SIZE)
     base["quick"] = args.quick
     base["no_pin"] = args.no_pin
     unknown = [c for c in base["configs"] if c not in registry.CONFIGS] + [
@@ -62,7 +76,34 @@ def plan(args: argparse.Namespace) -> dict:
     ]
     if unknown:
         raise SystemExit(f"unknown configuration or size: {', '.join(unknown)}")
+    if args.cluster:
+        base["cluster"] = cluster_shape(args.cluster)
+        base["links"] = cluster_links(args.link)
     return base
+
+
+def cluster_shape(spec: str) -> dict:
+    """'2x1' -> 2 hosts, 1 rank each for the 2-rank launches (the 4-rank HSDP mesh: 2 each)."""
+    try:
+        hosts, per_host = (int(x) for x in spec.lower().split("x"))
+    except ValueError:
+        hosts = per_host = 0
+    if hosts < 1 or hosts * per_host != 2:
+        raise SystemExit(f"--cluster {spec}: expected HOSTSxRANKS with 2 ranks in all (2x1, or 1x2 for one host); "
+                         "the HSDP launch then runs 4 ranks as HOSTS x 4/HOSTS")
+    return {"hosts": hosts, "ranks_per_host": per_host}
+
+
+def cluster_links(spec: str) -> list[str]:
+    links = [link.strip() for link in spec.split(",") if link.strip()]
+    for link in links:
+        try:
+            cluster.link_bits_per_s(link)
+        except ValueError as e:
+            raise SystemExit(f"--link: {e}") from None
+    if not links:
+        raise SystemExit("--link: give at least one bandwidth, such as 1gbit")
+    return links
 
 
 def launches(p: dict) -> list[tuple[str, int, list[str]]]:
@@ -93,8 +134,9 @@ def accelerate_config(nranks: int, device: str) -> dict:
     return config
 
 
-def launch(size: str, nranks: int, names: list[str], p: dict, device: str, timeout: int) -> list[dict]:
-    """One `accelerate launch` of the worker; the ranks' JSON results."""
+def launch(size: str, nranks: int, names: list[str], p: dict, device: str, timeout: int,
+           hosts: cluster.Cluster | None = None) -> list[dict]:
+    """One `accelerate launch` of the worker (with `hosts`: one per simulated host); the ranks' JSON results."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     if device == "cpu":
@@ -106,18 +148,28 @@ def launch(size: str, nranks: int, names: list[str], p: dict, device: str, timeo
         env["CUDA_VISIBLE_DEVICES"] = ""  # --device cpu means gloo even on a machine with GPUs
     with tempfile.TemporaryDirectory() as tmp:
         cfg = Path(tmp, "accelerate.yaml")
-        cfg.write_text(yaml.safe_dump(accelerate_config(nranks, device)))
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(cfg),
-               "--main_process_port", str(_free_port()), str(WORKER), "--out", tmp, "--size", size,
-               "--configs", ",".join(names), "--Ms", ",".join(map(str, p["Ms"])),
-               "--reps", str(p["reps"]), "--steps", str(p["steps"] or registry.SIZES[size]["steps"])]  # fmt: skip
+        config = accelerate_config(nranks, device)
+        if hosts is not None:
+            config["num_machines"] = hosts.hosts
+        cfg.write_text(yaml.safe_dump(config))
+        launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(cfg)]
+        worker = [str(WORKER), "--out", tmp, "--size", size,
+                  "--configs", ",".join(names), "--Ms", ",".join(map(str, p["Ms"])),
+                  "--reps", str(p["reps"]), "--steps", str(p["steps"] or registry.SIZES[size]["steps"])]  # fmt: skip
         if device == "cpu" and not p.get("no_pin"):
-            cmd.append("--pin-cores")
-        proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        tail = stream(proc, timeout)
+            worker.append("--pin-cores")
+        if hosts is None:
+            cmd = [*launcher, "--main_process_port", str(_free_port()), *worker]
+            proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            tail, code = stream(proc, timeout), proc.returncode
+        else:  # the same launch on every host, as a cluster job runs it; rank 0 (host 0) reports progress
+            done = hosts.run([[*launcher, *hosts.accelerate_flags(h), *worker] for h in range(hosts.hosts)], env,
+                             cwd=REPO, timeout=timeout, echo=echo_progress)  # fmt: skip
+            code = next((c for c, _ in done if c != 0), 0)
+            tail = [f"--- host {h} ---\n" + "".join(t) for h, (_, t) in enumerate(done)]
         files = sorted(Path(tmp).glob("rank*.json"))
-        if proc.returncode != 0 or len(files) != nranks:
-            raise RuntimeError(f"worker failed ({size}, {nranks} ranks, exit {proc.returncode}):\n" + "".join(tail))
+        if code != 0 or len(files) != nranks:
+            raise RuntimeError(f"worker failed ({size}, {nranks} ranks, exit {code}):\n" + "".join(tail))
         return [json.loads(f.read_text()) for f in files]
 
 
@@ -134,6 +186,11 @@ def stream(proc: subprocess.Popen, timeout: int) -> list[str]:
             break
     proc.wait()
     return tail
+
+
+def echo_progress(host: int, line: str) -> None:
+    if line.startswith("[bench]"):
+        print(f"  host {host}: " + line, end="", flush=True)
 
 
 def _free_port() -> int:
@@ -212,14 +269,34 @@ def describe_machine(device: str) -> dict:
     return out
 
 
+def run_cluster(p: dict, args: argparse.Namespace) -> list[dict]:
+    """Every launch on the simulated cluster, once per link bandwidth; each run records its link,
+    its hosts and the bytes that crossed the shaped links (tbf's counters)."""
+    reason = cluster.unavailable_reason()
+    if reason:
+        raise SystemExit(f"--cluster: {reason}")
+    runs = []
+    for link in p["links"]:
+        with cluster.Cluster(p["cluster"]["hosts"], link, cpus_per_host=not p["no_pin"]) as hosts:
+            for size, nranks, names in launches(p):
+                t0, sent0 = time.time(), sum(hosts.link_bytes())
+                print(f"[benchmarks] {link} link, {hosts.hosts} hosts x {nranks // hosts.hosts} ranks, {size} model: "
+                      f"{', '.join(names)}", flush=True)  # fmt: skip
+                merged = merge(launch(size, nranks, names, p, args.device, args.timeout, hosts))
+                merged.update(ranks=nranks, link=link, hosts=hosts.hosts, ranks_per_host=nranks // hosts.hosts,
+                              link_bytes=sum(hosts.link_bytes()) - sent0, wall_s=round(time.time() - t0, 1))  # fmt: skip
+                runs.append(merged)
+    return runs
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     p = plan(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     start, load_before = time.time(), os.getloadavg()
-    runs = []
-    for size, nranks, names in launches(p):
+    runs = run_cluster(p, args) if p.get("cluster") else []
+    for size, nranks, names in [] if p.get("cluster") else launches(p):
         t0 = time.time()
         print(f"[benchmarks] {size} model, {nranks} ranks: {', '.join(names)}", flush=True)
         merged = merge(launch(size, nranks, names, p, args.device, args.timeout))
@@ -235,7 +312,7 @@ def main(argv=None) -> int:
         "runs": runs,
     }  # fmt: skip
     (out / "results.json").write_text(json.dumps(results, indent=1))
-    summary = report.write_report(results, out)
+    summary = report.write_cluster_report(results, out) if p.get("cluster") else report.write_report(results, out)
     print(summary)
     print(f"[benchmarks] wrote {out}/results.json, results.md, *.png in {results['elapsed_s']} s")
     return 0

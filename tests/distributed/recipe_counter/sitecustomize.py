@@ -19,6 +19,7 @@ if os.environ.get("RECIPE_COUNTER_DIR") and "RANK" in os.environ:
     _COUNTED = ("reduce_scatter_single", "reduce_scatter_tensor", "all_reduce", "all_gather_single",
                 "all_gather_into_tensor")  # fmt: skip
     _counts: Counter = Counter()
+    _by_group: Counter = Counter()
     _wrapping: dict = {}
 
     def _fsdp_units() -> dict:
@@ -51,6 +52,9 @@ if os.environ.get("RECIPE_COUNTER_DIR") and "RANK" in os.environ:
 
         def counted(*args, **kwargs):
             _counts[name] += 1
+            if name == "all_reduce":  # and over which ranks: a multi-host test tells cross-host ones apart
+                group = kwargs.get("group", args[2] if len(args) > 2 else None)
+                _by_group[",".join(map(str, dist.get_process_group_ranks(group or dist.group.WORLD)))] += 1
             if name.startswith("reduce_scatter") and not _wrapping:
                 _wrapping.update(_fsdp_units())
             return original(*args, **kwargs)
@@ -62,7 +66,7 @@ if os.environ.get("RECIPE_COUNTER_DIR") and "RANK" in os.environ:
 
     @atexit.register
     def _dump() -> None:
-        out = {"counts": dict(_counts), **_wrapping}
+        out = {"counts": dict(_counts), "all_reduces_by_group": dict(_by_group), **_wrapping}
         path = os.path.join(os.environ["RECIPE_COUNTER_DIR"], f"rank{os.environ['RANK']}.json")
         with open(path, "w") as f:
             json.dump(out, f)

@@ -1,0 +1,287 @@
+"""A simulated cluster on one Linux machine: N "hosts" as network namespaces, joined through a
+switch by links shaped with `tc`'s token bucket (`tbf`) to a chosen bandwidth.
+
+On one machine every rank talks over loopback, a network no cluster has; the trade-off between
+per-micro-batch and deferred gradient sync is decided by the link between hosts. This builds
+that link:
+
+    switch namespace (bridge br0)
+      |-- veth, tbf <rate> each way --  host 0 namespace: eth0 198.18.0.1/24, lo
+      |-- veth, tbf <rate> each way --  host 1 namespace: eth0 198.18.0.2/24, lo
+      ...
+
+Each host's NIC is shaped in both directions (its egress, and the switch port's egress towards
+it), as a full-duplex link of that rate. Ranks on one host reach each other over that host's
+loopback, unshaped, as on a real node. The addresses are on 198.18.0.0/15 (RFC 2544's range for
+network benchmarks) and exist only inside the namespaces made here: nothing is routed to or from
+the machine's own network. Added latency would need `netem`, which this kernel lacks; `tbf`
+shapes bandwidth only.
+
+    with Cluster(hosts=2, link="1gbit") as cluster:
+        results = cluster.run([argv_of_host0, argv_of_host1], env)   # one launch per host
+
+Every namespace is named `agsc<pid>...` after the process that made it; `Cluster` removes its own
+on exit, failure, Ctrl-C or SIGTERM, and at start removes any left by a process that no longer
+exists (a crashed or killed run). Needs root and the `ip` and `tc` tools; `unavailable_reason()`
+says why not, for callers and tests to refuse or skip with the reason.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from typing import Callable, Optional
+
+PREFIX = "agsc"
+SUBNET = "198.18.0"  # RFC 2544 benchmark range; host h is .h+1
+NIC = "eth0"  # the host's interface name inside its namespace: what GLOO_SOCKET_IFNAME names
+_RATE = re.compile(r"^(\d+(?:\.\d+)?)(k|m|g)bit$")
+_UNITS = {"k": 1e3, "m": 1e6, "g": 1e9}
+_OWN = re.compile(rf"^{PREFIX}(\d+)[sh]\d*$")
+
+
+class ClusterUnavailable(RuntimeError):
+    """This machine cannot build the simulated cluster (not root, no `ip`/`tc`, no netns)."""
+
+
+def link_bits_per_s(link: str) -> float:
+    """'1gbit' -> 1e9. tc's own spelling of a rate, so the value given is the one tc applies."""
+    m = _RATE.match(link.strip().lower())
+    if not m:
+        raise ValueError(f"link bandwidth {link!r}: expected a tc rate such as 100mbit, 1gbit or 10gbit")
+    return float(m.group(1)) * _UNITS[m.group(2)]
+
+
+def unavailable_reason() -> Optional[str]:
+    """Why the simulated cluster cannot run here, or None when it can. Tries a namespace for real
+    (root in a container may still lack CAP_NET_ADMIN)."""
+    if not hasattr(os, "geteuid") or os.geteuid() != 0:
+        return "the simulated cluster needs root (network namespaces and tc); run as root"
+    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
+    if missing:
+        return f"the simulated cluster needs {' and '.join(missing)} (iproute2); install iproute2"
+    probe = f"{PREFIX}{os.getpid()}s99"
+    try:
+        _sh("ip", "netns", "add", probe)
+        _sh("ip", "-n", probe, "link", "add", "p0", "type", "veth", "peer", "name", "p1")
+        _sh("tc", "-n", probe, "qdisc", "add", "dev", "p0", "root", "tbf", "rate", "1gbit", "burst", "1mb",
+            "latency", "50ms")  # fmt: skip
+    except subprocess.CalledProcessError as e:
+        return f"the simulated cluster cannot build namespaces or tbf links here: {e.stderr.strip() or e}"
+    finally:
+        subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return None
+
+
+def _sh(*argv: str) -> str:
+    return subprocess.run(argv, check=True, capture_output=True, text=True).stdout
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_leftovers() -> list[str]:
+    """Delete the namespaces of clusters whose process no longer exists (deleting a namespace
+    deletes the veth ends and the bridge inside it). Returns what was removed."""
+    removed = []
+    for line in _sh("ip", "netns", "list").splitlines():
+        name = line.split()[0] if line.strip() else ""
+        m = _OWN.match(name)
+        if m and not _alive(int(m.group(1))):
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+            removed.append(name)
+    # A veth pair is made in the root namespace and moved at once; a crash in between leaves it here.
+    for line in _sh("ip", "-o", "link", "show").splitlines():
+        m = re.match(rf"^\d+: ({PREFIX}(\d+)[vb]\d+)[@:]", line)
+        if m and not _alive(int(m.group(2))):
+            subprocess.run(["ip", "link", "del", m.group(1)], capture_output=True)
+            removed.append(m.group(1))
+    return removed
+
+
+class Cluster:
+    """N hosts, each a network namespace with one shaped NIC, for the duration of a `with`.
+
+    `hosts`: how many; `link`: each host's NIC bandwidth, in tc's spelling ("1gbit").
+    `cpus_per_host`: pin each host's processes to its own share of this process's cores (as each
+    node has its own CPUs); with fewer cores than hosts, hosts share cores round-robin."""
+
+    def __init__(self, hosts: int, link: str, cpus_per_host: bool = True) -> None:
+        if hosts < 1 or hosts > 250:
+            raise ValueError(f"hosts={hosts}: expected 1 to 250 simulated hosts")
+        self.hosts, self.link, self.rate = hosts, link, link_bits_per_s(link)
+        self.cpus_per_host = cpus_per_host
+        tag = f"{PREFIX}{os.getpid()}"
+        self.switch = f"{tag}s"
+        self.namespaces = [f"{tag}h{h}" for h in range(hosts)]
+        self._veth = [(f"{tag}v{h}", f"{tag}b{h}") for h in range(hosts)]
+        self._made: list[str] = []
+        self._old_handler = None
+
+    # -- the network --------------------------------------------------------------------------
+    def address(self, host: int) -> str:
+        return f"{SUBNET}.{host + 1}"
+
+    def __enter__(self) -> "Cluster":
+        reason = unavailable_reason()
+        if reason:
+            raise ClusterUnavailable(reason)
+        remove_leftovers()
+        self._catch_sigterm()
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _build(self) -> None:
+        # tbf needs a bucket of at least one timer tick's worth of bytes at the rate (HZ may be
+        # 100), or it cannot reach the rate; a queue of 50 ms bounds the backlog it buffers.
+        burst = f"{max(64 * 1024, int(self.rate / 8 / 100))}b"
+        shape = ["root", "tbf", "rate", self.link, "burst", burst, "latency", "50ms"]
+        self._add_namespace(self.switch)
+        _sh("ip", "-n", self.switch, "link", "add", "br0", "type", "bridge")
+        _sh("ip", "-n", self.switch, "link", "set", "br0", "up")
+        for h, ns in enumerate(self.namespaces):
+            self._add_namespace(ns)
+            host_end, switch_end = self._veth[h]
+            _sh("ip", "link", "add", host_end, "type", "veth", "peer", "name", switch_end)
+            try:
+                _sh("ip", "link", "set", host_end, "netns", ns)
+                _sh("ip", "link", "set", switch_end, "netns", self.switch)
+            except subprocess.CalledProcessError:
+                subprocess.run(["ip", "link", "del", host_end], capture_output=True)
+                raise
+            _sh("ip", "-n", ns, "link", "set", host_end, "name", NIC)
+            _sh("ip", "-n", ns, "addr", "add", f"{self.address(h)}/24", "dev", NIC)
+            _sh("ip", "-n", ns, "link", "set", NIC, "up")
+            _sh("ip", "-n", ns, "link", "set", "lo", "up")  # ranks of one host talk over loopback
+            _sh("ip", "-n", self.switch, "link", "set", switch_end, "master", "br0")
+            _sh("ip", "-n", self.switch, "link", "set", switch_end, "up")
+            _sh("tc", "-n", ns, "qdisc", "add", "dev", NIC, *shape)  # host -> switch
+            _sh("tc", "-n", self.switch, "qdisc", "add", "dev", switch_end, *shape)  # switch -> host
+
+    def _add_namespace(self, name: str) -> None:
+        _sh("ip", "netns", "add", name)
+        self._made.append(name)
+
+    def close(self) -> None:
+        """Remove every namespace this cluster made (and with them its veths and bridge)."""
+        for ns in reversed(self._made):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        self._made = []
+        if self._old_handler is not None:
+            signal.signal(signal.SIGTERM, self._old_handler)
+            self._old_handler = None
+
+    def _catch_sigterm(self) -> None:
+        """SIGTERM's default kills without running `finally`: turn it into SystemExit while the
+        cluster exists, so `__exit__` still removes it. (Ctrl-C already raises.)"""
+        if threading.current_thread() is not threading.main_thread():
+            return
+
+        def on_term(signum, frame):
+            raise SystemExit(128 + signum)
+
+        self._old_handler = signal.signal(signal.SIGTERM, on_term)
+
+    def link_bytes(self) -> list[int]:
+        """Bytes each host has sent through its shaped NIC so far (tbf's counter): what crossed
+        the simulated network, as opposed to a host's loopback."""
+        out = []
+        for ns in self.namespaces:
+            stats = _sh("tc", "-n", ns, "-s", "qdisc", "show", "dev", NIC)
+            m = re.search(r"Sent (\d+) bytes", stats)
+            out.append(int(m.group(1)) if m else 0)
+        return out
+
+    # -- processes on the hosts ---------------------------------------------------------------
+    def host_cpus(self, host: int) -> set[int]:
+        cores = sorted(os.sched_getaffinity(0))
+        per = len(cores) // self.hosts
+        return set(cores[host * per:(host + 1) * per]) if per else {cores[host % len(cores)]}
+
+    def accelerate_flags(self, host: int, port: int = 29500) -> list[str]:
+        """What `accelerate launch` needs on each host, as on a real cluster
+        (recipes/slurm_multi_node.sh): the namespaces have their own ports, so a fixed one works."""
+        return ["--num_machines", str(self.hosts), "--machine_rank", str(host),
+                "--main_process_ip", self.address(0), "--main_process_port", str(port)]  # fmt: skip
+
+    def popen(self, host: int, argv: list[str], env: dict, **kwargs) -> subprocess.Popen:
+        """Start `argv` inside host `host`'s namespace, gloo bound to its NIC, in a session of its
+        own (so a failure elsewhere can stop the whole launch tree)."""
+        env = {**env, "GLOO_SOCKET_IFNAME": NIC}
+        cpus = self.host_cpus(host) if self.cpus_per_host else None
+        return subprocess.Popen(
+            ["ip", "netns", "exec", self.namespaces[host], *argv], env=env, start_new_session=True,
+            preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None, **kwargs,
+        )  # fmt: skip
+
+    def run(self, argvs: list[list[str]], env: dict, cwd=None, timeout: float = 900,
+            echo: Optional[Callable[[int, str], None]] = None) -> list[tuple[int, list[str]]]:
+        """One command per host, all at once; (exit code, last 80 output lines) per host. When one
+        host fails or the timeout passes, the others are stopped too: their ranks would otherwise
+        wait in a collective until gloo's own timeout. `echo(host, line)` sees every line."""
+        if len(argvs) != self.hosts:
+            raise ValueError(f"{len(argvs)} commands for {self.hosts} hosts: one per host")
+        procs, tails, readers = [], [[] for _ in argvs], []
+        try:
+            for h, argv in enumerate(argvs):
+                procs.append(self.popen(h, argv, env, cwd=cwd, stdout=subprocess.PIPE,
+                                        stderr=subprocess.STDOUT, text=True))  # fmt: skip
+                readers.append(threading.Thread(target=_drain, args=(procs[h], tails[h], h, echo), daemon=True))
+                readers[-1].start()
+            deadline = time.time() + timeout
+            while any(p.poll() is None for p in procs):
+                failed = any(p.poll() not in (None, 0) for p in procs)
+                if failed or time.time() > deadline:
+                    if not failed:
+                        tails[0].append(f"killed after {timeout} s\n")
+                    break
+                time.sleep(0.2)
+        finally:
+            for p in procs:
+                _stop(p)
+            for r in readers:
+                r.join(timeout=5)
+        return [(p.returncode, tail) for p, tail in zip(procs, tails)]
+
+
+def _drain(proc: subprocess.Popen, tail: list[str], host: int, echo) -> None:
+    for line in proc.stdout:
+        if echo:
+            echo(host, line)
+        tail.append(line)
+        del tail[:-80]
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """Stop a host's launch and everything it started (its own session), if still running."""
+    if proc.poll() is None:
+        for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                proc.wait(wait)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+    proc.wait()
