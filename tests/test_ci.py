@@ -27,7 +27,8 @@ def _bash_blocks(section: str) -> list[str]:
 
 def _make_would_run(target: str, *args: str) -> list[str]:
     """The commands `make TARGET` runs from scratch (-B: as if nothing were built yet)."""
-    out = subprocess.run(["make", "-n", "-B", "-s", target, *args], cwd=ROOT, check=True, capture_output=True, text=True)
+    command = ["make", "-n", "-B", "-s", target, *args]
+    out = subprocess.run(command, cwd=ROOT, check=True, capture_output=True, text=True)
     return [line.strip() for line in out.stdout.splitlines() if line.strip() and not line.startswith("make")]
 
 
