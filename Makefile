@@ -1,7 +1,7 @@
 # Two commands from a fresh clone (the README's quick start): `make demo` and `make test`.
 # Both create the environment in $(VENV) when it is missing, with the README's Install commands,
 # then run the README's command. .ci/run is `make test`, so CI installs and tests the same way.
-.PHONY: demo test test-min quality setup
+.PHONY: demo test quality setup
 
 VENV ?= .venv
 CONSTRAINTS ?= constraints.txt
@@ -31,10 +31,6 @@ demo: setup
 
 test: setup
 	HF_HUB_OFFLINE=1 python -m pytest -q
-
-# The suite on the lowest versions setup.cfg allows (constraints-min.txt), in its own environment.
-test-min:
-	$(MAKE) test VENV=.venv-min CONSTRAINTS=constraints-min.txt
 
 # Lint, format and type checks (configured in pyproject.toml).
 quality: setup
