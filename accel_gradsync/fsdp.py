@@ -27,6 +27,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
 from torch.nn.parallel import DistributedDataParallel
 
 from .accounting import unit_dtypes
+from .versions import TESTED_TORCH
 
 
 @dataclass(frozen=True, eq=False)
@@ -421,7 +422,6 @@ _FSDP2_INTERNALS = {
                     "post_forward_mesh_info", "_partial_reduce_output"),
     "FSDPParam": ("sharded_param", "unsharded_accumulated_grad", "_orig_size"),
 }  # fmt: skip
-TESTED_TORCH = "2.13"
 
 
 def check_fsdp2_internals(model: nn.Module) -> None:

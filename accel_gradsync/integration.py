@@ -47,6 +47,7 @@ from .policies import (
 )
 from .replan import MeasuredAuto
 from .teardown import install_exit_guard
+from .versions import warn_if_untested_torch
 
 _HANDLE_ATTR = "_accel_gradsync_handle"  # class attribute of the per-instance subclass
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -66,6 +67,7 @@ def attach(
     config = GradSyncConfig() if config is None else config
     if not isinstance(config, GradSyncConfig):
         raise TypeError(f"attach(config=...) takes a GradSyncConfig, got {type(config).__name__}.")
+    warn_if_untested_torch()  # fsdp.check_fsdp2_internals raises at bind if an attribute it reads is gone
     accelerator, trainer = _resolve_target(target)
     if getattr(type(accelerator), _HANDLE_ATTR, None) is not None:
         raise ValueError(

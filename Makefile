@@ -1,0 +1,39 @@
+# Two commands from a fresh clone (the README's quick start): `make demo` and `make test`.
+# Both create the environment in $(VENV) when it is missing, with the README's Install commands,
+# then run the README's command. .ci/run is `make test`, so CI installs and tests the same way.
+.PHONY: demo test quality setup
+
+VENV ?= .venv
+CONSTRAINTS ?= constraints.txt
+# Extra pip arguments for torch alone. The pin resolves to the CPU wheel where pip serves one
+# (as here); on a machine with no GPU/NPU whose pip would fetch the multi-GB CUDA build, give
+# PyTorch's CPU wheel index: make test TORCH_PIP_ARGS="--extra-index-url <that index>".
+TORCH_PIP_ARGS ?=
+
+# Every recipe runs inside the environment: `python`, `accelerate` and `pytest` are its own.
+export VIRTUAL_ENV := $(CURDIR)/$(VENV)
+export PATH := $(VIRTUAL_ENV)/bin:$(PATH)
+SHELL := /bin/bash
+
+setup: $(VENV)/.installed
+
+# Installed again when a pin, a range or an extra changes. torch first, on its own and pinned,
+# so pip never resolves it to a CUDA build while it installs the rest.
+$(VENV)/.installed: setup.cfg pyproject.toml $(CONSTRAINTS)
+	test -x $(VENV)/bin/python || python3 -m venv $(VENV)
+	python -m pip install torch==2.13.0 $(TORCH_PIP_ARGS)
+	python -m pip install -c $(CONSTRAINTS) -e ".[test,bench,quality]"
+	touch $@
+
+# The GRPO recipe on its embedded default (2 processes, FSDP2 with deferral; about 70 s on 2 cores).
+demo: setup
+	HF_HUB_OFFLINE=1 accelerate launch --config_file accelerate_configs/fsdp2.yaml recipes/grpo.py --defer-grad-sync
+
+test: setup
+	HF_HUB_OFFLINE=1 python -m pytest -q
+
+# Lint, format and type checks (configured in pyproject.toml).
+quality: setup
+	ruff check .
+	ruff format --check .
+	mypy
