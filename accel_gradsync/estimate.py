@@ -283,7 +283,16 @@ def estimated_adapter(model: nn.Module, setup: FSDPSetup, config: GradSyncConfig
         raise ValueError("parallelism_config dp_replicate_size > 1 needs fsdp_version: 2 in the accelerate config.")
     plugin = accelerate_plugin(setup, config, model)
     with fake_world(setup.num_processes):
-        wrapped = shard_like_accelerate(model, plugin, setup.mixed_precision, setup.replicate_size, setup.shard_size)
+        try:
+            wrapped = shard_like_accelerate(model, plugin, setup.mixed_precision, setup.replicate_size, setup.shard_size)
+        except (ValueError, KeyError) as err:  # what `accelerate launch` would fail with, at prepare()
+            first = str(err).strip().splitlines()[0]  # torch appends the whole module's repr
+            raise ValueError(
+                f"accelerate cannot shard {type(model).__name__} with this config (FSDP{setup.fsdp_version}, "
+                f"fsdp_auto_wrap_policy={setup.auto_wrap_policy}, {setup.replicate_size} replicas x "
+                f"{setup.shard_size} shards), so a launch would fail in prepare() too: {first} Change the wrap "
+                "policy or the parallelism_config."
+            ) from None
         return adapt_model(wrapped)
 
 

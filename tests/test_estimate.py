@@ -301,6 +301,9 @@ def test_bad_settings_name_the_setting_value_and_fix(tmp_path):
         estimate("recipe-default", {"distributed_type": "MULTI_GPU", "num_processes": 2}, 4)
     with pytest.raises(ValueError, match="fsdp_transformer_layer_cls_to_wrap=LlamaDecoderLayer"):
         estimate("recipe-default", fsdp(2, fsdp_transformer_layer_cls_to_wrap="LlamaDecoderLayer"), 4)
+    # accelerate's own preparation fails here, as a launch would: the size policy picks the ModuleList.
+    with pytest.raises(ValueError, match=r"accelerate cannot shard .*SIZE_BASED_WRAP.*does not support containers"):
+        estimate("recipe-default", fsdp(2, fsdp_auto_wrap_policy="SIZE_BASED_WRAP", fsdp_min_num_params=40000), 4)
     with pytest.raises(ValueError, match="micro_batches=0"):
         estimate("recipe-default", fsdp(2), 0)
     with pytest.raises(ValueError, match="no transformers config found"):
