@@ -68,7 +68,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, HfArgumentParser]:
         description="One row per sync mode: reduce-scatters (and HSDP all-reduces) per optimizer step, bytes "
         "each rank sends per step, gradient bytes held per rank between micro-batches and their dtype, the peak "
         "gradient bytes in the first deferred backward, and whether that fits --grad-sync-free-memory. The "
-        "model is built on the meta device; nothing is allocated and no process group is started.",
+        "model is built on the meta device and sharded as accelerate shards it, in a fake process group inside this "
+        "process: nothing is allocated and no other process is started.",
     )
     return parser, estimate_parser
 

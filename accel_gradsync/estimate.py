@@ -1,11 +1,22 @@
 """What each sync mode would cost, before launch: collectives, bytes sent, gradient memory held.
 
-Pure: the model is built on the meta device (no weights, no memory), the FSDP units are found
-the way accelerate wraps them, and the very same `policies.POLICIES` the runtime uses decide
-each mode's plan from an `EstimatedAdapter`, so the estimate and a real run cannot disagree on
-what is held. No torch.distributed here.
+The units are a launched run's own. The model is built on the meta device (no weights, no
+memory), sharded by accelerate's and torch's own code (`fsdp2_prepare_model` / `fully_shard`,
+or `FullyShardedDataParallel` with accelerate's wrap policy) in a fake process group of the
+planned world size (fake_shard.py), and read by the adapter a run reads (`fsdp.adapt_model`):
+grouping, dtypes, shard padding and resharding all come from there. The very same
+`policies.POLICIES` the runtime uses then plan each mode. The fake process group exists only
+while the model is sharded and is destroyed after, so a real one can follow in the same process;
+a process that already has one is refused.
 
-Formulas (N shard ranks, R replicas on an HSDP mesh, M micro-batches, per unit u):
+What is still written out here, because accelerate has no function for it: reading the
+accelerate config file into the plugin's settings (`accelerate launch` does it through
+environment variables, `FSDPSetup` / `accelerate_plugin`), and writing
+`GradSyncConfig.reduce_dtype` into the plugin's mixed-precision policy (what `attach` does to a
+live Accelerator's plugin).
+
+Formulas, for what a run counts rather than plans (N shard ranks, R replicas on an HSDP mesh,
+M micro-batches, per unit u):
 - reduce-scatters per step: M per unit, 1 for a unit whose gradient sync is held;
   HSDP all-reduces: the same, and also 1 for a unit whose all-reduce only is held.
 - bytes a rank sends per step: (N-1)/N x numel x sizeof(reduce dtype) per reduce-scatter
@@ -19,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import logging
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -28,16 +40,15 @@ import torch
 import yaml
 from torch import nn
 
-from .accounting import unit_dtypes as accounting_unit_dtypes
 from .config import GradSyncConfig
-from .fsdp import Unit, dim0_shard_numel
-from .policies import ALL_REDUCE, POLICIES, DeferredSync, Plan, all_gathers_per_step, format_bytes
-from .policies import collectives_per_step as _collectives_per_step
+from .fake_shard import fake_world, shard_like_accelerate
+from .fsdp import ModelAdapter, adapt_model
+from .policies import ALL_REDUCE, POLICIES, DeferredSync, Plan, all_gathers_per_step, collectives_per_step, format_bytes
 
 RECIPE_DEFAULT = "recipe-default"
 WINDOW_ROW = "deferred+window"
 """The row for deferral with every unit windowed (`keep_params_unsharded`), shown whatever is selected."""
-_MIXED_PRECISION = {"no": None, "fp16": torch.float16, "bf16": torch.bfloat16, "fp8": torch.bfloat16}
+_MIXED_PRECISION = ("no", "fp16", "bf16", "fp8")
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _WRAP_POLICIES = ("TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP")
 
@@ -58,6 +69,8 @@ class FSDPSetup:
     shard_size: int = 1
     reshard_after_forward: bool = True
     """FSDP2 `fsdp_reshard_after_forward`; FSDP1: sharding strategy FULL_SHARD (vs SHARD_GRAD_OP)."""
+    use_orig_params: bool = False
+    """FSDP1 `fsdp_use_orig_params` (units are the same either way; passed on as a launch would)."""
 
     @property
     def hsdp(self) -> bool:
@@ -119,6 +132,7 @@ def read_accelerate_config(
         replicate_size=replicate,
         shard_size=shard,
         reshard_after_forward=strategy in ("TRUE", "FULL_SHARD", "1"),
+        use_orig_params=str(fsdp.get("fsdp_use_orig_params", False)).lower() == "true",
     )
 
 
@@ -214,190 +228,78 @@ def build_meta_model(config: Any, dtype: torch.dtype = torch.float32) -> nn.Modu
 
 
 # -- units, as accelerate wraps them ---------------------------------------------------------------
-def _wrap_classes(model: nn.Module, setup: FSDPSetup) -> tuple[type, ...]:
-    names = setup.layer_cls_to_wrap or tuple(getattr(model, "_no_split_modules", None) or ())
-    by_name = {type(m).__name__: type(m) for m in model.modules()}
-    missing = [n for n in names if n not in by_name]
-    if missing:
-        raise ValueError(
-            f"fsdp_transformer_layer_cls_to_wrap={','.join(names)}: {', '.join(missing)} is not a module class of "
-            f"{type(model).__name__}; use the class name of its transformer layer."
+def accelerate_plugin(setup: FSDPSetup, config: GradSyncConfig, model: nn.Module) -> Any:
+    """accelerate's `FullyShardedDataParallelPlugin` as a launch with `setup` builds it: its wrap
+    policy resolved on `model`, the mixed precision set as `AcceleratorState` sets it, and
+    `GradSyncConfig.reduce_dtype` written into it as `attach` does before `prepare`."""
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from torch.distributed.fsdp import MixedPrecision, MixedPrecisionPolicy
+
+    fsdp1 = setup.fsdp_version == 1
+    # A launch hands FSDP1's strategy over in FSDP_SHARDING_STRATEGY, without the deprecation
+    # notice accelerate logs when `sharding_strategy` is passed directly.
+    log = logging.getLogger("accelerate.utils.dataclasses")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        plugin = FullyShardedDataParallelPlugin(
+            fsdp_version=setup.fsdp_version,
+            auto_wrap_policy=setup.auto_wrap_policy.lower(),
+            transformer_cls_names_to_wrap=list(setup.layer_cls_to_wrap) if setup.layer_cls_to_wrap else None,
+            min_num_params=setup.min_num_params,
+            sharding_strategy=("FULL_SHARD" if setup.reshard_after_forward else "SHARD_GRAD_OP") if fsdp1 else None,
+            reshard_after_forward=None if fsdp1 else setup.reshard_after_forward,
+            use_orig_params=setup.use_orig_params if fsdp1 else None,
+            # Settings the estimate does not read from the config: fixed, not taken from FSDP_* variables.
+            cpu_offload=False,
+            activation_checkpointing=False,
+            sync_module_states=False if fsdp1 else None,
+            forward_prefetch=False if fsdp1 else None,
         )
-    return tuple(by_name[n] for n in names)
+    finally:
+        log.setLevel(level)
+    plugin.cpu_ram_efficient_loading = False  # set after: passing it would write os.environ
+    try:
+        plugin.set_auto_wrap_policy(model)
+    except ValueError as err:
+        names = ",".join(plugin.transformer_cls_names_to_wrap or ())
+        raise ValueError(
+            f"fsdp_transformer_layer_cls_to_wrap={names}: {err} Use the class name of the transformer layer of "
+            f"{type(model).__name__}."
+        ) from None
+    if setup.mixed_precision != "no":
+        plugin.set_mixed_precision(setup.mixed_precision)
+    if config.reduce_dtype != "auto":
+        policy = plugin.mixed_precision_policy or (MixedPrecision() if fsdp1 else MixedPrecisionPolicy())
+        plugin.mixed_precision_policy = dataclasses.replace(policy, reduce_dtype=_DTYPES[config.reduce_dtype])
+    return plugin
 
 
-def _fsdp2_wrapped(model: nn.Module, setup: FSDPSetup) -> list[tuple[str, list[nn.Module], bool]]:
-    """Modules `accelerate.utils.fsdp_utils.fsdp2_prepare_model` calls `fully_shard` on, in
-    that order, and whether each reshards after forward: policy matches bottom-up and the input
-    embedding (untied) as configured, one group for the final norm + output embedding (+ input
-    embedding when tied) and the root never (accelerate: False, torch's default for the root)."""
-    names = {id(m): n for n, m in model.named_modules()}
-    order = [m for m in _bottom_up(model) if m is not model]
-    groups: list[tuple[str, list[nn.Module], bool]] = []
-    raf = setup.reshard_after_forward
-    taken: set[int] = set()
-    if setup.auto_wrap_policy == "TRANSFORMER_BASED_WRAP":
-        classes = _wrap_classes(model, setup)
-        matches = [m for m in order if isinstance(getattr(m, "_checkpoint_wrapped_module", m), classes)]
-    elif setup.auto_wrap_policy == "SIZE_BASED_WRAP" and setup.min_num_params > 0:
-        matches = [m for m in order if sum(p.numel() for p in m.parameters()) > setup.min_num_params]
-    else:
-        matches = []
-    for m in matches:
-        groups.append((names[id(m)], [m], raf))
-        taken.add(id(m))
-    get_in, get_out = getattr(model, "get_input_embeddings", None), getattr(model, "get_output_embeddings", None)
-    embed_in, embed_out = get_in() if get_in else None, get_out() if get_out else None
-    tied = embed_in is not None and embed_out is not None and embed_in.weight is getattr(embed_out, "weight", None)
-    if not tied and embed_in is not None and id(embed_in) not in taken:
-        groups.append((names[id(embed_in)], [embed_in], raf))
-        taken.add(id(embed_in))
-    tail = [m for m in (_final_norm(model), *((embed_in, embed_out) if tied else (embed_out,))) if m is not None]
-    tail = [m for m in tail if id(m) not in taken]
-    if tail:
-        groups.append(("+".join(names[id(m)] for m in tail), tail, False))
-        taken.update(map(id, tail))
-    groups.append(("", [model], False))
-    return groups
-
-
-def _final_norm(model: nn.Module) -> Optional[nn.Module]:
-    """accelerate's `_find_final_norm`: the last child named *Norm* of the base model."""
-    prefix = getattr(model, "base_model_prefix", "")
-    base = getattr(model, prefix, None) if prefix else model
-    if not isinstance(base, nn.Module):
-        return None
-    found = None
-    for _, child in base.named_children():
-        if "Norm" in type(child).__name__:
-            found = child
-    return found
-
-
-def _fsdp1_wrapped(model: nn.Module, setup: FSDPSetup) -> list[tuple[str, list[nn.Module], bool]]:
-    """Modules `FullyShardedDataParallel(model, auto_wrap_policy=...)` wraps, post-order, with
-    torch's public policy functions and the recursion of its `_recursive_wrap`. FULL_SHARD
-    reshards after forward except on the root, whose params backward needs at once."""
-    from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy, transformer_auto_wrap_policy
-
-    if setup.auto_wrap_policy == "TRANSFORMER_BASED_WRAP":
-        classes = set(_wrap_classes(model, setup))
-
-        def policy(module, recurse, nonwrapped_numel):
-            return transformer_auto_wrap_policy(module, recurse, nonwrapped_numel, classes)
-
-    elif setup.auto_wrap_policy == "SIZE_BASED_WRAP" and setup.min_num_params > 0:
-
-        def policy(module, recurse, nonwrapped_numel):
-            return size_based_auto_wrap_policy(module, recurse, nonwrapped_numel, min_num_params=setup.min_num_params)
-
-    else:
-        return [("", [model], False)]
-    wrapped: list[tuple[str, list[nn.Module], bool]] = []
-
-    def visit(name: str, module: nn.Module, root: bool) -> int:
-        numel = sum(p.numel() for p in module.parameters())
-        if not policy(module=module, recurse=True, nonwrapped_numel=numel):
-            return 0
-        inside = sum(visit(f"{name}.{n}" if name else n, child, False) for n, child in module.named_children())
-        if not root and policy(module=module, recurse=False, nonwrapped_numel=numel - inside):
-            wrapped.append((name, [module], setup.reshard_after_forward))
-            return numel
-        return inside
-
-    visit("", model, root=True)
-    return wrapped + [("", [model], False)]
-
-
-def _bottom_up(model: nn.Module) -> list[nn.Module]:
-    """accelerate's `get_module_children_bottom_up`: reversed depth-first pre-order."""
-    stack, ordered = [model], []
-    while stack:
-        module = stack.pop()
-        stack.extend(module.children())
-        ordered.append(module)
-    return ordered[::-1]
-
-
-def unit_dtypes(kind: str, setup: FSDPSetup, config: GradSyncConfig, model_dtype: torch.dtype) -> dict:
-    """(sharded, compute, reduce, held) dtypes of every unit, from accelerate's mixed precision
-    (`param_dtype = reduce_dtype` = the `mixed_precision` dtype, fp32 sharded params) and
-    `GradSyncConfig.reduce_dtype`, which replaces the policy's reduce dtype."""
-    mp = _MIXED_PRECISION[setup.mixed_precision]
-    # accelerate upcasts trainable params to fp32 master weights whenever mixed precision is on.
-    sharded = torch.float32 if mp is not None else model_dtype
-    mp_reduce = _DTYPES[config.reduce_dtype] if config.reduce_dtype != "auto" else mp
-    held, reduce, compute = accounting_unit_dtypes(kind, sharded, mp, mp_reduce)
-    return {"sharded": sharded, "compute": compute, "reduce": reduce, "held": held}
-
-
-def find_units(
-    model: nn.Module, setup: FSDPSetup, config: GradSyncConfig, model_dtype: torch.dtype = torch.float32
-) -> list[Unit]:
-    """The units a prepared model would have: per wrapped module (group), its trainable params
-    not already owned by a unit wrapped before it, each shared (tied) tensor counted once."""
-    return [unit for unit, _ in _units_resharding(model, setup, config, model_dtype)]
-
-
-def _units_resharding(
-    model: nn.Module, setup: FSDPSetup, config: GradSyncConfig, model_dtype: torch.dtype
-) -> list[tuple[Unit, bool]]:
-    """`find_units`, each with whether it reshards after forward (so backward all-gathers)."""
-    kind = f"fsdp{setup.fsdp_version}"
-    groups = _fsdp2_wrapped(model, setup) if setup.fsdp_version == 2 else _fsdp1_wrapped(model, setup)
-    dtypes = unit_dtypes(kind, setup, config, model_dtype)
-    shard = setup.shard_size
-    seen: set[int] = set()
-    units = []
-    for name, modules, reshards in groups:
-        params = []
-        for module in modules:
-            for p in module.parameters():
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    params += [p] if p.requires_grad else []
-        numel = sum(p.numel() for p in params)
-        # FSDP2 pads each parameter's dim 0 to the shard size, FSDP1 the one flat parameter.
-        sharded = sum(dim0_shard_numel(p.shape, shard) for p in params) if kind == "fsdp2" else -(-numel // shard)
-        if numel:
-            units.append(
-                (Unit(name, None, numel, 1, held_dtype=dtypes["held"], reduce_dtype=dtypes["reduce"],
-                     compute_dtype=dtypes["compute"], shard_size=shard, sharded_numel=sharded,
-                     reshards_after_forward=reshards), reshards)
-            )  # fmt: skip
-    return units
-
-
-@dataclass
-class EstimatedAdapter:
-    """What `policies` read from a `fsdp.ModelAdapter`, for a model that is not wrapped."""
-
-    kind: str
-    units: list[Unit]
-    hsdp: bool = False
-    collective: str = "reduce_scatter"
-    sharded_dtype: torch.dtype = torch.float32
-    keeps_params_when_held: bool = False
-    """FSDP1 SHARD_GRAD_OP: `no_sync()` keeps the params unsharded, so held micro-batches skip
-    the next forward's all-gather (FSDP2 windows do so per unit)."""
-
-    @property
-    def root_only(self) -> bool:
-        return self.kind != "fsdp2"  # FSDP1 defers only through the root's no_sync()
-
-
-def estimated_adapter(
-    model: nn.Module, setup: FSDPSetup, config: GradSyncConfig, model_dtype: torch.dtype = torch.float32
-) -> EstimatedAdapter:
-    kind = f"fsdp{setup.fsdp_version}"
-    if setup.hsdp and kind != "fsdp2":
+def estimated_adapter(model: nn.Module, setup: FSDPSetup, config: GradSyncConfig) -> ModelAdapter:
+    """The adapter a launched run reads its units from (`fsdp.adapt_model`, the same code), over
+    `model` (meta device) sharded as accelerate would shard it for `setup`, in a fake process
+    group of `setup.num_processes` ranks (fake_shard.py). `model` is wrapped in place."""
+    if setup.hsdp and setup.fsdp_version != 2:
         raise ValueError("parallelism_config dp_replicate_size > 1 needs fsdp_version: 2 in the accelerate config.")
-    pairs = _units_resharding(model, setup, config, model_dtype)
-    sharded = unit_dtypes(kind, setup, config, model_dtype)["sharded"]
-    return EstimatedAdapter(
-        kind, [u for u, _ in pairs], hsdp=setup.hsdp, sharded_dtype=sharded,
-        keeps_params_when_held=kind == "fsdp1" and not setup.reshard_after_forward,
-    )  # fmt: skip
+    plugin = accelerate_plugin(setup, config, model)
+    with fake_world(setup.num_processes):
+        try:
+            wrapped = shard_like_accelerate(model, plugin, setup.mixed_precision, setup.replicate_size, setup.shard_size)
+        except (ValueError, KeyError) as err:  # what `accelerate launch` would fail with, at prepare()
+            first = str(err).strip().splitlines()[0]  # torch appends the whole module's repr
+            raise ValueError(
+                f"accelerate cannot shard {type(model).__name__} with this config (FSDP{setup.fsdp_version}, "
+                f"fsdp_auto_wrap_policy={setup.auto_wrap_policy}, {setup.replicate_size} replicas x "
+                f"{setup.shard_size} shards), so a launch would fail in prepare() too: {first} Change the wrap "
+                "policy or the parallelism_config."
+            ) from None
+        return adapt_model(wrapped)
+
+
+def sharded_dtype(adapter: ModelAdapter) -> torch.dtype:
+    """dtype of the sharded parameters (and so of their sharded gradients): accelerate keeps
+    trainable parameters in one dtype, fp32 whenever mixed precision is on."""
+    return next((p.dtype for p in adapter.model.parameters() if p.requires_grad), torch.float32)
 
 
 # -- the estimate ----------------------------------------------------------------------------------
@@ -450,12 +352,7 @@ class Estimate:
         return next(m for m in self.modes if m.mode == name)
 
 
-def collectives_per_step(plan: Plan, adapter: "EstimatedAdapter", micro_batches: int) -> tuple[int, int]:
-    """(reduce-scatters, HSDP all-reduces) per optimizer step: the runtime's own count."""
-    return _collectives_per_step(plan, adapter.units, adapter.hsdp, micro_batches)
-
-
-def send_bytes_per_step(plan: Plan, adapter: EstimatedAdapter, micro_batches: int, replicate: int) -> int:
+def send_bytes_per_step(plan: Plan, adapter: ModelAdapter, micro_batches: int, replicate: int) -> int:
     """Bytes one rank sends per optimizer step: ring reduce-scatter (N-1)/N of the unsharded
     gradient, HSDP ring all-reduce 2(R-1)/R of the shard."""
     held = {id(u) for u in plan.held}
@@ -472,15 +369,16 @@ def send_bytes_per_step(plan: Plan, adapter: EstimatedAdapter, micro_batches: in
     return int(total)
 
 
-def sharded_grad_bytes(plan: Plan, adapter: EstimatedAdapter) -> int:
+def sharded_grad_bytes(plan: Plan, adapter: ModelAdapter) -> int:
     """Sharded gradient bytes per rank that units syncing every micro-batch accumulate between
     micro-batches (about P/N x sizeof(sharded dtype) in per_micro_batch mode). An all-reduce
     hold's partial sums are sharded too, but counted in held bytes."""
     held = {id(u) for u in plan.held}
-    return sum(u.sharded_numel * adapter.sharded_dtype.itemsize for u in adapter.units if id(u) not in held)
+    size = sharded_dtype(adapter).itemsize
+    return sum(u.sharded_numel * size for u in adapter.units if id(u) not in held)
 
 
-def peak_grad_bytes(plan: Plan, adapter: EstimatedAdapter) -> int:
+def peak_grad_bytes(plan: Plan, adapter: ModelAdapter) -> int:
     """Gradient bytes per rank at the worst moment of the first deferred micro-batch's backward:
 
     held bytes (every held unit's unsharded gradient, and kept params; for an HSDP all-reduce
@@ -517,7 +415,7 @@ def estimate(
     config = GradSyncConfig() if config is None else config
     setup = read_accelerate_config(accelerate_config, num_processes, mixed_precision)
     model = build_meta_model(load_model_config(model_spec), model_dtype)
-    adapter = estimated_adapter(model, setup, config, model_dtype)
+    adapter = estimated_adapter(model, setup, config)
     free = config.free_memory_bytes
     result = Estimate(
         model=model_spec if isinstance(model_spec, str) else str(model_spec.get("model_type")),
@@ -543,7 +441,7 @@ def estimate(
             row.applicable, row.reason = False, str(err)
             result.modes.append(row)
             continue
-        rs, ar = collectives_per_step(plan, adapter, micro_batches)
+        rs, ar = collectives_per_step(plan, adapter.units, adapter.hsdp, micro_batches)
         row.mode = name if plan.mode == name or name == WINDOW_ROW else f"{name} -> {plan.mode}"
         row.reason = plan.reason
         row.units_held = len(plan.held)
@@ -564,7 +462,7 @@ def estimate(
 
 
 def _plan(
-    policy_cls: type, config: GradSyncConfig, adapter: EstimatedAdapter, free: Optional[int], micro_batches: int,
+    policy_cls: type, config: GradSyncConfig, adapter: ModelAdapter, free: Optional[int], micro_batches: int,
     window: Optional[bool] = None,
 ) -> Plan:
     if window and adapter.kind != "fsdp2":

@@ -13,7 +13,9 @@ import time
 
 import pytest
 import torch
+import torch.distributed as dist
 import yaml
+from torch._subclasses.fake_tensor import FakeTensor
 
 from accel_gradsync import GradSyncConfig
 from accel_gradsync.cli import main
@@ -25,6 +27,8 @@ from accel_gradsync.estimate import (
     load_model_config,
     read_accelerate_config,
 )
+from accel_gradsync.fake_shard import fake_world
+from accel_gradsync.fsdp import FSDP1Adapter, FSDP2Adapter
 from accel_gradsync.integration import describe_decision
 from accel_gradsync.policies import POLICIES
 
@@ -132,7 +136,10 @@ def test_recipe_default_is_the_recipes_model():
     real = build_model(build_tokenizer())
     est = estimate("recipe-default", fsdp(2), 4)
     assert est.params == sum(p.numel() for p in real.parameters())  # tied embedding counted once
-    assert est.units[-1]["name"] == "model.norm+model.embed_tokens+lm_head"  # accelerate's tied tail group
+    # accelerate's tied tail group [model.norm, model.embed_tokens, lm_head] is one unit, named as a
+    # run names it (by its first module) and holding the shared embedding once, with the norm.
+    embedding, norm = real.model.embed_tokens.weight.numel(), real.model.norm.weight.numel()
+    assert est.units[0] == {"name": "model.embed_tokens", "numel": embedding + norm}
 
 
 def test_wrap_policies_give_the_units_accelerate_gives():
@@ -142,15 +149,65 @@ def test_wrap_policies_give_the_units_accelerate_gives():
     no_wrap = estimate(small, fsdp(1, fsdp_auto_wrap_policy="NO_WRAP"), 2)
     assert [u["name"] for u in no_wrap.units] == ["<root>"]
     fsdp1 = estimate(small, fsdp(1), 2)  # _no_split_modules: Qwen2DecoderLayer
-    assert [u["name"] for u in fsdp1.units] == ["model.layers.0", "model.layers.1", "model.layers.2", "<root>"]
-    assert fsdp1.units[0]["numel"] == layer
+    layers = [f"_fsdp_wrapped_module.model.layers.{i}" for i in range(3)]  # FSDP1's module names
+    assert [u["name"] for u in fsdp1.units] == ["<root>", *layers]
+    assert fsdp1.units[1]["numel"] == layer
     fsdp2 = estimate(small, fsdp(2), 2)
+    # The untied input embedding, the layers, and [model.norm, lm_head] (named by its first module).
     assert [u["name"] for u in fsdp2.units] == [
-        "model.layers.0", "model.layers.1", "model.layers.2", "model.embed_tokens", "model.norm+lm_head"
+        "model.embed_tokens", "model.layers.0", "model.layers.1", "model.layers.2", "model.norm"
     ]  # fmt: skip
+    assert fsdp2.units[-1]["numel"] == 64 + 100 * 64
     size = estimate(small, fsdp(1, fsdp_auto_wrap_policy="SIZE_BASED_WRAP", fsdp_min_num_params=layer - 1), 2)
     assert len(size.units) >= 4
     assert no_wrap.params == fsdp1.params == fsdp2.params == size.params
+
+
+def test_units_are_read_by_the_runtime_adapters_from_a_model_sharded_without_memory():
+    """FSDP2 shards stay on the meta device; FSDP1's flat parameters are fake tensors (no storage)."""
+    config = GradSyncConfig()
+    fsdp2 = estimated_adapter(build_meta_model(load_model_config("recipe-default")),
+                              read_accelerate_config(fsdp(2, processes=4, replicate=2)), config)  # fmt: skip
+    assert type(fsdp2) is FSDP2Adapter and fsdp2.hsdp
+    assert all(p.is_meta for p in fsdp2.model.parameters())
+    assert {u.shard_size for u in fsdp2.units} == {2}  # 2 replicas x 2 shards: sharded over 2
+    fsdp1 = estimated_adapter(build_meta_model(load_model_config("recipe-default")),
+                              read_accelerate_config(fsdp(1, processes=4)), config)  # fmt: skip
+    assert type(fsdp1) is FSDP1Adapter and fsdp1.root_only
+    assert all(isinstance(p, FakeTensor) for p in fsdp1.model.parameters())
+    assert {u.shard_size for u in fsdp1.units} == {4}
+    assert sum(u.numel for u in fsdp1.units) == sum(u.numel for u in fsdp2.units)
+
+
+def test_no_process_group_is_left_behind_and_a_real_one_can_follow():
+    estimate("recipe-default", fsdp(2, processes=4, replicate=2), 2)
+    estimate("recipe-default", fsdp(1, processes=8), 2)
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        total = torch.ones(3)
+        dist.all_reduce(total)
+        assert (dist.get_backend(), dist.get_world_size(), total.tolist()) == ("gloo", 1, [1.0, 1.0, 1.0])
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_process_that_has_a_process_group_is_refused_and_keeps_it():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with pytest.raises(ValueError, match="already has a torch.distributed process group.*its own process"):
+            estimate("recipe-default", fsdp(2), 2)
+        assert (dist.get_backend(), dist.get_world_size()) == ("gloo", 1)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_fake_process_group_is_removed_when_sharding_fails():
+    with pytest.raises(RuntimeError, match="while sharded"):
+        with fake_world(8):
+            assert (dist.get_backend(), dist.get_world_size(), dist.get_rank()) == ("fake", 8, 0)
+            raise RuntimeError("while sharded")
+    assert not dist.is_initialized()
 
 
 def test_counts_agree_with_the_runtime_decision_line():
@@ -244,6 +301,9 @@ def test_bad_settings_name_the_setting_value_and_fix(tmp_path):
         estimate("recipe-default", {"distributed_type": "MULTI_GPU", "num_processes": 2}, 4)
     with pytest.raises(ValueError, match="fsdp_transformer_layer_cls_to_wrap=LlamaDecoderLayer"):
         estimate("recipe-default", fsdp(2, fsdp_transformer_layer_cls_to_wrap="LlamaDecoderLayer"), 4)
+    # accelerate's own preparation fails here, as a launch would: the size policy picks the ModuleList.
+    with pytest.raises(ValueError, match=r"accelerate cannot shard .*SIZE_BASED_WRAP.*does not support containers"):
+        estimate("recipe-default", fsdp(2, fsdp_auto_wrap_policy="SIZE_BASED_WRAP", fsdp_min_num_params=40000), 4)
     with pytest.raises(ValueError, match="micro_batches=0"):
         estimate("recipe-default", fsdp(2), 0)
     with pytest.raises(ValueError, match="no transformers config found"):

@@ -130,3 +130,18 @@ def test_runtime_counters_agree_with_the_estimate(run):
         if result["mode"] in ("deferred", "deferred+window") and held != row.held_bytes:
             mismatches.append((est.model, result["mode"], "held", held, row.held_bytes))
     assert not mismatches
+
+
+def test_units_are_the_runs_units_by_name_size_and_order(run):
+    """Issue 16: the estimate reads its units with the run's own adapter from a model sharded by
+    accelerate's own code, so they are the run's units: the names of its `unit_modes`, in order,
+    and (deferred: every unit held) the same sizes."""
+    checked = 0
+    for result, est, row in _rows(run):
+        names = ["" if u["name"] == "<root>" else u["name"] for u in est.units]
+        assert list(result["stats"]["unit_modes"]) == names, (est.model, result["mode"])
+        if result["mode"] == "deferred":
+            sizes = [(u["name"], u["numel"]) for u in result["units"]]
+            assert sizes == [(n, u["numel"]) for n, u in zip(names, est.units)], est.model
+            checked += 1
+    assert checked >= 2

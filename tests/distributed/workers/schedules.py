@@ -220,13 +220,12 @@ def run_schedule(accelerator, spec: dict, counter) -> dict:
     result["plan"] = {"mode": handle.plan().mode, "held": [u.name for u in handle.plan().held], "units": units,
                       "held_collectives": held}  # fmt: skip
     result["expected_reduce_scatters"] = expected_reduce_scatters(spec, units, held)
-    try:
-        from accel_gradsync.estimate import collectives_per_step
+    from accel_gradsync.policies import collectives_per_step  # what the estimate counts with
 
-        windows = [p["c"] + 1 for p in positions(spec) if p["final"] and p["raise"] is None]
-        result["estimated_reduce_scatters"] = [collectives_per_step(handle.plan(), est_adapter, m)[0] for m in windows]
-    except ImportError:
-        result["estimated_reduce_scatters"] = None
+    windows = [p["c"] + 1 for p in positions(spec) if p["final"] and p["raise"] is None]
+    result["estimated_reduce_scatters"] = [
+        collectives_per_step(handle.plan(), est_adapter.units, est_adapter.hsdp, m)[0] for m in windows
+    ]
 
     order = positions(spec)
     steps, aborts, syncs_as_planned, flags_inside, flags_between = [], [], [], [], []

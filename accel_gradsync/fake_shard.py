@@ -1,0 +1,143 @@
+"""Shard a meta-device model as `accelerate.Accelerator.prepare` would, in a fake process group.
+
+The estimate (estimate.py) needs the FSDP units a launched run will have: which modules are
+grouped, their dtypes, how shards are padded, which units reshard after forward. Rather than
+re-implement any of that, this module runs the real code on a model without storage:
+
+- `fake_world(n)`: torch's "fake" backend gives this one process a default process group of `n`
+  ranks (it is rank 0) whose collectives do nothing. It is destroyed on exit, so a real process
+  group can be initialised later in the same process. A process that already has one is refused:
+  the fake world would have to replace its default group (run `accel-gradsync estimate`, its own
+  process, or call `estimate()` before `init_process_group`).
+- FSDP2: accelerate's own `fsdp2_prepare_model` (its wrap policy, its carving of the input
+  embedding and of the [final norm, lm_head] group, its root call, its fp32 upcast) calls torch's
+  `fully_shard` on the meta-device model; the DTensor shards stay on the meta device.
+- FSDP1: `FullyShardedDataParallel` with the plugin's wrap policy and the keyword arguments
+  `Accelerator.prepare_model` passes. FSDP1 cannot keep parameters on the meta device (it
+  requires the parameters' device to match its compute device), so, as accelerate does for a
+  meta model, a `param_init_fn` materialises each module, here as fake tensors (FakeTensorMode:
+  shapes and dtypes, no storage), and accelerate's `ensure_weights_retied` keeps tied weights tied.
+
+What is not accelerate's own code, and why: `_PreparingAccelerator` carries the few attributes of
+an `Accelerator` that `fsdp2_prepare_model` reads (a real `Accelerator` would initialise
+accelerate's process-wide state and need the launch environment); the FSDP1 keyword arguments
+and accelerate's fp32 upcast of mixed-precision parameters are written out here because
+accelerate keeps them inline in `Accelerator.prepare_model`, not in a function. The mesh is a CPU
+mesh whatever the machine has: a unit's sizes and dtypes do not depend on the device type, and
+the estimate should not touch a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import warnings
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+_CPU = torch.device("cpu")
+
+
+@contextlib.contextmanager
+def fake_world(world_size: int) -> Iterator[None]:
+    """A default process group of `world_size` ranks whose collectives do nothing, for the block."""
+    if dist.is_initialized():
+        raise ValueError(
+            "the estimate shards the model in a fake process group of the planned world size, and this "
+            "process already has a torch.distributed process group; run `accel-gradsync estimate` in its "
+            "own process, or call estimate() before init_process_group."
+        )
+    excepthook = sys.excepthook  # init_process_group replaces it for good (a "[rank0]:" prefix)
+    dist.init_process_group("fake", rank=0, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        sys.excepthook = excepthook
+
+
+@dataclass
+class _PreparingAccelerator:
+    """What `accelerate.utils.fsdp2_prepare_model` reads of an `Accelerator`."""
+
+    fsdp_plugin: Any
+    torch_device_mesh: Any
+    parallelism_config: Any
+    mixed_precision: str
+    is_main_process: bool = False  # accelerate's logger needs its process-wide state: log nothing
+    device: torch.device = torch.device("meta")
+    state: Any = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.state = SimpleNamespace(fsdp_plugin=self.fsdp_plugin)
+
+
+def shard_like_accelerate(
+    model: nn.Module, plugin: Any, mixed_precision: str, replicate_size: int, shard_size: int
+) -> nn.Module:
+    """`model` (on the meta device) wrapped as `Accelerator.prepare` wraps it with `plugin` (an
+    `accelerate.utils.FullyShardedDataParallelPlugin` whose mixed precision is already set), on
+    a `replicate_size` x `shard_size` mesh (FSDP2; FSDP1 shards over the whole world). Must run
+    inside `fake_world`; the model is modified in place."""
+    if plugin.fsdp_version == 2:
+        return _shard_fsdp2(model, plugin, mixed_precision, replicate_size, shard_size)
+    return _shard_fsdp1(model, plugin, mixed_precision)
+
+
+def _shard_fsdp2(
+    model: nn.Module, plugin: Any, mixed_precision: str, replicate_size: int, shard_size: int
+) -> nn.Module:
+    from accelerate import ParallelismConfig
+    from accelerate.utils import fsdp2_prepare_model
+
+    # Always accelerate's mesh for a parallelism_config, also for a config without one (where a
+    # launch lets fully_shard build its default 1-D mesh over the world: the same shards, but on
+    # the GPU where there is one).
+    parallelism = ParallelismConfig(dp_replicate_size=replicate_size, dp_shard_size=shard_size)
+    mesh = parallelism.build_device_mesh("cpu")
+    accelerator = _PreparingAccelerator(plugin, mesh, parallelism, mixed_precision)
+    try:
+        with warnings.catch_warnings():
+            # accelerate slices its own flattened mesh (a launched run warns the same); not the user's to fix.
+            warnings.filterwarnings("ignore", message="Slicing a flattened dim", category=UserWarning)
+            return fsdp2_prepare_model(accelerator, model)
+    except AttributeError as err:
+        if not isinstance(getattr(err, "obj", None), (_PreparingAccelerator, SimpleNamespace)):
+            raise
+        raise RuntimeError(
+            f"accelerate's fsdp2_prepare_model reads more of the Accelerator than the estimate gives it ({err}); "
+            "this accelerate release is newer than accel_gradsync knows (see constraints.txt)."
+        ) from err
+
+
+def _shard_fsdp1(model: nn.Module, plugin: Any, mixed_precision: str) -> nn.Module:
+    from accelerate.utils import ensure_weights_retied
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    if mixed_precision != "no":
+        # accelerate upcasts FSDP1's flat parameters to fp32 after wrapping; upcasting the
+        # originals before gives the same flat parameters.
+        for p in model.parameters():
+            if p.requires_grad and p.dtype != torch.float32:
+                p.data = p.data.to(torch.float32)
+
+    def materialise(module: nn.Module) -> nn.Module:
+        return module.to_empty(device=_CPU, recurse=False)
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        return FullyShardedDataParallel(
+            model,
+            sharding_strategy=plugin.sharding_strategy or plugin.reshard_after_forward,
+            auto_wrap_policy=plugin.auto_wrap_policy,
+            mixed_precision=plugin.mixed_precision_policy,
+            use_orig_params=plugin.use_orig_params,
+            limit_all_gathers=plugin.limit_all_gathers,
+            param_init_fn=ensure_weights_retied(materialise, model, _CPU),
+            device_id=_CPU,
+        )
