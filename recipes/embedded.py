@@ -2,13 +2,14 @@
 a character-level tokenizer built with `tokenizers`, a tiny Qwen2-style causal LM with random
 weights, a prompt dataset of additions with verifiable answers, and the reward functions.
 
-The rewards give partial credit (digits, short answers, near misses) because a randomly
-initialised model almost never emits an exact answer: without a graded signal every completion
-of a group scores the same and GRPO's advantages are all zero. From random weights, though, GRPO
-learns the format and then collapses onto one number printed for every prompt (every completion
-of a group scores the same again, and the gradient is zero). So `warm_up` first gives the model
-a few seconds of supervised training on other sums: it answers with a number, right about one
-time in five, and GRPO has something to sharpen.
+From random weights GRPO learns the format and then collapses onto one number printed for every
+prompt (every completion of a group scores the same, and the gradient is zero). So `warm_up`
+first gives the model two seconds of supervised training: short enough that it leaves most of
+the task to GRPO. The warmed-up model knows more than it samples: greedy decoding gets about
+two sums in three right, sampling at temperature 1 (what GRPO does) about one in three. GRPO
+sharpens the sampled policy towards what the model knows, so the accuracy reward, which counts
+exact answers only, rises over the run (about 0.32 to 0.47 in the default run). Single-digit
+operands (100 sums) keep that within reach of 500 steps of 4 prompts each.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ def build_model(tokenizer: PreTrainedTokenizerFast) -> Qwen2ForCausalLM:
     return Qwen2ForCausalLM(config)
 
 
-def build_dataset(n: int = 2000, max_operand: int = 20, seed: int = 0) -> Dataset:
+def build_dataset(n: int = 2000, max_operand: int = 9, seed: int = 0) -> Dataset:
     """`a+b=` prompts with the sum as answer; the columns every dataset given to the recipe needs."""
     rng = random.Random(seed)
     pairs = [(rng.randint(0, max_operand), rng.randint(0, max_operand)) for _ in range(n)]
@@ -69,9 +70,10 @@ def build_dataset(n: int = 2000, max_operand: int = 20, seed: int = 0) -> Datase
 
 
 def warm_up(model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerFast, steps: int, seed: int = 1) -> float:
-    """Supervised training on `a+b=sum<eos>` texts from a dataset of other sums (seed `seed`),
-    batches of 64, AdamW: 200 steps take about 3 s on one core and leave the tiny model right
-    about 20% of the time when sampling. Deterministic: every rank computes the same weights.
+    """Supervised training on `a+b=sum<eos>` texts (another draw of the prompts, seed `seed`),
+    batches of 64, AdamW: 100 steps take about 2 s on one core and leave the tiny model right
+    about a third of the time when sampling (two thirds greedily); 200 steps would solve the
+    task and leave GRPO nothing to learn. Deterministic: every rank computes the same weights.
     Returns the last loss."""
     data = build_dataset(seed=seed)
     texts = [p + a for p, a in zip(data["prompt"], data["answer"])]
@@ -110,16 +112,13 @@ def _last_int(text: str):
 
 def accuracy_reward(completions: list, answer: list, **kwargs: Any) -> list[float]:
     """1 for the right number (the last integer in the completion vs. in `answer`, so GSM8K's
-    `#### 72` works too), up to 0.5 for a near miss, 0 without any number."""
+    `#### 72` works too), else 0. No credit for near misses: then its logged mean is the share of
+    right answers, and a run that learns shows it (partial credit kept that mean near 0.6 whatever
+    the model did)."""
     rewards = []
     for completion, ans in zip(completions, answer):
         pred, target = _last_int(_text(completion)), _last_int(str(ans))
-        if pred is None or target is None:
-            rewards.append(0.0)
-        elif pred == target:
-            rewards.append(1.0)
-        else:
-            rewards.append(0.5 * max(0.0, 1.0 - abs(pred - target) / (abs(target) + 10)))
+        rewards.append(1.0 if pred is not None and pred == target else 0.0)
     return rewards
 
 

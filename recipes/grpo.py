@@ -64,9 +64,9 @@ class GRPOScriptArguments(ScriptArguments):
         metadata={"help": "Dataset column holding the reference answer (its last integer is the target)."},
     )
     sft_warmup_steps: int = field(
-        default=200,
-        metadata={"help": "Supervised warm-up steps of the built-in tiny model before GRPO (about 3 s for "
-                          "200; 0: start GRPO from random weights). Ignored with --model_name_or_path."},
+        default=100,
+        metadata={"help": "Supervised warm-up steps of the built-in tiny model before GRPO (about 2 s for "
+                          "100; 0: start GRPO from random weights). Ignored with --model_name_or_path."},
     )
     reward_funcs: list[str] = field(
         default_factory=lambda: ["accuracy", "format"],
