@@ -4,7 +4,8 @@ its last forward, count every micro-batch, and drop the window's gradients when 
 Both `Accelerator.accumulate()` and the Trainer enter `no_sync(model)` on every micro-batch but
 the last, so `Window.no_sync` sees each held micro-batch; a forward pre-hook on each bound model
 sees every micro-batch that runs with gradients, the last one included. This runs once per
-micro-batch: dict lookups and integer additions, no collective and no device read.
+micro-batch, so it keeps to dict lookups and integer additions; its only collective is `auto`'s
+one all-reduce per window (replan.py), and held bytes are read from tensor sizes once per window.
 """
 
 from __future__ import annotations
