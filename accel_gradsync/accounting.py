@@ -8,12 +8,11 @@ one whole-model all-reduce pass (which DDP splits into buckets of its own choosi
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 
-if TYPE_CHECKING:
-    from .fsdp import Unit
+from .units import Unit
 
 
 def retained_grad_dtype(
@@ -102,7 +101,7 @@ class SyncAccounting:
     last_step: StepCounts = field(default_factory=StepCounts)
 
     def record_micro_batch(
-        self, units: Sequence["Unit"], held: Sequence["Unit"], hold: str, ends_step: bool
+        self, units: Sequence[Unit], held: Sequence[Unit], hold: str, ends_step: bool
     ) -> None:
         """Count one micro-batch over `units` whose backward holds the sync of `held`: all of
         it (`gradient_sync`), or on HSDP only the cross-replica `all_reduce`."""

@@ -1,8 +1,8 @@
 """Sync policies: which FSDP units hold their gradient sync on a micro-batch that is not the last.
 
 One subclass per mode, as torchtitan does for its activation-checkpointing modes. A policy
-only decides, once per model and before the first step, producing a `Plan`; `fsdp.py`
-applies it and `integration.py` calls both. The final micro-batch of every optimizer step
+only decides, once per model and before the first step, producing a `Plan`; `bind.py` asks
+for it and `window.py` applies it through `fsdp.py` on every micro-batch. The final micro-batch of every optimizer step
 always syncs every unit, whatever the plan says.
 """
 

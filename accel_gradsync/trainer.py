@@ -3,12 +3,12 @@ counters into every log so they reach TensorBoard/W&B through `report_to`."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Callable
 
+from torch import nn
 from transformers import TrainerCallback
 
-if TYPE_CHECKING:
-    from .integration import GradSyncHandle
+from .config import GradSyncConfig
 
 LOG_PREFIX = "grad_sync/"
 # The per-step counters a log line carries by default: log key -> stats() key.
@@ -39,18 +39,25 @@ def log_counters(stats: dict, everything: bool = False) -> dict:
 
 
 class GradSyncCallback(TrainerCallback):
-    def __init__(self, handle: "GradSyncHandle") -> None:
-        self.handle = handle
+    """Binds `trainer`'s wrapped model at train start and logs `stats()` under `grad_sync/`."""
+
+    def __init__(
+        self, trainer: Any, bind: Callable[[nn.Module], object], stats: Callable[[], dict], config: GradSyncConfig
+    ) -> None:
+        self.trainer = trainer
+        self.bind = bind
+        self.stats = stats
+        self.config = config
 
     def on_train_begin(self, args, state, control, **kwargs: Any):
         # `accelerator.prepare` ran just before this event; `model_wrapped` is what
         # the Trainer passes to `accelerator.no_sync` on every micro-batch.
-        self.handle.bind(self.handle._trainer.model_wrapped)
+        self.bind(self.trainer.model_wrapped)
 
     def on_log(self, args, state, control, logs=None, **kwargs: Any):
         if logs is None:
             return
-        counters = log_counters(self.handle.stats(), self.handle.config.log_all_counters)
+        counters = log_counters(self.stats(), self.config.log_all_counters)
         logs.update(counters)  # what the reporting callbacks after us send to report_to
         if state.log_history:
             state.log_history[-1].update(counters)  # the Trainer recorded this entry just before

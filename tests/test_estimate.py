@@ -27,9 +27,9 @@ from accel_gradsync.estimate import (
     load_model_config,
     read_accelerate_config,
 )
+from accel_gradsync.decision import describe_decision
 from accel_gradsync.fake_shard import fake_world
 from accel_gradsync.fsdp import FSDP1Adapter, FSDP2Adapter
-from accel_gradsync.integration import describe_decision
 from accel_gradsync.policies import POLICIES
 
 # Every row uses every setting; the config's "ignored in this sync mode" notes do not apply.

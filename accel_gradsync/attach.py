@@ -1,0 +1,137 @@
+"""`attach()`: put a sync policy behind an Accelerator's `accumulate()` / `no_sync()`, or a Trainer's.
+
+Everything that can be refused is refused here, before any training step: a target that is
+neither, a second attach, an accelerate config that would train unsharded or sync every
+micro-batch anyway, a `reduce_dtype` that comes after the model was wrapped. `reduce_dtype` is
+written into the FSDP plugin's `mixed_precision_policy` field (the public dataclass field
+accelerate builds `fully_shard` from) before prepare. The handle then binds each prepared model
+(bind.py) and the accelerator's subclass (accelerator_hook.py) routes every micro-batch to the
+window (window.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import warnings
+from typing import Any, Optional
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DistributedType
+
+from .accelerator_hook import is_hooked
+from .config import GradSyncConfig
+from .cpu import fsdp_requested
+from .errors import GradSyncWarning
+from .handle import GradSyncHandle
+from .memory import MemoryProbe
+from .policies import SyncPolicy
+from .teardown import install_exit_guard
+from .versions import warn_if_untested_torch
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def attach(
+    target: Any, config: Optional[GradSyncConfig] = None, *, memory_probe: Optional[MemoryProbe] = None
+) -> GradSyncHandle:
+    """Make `target`'s `accumulate()` / `no_sync()` follow `config` (default: `GradSyncConfig()`).
+
+    `target` is an `accelerate.Accelerator` (before or after `prepare`; with a `reduce_dtype`
+    other than auto, before) or a `transformers.Trainer` (any TRL trainer) before `train()`.
+    Returns a handle with `stats()` and `detach()`; it is also a context manager.
+    `memory_probe` replaces the device's memory readings that `auto` plans from (tests, dry
+    runs: `accel_gradsync.memory.ScriptedMemoryProbe`).
+    """
+    config = GradSyncConfig() if config is None else config
+    if not isinstance(config, GradSyncConfig):
+        raise TypeError(f"attach(config=...) takes a GradSyncConfig, got {type(config).__name__}.")
+    warn_if_untested_torch()  # fsdp.check_fsdp2_internals raises at bind if an attribute it reads is gone
+    accelerator, trainer = _resolve_target(target)
+    if is_hooked(accelerator):
+        raise ValueError(
+            "accel_gradsync.attach() was already called on this accelerator; call `.detach()` on the "
+            "handle it returned before attaching again."
+        )
+    handle = GradSyncHandle(accelerator, config, trainer, memory_probe)
+    _check_accelerate_config(accelerator, handle.policy)
+    install_exit_guard()  # gloo's workers must be done before the interpreter exits (teardown.py)
+    reason = _reason_not_applicable(accelerator)
+    if reason is not None:
+        warnings.warn(f"accel_gradsync: {reason}; attach() does nothing.", GradSyncWarning, stacklevel=2)
+        return handle
+    models = list(getattr(accelerator, "_models", [])) if trainer is None else []
+    _apply_reduce_dtype(accelerator, config, already_prepared=bool(models))
+    handle._connect(models)
+    return handle
+
+
+def _resolve_target(target: Any) -> tuple[Accelerator, Any]:
+    if isinstance(target, Accelerator):
+        return target, None
+    accelerator = getattr(target, "accelerator", None)
+    if isinstance(accelerator, Accelerator) and hasattr(target, "add_callback"):
+        return accelerator, target  # a transformers.Trainer or any subclass (TRL trainers)
+    raise TypeError(
+        f"accel_gradsync.attach() takes an accelerate.Accelerator or a transformers.Trainer, got "
+        f"{type(target).__module__}.{type(target).__name__}."
+    )
+
+
+def _reason_not_applicable(accelerator: Accelerator) -> Optional[str]:
+    if accelerator.num_processes < 2:
+        return "single process, so there is no gradient sync to schedule"
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        stage = getattr(accelerator.state.deepspeed_plugin, "zero_stage", "?")
+        return (
+            f"DeepSpeed (ZeRO stage {stage}) reduces gradients itself (ZeRO>=2 after every "
+            "micro-batch), so the sync mode cannot be chosen"
+        )
+    return None
+
+
+def _check_accelerate_config(accelerator: Accelerator, policy: SyncPolicy) -> None:
+    launched_processes = int(os.environ.get("WORLD_SIZE", "1"))
+    if fsdp_requested() and launched_processes > 1 and accelerator.distributed_type != DistributedType.FSDP:
+        raise ValueError(
+            f"The accelerate config asks for FSDP (ACCELERATE_USE_FSDP=true) on {launched_processes} "
+            f"processes but accelerate runs distributed_type={accelerator.distributed_type} with "
+            f"{accelerator.num_processes} process(es), so the model would train unsharded. On a "
+            "machine without GPU/NPU call accel_gradsync.enable_cpu_fsdp() before building the "
+            "Accelerator/Trainer, and give the Trainer "
+            "`accelerator_config={'use_configured_state': True}`."
+        )
+    sync_each_batch = accelerator.gradient_state.plugin_kwargs.get("sync_each_batch", False)
+    if policy.name != "per_micro_batch" and sync_each_batch:
+        raise ValueError(
+            f"GradSyncConfig selects sync mode {policy.name!r} but accelerate's "
+            "GradientAccumulationPlugin(sync_each_batch=True) syncs every micro-batch. Drop "
+            "sync_each_batch (in a Trainer: accelerator_config.gradient_accumulation_kwargs), or "
+            "use sync mode 'per_micro_batch' (GradSyncConfig(defer=False))."
+        )
+
+
+def _apply_reduce_dtype(accelerator: Accelerator, config: GradSyncConfig, already_prepared: bool) -> None:
+    if config.reduce_dtype == "auto":
+        return
+    plugin = getattr(accelerator.state, "fsdp_plugin", None)
+    if plugin is None:
+        warnings.warn(
+            f"accel_gradsync: reduce_dtype={config.reduce_dtype!r} is ignored: it sets the FSDP "
+            "mixed-precision policy and this run does not use FSDP.",
+            GradSyncWarning,
+            stacklevel=3,
+        )
+        return
+    if already_prepared:
+        raise ValueError(
+            f"GradSyncConfig.reduce_dtype={config.reduce_dtype!r} must reach FSDP before the model "
+            "is wrapped: call accel_gradsync.attach(accelerator, config) before accelerator.prepare(...)."
+        )
+    from torch.distributed.fsdp import MixedPrecision, MixedPrecisionPolicy
+
+    policy = plugin.mixed_precision_policy
+    if policy is None:
+        policy = MixedPrecisionPolicy() if plugin.fsdp_version == 2 else MixedPrecision()
+    plugin.mixed_precision_policy = dataclasses.replace(policy, reduce_dtype=_DTYPES[config.reduce_dtype])

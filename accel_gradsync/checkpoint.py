@@ -1,0 +1,59 @@
+"""Gradients of a window in progress, saved with and restored from accelerate's checkpoints.
+
+accelerate's `save_state` holds no gradients, which is right at an optimizer step but loses the
+micro-batches of a window saved mid-way, held ones included. Its save/load pre-hooks let this
+rank write its gradients (wherever the wrapper keeps them) next to the checkpoint and put them
+back at the next micro-batch, so a resumed run finishes the window exactly.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+from .state import Attachment
+
+
+class GradCheckpoint:
+    """accelerate's save/load pre-hooks for one `attach()`, and gradients loaded but not yet put back."""
+
+    def __init__(self, state: Attachment) -> None:
+        self.state = state
+        self.pending: Optional[list] = None
+        """Loaded gradients, put back at the next micro-batch's forward (`restore`)."""
+
+    def on_save_state(self, models: list, weights: list, output_dir: str) -> None:
+        """Mid-window, save this rank's (held or sharded) gradients next to the checkpoint."""
+        path = self._path(output_dir)
+        done = max((b.account.current.micro_batches for b in self.state.bound.values()), default=0)
+        grads = [a.grad_state() for a in self.state.adapters.values() if a is not None] if done else []
+        if done and all(g is not None for g in grads):
+            torch.save(grads, path)
+            return
+        if os.path.exists(path):
+            os.remove(path)  # a boundary checkpoint over an older mid-window one
+        if done:
+            self.state.warn_once(
+                "save_state",
+                f"accel_gradsync: save_state() after {done} of {self.state.micro_batches_per_step} micro-batches "
+                "of an accumulation window: accelerate's checkpoint holds no gradients and FSDP1's cannot be put "
+                "back, so a run resumed from it loses those micro-batches. Save after the optimizer step "
+                "(when accelerator.sync_gradients is True) for an exact resume.",
+            )
+
+    def on_load_state(self, models: list, input_dir: str) -> None:
+        path = self._path(input_dir)
+        # Put back at the next micro-batch, once load_state has restored the parameters.
+        self.pending = torch.load(path, weights_only=True) if os.path.exists(path) else None
+
+    def restore(self) -> None:
+        """Put the loaded gradients back, model by model in bind order (as they were saved)."""
+        adapters = [a for a in self.state.adapters.values() if a is not None]
+        for adapter, grads in zip(adapters, self.pending):
+            adapter.load_grad_state(grads)
+        self.pending = None
+
+    def _path(self, directory: str) -> str:
+        return os.path.join(directory, f"accel_gradsync_grads_rank{self.state.accelerator.process_index}.pt")

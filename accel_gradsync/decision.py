@@ -1,0 +1,77 @@
+"""What a plan is told as: the one decision line printed per model at bind and at every plan
+change, and the warnings a plan earns once, when it is made.
+
+The line states the costs the plan implies (collectives per optimizer step, bytes held) with
+policies.py's counting functions, which `accel-gradsync estimate` uses too, so the two agree.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+from .config import GradSyncConfig
+from .errors import GradSyncWarning
+from .fsdp import ModelAdapter
+from .policies import ALL_REDUCE, Plan, all_gathers_per_step, collectives_per_step, format_bytes
+
+
+def describe_decision(plan: Plan, adapter: ModelAdapter, micro_batches: int) -> str:
+    """One line: the mode, each unit's level, the collectives per optimizer step it implies and
+    what it holds, gradients and params apart."""
+    m = micro_batches
+    plan = plan.over(m)
+    rs, ar = collectives_per_step(plan, adapter.units, adapter.hsdp, m)
+    every = sum(u.collectives for u in adapter.units) * m
+    if adapter.collective == "all_reduce":
+        cost = f"{rs} all-reduces/step instead of {every}"  # DDP: whole-model passes, bucketed
+    else:
+        ag, _ = all_gathers_per_step(plan, adapter, m)
+        every_ag, _ = all_gathers_per_step(Plan("per_micro_batch"), adapter, m)
+        if adapter.hsdp:
+            cost = f"{rs} reduce-scatters, {ar} all-reduces and {ag} all-gathers/step instead of {every}, {every} and {every_ag}"
+        else:
+            cost = f"{rs} reduce-scatters and {ag} all-gathers/step instead of {every} and {every_ag}"
+    levels = [plan.level(u) for u in adapter.units]
+    counts = ", ".join(f"{levels.count(lv)} {lv.replace('_', '-')}" for lv in _LEVELS[plan.hold] if lv in levels)
+    line = f"grad sync: {plan.mode} over {m} micro-batch{'es' if m != 1 else ''} on {adapter.kind} ({counts}) -> {cost}"
+    if plan.held:
+        dtype = str(plan.held[0].held_dtype).removeprefix("torch.")
+        what = "sharded partial" if plan.hold == ALL_REDUCE else "unsharded"
+        line += f"; holds ~{format_bytes(plan.held_grad_bytes())} {what} {dtype} grads"
+        if plan.windowed:
+            param_dtype = str(plan.windowed[0].compute_dtype).removeprefix("torch.")
+            line += f" + ~{format_bytes(plan.held_param_bytes())} unsharded {param_dtype} params"
+        line += " per rank"
+    if plan.reason:
+        line += f" [{plan.reason}]"
+    return line
+
+
+_LEVELS = {"gradient_sync": ("windowed", "deferred", "per_micro_batch"), ALL_REDUCE: ("defer_all_reduce", "per_micro_batch")}
+
+
+def warn_about_plan(plan: Plan, adapter: ModelAdapter, config: GradSyncConfig, micro_batches: int) -> None:
+    """Warn about what a first plan costs or ignores on this wrapper. The warnings point at the
+    code that called `bind` (`prepare`, the first `no_sync`, or attach)."""
+    if config.keep_params_unsharded and adapter.kind != "fsdp2" and plan.held:
+        instead = {"fsdp1": "FSDP1's nearest equivalent is sharding_strategy SHARD_GRAD_OP",
+                   "ddp": "DDP never shards parameters"}[adapter.kind]  # fmt: skip
+        warnings.warn(
+            f"accel_gradsync: keep_params_unsharded does not apply on {adapter.kind}: it keeps FSDP2 units' "
+            f"parameters unsharded through the accumulation window ({instead}).",
+            GradSyncWarning,
+            stacklevel=4,
+        )
+    if adapter.root_only and plan.held and len(plan.held) != len(adapter.units):
+        raise AssertionError(f"{adapter.kind} can only defer every unit at once")  # policies ensure it
+    wide = [u for u in plan.held if u.held_dtype.itemsize > u.compute_dtype.itemsize]
+    if plan.hold != ALL_REDUCE and wide and micro_batches > 1:
+        extra = sum(u.numel * (u.held_dtype.itemsize - u.compute_dtype.itemsize) for u in wide)
+        warnings.warn(
+            f"accel_gradsync: deferral holds gradients in {wide[0].held_dtype} (the reduce dtype), wider "
+            f"than the {wide[0].compute_dtype} compute dtype: {format_bytes(extra)} more per rank than "
+            f"{wide[0].compute_dtype} would hold. Set reduce_dtype to match the params (or 'auto') to "
+            "halve it, at the cost of reducing in low precision.",
+            GradSyncWarning,
+            stacklevel=4,
+        )

@@ -1,0 +1,127 @@
+"""`GradSyncHandle`: what `attach` returns. A facade over one attach's parts: binding (bind.py),
+the hot path (window.py), mid-window checkpoints (checkpoint.py), the accelerator's subclass
+(accelerator_hook.py) and the Trainer callback (trainer.py); it owns what `detach` undoes."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from accelerate import Accelerator
+from torch import nn
+
+from .accelerator_hook import hook_accelerator, unhook_accelerator
+from .accounting import combined_stats
+from .bind import Binder, wants_binding
+from .checkpoint import GradCheckpoint
+from .config import GradSyncConfig
+from .decision import describe_decision
+from .fsdp import ModelAdapter
+from .memory import MemoryProbe
+from .policies import Plan, SyncPolicy, resolve_policy
+from .state import Attachment, root_of
+from .window import Window
+
+
+class GradSyncHandle:
+    """What `attach` returns: live counters (`stats()`), the plan, and `detach()`."""
+
+    def __init__(
+        self, accelerator: Accelerator, config: GradSyncConfig, trainer: Any = None,
+        memory_probe: Optional[MemoryProbe] = None,
+    ) -> None:  # fmt: skip
+        self.accelerator = accelerator
+        self.config = config
+        self.policy: SyncPolicy = resolve_policy(config)
+        self._state = Attachment(accelerator, config, self.policy, trainer)
+        self._binder = Binder(self._state, memory_probe)
+        self._checkpoint = GradCheckpoint(self._state)
+        self._window = Window(self._state, self.bind, self._checkpoint)
+        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
+        self._callback: Any = None  # trainer.GradSyncCallback, with a Trainer
+        self._original_class: Optional[type] = None
+
+    # -- public ---------------------------------------------------------------------------
+    @property
+    def micro_batches_per_step(self) -> int:
+        """M: micro-batches per optimizer step (the Trainer keeps it outside accelerate)."""
+        return self._state.micro_batches_per_step
+
+    def stats(self) -> dict:
+        """Counters since attach: micro-batches (all and deferred), optimizer steps, unit
+        reduce-scatters / all-reduces issued and skipped, bytes reduced, measured held gradient
+        bytes, each unit's mode; `last_step/*` for the last finished optimizer step."""
+        return combined_stats({b.name: b.account.stats() for b in self._state.bound.values()}, self.policy.name)
+
+    def plan(self, model: Optional[nn.Module] = None) -> Optional[Plan]:
+        """The plan of `model` (default: the first bound model): held units, reason."""
+        bound = self._state.bound
+        if model is not None:
+            return bound[id(root_of(model))].plan if id(root_of(model)) in bound else None
+        return next((b.plan for b in bound.values()), None)
+
+    def units(self, model: Optional[nn.Module] = None) -> list:
+        """The units (`accel_gradsync.units.Unit`) of `model` (default: the first bound model)."""
+        key = id(root_of(model)) if model is not None else next(iter(self._state.bound), None)
+        adapter = self._state.adapters.get(key)
+        return list(adapter.units) if adapter is not None else []
+
+    def describe(self) -> str:
+        """The decision line printed at start, e.g. `grad sync: deferred over 4 micro-batches ...`."""
+        bound = next(iter(self._state.bound.values()), None)
+        if bound is None:
+            return f"grad sync: {self.policy.name} (no FSDP/DDP model bound yet)"
+        return describe_decision(bound.plan, bound.adapter, self.micro_batches_per_step)
+
+    def bind(self, model: nn.Module) -> Optional[ModelAdapter]:
+        """Inspect a prepared model once: its wrapper and units, the plan, the micro-batch counter."""
+        root = root_of(model)
+        if id(root) in self._state.adapters:
+            return self._state.adapters[id(root)]
+        adapter = self._binder.bind(model)
+        if id(root) in self._state.bound:
+            self._hooks.extend(self._window.watch(root))
+        return adapter
+
+    def detach(self) -> None:
+        """Undo `attach`: the accelerator's own `no_sync` again, hooks and callback removed."""
+        if self._original_class is not None:
+            unhook_accelerator(self.accelerator, self._original_class)
+            self._original_class = None
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+        if self._callback is not None:
+            self._state.trainer.remove_callback(self._callback)
+            self._callback = None
+
+    def __enter__(self) -> "GradSyncHandle":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.detach()
+
+    # -- set-up (attach.py) -------------------------------------------------------------------
+    def _connect(self, models: list) -> None:
+        """Bind the models prepared before attach, and put the policy behind the accelerator's
+        `no_sync` / `accumulate` / `prepare`, its checkpoints and the Trainer's events."""
+        accelerator, trainer = self.accelerator, self._state.trainer
+        try:
+            for model in models:
+                if wants_binding(accelerator, model):
+                    self.bind(model)
+        except Exception:
+            self.detach()
+            raise
+        # accelerate's checkpoints hold no gradients: a mid-window one gets them from us.
+        self._hooks.append(accelerator.register_save_state_pre_hook(self._checkpoint.on_save_state))
+        self._hooks.append(accelerator.register_load_state_pre_hook(self._checkpoint.on_load_state))
+        if trainer is not None:
+            from .trainer import GradSyncCallback  # imports transformers: only for a Trainer
+
+            self._callback = GradSyncCallback(trainer, self.bind, self.stats, self.config)
+            # First in line, so the reporting callbacks (TensorBoard, W&B, ...) see our keys.
+            trainer.callback_handler.callbacks.insert(0, self._callback)
+        self._original_class = hook_accelerator(
+            accelerator, self, no_sync=self._window.no_sync, abort=self._window.abort, bind=self.bind
+        )

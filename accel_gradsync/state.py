@@ -1,0 +1,85 @@
+"""What one `attach()` keeps: the accelerator, the config and, per bound model, its adapter, plan
+and counters.
+
+The modules that act on it (bind.py, window.py, checkpoint.py) share this state rather than the
+handle, so none of them imports the handle and the handle stays a facade over them.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from accelerate import Accelerator
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from .accounting import SyncAccounting
+from .config import GradSyncConfig
+from .errors import GradSyncWarning
+from .fsdp import ModelAdapter
+from .policies import Plan, SyncPolicy
+from .replan import MeasuredAuto
+
+
+@dataclass
+class BoundModel:
+    """A prepared model with trainable units: what `bind` found and decided for it."""
+
+    name: str
+    """The user's class name, `#2`-suffixed when another bound model has it (stats() keys)."""
+    adapter: ModelAdapter
+    plan: Plan
+    account: SyncAccounting
+    auto: Optional[MeasuredAuto] = None
+    """`auto` over more than one micro-batch: measures step 1, re-plans at window starts."""
+    auto_read_at: tuple[int, int] = (0, 0)
+    """`window_key()` when `auto` last read a peak: it reads once per window."""
+
+    def __post_init__(self) -> None:
+        self.set_plan(self.plan)
+
+    def set_plan(self, plan: Plan) -> None:
+        """Use `plan` from the next micro-batch on, and show it in the counters."""
+        self.plan = plan
+        self.account.mode = plan.mode
+        self.account.unit_modes = {u.name: plan.level(u) for u in self.adapter.units}
+
+    def window_key(self) -> tuple[int, int]:
+        """Changes when a window ends (an optimizer step, or an aborted accumulation)."""
+        return self.account.optimizer_steps, self.account.aborted_steps
+
+
+@dataclass
+class Attachment:
+    """The accelerator and config of one `attach()`, and every model it has seen, by `id(root_of(model))`."""
+
+    accelerator: Accelerator
+    config: GradSyncConfig
+    policy: SyncPolicy
+    trainer: Any = None
+    adapters: dict[int, Optional[ModelAdapter]] = field(default_factory=dict)
+    """Every model `bind` inspected; None where it is not wrapped (accelerate's no_sync applies)."""
+    bound: dict[int, BoundModel] = field(default_factory=dict)
+    """The models with trainable units, in bind order (the first one is the default of plan())."""
+    warned: set[str] = field(default_factory=set)
+
+    @property
+    def micro_batches_per_step(self) -> int:
+        """M: micro-batches per optimizer step (the Trainer keeps it outside accelerate)."""
+        if self.trainer is not None:
+            return int(self.trainer.args.gradient_accumulation_steps)
+        return int(self.accelerator.gradient_accumulation_steps)
+
+    def warn_once(self, key: str, message: str) -> None:
+        """A warning that would otherwise repeat every micro-batch or checkpoint, once per attach."""
+        if key not in self.warned:
+            self.warned.add(key)
+            warnings.warn(message, GradSyncWarning, stacklevel=4)
+
+
+def root_of(model: nn.Module) -> nn.Module:
+    """The module a model is known by: DDP's inner module (accelerate lists DDP models unwrapped
+    and the forward hooks sit inside DDP's wrapper), else the model itself."""
+    return model.module if isinstance(model, DistributedDataParallel) else model

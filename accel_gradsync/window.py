@@ -1,0 +1,152 @@
+"""The hot path: hold each non-final micro-batch's sync as planned, keep a window's params through
+its last forward, count every micro-batch, and drop the window's gradients when an exception ends it.
+
+Both `Accelerator.accumulate()` and the Trainer enter `no_sync(model)` on every micro-batch but
+the last, so `Window.no_sync` sees each held micro-batch; a forward pre-hook on each bound model
+sees every micro-batch that runs with gradients, the last one included. This runs once per
+micro-batch, so it keeps to dict lookups and integer additions; its only collective is `auto`'s
+one all-reduce per window (replan.py), and held bytes are read from tensor sizes once per window.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+from torch import nn
+
+from .checkpoint import GradCheckpoint
+from .decision import describe_decision
+from .fsdp import ModelAdapter
+from .state import Attachment, BoundModel, root_of
+
+
+class Window:
+    """The accumulation window in progress of every model bound to one `attach()`."""
+
+    def __init__(
+        self, state: Attachment, bind: Callable[[nn.Module], Optional[ModelAdapter]], checkpoint: GradCheckpoint
+    ) -> None:
+        self.state = state
+        self._bind = bind
+        self._checkpoint = checkpoint
+        self._held: dict[int, tuple[list, str]] = {}  # by id(root): (units held, how) during a held micro-batch
+        self._restore_forward: Optional[Callable[[], None]] = None  # flags to put back after the last forward
+
+    def watch(self, root: nn.Module) -> list[torch.utils.hooks.RemovableHandle]:
+        """Count `root`'s micro-batches from its forward (hooks inside DDP's wrapper)."""
+        return [root.register_forward_pre_hook(self.on_forward), root.register_forward_hook(self.after_forward)]
+
+    @contextlib.contextmanager
+    def no_sync(self, model: nn.Module, accelerate_no_sync: Callable) -> Iterator[None]:
+        """Hold what the plan holds through one micro-batch's forward and backward."""
+        adapter = self._bind(model)
+        if adapter is None:
+            with accelerate_no_sync(model):
+                yield
+            return
+        root = root_of(model)
+        bound = self.state.bound.get(id(root))
+        if bound is not None and bound.auto is not None:
+            self._replan(bound)
+        plan = None if bound is None else bound.plan
+        # The micro-batch that ends an optimizer step always syncs, whatever asked for no_sync.
+        if self.state.accelerator.sync_gradients or plan is None or not plan.held:
+            yield
+            return
+        held = plan.held
+        if adapter.root_only:
+            context = accelerate_no_sync(model)
+        else:
+            held = adapter.holdable(plan.held)
+            if len(held) != len(plan.held):
+                self.state.warn_once(
+                    "fallback",
+                    f"accel_gradsync: {len(plan.held) - len(held)} unit(s) sync this micro-batch instead of "
+                    "holding: torch's FSDP2 cannot hold a gradient that must be cast to reduce_dtype for a "
+                    "unit that has not run yet. They hold once they have run; gradients stay exact.",
+                )
+            windowed = [u for u in plan.windowed if any(u is h for h in held)]
+            context = adapter.hold(held, plan.hold, windowed)
+        self._held[id(root)] = (held, plan.hold)
+        try:
+            with context:
+                yield
+            if adapter.even_out_held_grads(held):
+                self.state.warn_once(
+                    "even_out",
+                    "accel_gradsync: some parameters got no gradient in a held micro-batch while others in "
+                    "their unit did; they now hold a zero gradient in the reduce dtype so that a later "
+                    "first gradient reduces correctly (torch's FSDP2 needs one dtype per unit).",
+                )
+        finally:
+            self._held.pop(id(root), None)
+
+    def _replan(self, bound: BoundModel) -> None:
+        """At a window's first micro-batch: read the last step's peak; change the plan if auto says so."""
+        if bound.auto_read_at == bound.window_key():
+            return
+        bound.auto_read_at = bound.window_key()
+        m = self.state.micro_batches_per_step
+        change = bound.auto.at_window_start(bound.adapter, bound.plan, m)
+        bound.account.measured_peaks, bound.account.plan_changes = list(bound.auto.peaks), bound.auto.changes
+        if change is not None:
+            bound.set_plan(change.plan)
+            self.state.accelerator.print(change.message)
+            self.state.accelerator.print(describe_decision(change.plan, bound.adapter, m))
+
+    def on_forward(self, module: nn.Module, args: Any) -> None:
+        """Forward pre-hook: count the micro-batch; before a window's last forward, read the held
+        bytes and keep the windowed params through it."""
+        if not (module.training and torch.is_grad_enabled()):
+            return  # generation, evaluation, or log-prob passes without gradients
+        if self._checkpoint.pending is not None:
+            self._checkpoint.restore()
+        state = self.state
+        ends_step = state.accelerator.sync_gradients
+        if id(module) not in self._held and not ends_step and state.policy.name != "per_micro_batch":
+            # A non-final micro-batch that skipped no_sync: accelerate's shared sync_each_batch was
+            # switched on after attach (by another Accelerator or Trainer in this process).
+            if state.accelerator.gradient_state.plugin_kwargs.get("sync_each_batch", False):
+                state.warn_once(
+                    "sync_each_batch",
+                    f"accel_gradsync: sync mode {state.policy.name!r} is not applied: accelerate's "
+                    "sync_each_batch=True was set after attach() and makes every micro-batch sync.",
+                )
+        held, hold = self._held.get(id(module), ((), ""))
+        bound = state.bound[id(module)]
+        if ends_step and bound.account.current.deferred_micro_batches:
+            # Held gradients only grow through a window: their bytes before its last forward are
+            # its peak, read once per window instead of after every held backward.
+            bound.account.record_held(bound.adapter.held_grad_bytes())
+        if ends_step and bound.plan.windowed:
+            # The window's last forward keeps its params too, so its backward gathers nothing;
+            # the backward then reshards (reshard_after_backward is back to what it was).
+            self.after_forward()
+            self._restore_forward = bound.adapter.keep_params_through_forward(bound.plan.windowed)
+        bound.account.record_micro_batch(bound.adapter.units, held, hold, ends_step=ends_step)
+
+    def after_forward(self, *_: Any) -> None:
+        """Forward hook: the last forward is done; its windowed params reshard after backward again."""
+        if self._restore_forward is not None:
+            self._restore_forward()
+            self._restore_forward = None
+
+    def abort(self) -> None:
+        """An exception (KeyboardInterrupt included) left `accumulate()`: discard the window's
+        gradients, held or not, so none leaks into the next one. Flags were restored on the way
+        out of `no_sync`."""
+        self.after_forward()
+        for key, adapter in self.state.adapters.items():
+            if adapter is not None:
+                adapter.drop_held_grads()
+                if key in self.state.bound:
+                    adapter.reshard(self.state.bound[key].plan.windowed)  # a window's params, gathered for nothing now
+        for bound in self.state.bound.values():
+            bound.account.abort_step()
+        self.state.warn_once(
+            "abort",
+            "accel_gradsync: an exception ended an accumulation window; its gradients were discarded "
+            "and the next accumulate() starts a fresh window of M micro-batches.",
+        )
