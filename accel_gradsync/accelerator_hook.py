@@ -14,7 +14,8 @@ unit on exit instead of restoring their previous state, and cannot hold only som
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from accelerate import Accelerator
 from torch import nn

@@ -7,8 +7,8 @@ one whole-model all-reduce pass (which DDP splits into buckets of its own choosi
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
-from typing import Optional, Sequence
 
 import torch
 
@@ -18,8 +18,8 @@ from .units import Unit
 def retained_grad_dtype(
     wrapper: str,
     param_dtype: torch.dtype,
-    mp_param_dtype: Optional[torch.dtype] = None,
-    mp_reduce_dtype: Optional[torch.dtype] = None,
+    mp_param_dtype: torch.dtype | None = None,
+    mp_reduce_dtype: torch.dtype | None = None,
 ) -> torch.dtype:
     """dtype of the unsharded gradient a unit holds between deferred micro-batches.
 
@@ -38,8 +38,8 @@ def retained_grad_dtype(
 def unit_dtypes(
     wrapper: str,
     param_dtype: torch.dtype,
-    mp_param_dtype: Optional[torch.dtype] = None,
-    mp_reduce_dtype: Optional[torch.dtype] = None,
+    mp_param_dtype: torch.dtype | None = None,
+    mp_reduce_dtype: torch.dtype | None = None,
 ) -> tuple[torch.dtype, torch.dtype, torch.dtype]:
     """(held, reduce, compute) dtypes of one unit's gradient. FSDP2 reduce-scatters what it holds
     (`reduce_dtype`, else the compute dtype); FSDP1 computes and holds in the compute dtype and
@@ -66,7 +66,7 @@ class StepCounts:
     """Unsharded gradient bytes the wrapper held after the last deferred micro-batch, measured
     before the window's last forward."""
 
-    def add(self, other: "StepCounts") -> None:
+    def add(self, other: StepCounts) -> None:
         # Runs on every micro-batch: plain getattr, not asdict (which deep-copies).
         for name in _FLOWS:
             setattr(self, name, getattr(self, name) + getattr(other, name))
@@ -100,9 +100,7 @@ class SyncAccounting:
     current: StepCounts = field(default_factory=StepCounts)
     last_step: StepCounts = field(default_factory=StepCounts)
 
-    def record_micro_batch(
-        self, units: Sequence[Unit], held: Sequence[Unit], hold: str, ends_step: bool
-    ) -> None:
+    def record_micro_batch(self, units: Sequence[Unit], held: Sequence[Unit], hold: str, ends_step: bool) -> None:
         """Count one micro-batch over `units` whose backward holds the sync of `held`: all of
         it (`gradient_sync`), or on HSDP only the cross-replica `all_reduce`."""
         step = StepCounts(micro_batches=1, deferred_micro_batches=int(bool(held)))
@@ -157,8 +155,10 @@ class SyncAccounting:
             "aborted_steps": self.aborted_steps,
             "peak_held_grad_bytes": self.peak_held_grad_bytes,
             "plan_changes": self.plan_changes,
-            **{f"units_{level}": list(self.unit_modes.values()).count(level)
-               for level in ("windowed", "deferred", "per_micro_batch", "defer_all_reduce")},
+            **{
+                f"units_{level}": list(self.unit_modes.values()).count(level)
+                for level in ("windowed", "deferred", "per_micro_batch", "defer_all_reduce")
+            },
             "measured_peaks": list(self.measured_peaks),
             **({"measured_peak_bytes": self.measured_peaks[-1]} if self.measured_peaks else {}),
             **asdict(self.total),
@@ -188,6 +188,8 @@ def combined_stats(per_model: dict[str, dict], mode_selected: str) -> dict:
         out[key] = max(values) if key.removeprefix("last_step/") in _ONCE_PER_WINDOW else sum(values)
     if len(stats) > 1:
         out["mode"] = "+".join(dict.fromkeys(s["mode"] for s in stats))
-        out["unit_modes"] = {f"{name}/{unit}": mode for name, s in per_model.items() for unit, mode in s["unit_modes"].items()}
+        out["unit_modes"] = {
+            f"{name}/{unit}": mode for name, s in per_model.items() for unit, mode in s["unit_modes"].items()
+        }
     out["models"] = per_model
     return out

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import warnings
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from accelerate import Accelerator
@@ -34,7 +34,7 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def attach(
-    target: Any, config: Optional[GradSyncConfig] = None, *, memory_probe: Optional[MemoryProbe] = None
+    target: Any, config: GradSyncConfig | None = None, *, memory_probe: MemoryProbe | None = None
 ) -> GradSyncHandle:
     """Make `target`'s `accumulate()` / `no_sync()` follow `config` (default: `GradSyncConfig()`).
 
@@ -79,7 +79,7 @@ def _resolve_target(target: Any) -> tuple[Accelerator, Any]:
     )
 
 
-def _reason_not_applicable(accelerator: Accelerator) -> Optional[str]:
+def _reason_not_applicable(accelerator: Accelerator) -> str | None:
     if accelerator.num_processes < 2:
         return "single process, so there is no gradient sync to schedule"
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
@@ -134,4 +134,4 @@ def _apply_reduce_dtype(accelerator: Accelerator, config: GradSyncConfig, alread
     policy = plugin.mixed_precision_policy
     if policy is None:
         policy = MixedPrecisionPolicy() if plugin.fsdp_version == 2 else MixedPrecision()
-    plugin.mixed_precision_policy = dataclasses.replace(policy, reduce_dtype=_DTYPES[config.reduce_dtype])
+    plugin.mixed_precision_policy = dataclasses.replace(policy, reduce_dtype=_DTYPES[config.resolved().reduce_dtype])

@@ -10,7 +10,6 @@ keeps applying to it.
 from __future__ import annotations
 
 import warnings
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -37,12 +36,12 @@ class Binder:
     """Binds models into one `Attachment`; keeps what planning reads once per run (free memory,
     the memory probe)."""
 
-    def __init__(self, state: Attachment, probe: Optional[MemoryProbe] = None) -> None:
+    def __init__(self, state: Attachment, probe: MemoryProbe | None = None) -> None:
         self.state = state
         self._probe = probe
-        self._free_memory: Optional[int] = None
+        self._free_memory: int | None = None
 
-    def bind(self, model: nn.Module) -> Optional[ModelAdapter]:
+    def bind(self, model: nn.Module) -> ModelAdapter | None:
         """Adapt, plan and count `model` (not bound before); None where it is not wrapped."""
         state, root = self.state, root_of(model)
         adapter = adapt_model(model)
@@ -71,7 +70,7 @@ class Binder:
             # auto measures step 1 and plans from step 2 on (replan.py).
             if self._probe is None:
                 self._probe = memory_probe(state.accelerator.device, state.config)
-            auto = MeasuredAuto(state.config, self._probe, self._agree_peak)
+            auto = MeasuredAuto(state.config.resolved(), self._probe, self._agree_peak)
             plan = auto.first_plan()
         else:
             plan = state.policy.plan(adapter, self._agreed_free_memory, m)

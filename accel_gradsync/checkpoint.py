@@ -9,7 +9,6 @@ back at the next micro-batch, so a resumed run finishes the window exactly.
 from __future__ import annotations
 
 import os
-from typing import Optional
 
 import torch
 
@@ -21,7 +20,7 @@ class GradCheckpoint:
 
     def __init__(self, state: Attachment) -> None:
         self.state = state
-        self.pending: Optional[list] = None
+        self.pending: list | None = None
         """Loaded gradients, put back at the next micro-batch's forward (`restore`)."""
 
     def on_save_state(self, models: list, weights: list, output_dir: str) -> None:
@@ -51,6 +50,7 @@ class GradCheckpoint:
     def restore(self) -> None:
         """Put the loaded gradients back, model by model in bind order (as they were saved)."""
         adapters = [a for a in self.state.adapters.values() if a is not None]
+        assert self.pending is not None  # called only with gradients loaded
         for adapter, grads in zip(adapters, self.pending):
             adapter.load_grad_state(grads)
         self.pending = None

@@ -11,8 +11,8 @@ import json
 import re
 import sys
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
 
 from transformers import HfArgumentParser
 
@@ -38,10 +38,11 @@ class EstimateArguments:
                   f"or {RECIPE_DEFAULT!r} for the GRPO recipe's embedded tiny Qwen2. Built on the meta device: "
                   "no weights are loaded and no memory is spent."},
     )  # fmt: skip
-    num_processes: Optional[int] = field(
-        default=None, metadata={"help": "Override the config's num_processes, as accelerate launch --num_processes does."}
+    num_processes: int | None = field(
+        default=None,
+        metadata={"help": "Override the config's num_processes, as accelerate launch --num_processes does."},
     )
-    mixed_precision: Optional[str] = field(
+    mixed_precision: str | None = field(
         default=None,
         metadata={"help": "Override the config's mixed_precision, as accelerate launch --mixed_precision does.",
                   "choices": ("no", "fp16", "bf16", "fp8")},
@@ -74,7 +75,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, HfArgumentParser]:
     return parser, estimate_parser
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     argv = _join_negative_values(list(sys.argv[1:] if argv is None else argv))
     parser, estimate_parser = build_parser()
     parser.parse_args(argv)  # --help, a missing or unknown command, bad flags: argparse's own messages

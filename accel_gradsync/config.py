@@ -14,7 +14,7 @@ import os
 import re
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 from .errors import GradSyncWarning
 
@@ -51,6 +51,21 @@ def _flag(name: str, text: str, **argparse: Any) -> Any:
     return field(default=None, metadata={"help": _help(name, text), "aliases": aliases, **argparse})
 
 
+@dataclass(frozen=True)
+class ResolvedConfig:
+    """A `GradSyncConfig` once explicit value > environment > default has been applied: every
+    setting has its value (`""`: no budget, measure free memory), so the code that reads it
+    needs no None checks. `GradSyncConfig.resolved()` makes it."""
+
+    sync_mode: str
+    memory_budget: str
+    memory_margin: float
+    free_memory: str
+    keep_params_unsharded: bool
+    reduce_dtype: str
+    log_all_counters: bool
+
+
 @dataclass
 class GradSyncConfig:
     """How gradients are synchronised during gradient accumulation.
@@ -60,7 +75,7 @@ class GradSyncConfig:
     `trl.TrlParser` (`--defer-grad-sync`, or `defer: true` in a recipe YAML).
     """
 
-    defer: Optional[bool] = field(
+    defer: bool | None = field(
         default=None,
         metadata={
             "help": _help(
@@ -76,7 +91,7 @@ class GradSyncConfig:
             "const": True,
         },
     )
-    sync_mode: Optional[str] = _flag(
+    sync_mode: str | None = _flag(
         "sync_mode",
         "Sync mode: per_micro_batch (sync every micro-batch), deferred (sync once per optimizer "
         "step), auto (step 1 syncs every micro-batch and measures its peak memory; then each unit "
@@ -86,25 +101,25 @@ class GradSyncConfig:
         "reduce-scatter every micro-batch, all-reduce across replicas once per step).",
         choices=SYNC_MODES,
     )
-    memory_budget: Optional[str] = _flag(
+    memory_budget: str | None = _flag(
         "memory_budget",
         "Budget mode: gradient bytes each rank may hold unsharded, e.g. 12GiB, 512MiB, 1048576B "
         "(units B, KiB, MiB, GiB), or a fraction of free device memory such as 0.25. Given without "
         "--grad-sync-mode or --defer-grad-sync, it selects budget mode.",
     )
-    memory_margin: Optional[float] = _flag(
+    memory_margin: float | None = _flag(
         "memory_margin",
         "auto mode: fraction of the device's capacity kept back as a safety margin above the "
         "measured peak (0 <= margin < 1).",
         type=float,
     )
-    free_memory: Optional[str] = _flag(
+    free_memory: str | None = _flag(
         "free_memory",
         "Memory per rank to plan with, e.g. 40GiB: auto's capacity instead of the device's (CUDA/NPU "
         "total memory, on CPU the available RAM), and what a fractional budget is a fraction of "
         "instead of measured free memory. Empty: read it from the device.",
     )
-    keep_params_unsharded: Optional[bool] = _flag(
+    keep_params_unsharded: bool | None = _flag(
         "keep_params_unsharded",
         "With deferral (FSDP2), keep each unit's parameters unsharded for the whole accumulation "
         "window: one all-gather per unit per optimizer step instead of up to 2 per micro-batch, at "
@@ -113,14 +128,14 @@ class GradSyncConfig:
         nargs="?",
         const=True,
     )
-    reduce_dtype: Optional[str] = _flag(
+    reduce_dtype: str | None = _flag(
         "reduce_dtype",
         "dtype gradients are reduced in, set on the FSDP mixed-precision policy before the model is "
         "prepared: auto keeps accelerate's choice (the param dtype), fp32 or bf16. FSDP2 holds "
         "deferred gradients in this dtype when it differs from the param dtype (fp32: 4 bytes/param).",
         choices=REDUCE_DTYPES,
     )
-    log_all_counters: Optional[bool] = _flag(
+    log_all_counters: bool | None = _flag(
         "log_all_counters",
         "Trainer logs (console and report_to): every grad_sync/ counter (totals since attach and the "
         "last step's), instead of the few per-step ones: reduce-scatters (HSDP/DDP: all-reduces) "
@@ -178,15 +193,21 @@ class GradSyncConfig:
                     stacklevel=4,
                 )
 
+    def resolved(self) -> ResolvedConfig:
+        """The settings as resolved in `__post_init__`, typed as such."""
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(ResolvedConfig)}
+        assert all(v is not None for v in values.values()), values  # __post_init__ sets every field
+        return ResolvedConfig(**values)
+
     @property
-    def free_memory_bytes(self) -> Optional[int]:
+    def free_memory_bytes(self) -> int | None:
         """`free_memory` in bytes, or None when it is to be measured."""
         return parse_bytes(self.free_memory)[0] if self.free_memory else None
 
     @property
     def mode(self) -> str:
         """Name of the sync policy this config selects (see `accel_gradsync.policies.POLICIES`)."""
-        return self.sync_mode
+        return self.resolved().sync_mode
 
 
 _TRUE = ("1", "true", "yes", "on")
@@ -195,9 +216,7 @@ _UNITS = {"b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 _SIZE = re.compile(r"^\s*(-?[0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
 
 
-def parse_bytes(
-    text: str, source: str = "memory size", fraction_ok: bool = True
-) -> tuple[Optional[int], Optional[float]]:
+def parse_bytes(text: str, source: str = "memory size", fraction_ok: bool = True) -> tuple[int | None, float | None]:
     """`12GiB` -> (bytes, None); `0.25` -> (None, fraction). Raises ValueError otherwise."""
     match = _SIZE.match(str(text))
     unit = match.group(2).lower() if match else ""
@@ -206,7 +225,11 @@ def parse_bytes(
         raise ValueError(
             f"{source}={text!r} is not a memory size{': it must be >= 0' if number < 0 else ''}; use a number "
             "with a unit B, KiB, MiB or GiB "
-            + ("(e.g. 12GiB) or a fraction of free memory between 0 and 1 (e.g. 0.5)." if fraction_ok else "(e.g. 40GiB).")
+            + (
+                "(e.g. 12GiB) or a fraction of free memory between 0 and 1 (e.g. 0.5)."
+                if fraction_ok
+                else "(e.g. 40GiB)."
+            )
         )
     if unit:
         return int(number * _UNITS[unit]), None
@@ -241,9 +264,7 @@ def _coerce(name: str, value: Any, source: str) -> Any:
         value = "" if value is None else str(value).strip()
         fraction_ok = name != "free_memory"  # a fraction of free memory cannot describe free memory
         if value and parse_bytes(value, source, fraction_ok)[1] is not None and not fraction_ok:
-            raise ValueError(
-                f"{source}={value!r} must be an absolute size with a unit (B, KiB, MiB, GiB), e.g. 40GiB."
-            )
+            raise ValueError(f"{source}={value!r} must be an absolute size with a unit (B, KiB, MiB, GiB), e.g. 40GiB.")
         return value
     if name == "memory_margin":
         try:

@@ -28,7 +28,10 @@ def describe_decision(plan: Plan, adapter: ModelAdapter, micro_batches: int) -> 
         ag, _ = all_gathers_per_step(plan, adapter, m)
         every_ag, _ = all_gathers_per_step(Plan("per_micro_batch"), adapter, m)
         if adapter.hsdp:
-            cost = f"{rs} reduce-scatters, {ar} all-reduces and {ag} all-gathers/step instead of {every}, {every} and {every_ag}"
+            cost = (
+                f"{rs} reduce-scatters, {ar} all-reduces and {ag} all-gathers/step "
+                f"instead of {every}, {every} and {every_ag}"
+            )
         else:
             cost = f"{rs} reduce-scatters and {ag} all-gathers/step instead of {every} and {every_ag}"
     levels = [plan.level(u) for u in adapter.units]
@@ -47,7 +50,10 @@ def describe_decision(plan: Plan, adapter: ModelAdapter, micro_batches: int) -> 
     return line
 
 
-_LEVELS = {"gradient_sync": ("windowed", "deferred", "per_micro_batch"), ALL_REDUCE: ("defer_all_reduce", "per_micro_batch")}
+_LEVELS = {
+    "gradient_sync": ("windowed", "deferred", "per_micro_batch"),
+    ALL_REDUCE: ("defer_all_reduce", "per_micro_batch"),
+}
 
 
 def warn_about_plan(plan: Plan, adapter: ModelAdapter, config: GradSyncConfig, micro_batches: int) -> None:

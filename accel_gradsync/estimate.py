@@ -34,7 +34,7 @@ import logging
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any
 
 import torch
 import yaml
@@ -43,7 +43,16 @@ from torch import nn
 from .config import GradSyncConfig
 from .fake_shard import fake_world, shard_like_accelerate
 from .fsdp import ModelAdapter, adapt_model
-from .policies import ALL_REDUCE, POLICIES, DeferredSync, Plan, all_gathers_per_step, collectives_per_step, format_bytes
+from .policies import (
+    ALL_REDUCE,
+    POLICIES,
+    DeferredSync,
+    Plan,
+    SyncPolicy,
+    all_gathers_per_step,
+    collectives_per_step,
+    format_bytes,
+)
 
 RECIPE_DEFAULT = "recipe-default"
 WINDOW_ROW = "deferred+window"
@@ -62,7 +71,7 @@ class FSDPSetup:
     num_processes: int = 1
     mixed_precision: str = "no"
     auto_wrap_policy: str = "NO_WRAP"
-    layer_cls_to_wrap: Optional[tuple[str, ...]] = None
+    layer_cls_to_wrap: tuple[str, ...] | None = None
     """None: the model's `_no_split_modules`, as accelerate does."""
     min_num_params: int = 0
     replicate_size: int = 1
@@ -78,7 +87,7 @@ class FSDPSetup:
 
 
 def read_accelerate_config(
-    source: Union[str, os.PathLike, dict], num_processes: Optional[int] = None, mixed_precision: Optional[str] = None
+    source: str | os.PathLike | dict, num_processes: int | None = None, mixed_precision: str | None = None
 ) -> FSDPSetup:
     """An `FSDPSetup` from an accelerate config file (YAML/JSON) or the same keys as a dict.
     `num_processes` and `mixed_precision` override the file's, as the same flags of
@@ -97,7 +106,9 @@ def read_accelerate_config(
     processes = int(num_processes if num_processes is not None else config.get("num_processes", 1))
     if processes < 1:
         setting = "--num_processes" if num_processes is not None else f"{where}: num_processes"
-        raise ValueError(f"{setting}={processes} is not a number of processes; give at least 1, as for accelerate launch.")
+        raise ValueError(
+            f"{setting}={processes} is not a number of processes; give at least 1, as for accelerate launch."
+        )
     mixed = str(mixed_precision or config.get("mixed_precision", "no")).lower()
     if mixed not in _MIXED_PRECISION:
         raise ValueError(f"{where}: mixed_precision={mixed!r}; valid choices: {', '.join(_MIXED_PRECISION)}.")
@@ -164,7 +175,7 @@ def _load_config_file(path: Path) -> dict:
 
 
 # -- the model, on the meta device -----------------------------------------------------------------
-def load_model_config(spec: Union[str, dict]) -> Any:
+def load_model_config(spec: str | dict) -> Any:
     """A transformers config from `recipe-default` (the GRPO recipe's embedded tiny Qwen2), a dict
     of config keys with `model_type`, a local directory/config.json, or a hub name (online only)."""
     from transformers import AutoConfig
@@ -202,6 +213,7 @@ def _recipe_default_config() -> Any:
             "pass a transformers config name or directory instead."
         )
     spec = importlib.util.spec_from_file_location("accel_gradsync_recipe_embedded", path)
+    assert spec is not None and spec.loader is not None  # a .py file that exists
     embedded = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(embedded)
     tokenizer = embedded.build_tokenizer()
@@ -269,9 +281,10 @@ def accelerate_plugin(setup: FSDPSetup, config: GradSyncConfig, model: nn.Module
         ) from None
     if setup.mixed_precision != "no":
         plugin.set_mixed_precision(setup.mixed_precision)
-    if config.reduce_dtype != "auto":
+    reduce_dtype = config.resolved().reduce_dtype
+    if reduce_dtype != "auto":
         policy = plugin.mixed_precision_policy or (MixedPrecision() if fsdp1 else MixedPrecisionPolicy())
-        plugin.mixed_precision_policy = dataclasses.replace(policy, reduce_dtype=_DTYPES[config.reduce_dtype])
+        plugin.mixed_precision_policy = dataclasses.replace(policy, reduce_dtype=_DTYPES[reduce_dtype])
     return plugin
 
 
@@ -284,7 +297,9 @@ def estimated_adapter(model: nn.Module, setup: FSDPSetup, config: GradSyncConfig
     plugin = accelerate_plugin(setup, config, model)
     with fake_world(setup.num_processes):
         try:
-            wrapped = shard_like_accelerate(model, plugin, setup.mixed_precision, setup.replicate_size, setup.shard_size)
+            wrapped = shard_like_accelerate(
+                model, plugin, setup.mixed_precision, setup.replicate_size, setup.shard_size
+            )
         except (ValueError, KeyError) as err:  # what `accelerate launch` would fail with, at prepare()
             first = str(err).strip().splitlines()[0]  # torch appends the whole module's repr
             raise ValueError(
@@ -293,7 +308,9 @@ def estimated_adapter(model: nn.Module, setup: FSDPSetup, config: GradSyncConfig
                 f"{setup.shard_size} shards), so a launch would fail in prepare() too: {first} Change the wrap "
                 "policy or the parallelism_config."
             ) from None
-        return adapt_model(wrapped)
+        adapter = adapt_model(wrapped)
+        assert adapter is not None  # wrapped by FSDP just above
+        return adapter
 
 
 def sharded_dtype(adapter: ModelAdapter) -> torch.dtype:
@@ -325,7 +342,7 @@ class ModeEstimate:
     all_gathers: int = 0
     """Parameter all-gathers per optimizer step (forward, and backward after a reshard)."""
     all_gather_bytes: int = 0
-    fits: Optional[bool] = None
+    fits: bool | None = None
     """peak_bytes <= free memory x (1 - memory_margin); None without --grad-sync-free-memory."""
     selected: bool = False
 
@@ -342,7 +359,7 @@ class Estimate:
     reduce_dtype: str
     params: int
     units: list[dict] = field(default_factory=list)
-    free_memory: Optional[int] = None
+    free_memory: int | None = None
     modes: list[ModeEstimate] = field(default_factory=list)
 
     def to_dict(self) -> dict:
@@ -401,13 +418,13 @@ def peak_grad_bytes(plan: Plan, adapter: ModelAdapter) -> int:
 
 
 def estimate(
-    model_spec: Union[str, dict],
-    accelerate_config: Union[str, os.PathLike, dict],
+    model_spec: str | dict,
+    accelerate_config: str | os.PathLike | dict,
     micro_batches: int,
-    config: Optional[GradSyncConfig] = None,
-    num_processes: Optional[int] = None,
+    config: GradSyncConfig | None = None,
+    num_processes: int | None = None,
     model_dtype: torch.dtype = torch.float32,
-    mixed_precision: Optional[str] = None,
+    mixed_precision: str | None = None,
 ) -> Estimate:
     """One `ModeEstimate` per mode in `policies.POLICIES`, planned by the runtime's own policies."""
     if micro_batches < 1:
@@ -425,12 +442,13 @@ def estimate(
         replicate_size=setup.replicate_size,
         micro_batches=micro_batches,
         mixed_precision=setup.mixed_precision,
-        reduce_dtype=config.reduce_dtype,
+        reduce_dtype=config.resolved().reduce_dtype,
         params=sum(u.numel for u in adapter.units),
         units=[{"name": u.name or "<root>", "numel": u.numel} for u in adapter.units],
         free_memory=free,
     )
-    for name, policy_cls in [*POLICIES.items(), (WINDOW_ROW, DeferredSync)]:
+    rows: list[tuple[str, type[SyncPolicy]]] = [*POLICIES.items(), (WINDOW_ROW, DeferredSync)]
+    for name, policy_cls in rows:
         windowed = config.sync_mode == "deferred" and config.keep_params_unsharded
         row = ModeEstimate(name, selected=name == ("deferred+window" if windowed else config.sync_mode))
         try:
@@ -456,14 +474,18 @@ def estimate(
         row.peak_bytes = peak_grad_bytes(plan, adapter)
         row.all_gathers, row.all_gather_bytes = all_gathers_per_step(plan, adapter, micro_batches)
         if free is not None:
-            row.fits = row.peak_bytes <= int(free * (1 - config.memory_margin))
+            row.fits = row.peak_bytes <= int(free * (1 - config.resolved().memory_margin))
         result.modes.append(row)
     return result
 
 
 def _plan(
-    policy_cls: type, config: GradSyncConfig, adapter: ModelAdapter, free: Optional[int], micro_batches: int,
-    window: Optional[bool] = None,
+    policy_cls: type[SyncPolicy],
+    config: GradSyncConfig,
+    adapter: ModelAdapter,
+    free: int | None,
+    micro_batches: int,
+    window: bool | None = None,
 ) -> Plan:
     if window and adapter.kind != "fsdp2":
         raise ValueError("keeps FSDP2 units' params unsharded through the window; FSDP1's equivalent is SHARD_GRAD_OP.")
@@ -487,7 +509,11 @@ def _dtype_name(dtype: torch.dtype) -> str:
 # -- output ----------------------------------------------------------------------------------------
 def format_table(est: Estimate) -> str:
     """The human-readable table: a header line, one row per mode, then the n/a reasons."""
-    mesh = f"{est.replicate_size} replicas x {est.shard_size} shards" if est.replicate_size > 1 else f"{est.shard_size} shards"
+    mesh = (
+        f"{est.replicate_size} replicas x {est.shard_size} shards"
+        if est.replicate_size > 1
+        else f"{est.shard_size} shards"
+    )
     lines = [
         f"model {est.model}: {est.params:,} trainable params in {len(est.units)} {est.wrapper} units; "
         f"{est.num_processes} processes ({mesh}); mixed_precision={est.mixed_precision}, "
@@ -507,7 +533,8 @@ def format_table(est: Estimate) -> str:
         fits = "-" if m.fits is None else ("yes" if m.fits else "NO")
         rows.append([name, str(m.reduce_scatters), str(m.all_reduces) if est.replicate_size > 1 else "-",
                      format_bytes(m.send_bytes), format_bytes(m.held_bytes), m.held_dtype or "-",
-                     format_bytes(m.held_param_bytes), format_bytes(m.sharded_bytes), format_bytes(m.peak_bytes), fits, f"{m.all_gathers} ({format_bytes(m.all_gather_bytes)})"])  # fmt: skip
+                     format_bytes(m.held_param_bytes), format_bytes(m.sharded_bytes), format_bytes(m.peak_bytes),
+                     fits, f"{m.all_gathers} ({format_bytes(m.all_gather_bytes)})"])  # fmt: skip
         if m.reason:
             notes.append(f"{m.mode}: {m.reason}")
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]

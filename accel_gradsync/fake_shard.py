@@ -32,9 +32,10 @@ from __future__ import annotations
 import contextlib
 import sys
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist

@@ -17,7 +17,8 @@ an aborted accumulation that `zero_grad` cannot reach).
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterator, Optional, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import cast
 
 import torch
 from torch import nn
@@ -81,7 +82,7 @@ class ModelAdapter:
         elsewhere (FSDP2's unsharded and accumulated gradients, HSDP partial sums)."""
         self.model.zero_grad(set_to_none=True)
 
-    def grad_state(self) -> Optional[list]:
+    def grad_state(self) -> list | None:
         """This rank's gradients of the window in progress, wherever the wrapper keeps them, for
         a mid-window checkpoint; None where the wrapper cannot give them back."""
         return [None if p.grad is None else p.grad.detach().clone() for p in self.model.parameters()]
@@ -131,7 +132,7 @@ class FSDP2Adapter(ModelAdapter):
             # The root keeps its params after forward (FSDP2's lazy init), whatever it was given.
             reshards = name != "" and all(g.post_forward_mesh_info is not None for g in groups)
             units.append(
-                Unit(name, module, numel, len(groups), held_dtype=held, reduce_dtype=reduce,
+                Unit(name, cast(nn.Module, module), numel, len(groups), held_dtype=held, reduce_dtype=reduce,
                      compute_dtype=compute, shard_size=shard,
                      sharded_numel=sum(dim0_shard_numel(p.sharded_param.shape, shard) for p in params),
                      reshards_after_forward=reshards)
@@ -141,7 +142,7 @@ class FSDP2Adapter(ModelAdapter):
     def held_grad_bytes(self) -> int:
         total = 0
         for unit in self.units:
-            for group in _groups(unit.module._get_fsdp_state()):
+            for group in _groups(_fsdp2(unit.module)._get_fsdp_state()):
                 # HSDP with the all-reduce held: the sharded partial sum of the reduce-scatters.
                 partial = group._partial_reduce_output
                 if partial is not None:
@@ -160,7 +161,8 @@ class FSDP2Adapter(ModelAdapter):
         gradient must be cast to `reduce_dtype`: such a unit syncs until it has run once."""
         return [
             u for u in units
-            if u.held_dtype == u.compute_dtype or all(hasattr(p, "_unsharded_param") for p in _fsdp_params(u.module))
+            if u.held_dtype == u.compute_dtype
+            or all(hasattr(p, "_unsharded_param") for p in _fsdp_params(_fsdp2(u.module)))
         ]  # fmt: skip
 
     def even_out_held_grads(self, units: Sequence[Unit]) -> int:
@@ -173,22 +175,26 @@ class FSDP2Adapter(ModelAdapter):
         for unit in units:
             if unit.held_dtype == unit.compute_dtype:
                 continue
-            params = _fsdp_params(unit.module)
+            params = _fsdp_params(_fsdp2(unit.module))
             if not any(p.unsharded_accumulated_grad is not None for p in params):
                 continue
             for p in params:
-                if p.unsharded_accumulated_grad is None and hasattr(p, "_unsharded_param"):
-                    if p._unsharded_param.grad is None and p.sharded_param.requires_grad:
-                        p.unsharded_accumulated_grad = torch.zeros(
-                            p._orig_size, dtype=unit.held_dtype, device=p.sharded_param.device
-                        )
-                        filled += 1
+                if (
+                    p.unsharded_accumulated_grad is None
+                    and hasattr(p, "_unsharded_param")
+                    and p._unsharded_param.grad is None
+                    and p.sharded_param.requires_grad
+                ):
+                    p.unsharded_accumulated_grad = torch.zeros(
+                        p._orig_size, dtype=unit.held_dtype, device=p.sharded_param.device
+                    )
+                    filled += 1
         return filled
 
     def drop_held_grads(self) -> None:
         self.model.zero_grad(set_to_none=True)
         for unit in self.units:
-            for group in _groups(unit.module._get_fsdp_state()):
+            for group in _groups(_fsdp2(unit.module)._get_fsdp_state()):
                 group._partial_reduce_output = None
                 for p in group.fsdp_params:
                     p.unsharded_accumulated_grad = None
@@ -198,7 +204,7 @@ class FSDP2Adapter(ModelAdapter):
     def grad_state(self) -> list:
         state = []
         for unit in self.units:
-            for group in _groups(unit.module._get_fsdp_state()):
+            for group in _groups(_fsdp2(unit.module)._get_fsdp_state()):
                 params = []
                 for p in group.fsdp_params:
                     held = p.unsharded_accumulated_grad
@@ -216,7 +222,7 @@ class FSDP2Adapter(ModelAdapter):
     def load_grad_state(self, state: list) -> None:
         from torch.distributed.tensor import DTensor
 
-        groups = [g for u in self.units for g in _groups(u.module._get_fsdp_state())]
+        groups = [g for u in self.units for g in _groups(_fsdp2(u.module)._get_fsdp_state())]
         assert len(groups) == len(state), "a grad checkpoint from a different model"  # invariant
         for group, (params, partial) in zip(groups, state):
             group._partial_reduce_output = partial
@@ -232,28 +238,26 @@ class FSDP2Adapter(ModelAdapter):
                     )  # fmt: skip
 
     @contextlib.contextmanager
-    def hold(
-        self, units: Sequence[Unit], what: str = "gradient_sync", windowed: Sequence[Unit] = ()
-    ) -> Iterator[None]:
+    def hold(self, units: Sequence[Unit], what: str = "gradient_sync", windowed: Sequence[Unit] = ()) -> Iterator[None]:
         # Each unit gets back exactly the flags it had (not blindly True): one the user switched
         # off stays off, and an exception leaves nothing held. Others are not touched.
-        saved = [(u.module, _sync_flags(u.module)) for u in units]
+        saved = [(_fsdp2(u.module), _sync_flags(_fsdp2(u.module))) for u in units]
         restore_forward = self.keep_params_through_forward(windowed) if windowed else None
         try:
             for u in units:
                 if what == "all_reduce":
-                    u.module.set_requires_all_reduce(False, recurse=False)
+                    _fsdp2(u.module).set_requires_all_reduce(False, recurse=False)
                 else:
-                    u.module.set_requires_gradient_sync(False, recurse=False)
+                    _fsdp2(u.module).set_requires_gradient_sync(False, recurse=False)
             for u in windowed:
                 # Unsharded from this forward until the window's last backward: no all-gather in
                 # this backward nor in the next micro-batch's forward.
-                u.module.set_reshard_after_backward(False, recurse=False)
+                _fsdp2(u.module).set_reshard_after_backward(False, recurse=False)
             yield
         finally:
             if restore_forward is not None:
                 restore_forward()
-            for module, (reduce_grads, all_reduce_grads, reshard) in saved:
+            for module, (reduce_grads, all_reduce_grads, reshard) in saved:  # FSDPModules
                 module.set_requires_gradient_sync(reduce_grads, recurse=False)
                 if all_reduce_grads != reduce_grads:  # the setter above set both to reduce_grads
                     module.set_requires_all_reduce(all_reduce_grads, recurse=False)
@@ -263,12 +267,12 @@ class FSDP2Adapter(ModelAdapter):
     def keep_params_through_forward(self, units: Sequence[Unit]) -> Callable[[], None]:
         # torch's setter cannot express what it replaces (the root's automatic False, or a
         # reshard to a smaller mesh), so the exact previous state is put back directly.
-        states = [u.module._get_fsdp_state() for u in units if u.reshards_after_forward]
+        states = [_fsdp2(u.module)._get_fsdp_state() for u in units if u.reshards_after_forward]
         saved = [(s, s._auto_reshard_after_forward, [g.post_forward_mesh_info for g in _groups(s)])
                  for s in states]  # fmt: skip
         for u in units:
             if u.reshards_after_forward:
-                u.module.set_reshard_after_forward(False, False)  # `recurse` is positional in torch 2.13
+                _fsdp2(u.module).set_reshard_after_forward(False, False)  # `recurse` is positional in torch 2.13
 
         def restore() -> None:
             for state, auto, infos in saved:
@@ -280,7 +284,7 @@ class FSDP2Adapter(ModelAdapter):
 
     def reshard(self, units: Sequence[Unit]) -> None:
         for u in units:
-            u.module.reshard()
+            _fsdp2(u.module).reshard()
 
 
 class FSDP1Adapter(ModelAdapter):
@@ -304,7 +308,9 @@ class FSDP1Adapter(ModelAdapter):
                 shard = handle.world_size if handle.uses_sharded_strategy else 1
                 full_shard = handle._sharding_strategy.name in ("FULL_SHARD", "HYBRID_SHARD")
                 # SHARD_GRAD_OP keeps params unsharded after forward, and under no_sync after backward.
-                self.keeps_params_when_held = self.keeps_params_when_held or handle._sharding_strategy.name == "SHARD_GRAD_OP"
+                self.keeps_params_when_held = (
+                    self.keeps_params_when_held or handle._sharding_strategy.name == "SHARD_GRAD_OP"
+                )
                 units.append(
                     Unit(name, module, numel, 1, held_dtype=held, reduce_dtype=reduce, compute_dtype=compute,
                          shard_size=shard, sharded_numel=-(-numel // shard),
@@ -315,7 +321,7 @@ class FSDP1Adapter(ModelAdapter):
     def drop_held_grads(self) -> None:
         self.model.zero_grad(set_to_none=True)
         for unit in self.units:
-            unit.module._handle.flat_param.grad = None
+            _flat_param(unit).grad = None
 
     def grad_state(self) -> None:
         return None  # FSDP1's flat gradient views cannot be put back from outside
@@ -324,7 +330,7 @@ class FSDP1Adapter(ModelAdapter):
         # Under no_sync FSDP1 leaves the unsharded flat gradient on `flat_param.grad`.
         total = 0
         for unit in self.units:
-            grad = unit.module._handle.flat_param.grad
+            grad = _flat_param(unit).grad
             if grad is not None:
                 total += grad.numel() * grad.element_size()
         return total
@@ -358,7 +364,7 @@ def dim0_shard_numel(shape: Sequence[int], shard_size: int) -> int:
     return -(-shape[0] // shard_size) * rest
 
 
-def adapt_model(model: nn.Module) -> Optional[ModelAdapter]:
+def adapt_model(model: nn.Module) -> ModelAdapter | None:
     """The adapter for a prepared model, or None when it is not wrapped for data parallelism."""
     if isinstance(model, FSDPModule):
         return FSDP2Adapter(model)
@@ -390,15 +396,17 @@ def check_fsdp2_internals(model: nn.Module) -> None:
         if not isinstance(module, FSDPModule):
             continue
         state = module._get_fsdp_state()
+        missing: str | None = None
         if not hasattr(state, "_fsdp_param_groups") and not hasattr(state, "_fsdp_param_group"):
             missing = "FSDPState._fsdp_param_groups"
         else:
             groups = _groups(state)
             if not groups:
                 continue
-            missing = next((f"{kind}.{a}" for kind, obj in (("param group", groups[0]),
-                            ("FSDPParam", groups[0].fsdp_params[0] if groups[0].fsdp_params else None))
-                            if obj is not None for a in _FSDP2_INTERNALS[kind] if not hasattr(obj, a)), None)  # fmt: skip
+            objects = {"param group": groups[0], "FSDPParam": next(iter(groups[0].fsdp_params), None)}
+            gone = [f"{kind}.{a}" for kind, obj in objects.items() if obj is not None
+                    for a in _FSDP2_INTERNALS[kind] if not hasattr(obj, a)]  # fmt: skip
+            missing = gone[0] if gone else None
         if missing is not None:
             raise RuntimeError(
                 f"accel_gradsync reads FSDP2's private {missing}, which torch {torch.__version__} does not "
@@ -406,6 +414,18 @@ def check_fsdp2_internals(model: nn.Module) -> None:
                 "use sync_mode 'per_micro_batch' without attach()."
             )
         return  # one unit tells: every FSDP2 state of a torch release has the same fields
+
+
+def _flat_param(unit: Unit) -> nn.Parameter:
+    """The flat parameter one FSDP1 unit owns (every unit does: `_find_units` keeps only those)."""
+    handle = cast(FSDP1, unit.module)._handle
+    assert handle is not None
+    return handle.flat_param
+
+
+def _fsdp2(module: nn.Module) -> FSDPModule:
+    """A unit's module as what FSDP2 made it (`fully_shard` changes its class to FSDP<cls>)."""
+    return cast(FSDPModule, module)
 
 
 def _groups(state) -> list:

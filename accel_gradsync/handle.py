@@ -4,7 +4,7 @@ the hot path (window.py), mid-window checkpoints (checkpoint.py), the accelerato
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from accelerate import Accelerator
@@ -28,7 +28,7 @@ class GradSyncHandle:
 
     def __init__(
         self, accelerator: Accelerator, config: GradSyncConfig, trainer: Any = None,
-        memory_probe: Optional[MemoryProbe] = None,
+        memory_probe: MemoryProbe | None = None,
     ) -> None:  # fmt: skip
         self.accelerator = accelerator
         self.config = config
@@ -39,7 +39,7 @@ class GradSyncHandle:
         self._window = Window(self._state, self.bind, self._checkpoint)
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         self._callback: Any = None  # trainer.GradSyncCallback, with a Trainer
-        self._original_class: Optional[type] = None
+        self._original_class: type | None = None
 
     # -- public ---------------------------------------------------------------------------
     @property
@@ -53,17 +53,17 @@ class GradSyncHandle:
         bytes, each unit's mode; `last_step/*` for the last finished optimizer step."""
         return combined_stats({b.name: b.account.stats() for b in self._state.bound.values()}, self.policy.name)
 
-    def plan(self, model: Optional[nn.Module] = None) -> Optional[Plan]:
+    def plan(self, model: nn.Module | None = None) -> Plan | None:
         """The plan of `model` (default: the first bound model): held units, reason."""
         bound = self._state.bound
         if model is not None:
             return bound[id(root_of(model))].plan if id(root_of(model)) in bound else None
         return next((b.plan for b in bound.values()), None)
 
-    def units(self, model: Optional[nn.Module] = None) -> list:
+    def units(self, model: nn.Module | None = None) -> list:
         """The units (`accel_gradsync.units.Unit`) of `model` (default: the first bound model)."""
         key = id(root_of(model)) if model is not None else next(iter(self._state.bound), None)
-        adapter = self._state.adapters.get(key)
+        adapter = self._state.adapters.get(key) if key is not None else None
         return list(adapter.units) if adapter is not None else []
 
     def describe(self) -> str:
@@ -73,7 +73,7 @@ class GradSyncHandle:
             return f"grad sync: {self.policy.name} (no FSDP/DDP model bound yet)"
         return describe_decision(bound.plan, bound.adapter, self.micro_batches_per_step)
 
-    def bind(self, model: nn.Module) -> Optional[ModelAdapter]:
+    def bind(self, model: nn.Module) -> ModelAdapter | None:
         """Inspect a prepared model once: its wrapper and units, the plan, the micro-batch counter."""
         root = root_of(model)
         if id(root) in self._state.adapters:
@@ -95,7 +95,7 @@ class GradSyncHandle:
             self._state.trainer.remove_callback(self._callback)
             self._callback = None
 
-    def __enter__(self) -> "GradSyncHandle":
+    def __enter__(self) -> GradSyncHandle:
         return self
 
     def __exit__(self, *exc: Any) -> None:

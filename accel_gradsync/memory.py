@@ -11,7 +11,7 @@ host-side counter read: no device synchronisation.
 from __future__ import annotations
 
 import os
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import psutil
 import torch
@@ -25,7 +25,7 @@ def free_device_memory(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
     if device.type == "npu":
-        return torch.npu.mem_get_info(device)[0]  # torch_npu
+        return torch.npu.mem_get_info(device)[0]  # type: ignore[attr-defined]  # torch_npu adds torch.npu
     return psutil.virtual_memory().available
 
 
@@ -60,7 +60,7 @@ class DeviceMemoryProbe(MemoryProbe):
     """CUDA, or Ascend NPU through torch_npu's same-named calls: the device's total memory, and
     the caching allocator's peak of allocated bytes since a reset."""
 
-    def __init__(self, device: torch.device, capacity: Optional[int] = None) -> None:
+    def __init__(self, device: torch.device, capacity: int | None = None) -> None:
         self.device = device
         self.backend = getattr(torch, device.type)  # torch.cuda, or torch.npu with torch_npu
         self._capacity = capacity if capacity is not None else int(self.backend.mem_get_info(device)[1])
@@ -80,7 +80,7 @@ class CpuMemoryProbe(MemoryProbe):
     this process's resident memory grew above what it was at the reset (Linux VmHWM, reset
     through /proc/self/clear_refs, as the benchmarks measure a step)."""
 
-    def __init__(self, capacity: Optional[int] = None) -> None:
+    def __init__(self, capacity: int | None = None) -> None:
         self._capacity = capacity if capacity is not None else psutil.virtual_memory().available
         self._base = _rss()
 

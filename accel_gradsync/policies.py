@@ -8,8 +8,9 @@ always syncs every unit, whatever the plan says.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from .config import GradSyncConfig, parse_bytes
 from .fsdp import ModelAdapter, Unit
@@ -68,7 +69,7 @@ class Plan:
             return "defer_all_reduce"
         return "windowed" if any(u is unit for u in self.windowed) else "deferred"
 
-    def over(self, micro_batches: int) -> "Plan":
+    def over(self, micro_batches: int) -> Plan:
         """This plan as it plays out over `micro_batches` per optimizer step: with one, every
         micro-batch ends its step and syncs, so a deferring mode holds nothing."""
         if micro_batches > 1 or self.mode == "per_micro_batch":
@@ -122,7 +123,7 @@ class SyncPolicy:
     description: str = ""
 
     def __init__(self, config: GradSyncConfig) -> None:
-        self.config = config
+        self.config = config.resolved()
 
     def plan(self, adapter: ModelAdapter, free_memory: FreeMemory, micro_batches: int) -> Plan:
         raise NotImplementedError
@@ -178,9 +179,16 @@ class BudgetSync(SyncPolicy):
     def plan(self, adapter: ModelAdapter, free_memory: FreeMemory, micro_batches: int) -> Plan:
         self._require_fsdp2(adapter, "per-unit requires_gradient_sync; FSDP1 has only the root's no_sync()")
         absolute, fraction = parse_bytes(self.config.memory_budget, "GradSyncConfig.memory_budget")
-        budget = absolute if absolute is not None else int(fraction * free_memory())
+        if absolute is not None:
+            budget = absolute
+        else:
+            assert fraction is not None  # parse_bytes gives one of the two
+            budget = int(fraction * free_memory())
         plan = choose_levels(self.name, adapter.units, budget, micro_batches, reduce_scatter_cost_of(adapter))
-        plan.reason = f"{_level_counts(plan, adapter.units)} within the {format_bytes(budget)} budget ({format_bytes(plan.held_bytes())} held)"
+        plan.reason = (
+            f"{_level_counts(plan, adapter.units)} within the {format_bytes(budget)} budget "
+            f"({format_bytes(plan.held_bytes())} held)"
+        )
         return plan
 
 
@@ -248,7 +256,10 @@ class AutoSync(SyncPolicy):
     memory, which is what the estimate shows before launch."""
 
     name = "auto"
-    description = "the most communication-saving levels that fit measured memory (FSDP2), else defer_all_reduce (HSDP), else per_micro_batch"
+    description = (
+        "the most communication-saving levels that fit measured memory (FSDP2), "
+        "else defer_all_reduce (HSDP), else per_micro_batch"
+    )
 
     def plan(self, adapter: ModelAdapter, free_memory: FreeMemory, micro_batches: int) -> Plan:
         free = free_memory()

@@ -19,10 +19,10 @@ between windows.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Optional
 
-from .config import GradSyncConfig
+from .config import ResolvedConfig
 from .fsdp import ModelAdapter
 from .memory import MemoryProbe
 from .policies import ALL_REDUCE, Plan, format_bytes, mode_of, plan_within
@@ -47,7 +47,7 @@ class Change:
 class MeasuredAuto:
     """The state of one model's measured `auto` plan."""
 
-    config: GradSyncConfig
+    config: ResolvedConfig
     probe: MemoryProbe
     agree: Agree
     peaks: deque = field(default_factory=lambda: deque(maxlen=KEPT_PEAKS))
@@ -62,7 +62,7 @@ class MeasuredAuto:
         self.probe.reset_peak()
         return Plan("auto", reason="step 1 syncs every micro-batch and measures its peak memory")
 
-    def at_window_start(self, adapter: ModelAdapter, plan: Plan, micro_batches: int) -> Optional[Change]:
+    def at_window_start(self, adapter: ModelAdapter, plan: Plan, micro_batches: int) -> Change | None:
         """Read the step that just ended; return the next window's plan when it changes."""
         peak, capacity = self.agree(self.probe.peak(), self.probe.capacity())
         self.probe.reset_peak()
@@ -98,7 +98,7 @@ class MeasuredAuto:
         return None
 
 
-def fall_back(plan: Plan, adapter: ModelAdapter, overshoot: int) -> Optional[Plan]:
+def fall_back(plan: Plan, adapter: ModelAdapter, overshoot: int) -> Plan | None:
     """`plan` with units one level lower, largest first, until `overshoot` bytes are freed (or
     every unit went one level down); None when nothing can go lower."""
     if plan.hold == ALL_REDUCE:

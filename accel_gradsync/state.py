@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 from accelerate import Accelerator
 from torch import nn
@@ -32,7 +32,7 @@ class BoundModel:
     adapter: ModelAdapter
     plan: Plan
     account: SyncAccounting
-    auto: Optional[MeasuredAuto] = None
+    auto: MeasuredAuto | None = None
     """`auto` over more than one micro-batch: measures step 1, re-plans at window starts."""
     auto_read_at: tuple[int, int] = (0, 0)
     """`window_key()` when `auto` last read a peak: it reads once per window."""
@@ -59,7 +59,7 @@ class Attachment:
     config: GradSyncConfig
     policy: SyncPolicy
     trainer: Any = None
-    adapters: dict[int, Optional[ModelAdapter]] = field(default_factory=dict)
+    adapters: dict[int, ModelAdapter | None] = field(default_factory=dict)
     """Every model `bind` inspected; None where it is not wrapped (accelerate's no_sync applies)."""
     bound: dict[int, BoundModel] = field(default_factory=dict)
     """The models with trainable units, in bind order (the first one is the default of plan())."""

@@ -65,7 +65,7 @@ def wait_for_gloo_workers(deadline_s: float = _DEADLINE_S) -> bool:
 
 def gloo_worker_states() -> list[str]:
     """The scheduler state letter (R running, S sleeping, ...) of each gloo worker thread."""
-    states = []
+    states: list[str] = []
     try:
         tasks = os.listdir("/proc/self/task")
     except OSError:

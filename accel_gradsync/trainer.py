@@ -3,7 +3,8 @@ counters into every log so they reach TensorBoard/W&B through `report_to`."""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from torch import nn
 from transformers import TrainerCallback
@@ -20,7 +21,10 @@ STEP_COUNTERS = {
     "units_deferred": "units_deferred",
     "units_per_micro_batch": "units_per_micro_batch",
 }
-ALL_REDUCE_COUNTERS = {"all_reduces": "last_step/all_reduces_issued", "all_reduces_skipped": "last_step/all_reduces_skipped"}
+ALL_REDUCE_COUNTERS = {
+    "all_reduces": "last_step/all_reduces_issued",
+    "all_reduces_skipped": "last_step/all_reduces_skipped",
+}
 AUTO_COUNTERS = {"plan_changes": "plan_changes", "measured_peak_bytes": "measured_peak_bytes"}
 
 
@@ -57,7 +61,7 @@ class GradSyncCallback(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs: Any):
         if logs is None:
             return
-        counters = log_counters(self.stats(), self.config.log_all_counters)
+        counters = log_counters(self.stats(), self.config.resolved().log_all_counters)
         logs.update(counters)  # what the reporting callbacks after us send to report_to
         if state.log_history:
             state.log_history[-1].update(counters)  # the Trainer recorded this entry just before

@@ -11,7 +11,8 @@ one all-reduce per window (replan.py), and held bytes are read from tensor sizes
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator, Optional
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -26,13 +27,13 @@ class Window:
     """The accumulation window in progress of every model bound to one `attach()`."""
 
     def __init__(
-        self, state: Attachment, bind: Callable[[nn.Module], Optional[ModelAdapter]], checkpoint: GradCheckpoint
+        self, state: Attachment, bind: Callable[[nn.Module], ModelAdapter | None], checkpoint: GradCheckpoint
     ) -> None:
         self.state = state
         self._bind = bind
         self._checkpoint = checkpoint
         self._held: dict[int, tuple[list, str]] = {}  # by id(root): (units held, how) during a held micro-batch
-        self._restore_forward: Optional[Callable[[], None]] = None  # flags to put back after the last forward
+        self._restore_forward: Callable[[], None] | None = None  # flags to put back after the last forward
 
     def watch(self, root: nn.Module) -> list[torch.utils.hooks.RemovableHandle]:
         """Count `root`'s micro-batches from its forward (hooks inside DDP's wrapper)."""
@@ -89,6 +90,7 @@ class Window:
             return
         bound.auto_read_at = bound.window_key()
         m = self.state.micro_batches_per_step
+        assert bound.auto is not None  # called for auto's models only
         change = bound.auto.at_window_start(bound.adapter, bound.plan, m)
         bound.account.measured_peaks, bound.account.plan_changes = list(bound.auto.peaks), bound.auto.changes
         if change is not None:
@@ -105,15 +107,15 @@ class Window:
             self._checkpoint.restore()
         state = self.state
         ends_step = state.accelerator.sync_gradients
-        if id(module) not in self._held and not ends_step and state.policy.name != "per_micro_batch":
-            # A non-final micro-batch that skipped no_sync: accelerate's shared sync_each_batch was
-            # switched on after attach (by another Accelerator or Trainer in this process).
-            if state.accelerator.gradient_state.plugin_kwargs.get("sync_each_batch", False):
-                state.warn_once(
-                    "sync_each_batch",
-                    f"accel_gradsync: sync mode {state.policy.name!r} is not applied: accelerate's "
-                    "sync_each_batch=True was set after attach() and makes every micro-batch sync.",
-                )
+        skipped_no_sync = id(module) not in self._held and not ends_step and state.policy.name != "per_micro_batch"
+        # A non-final micro-batch that skipped no_sync: accelerate's shared sync_each_batch was
+        # switched on after attach (by another Accelerator or Trainer in this process).
+        if skipped_no_sync and state.accelerator.gradient_state.plugin_kwargs.get("sync_each_batch", False):
+            state.warn_once(
+                "sync_each_batch",
+                f"accel_gradsync: sync mode {state.policy.name!r} is not applied: accelerate's "
+                "sync_each_batch=True was set after attach() and makes every micro-batch sync.",
+            )
         held, hold = self._held.get(id(module), ((), ""))
         bound = state.bound[id(module)]
         if ends_step and bound.account.current.deferred_micro_batches:

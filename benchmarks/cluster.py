@@ -35,7 +35,7 @@ import signal
 import subprocess
 import threading
 import time
-from typing import Callable, Optional
+from collections.abc import Callable
 
 PREFIX = "agsc"
 SUBNET = "198.18.0"  # RFC 2544 benchmark range; host h is .h+1
@@ -57,7 +57,7 @@ def link_bits_per_s(link: str) -> float:
     return float(m.group(1)) * _UNITS[m.group(2)]
 
 
-def unavailable_reason() -> Optional[str]:
+def unavailable_reason() -> str | None:
     """Why the simulated cluster cannot run here, or None when it can. Tries a namespace for real
     (root in a container may still lack CAP_NET_ADMIN)."""
     if not hasattr(os, "geteuid") or os.geteuid() != 0:
@@ -134,7 +134,7 @@ class Cluster:
     def address(self, host: int) -> str:
         return f"{SUBNET}.{host + 1}"
 
-    def __enter__(self) -> "Cluster":
+    def __enter__(self) -> Cluster:
         reason = unavailable_reason()
         if reason:
             raise ClusterUnavailable(reason)
@@ -215,7 +215,7 @@ class Cluster:
     def host_cpus(self, host: int) -> set[int]:
         cores = sorted(os.sched_getaffinity(0))
         per = len(cores) // self.hosts
-        return set(cores[host * per:(host + 1) * per]) if per else {cores[host % len(cores)]}
+        return set(cores[host * per : (host + 1) * per]) if per else {cores[host % len(cores)]}
 
     def accelerate_flags(self, host: int, port: int = 29500) -> list[str]:
         """What `accelerate launch` needs on each host, as on a real cluster
@@ -233,8 +233,14 @@ class Cluster:
             preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None, **kwargs,
         )  # fmt: skip
 
-    def run(self, argvs: list[list[str]], env: dict, cwd=None, timeout: float = 900,
-            echo: Optional[Callable[[int, str], None]] = None) -> list[tuple[int, list[str]]]:
+    def run(
+        self,
+        argvs: list[list[str]],
+        env: dict,
+        cwd=None,
+        timeout: float = 900,
+        echo: Callable[[int, str], None] | None = None,
+    ) -> list[tuple[int, list[str]]]:
         """One command per host, all at once; (exit code, last 80 output lines) per host. When one
         host fails or the timeout passes, the others are stopped too: their ranks would otherwise
         wait in a collective until gloo's own timeout. `echo(host, line)` sees every line."""

@@ -8,11 +8,18 @@ Seen on one H200 (torch 2.11.0+cu130, 2026-11-30): capacity 139.8 GiB, peak 1.0 
 1 GiB allocation, 1 MiB after the reset; memory after each backward 833, 833, 833 MiB inside the
 window and 577 MiB after its last one (the 256 MiB of unsharded fp32 params freed), the same in
 the second step; every flag restored."""
-import json, os, sys
-import torch, torch.distributed as dist
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
 sys.path.insert(0, os.getcwd())
-from accel_gradsync.memory import DeviceMemoryProbe
 from accel_gradsync.fsdp import FSDP2Adapter, sync_flags
+from accel_gradsync.memory import DeviceMemoryProbe
 
 out = {"torch": torch.__version__, "device": torch.cuda.get_device_name()}
 dev = torch.device("cuda", 0)
@@ -28,9 +35,11 @@ out["peak_after_reset_mib"] = probe.peak() / 2**20
 del y
 
 print(json.dumps(out), flush=True)
-os.environ.setdefault("MASTER_ADDR", "127.0.0.1"); os.environ.setdefault("MASTER_PORT", "29533")
+os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+os.environ.setdefault("MASTER_PORT", "29533")
 dist.init_process_group("nccl", rank=0, world_size=1)
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import fully_shard  # noqa: E402 (after the process group, as on a GPU node)
+
 torch.manual_seed(0)
 dim = 4096
 model = torch.nn.Sequential(*[torch.nn.Linear(dim, dim) for _ in range(4)]).to(dev)
@@ -43,12 +52,13 @@ before = sync_flags(model)
 M = 4
 mem = []
 x = torch.randn(8, dim, device=dev)
-for step in range(2):
+for _step in range(2):
     for k in range(M):
         last = k == M - 1
         if last:
             restore = adapter.keep_params_through_forward(units)
-            loss = model(x).square().mean(); restore()
+            loss = model(x).square().mean()
+            restore()
             loss.backward()
         else:
             with adapter.hold(units, "gradient_sync", units):
@@ -60,4 +70,4 @@ out["mem_after_each_backward_mib"] = [round(m, 1) for m in mem]
 out["param_mib_fp32"] = sum(p.numel() for p in model.parameters()) * 4 / 2**20
 dist.destroy_process_group()
 print(json.dumps(out, indent=1))
-open(os.path.join(os.environ.get("OUT", "."), "gpu_check.json"), "w").write(json.dumps(out, indent=1))
+Path(os.environ.get("OUT", "."), "gpu_check.json").write_text(json.dumps(out, indent=1))

@@ -12,7 +12,7 @@ import contextlib
 import inspect
 import time
 from collections import Counter
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -160,8 +160,9 @@ def reset_device_peak(device: str) -> None:
 def reduce_scatter_over_all_gather(numel: int, device: torch.device, repeats: int = 15) -> float:
     """How long a `reduce_scatter_tensor` of `numel` elements takes against an
     `all_gather_into_tensor` of the same tensor on the default group: the fastest of `repeats`
-    (the least disturbed by other processes on the machine), the slowest rank's. What `accel_gradsync.policies.REDUCE_SCATTER_COST` assumes for the backend,
-    measured here so the report can hold the figure against the run."""
+    (the least disturbed by other processes on the machine), the slowest rank's. What
+    `accel_gradsync.policies.REDUCE_SCATTER_COST` assumes for the backend, measured here so the
+    report can hold the figure against the run."""
     world = dist.get_world_size()
     full = torch.randn(numel - numel % world, device=device)
     shard = torch.empty(full.numel() // world, device=device)

@@ -21,7 +21,8 @@ arguments) is reported as "not available in this version", never a crash.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 def budget(fraction: float) -> Callable[[dict], dict]:
@@ -101,8 +102,16 @@ HSDP_SIZE = "medium"
 QUICK = {
     "sizes": ["small"],
     "Ms": [1, 2, 4],
-    "configs": ["per_micro_batch", "deferred", "window", "budget_50", "stock_accumulate", "stock_sync_each_batch",
-                "raw_fsdp2", "raw_window"],
+    "configs": [
+        "per_micro_batch",
+        "deferred",
+        "window",
+        "budget_50",
+        "stock_accumulate",
+        "stock_sync_each_batch",
+        "raw_fsdp2",
+        "raw_window",
+    ],
     "reps": 1,
     "steps": 2,
 }
@@ -119,6 +128,7 @@ def gradsync_kwargs(name: str, facts: dict) -> dict | None:
 def ranks(name: str) -> int:
     return 4 if CONFIGS[name].get("mesh") == "2x2" else 2
 
+
 # The simulated cluster (`--cluster 2x1`, benchmarks/cluster.py), run once per link bandwidth:
 # every sync mode and peer across 2 hosts, and the HSDP mesh as 2 hosts x 2 ranks. The medium
 # model and M = 1, 4, 8 keep the run (two links) within 10 minutes on 2 cores; the large model's
@@ -126,8 +136,19 @@ def ranks(name: str) -> int:
 CLUSTER = {
     "sizes": ["medium"],
     "Ms": [1, 4, 8],
-    "configs": ["per_micro_batch", "deferred", "window", "budget_50", "auto", "stock_accumulate", "raw_fsdp2",
-                "raw_window", "hsdp_per_micro_batch", "hsdp_deferred", "hsdp_defer_all_reduce"],
+    "configs": [
+        "per_micro_batch",
+        "deferred",
+        "window",
+        "budget_50",
+        "auto",
+        "stock_accumulate",
+        "raw_fsdp2",
+        "raw_window",
+        "hsdp_per_micro_batch",
+        "hsdp_deferred",
+        "hsdp_defer_all_reduce",
+    ],
     "reps": 1,
     "steps": 2,
 }

@@ -109,7 +109,9 @@ def write_table(results: dict) -> str:
                 held = f"{r['held_grad_bytes'] / MiB:.2f}"
                 if r.get("handle_held_grad_bytes") is not None:
                     held += f" ({r['handle_held_grad_bytes'] / MiB:.2f})"
-                mem = r["device_peak_bytes"] if run["device"] != "cpu" else r.get("rss_growth_bytes", r["peak_rss_bytes"])
+                mem = (
+                    r["device_peak_bytes"] if run["device"] != "cpu" else r.get("rss_growth_bytes", r["peak_rss_bytes"])
+                )
                 cpu = f"{r['step_cpu_s'] * 1e3:.0f}" if "step_cpu_s" in r else "-"
                 lines.append(
                     f"| {name} | {M} | {r['step_time_s'] * 1e3:.1f} | {ratio:.3f} | {cpu} | "
@@ -212,12 +214,12 @@ def check_targets(results: dict) -> list[tuple[str, str, str]]:
     def ratios(run, a, b, m_min=1):
         by = index(run)
         return {M: by[(a, M)]["step_time_s"] / by[(b, M)]["step_time_s"]
-                for M in Ms if M >= m_min and (a, M) in by and (b, M) in by}  # fmt: skip
+                for M in Ms if m_min <= M and (a, M) in by and (b, M) in by}  # fmt: skip
 
     def overhead(a, b, m_min, what):
         """a's step / b's step, paired by round and pooled over M >= m_min, per model: the
         median must be within the tolerance on every model."""
-        found = {run["size"]: paired_ratios(run, a, b, [M for M in Ms if M >= m_min]) for run in runs}
+        found = {run["size"]: paired_ratios(run, a, b, [M for M in Ms if m_min <= M]) for run in runs}
         found = {s: r for s, r in found.items() if r}
         if not found:
             return out.append((what, "SKIP", f"{a} or {b} not run"))
@@ -239,16 +241,30 @@ def check_targets(results: dict) -> list[tuple[str, str, str]]:
         share = sync_control_overhead(runs, a, b)
         if share:
             worst_share = max(v for v, _ in share)
-            out.append((f"{a}: the sync choice's own cost within 2% of a step, against {b} (microbenchmark)",
-                        "PASS" if worst_share <= OVERHEAD_TOLERANCE else "FAIL", "; ".join(n for _, n in share)))
+            out.append(
+                (
+                    f"{a}: the sync choice's own cost within 2% of a step, against {b} (microbenchmark)",
+                    "PASS" if worst_share <= OVERHEAD_TOLERANCE else "FAIL",
+                    "; ".join(n for _, n in share),
+                )
+            )
 
     overhead("deferred", "raw_fsdp2", 2, "deferred (plugin) within 2% of the hand-written raw-API loop")
-    overhead("per_micro_batch", "stock_sync_each_batch", 1, "per-micro-batch (plugin) within 2% of stock sync_each_batch=True")
+    overhead(
+        "per_micro_batch",
+        "stock_sync_each_batch",
+        1,
+        "per-micro-batch (plugin) within 2% of stock sync_each_batch=True",
+    )
     overhead("window", "raw_window", 2, "window (plugin) within 2% of the hand-written window loop")
 
     # The budget planner weighs a reduce-scatter byte by a figure per backend: hold it against
     # the run's own measurement (one unit's gradient, before the configurations ran).
-    costs = [(run["size"], run["facts"]["reduce_scatter_cost"]) for run in runs + hsdp if "reduce_scatter_cost" in run["facts"]]
+    costs = [
+        (run["size"], run["facts"]["reduce_scatter_cost"])
+        for run in runs + hsdp
+        if "reduce_scatter_cost" in run["facts"]
+    ]
     if costs:
         ok = all(max(c["measured"] / c["planner"], c["planner"] / c["measured"]) <= COST_FACTOR for _, c in costs)
         out.append((f"the planner's reduce-scatter weight within a factor {COST_FACTOR:g} of the measured time ratio",
@@ -276,18 +292,27 @@ def check_targets(results: dict) -> list[tuple[str, str, str]]:
             want = tuple([x] for x in expected_of[name](M, U))
             if got != want:
                 bad.append(f"{run['size']}/{name}/M={M}: (reduce-scatters, all-reduces) {got} != {want}")
-    out.append(("reduce-scatters per step: per-micro-batch M x U, deferred U, exactly (HSDP: all-reduces too)",
-                "SKIP" if not seen else ("FAIL" if bad else "PASS"),
-                "; ".join(bad) if bad else f"{seen} (configuration, M) segments, every timed step exact"))
+    out.append(
+        (
+            "reduce-scatters per step: per-micro-batch M x U, deferred U, exactly (HSDP: all-reduces too)",
+            "SKIP" if not seen else ("FAIL" if bad else "PASS"),
+            "; ".join(bad) if bad else f"{seen} (configuration, M) segments, every timed step exact",
+        )
+    )
 
     # The window's point: one all-gather per unit per optimizer step, whatever M is.
-    gathers = [f"{run['size']}/{name}/M={M}: {by[(name, M)]['counts_seen_per_step']['all_gathers']}"
-               for run in runs for by in [index(run)] for (name, M) in by
-               if name in ("window", "raw_window") and by[(name, M)]["counts_seen_per_step"]["all_gathers"] != [run["facts"]["units"]]]  # fmt: skip
+    gathers = [f"{run['size']}/{name}/M={M}: {seen}"
+               for run in runs for by in [index(run)] for (name, M) in by if name in ("window", "raw_window")
+               for seen in [by[(name, M)]["counts_seen_per_step"]["all_gathers"]]
+               if seen != [run["facts"]["units"]]]  # fmt: skip
     windows = sum(1 for run in runs for (name, _) in index(run) if name in ("window", "raw_window"))
-    out.append(("window: all-gathers per step = U exactly (one per unit), every M",
-                "SKIP" if not windows else ("FAIL" if gathers else "PASS"),
-                "; ".join(gathers) if gathers else f"{windows} (configuration, M) segments, every timed step exact"))
+    out.append(
+        (
+            "window: all-gathers per step = U exactly (one per unit), every M",
+            "SKIP" if not windows else ("FAIL" if gathers else "PASS"),
+            "; ".join(gathers) if gathers else f"{windows} (configuration, M) segments, every timed step exact",
+        )
+    )
 
     comm = [r for r in runs if r["size"] == "large"] or runs[-1:]
     for run in comm:
@@ -298,12 +323,19 @@ def check_targets(results: dict) -> list[tuple[str, str, str]]:
         ok = all(v >= CLEAR_MARGIN for v in sp.values())
         out.append((f"deferred faster than per-micro-batch at M=4, 8 on the communication-bound model ({run['size']})",
                     "PASS" if ok else "FAIL",
-                    ", ".join(f"M={m}: {v:.2f}x faster" for m, v in sp.items()) + f" (clear margin: >= {CLEAR_MARGIN}x)"))  # fmt: skip
+                    ", ".join(f"M={m}: {v:.2f}x faster" for m, v in sp.items())
+                    + f" (clear margin: >= {CLEAR_MARGIN}x)"))  # fmt: skip
 
     for run in comm:
         per_M = paired_ratios(run, "window", "per_micro_batch", [8])
         if not per_M:
-            out.append((f"window at least {WINDOW_SPEEDUP:g}x faster than per-micro-batch at M=8 ({run['size']})", "SKIP", "not run"))
+            out.append(
+                (
+                    f"window at least {WINDOW_SPEEDUP:g}x faster than per-micro-batch at M=8 ({run['size']})",
+                    "SKIP",
+                    "not run",
+                )
+            )
             continue
         stat = median_ci(per_M[8])
         out.append((f"window at least {WINDOW_SPEEDUP:g}x faster than per-micro-batch at M=8 ({run['size']})",
@@ -332,11 +364,18 @@ def sync_control_overhead(runs: list[dict], a: str, b: str) -> list[tuple[float,
     for run in runs:
         by = index(run)
         M = max((m for (c, m) in by if c == b), default=None)
-        if M is None or (a, M) not in by or not by[(a, M)].get("sync_control_us") or not by[(b, M)].get("sync_control_us"):
+        if (
+            M is None
+            or (a, M) not in by
+            or not by[(a, M)].get("sync_control_us")
+            or not by[(b, M)].get("sync_control_us")
+        ):
             continue
         ua, ub = by[(a, M)]["sync_control_us"], by[(b, M)]["sync_control_us"]
         share = (ua - ub) * M * 1e-6 / by[(b, M)]["step_time_s"]
-        notes.append((share, f"{run['size']}: {ua:.0f} vs {ub:.0f} us per micro-batch = {share:+.3%} of the step at M={M}"))
+        notes.append(
+            (share, f"{run['size']}: {ua:.0f} vs {ub:.0f} us per micro-batch = {share:+.3%} of the step at M={M}")
+        )
     return notes
 
 
@@ -345,7 +384,10 @@ def check_frontier(results: dict, runs: list[dict]) -> tuple[str, str, str]:
     per-micro-batch -> deferred up to full deferral's bytes, then deferred -> window. Per round,
     (point - frontier) / per-micro-batch step, the frontier drawn from the same round's corners;
     the median over rounds and every M >= 2 must be at most the slack."""
-    what = "budget modes on or inside the per-micro-batch - deferred - window frontier (memory vs time, paired by round, M >= 2)"
+    what = (
+        "budget modes on or inside the per-micro-batch - deferred - window frontier "
+        "(memory vs time, paired by round, M >= 2)"
+    )
     notes, ok, seen = [], True, 0
     corners = ("per_micro_batch", "deferred", "window")
     for run in runs:
@@ -372,7 +414,8 @@ def check_frontier(results: dict, runs: list[dict]) -> tuple[str, str, str]:
             held = held_bytes(by[(name, max(per_M))]) / MiB
             notes.append(f"{run['size']}/{name} holding {held:.1f} MiB: {stat[0]:+.1%} of a "
                          f"per-micro-batch step from the frontier (95% CI {stat[1]:+.1%} to {stat[2]:+.1%}, "
-                         f"n={len(excess)}; per M " + ", ".join(f"M={m} {statistics.median(v):+.1%}" for m, v in per_M.items() if v)
+                         f"n={len(excess)}; per M "
+                         + ", ".join(f"M={m} {statistics.median(v):+.1%}" for m, v in per_M.items() if v)
                          + f") -> {'on/inside' if inside else 'outside'}")  # fmt: skip
     unavailable = sorted({n for run in runs for n in run["unavailable"] if n.startswith("budget")})
     if not seen:
@@ -465,7 +508,8 @@ def check_cluster_targets(results: dict) -> list[tuple[str, str, str]]:
                 stat = median_ci(pooled)
                 out.append((what, "PASS" if 1 / stat[0] >= CLEAR_MARGIN else "FAIL",
                             f"{1 / stat[0]:.2f}x faster (paired step ratio {fmt_ci(stat, len(pooled))}); per M "
-                            + ", ".join(f"M={m} {1 / statistics.median(r):.2f}x" for m, r in per_M.items())))  # fmt: skip
+                            + ", ".join(f"M={m} {1 / statistics.median(r):.2f}x"
+                                        for m, r in per_M.items())))  # fmt: skip
             # Every collective of a 1-rank-per-host run crosses the link; ring bytes are the least
             # a rank can send, so tbf must have counted at least that much (more: headers, warm-up).
             if run.get("hosts", 1) == run["ranks"]:
@@ -482,7 +526,9 @@ def check_cluster_targets(results: dict) -> list[tuple[str, str, str]]:
         out.append((f"{kind} simulated-cluster run ({', '.join(cluster_links(results))}) within {limit} s",
                     "PASS" if results["elapsed_s"] <= limit else "FAIL", f"{results['elapsed_s']} s"))  # fmt: skip
     else:
-        out.append(("run time target (full or quick cluster run only)", "SKIP", f"custom run: {results['elapsed_s']} s"))
+        out.append(
+            ("run time target (full or quick cluster run only)", "SKIP", f"custom run: {results['elapsed_s']} s")
+        )
     return out
 
 
@@ -528,10 +574,11 @@ def write_cluster_table(results: dict) -> str:
         lines.append(f"## {link} link per host")
         lines.append("")
         lines += [f"- {r['size']}, {r['ranks']} ranks = {r['hosts']} hosts x {r['ranks_per_host']}: "
-                  f"{r['link_bytes'] / MiB:.0f} MiB through the shaped NICs, {r['wall_s']} s" for r in sub["runs"]]  # fmt: skip
+                  f"{r['link_bytes'] / MiB:.0f} MiB through the shaped NICs, {r['wall_s']} s"
+                  for r in sub["runs"]]  # fmt: skip
         lines.append("")
         table = write_table(sub)
-        lines.append(table[table.index("### "):table.index("Configurations:")])
+        lines.append(table[table.index("### ") : table.index("Configurations:")])
     return "\n".join(lines) + "\n"
 
 

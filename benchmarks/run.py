@@ -1,4 +1,5 @@
-"""Entry point: `python -m benchmarks.run [--quick] [--device cpu|cuda|npu] [--cluster 2x1 --link 1gbit,10gbit] [--out benchmarks/results]`.
+"""Entry point: `python -m benchmarks.run [--quick] [--device cpu|cuda|npu] [--out benchmarks/results]`
+(`--cluster 2x1 --link 1gbit,10gbit`: on simulated hosts).
 
 Launches `benchmarks/worker.py` with `accelerate launch` and an FSDP2 config (2 ranks; 4 for
 the 2x2 HSDP configurations), once per model size, merges what the ranks wrote into
@@ -44,15 +45,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, help="interleaved repetitions of every configuration")
     p.add_argument("--steps", type=int, help="timed optimizer steps per repetition and M (default: per model size)")
     p.add_argument("--no-pin", action="store_true", help="CPU: leave the ranks unpinned (default: one core per rank)")
-    p.add_argument("--hsdp-size", help=f"model size of the 4-rank HSDP launch (default: {registry.HSDP_SIZE}; "
-                                       "the quick cluster run: small)")
+    p.add_argument(
+        "--hsdp-size",
+        help=f"model size of the 4-rank HSDP launch (default: {registry.HSDP_SIZE}; the quick cluster run: small)",
+    )
     p.add_argument("--timeout", type=int, default=900, help="seconds per launch")
-    p.add_argument("--cluster", metavar="HxR",
-                   help="run on H simulated hosts x R ranks (2x1): network namespaces joined by shaped links; "
-                        "needs root, ip and tc (benchmarks/cluster.py)")
-    p.add_argument("--link", default="1gbit,10gbit",
-                   help="with --cluster: comma-separated link bandwidths in tc's spelling, one run of every "
-                        "launch per link (default: 1gbit,10gbit)")
+    p.add_argument(
+        "--cluster",
+        metavar="HxR",
+        help="run on H simulated hosts x R ranks (2x1): network namespaces joined by shaped links; "
+        "needs root, ip and tc (benchmarks/cluster.py)",
+    )
+    p.add_argument(
+        "--link",
+        default="1gbit,10gbit",
+        help="with --cluster: comma-separated link bandwidths in tc's spelling, one run of every "
+        "launch per link (default: 1gbit,10gbit)",
+    )
     return p.parse_args(argv)
 
 
@@ -89,8 +98,10 @@ def cluster_shape(spec: str) -> dict:
     except ValueError:
         hosts = per_host = 0
     if hosts < 1 or hosts * per_host != 2:
-        raise SystemExit(f"--cluster {spec}: expected HOSTSxRANKS with 2 ranks in all (2x1, or 1x2 for one host); "
-                         "the HSDP launch then runs 4 ranks as HOSTS x 4/HOSTS")
+        raise SystemExit(
+            f"--cluster {spec}: expected HOSTSxRANKS with 2 ranks in all (2x1, or 1x2 for one host); "
+            "the HSDP launch then runs 4 ranks as HOSTS x 4/HOSTS"
+        )
     return {"hosts": hosts, "ranks_per_host": per_host}
 
 
@@ -130,12 +141,16 @@ def accelerate_config(nranks: int, device: str) -> dict:
     # over gloo; elsewhere accelerate picks NCCL/HCCL itself.
     config = {"distributed_type": "FSDP", "num_processes": nranks, "fsdp_config": fsdp, "mixed_precision": "no"}
     if nranks == 4:  # the 2x2 HSDP mesh: replicate x shard, as a user would configure it
-        config["parallelism_config"] = {"parallelism_config_dp_replicate_size": 2, "parallelism_config_dp_shard_size": 2}
+        config["parallelism_config"] = {
+            "parallelism_config_dp_replicate_size": 2,
+            "parallelism_config_dp_shard_size": 2,
+        }
     return config
 
 
-def launch(size: str, nranks: int, names: list[str], p: dict, device: str, timeout: int,
-           hosts: cluster.Cluster | None = None) -> list[dict]:
+def launch(
+    size: str, nranks: int, names: list[str], p: dict, device: str, timeout: int, hosts: cluster.Cluster | None = None
+) -> list[dict]:
     """One `accelerate launch` of the worker (with `hosts`: one per simulated host); the ranks' JSON results."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
@@ -212,9 +227,14 @@ def merge(ranks: list[dict]) -> dict:
             groups.setdefault((rec["config"], rec["M"]), [[] for _ in ranks])[r].append(rec)
     rows = []
     for (name, M), per_rank in groups.items():
-        times = [max(r["steps"][j]["time_s"] for r in recs) for recs in zip(*per_rank) for j in range(len(recs[0]["steps"]))]
+        times = [
+            max(r["steps"][j]["time_s"] for r in recs) for recs in zip(*per_rank) for j in range(len(recs[0]["steps"]))
+        ]
         rank0_steps = [s for rec in per_rank[0] for s in rec["steps"]]
-        counts = {k: statistics.median(s[k] for s in rank0_steps) for k in ("reduce_scatters", "all_reduces", "all_gathers", "bytes_sent")}
+        counts = {
+            k: statistics.median(s[k] for s in rank0_steps)
+            for k in ("reduce_scatters", "all_reduces", "all_gathers", "bytes_sent")
+        }
         exact = {k: sorted({s[k] for s in rank0_steps}) for k in ("reduce_scatters", "all_reduces", "all_gathers")}
         all_recs = [rec for recs in per_rank for rec in recs]
         rows.append({
@@ -284,7 +304,8 @@ def run_cluster(p: dict, args: argparse.Namespace) -> list[dict]:
                       f"{', '.join(names)}", flush=True)  # fmt: skip
                 merged = merge(launch(size, nranks, names, p, args.device, args.timeout, hosts))
                 merged.update(ranks=nranks, link=link, hosts=hosts.hosts, ranks_per_host=nranks // hosts.hosts,
-                              link_bytes=sum(hosts.link_bytes()) - sent0, wall_s=round(time.time() - t0, 1))  # fmt: skip
+                              link_bytes=sum(hosts.link_bytes()) - sent0,
+                              wall_s=round(time.time() - t0, 1))  # fmt: skip
                 runs.append(merged)
     return runs
 

@@ -40,9 +40,9 @@ from benchmarks.measure import (  # noqa: E402
     device_peak_bytes,
     handle_held_bytes,
     held_grad_bytes,
-    reduce_scatter_over_all_gather,
     held_param_bytes,
     peak_rss_bytes,
+    reduce_scatter_over_all_gather,
     reset_device_peak,
     reset_peak_rss,
 )
@@ -59,10 +59,14 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--Ms", default="1,2,4,8")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--steps", type=int, default=2, help="timed optimizer steps per segment")
-    p.add_argument("--warmup", type=int, default=1,
-                   help="untimed optimizer steps after each prepare (the Trainer: per M)")
-    p.add_argument("--pin-cores", action="store_true",
-                   help="CPU runs: pin rank r to core r mod cores, as each rank owns its device on a GPU node")
+    p.add_argument(
+        "--warmup", type=int, default=1, help="untimed optimizer steps after each prepare (the Trainer: per M)"
+    )
+    p.add_argument(
+        "--pin-cores",
+        action="store_true",
+        help="CPU runs: pin rank r to core r mod cores, as each rank owns its device on a GPU node",
+    )
     return p.parse_args()
 
 
@@ -332,10 +336,10 @@ def measure_trainer(bench: Bench, name: str, M: int) -> tuple[list[dict], dict]:
             self.t0, self.cpu0 = time.perf_counter(), time.process_time()
 
         def on_substep_end(self, args, state, control, **kw):
-            bench.probe(trainer.model_wrapped)
+            bench.probe(self.trainer.model_wrapped)
 
         def on_pre_optimizer_step(self, args, state, control, **kw):
-            bench.probe(trainer.model_wrapped)
+            bench.probe(self.trainer.model_wrapped)
 
         def on_step_end(self, args, state, control, **kw):
             synchronize(bench.device)
@@ -353,11 +357,12 @@ def measure_trainer(bench: Bench, name: str, M: int) -> tuple[list[dict], dict]:
             logging_strategy="no", save_strategy="no", report_to=[], disable_tqdm=True, seed=0,
             dataloader_drop_last=True, accelerator_config={"use_configured_state": True},
         )  # fmt: skip
-        trainer = Trainer(model=copy.deepcopy(bench.template), args=args, train_dataset=data,
-                          callbacks=[Timer()])  # fmt: skip
+        timer = Timer()
+        trainer = Trainer(model=copy.deepcopy(bench.template), args=args, train_dataset=data, callbacks=[timer])
+        timer.trainer = trainer  # the callbacks probe the model the Trainer wrapped
         trainer.train()
         wrapper = type(trainer.model_wrapped).__name__
-    del trainer
+    del trainer, timer
     gc.collect()
     return steps, {"wrapper_class": wrapper}
 
@@ -408,7 +413,8 @@ def main() -> None:
             for _ in range(args.steps):
                 for run in round_order(runs, rounds):
                     samples.setdefault((run["name"], M), []).append(
-                        {**measure_step(bench, run, M), "rep": rep, "round": rounds})
+                        {**measure_step(bench, run, M), "rep": rep, "round": rounds}
+                    )
                 rounds += 1
             for name in trainers:
                 steps, trainer_stats[name] = measure_trainer(bench, name, M)

@@ -22,10 +22,10 @@ import os
 import shutil
 import sys
 from dataclasses import dataclass, field
-from typing import Optional
+
+from trl import GRPOConfig, GRPOTrainer, ModelConfig, ScriptArguments, TrlParser, get_peft_config
 
 import accel_gradsync
-from trl import GRPOConfig, GRPOTrainer, ModelConfig, ScriptArguments, TrlParser, get_peft_config
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # `embedded` sits next to this file
 import embedded  # noqa: E402
@@ -53,10 +53,12 @@ RECIPE_DEFAULTS = dict(
 class GRPOScriptArguments(ScriptArguments):
     """Where the prompts and rewards come from (the model comes from `ModelConfig`)."""
 
-    dataset_name: Optional[str] = field(
+    dataset_name: str | None = field(
         default=None,
-        metadata={"help": "Hub dataset name or local path (a `load_dataset` path or a `save_to_disk` "
-                          "folder). Default: the built-in `a+b=` prompts."},
+        metadata={
+            "help": "Hub dataset name or local path (a `load_dataset` path or a `save_to_disk` "
+            "folder). Default: the built-in `a+b=` prompts."
+        },
     )
     prompt_column: str = field(default="prompt", metadata={"help": "Dataset column holding the prompt."})
     answer_column: str = field(
@@ -65,8 +67,10 @@ class GRPOScriptArguments(ScriptArguments):
     )
     sft_warmup_steps: int = field(
         default=100,
-        metadata={"help": "Supervised warm-up steps of the built-in tiny model before GRPO (about 2 s for "
-                          "100; 0: start GRPO from random weights). Ignored with --model_name_or_path."},
+        metadata={
+            "help": "Supervised warm-up steps of the built-in tiny model before GRPO (about 2 s for "
+            "100; 0: start GRPO from random weights). Ignored with --model_name_or_path."
+        },
     )
     reward_funcs: list[str] = field(
         default_factory=lambda: ["accuracy", "format"],
@@ -201,7 +205,7 @@ def _has_gpu_or_npu() -> bool:
     return torch.cuda.is_available() or bool(npu is not None and npu.is_available())
 
 
-def parse_args(parser: TrlParser, args: Optional[list[str]] = None):
+def parse_args(parser: TrlParser, args: list[str] | None = None):
     """`parse_args_and_config`, with errors that name the unknown flag or YAML key and what is close to it."""
     try:
         *parsed, from_yaml, from_cli = parser.parse_args_and_config(
@@ -217,7 +221,10 @@ def parse_args(parser: TrlParser, args: Optional[list[str]] = None):
         raise
     yaml_keys = sorted({a.dest for a in parser._actions} - {"help"})
     flags = sorted({o for a in parser._actions for o in a.option_strings if o.startswith("--")} - {"--help"})
-    for source, remaining, valid in (("the --config YAML", from_yaml, yaml_keys), ("the command line", from_cli, flags)):
+    for source, remaining, valid in (
+        ("the --config YAML", from_yaml, yaml_keys),
+        ("the command line", from_cli, flags),
+    ):
         unknown = [s.split("=")[0] for s in remaining if s.startswith("-")] or remaining
         if valid is yaml_keys:
             unknown = [k.lstrip("-") for k in unknown]  # TrlParser hands YAML keys back as flags

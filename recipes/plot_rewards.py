@@ -1,12 +1,13 @@
 """Plot the mean rewards of a recipes/grpo.py run from its trainer_state.json.
 
-    python recipes/plot_rewards.py runs/grpo/trainer_state.json docs/grpo_reward_curve.png
+python recipes/plot_rewards.py runs/grpo/trainer_state.json docs/grpo_reward_curve.png
 """
 
 from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import matplotlib
 
@@ -17,7 +18,7 @@ SERIES = {"reward": "total", "rewards/accuracy_reward/mean": "accuracy", "reward
 
 
 def main(state_path: str, out_path: str) -> None:
-    history = [e for e in json.load(open(state_path))["log_history"] if "reward" in e]
+    history = [e for e in json.loads(Path(state_path).read_text())["log_history"] if "reward" in e]
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for key, label in SERIES.items():
         ax.plot([e["step"] for e in history], [e[key] for e in history], label=label)

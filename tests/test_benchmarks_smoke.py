@@ -74,6 +74,14 @@ def test_held_gradient_bytes_follow_the_mode(quick_run):
 def test_summary_reports_every_target(quick_run):
     _, stdout, _ = quick_run
     assert "[PASS] reduce-scatters per step" in stdout
-    for target in ("raw-API loop", "sync_each_batch=True", "communication-bound", "budget modes", "HSDP", "within",
-                   "hand-written window loop", "all-gathers per step = U"):
+    for target in (
+        "raw-API loop",
+        "sync_each_batch=True",
+        "communication-bound",
+        "budget modes",
+        "HSDP",
+        "within",
+        "hand-written window loop",
+        "all-gathers per step = U",
+    ):
         assert target in stdout, target

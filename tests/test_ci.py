@@ -1,6 +1,6 @@
 """CI runs what the README tells a user to run: its quick start is `make demo` / `make test`,
 the Makefile's set-up is the README's Install commands, `make test` runs the README's test
-command, and `.ci/run` is `make test`. The ranges start at the versions CI pins, and torch's is
+command, and `.ci/run` is `make quality` then `make test`. The ranges start at the versions CI pins, and torch's is
 the release the plugin checks at attach. The Makefile is read through `make -n`
 (what make would run), not by parsing its text."""
 
@@ -51,10 +51,10 @@ def test_quick_start_is_make_demo_and_make_test():
     assert _bash_blocks("Quick start") == ["make demo", "make test"]
 
 
-def test_ci_is_make_test():
+def test_ci_checks_quality_then_is_make_test():
     ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
     commands = [line for line in ci if line and not line.startswith("#")]
-    assert commands[-1] == "make test"
+    assert commands[-2:] == ["make quality", "make test"]
 
 
 def test_make_sets_up_with_the_readme_install_commands():

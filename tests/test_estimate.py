@@ -19,6 +19,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from accel_gradsync import GradSyncConfig
 from accel_gradsync.cli import main
+from accel_gradsync.decision import describe_decision
 from accel_gradsync.estimate import (
     WINDOW_ROW,
     build_meta_model,
@@ -27,7 +28,6 @@ from accel_gradsync.estimate import (
     load_model_config,
     read_accelerate_config,
 )
-from accel_gradsync.decision import describe_decision
 from accel_gradsync.fake_shard import fake_world
 from accel_gradsync.fsdp import FSDP1Adapter, FSDP2Adapter
 from accel_gradsync.policies import POLICIES
@@ -122,7 +122,9 @@ def test_7b_deferral_holds_4_bytes_per_param_with_fp32_reduce_and_does_not_fit_3
         (1, "no", "bf16", torch.float32, "fp32"),
     ],
 )
-def test_held_dtype_follows_the_wrapper_and_mixed_precision(version, mixed_precision, reduce_dtype, model_dtype, expected):
+def test_held_dtype_follows_the_wrapper_and_mixed_precision(
+    version, mixed_precision, reduce_dtype, model_dtype, expected
+):
     est = estimate("recipe-default", fsdp(version, mixed_precision), 4, GradSyncConfig(reduce_dtype=reduce_dtype),
                    model_dtype=model_dtype)  # fmt: skip
     deferred = est.mode("deferred")
@@ -203,10 +205,9 @@ def test_a_process_that_has_a_process_group_is_refused_and_keeps_it():
 
 
 def test_the_fake_process_group_is_removed_when_sharding_fails():
-    with pytest.raises(RuntimeError, match="while sharded"):
-        with fake_world(8):
-            assert (dist.get_backend(), dist.get_world_size(), dist.get_rank()) == ("fake", 8, 0)
-            raise RuntimeError("while sharded")
+    with pytest.raises(RuntimeError, match="while sharded"), fake_world(8):
+        assert (dist.get_backend(), dist.get_world_size(), dist.get_rank()) == ("fake", 8, 0)
+        raise RuntimeError("while sharded")
     assert not dist.is_initialized()
 
 

@@ -37,5 +37,7 @@ def test_a_renamed_attribute_is_named_with_the_torch_version(model, monkeypatch)
     group = model._get_fsdp_state()._fsdp_param_groups[0]  # the first unit checked: the root
     monkeypatch.delattr(type(group), "post_forward_mesh_info", raising=False)
     monkeypatch.delattr(group, "post_forward_mesh_info", raising=False)
-    with pytest.raises(RuntimeError, match=rf"post_forward_mesh_info.*torch {re.escape(torch.__version__)}.*tested: torch 2.13"):
+    with pytest.raises(
+        RuntimeError, match=rf"post_forward_mesh_info.*torch {re.escape(torch.__version__)}.*tested: torch 2.13"
+    ):
         check_fsdp2_internals(model)

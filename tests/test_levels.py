@@ -26,7 +26,9 @@ def test_bytes_alone_window_one_unit_before_deferring_another():
 
 def test_on_gloo_the_same_budget_defers_two_units():
     units = _units()
-    plan = choose_levels("budget", units, budget=8000, micro_batches=8, reduce_scatter_cost=REDUCE_SCATTER_COST["gloo"])  # 28 per byte
+    plan = choose_levels(
+        "budget", units, budget=8000, micro_batches=8, reduce_scatter_cost=REDUCE_SCATTER_COST["gloo"]
+    )  # 28 per byte
     assert plan.windowed == [] and [u.name for u in plan.held] == ["blocks.0", "blocks.1"]
     # Room for every deferral and one window: deferral first, then the window.
     plan = choose_levels("budget", units, budget=16000, micro_batches=8, reduce_scatter_cost=2.0)

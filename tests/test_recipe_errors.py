@@ -91,12 +91,15 @@ def _dataset_without_answer(tmp_path: Path) -> Path:
 def test_dataset_without_the_needed_column(tmp_path):
     data = _dataset_without_answer(tmp_path)
     args = parse("--dataset_name", str(data), "--prompt_column", "question", "--output_dir", str(tmp_path / "out"))
-    with pytest.raises(ValueError, match=r"--answer_column 'answer'.*has no column.*question, solution.*Set --answer_column"):
+    with pytest.raises(
+        ValueError, match=r"--answer_column 'answer'.*has no column.*question, solution.*Set --answer_column"
+    ):
         grpo.main(*args)
     assert not (tmp_path / "out").exists()
     # Naming the right columns fixes it.
-    renamed = grpo.load_prompts(parse("--dataset_name", str(data), "--prompt_column", "question",
-                                      "--answer_column", "solution", "--output_dir", str(tmp_path / "out"))[0])  # fmt: skip
+    args = parse("--dataset_name", str(data), "--prompt_column", "question",
+                 "--answer_column", "solution", "--output_dir", str(tmp_path / "out"))  # fmt: skip
+    renamed = grpo.load_prompts(args[0])
     assert {"prompt", "answer"} <= set(renamed.column_names)
 
 
@@ -115,17 +118,18 @@ def test_the_script_exits_before_writing_anything(tmp_path):
 
 
 def test_negative_warm_up_steps_are_refused_before_anything_is_built(tmp_path):
-    script_args, training_args, model_args, grad_sync_args = parse("--sft_warmup_steps", "-5", "--output_dir", str(tmp_path / "out"))
+    script_args, training_args, model_args, grad_sync_args = parse(
+        "--sft_warmup_steps", "-5", "--output_dir", str(tmp_path / "out")
+    )
     with pytest.raises(ValueError, match=r"--sft_warmup_steps -5: must be >= 0"):
         grpo.main(script_args, training_args, model_args, grad_sync_args)
     assert not (tmp_path / "out").exists()
 
 
 def test_the_warm_up_gives_the_tiny_model_the_format_deterministically():
+    import embedded
     import torch
     from transformers import set_seed
-
-    import embedded
 
     models = []
     for _ in range(2):  # every rank builds and warms up its own copy: they must be identical

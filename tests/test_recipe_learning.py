@@ -12,8 +12,6 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import pytest
-
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "recipes"))
 
@@ -47,7 +45,7 @@ def sampled_and_greedy_accuracy(seed: int, prompts: int = 64) -> tuple[float, fl
             out = model.generate(**batch, max_new_tokens=grpo.RECIPE_DEFAULTS["max_completion_length"],
                                  pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
                                  **options)  # fmt: skip
-        completions = tokenizer.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
+        completions = tokenizer.batch_decode(out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
         per_prompt = len(completions) // prompts
         rewards = embedded.accuracy_reward(completions, [a for a in answers for _ in range(per_prompt)])
         accuracy.append(sum(rewards) / len(rewards))

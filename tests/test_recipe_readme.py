@@ -52,5 +52,7 @@ def test_files_named_by_the_section_exist():
             for arg in shlex.split(command):
                 if re.fullmatch(r"(recipes|accelerate_configs)/\S+", arg):
                     assert (REPO / arg).is_file(), arg
-    for path in re.findall(r"\((docs/[\w./-]+)\)", section) + re.findall(r"`((?:recipes|accelerate_configs|docs)/[\w./-]+)`", section):
+    for path in re.findall(r"\((docs/[\w./-]+)\)", section) + re.findall(
+        r"`((?:recipes|accelerate_configs|docs)/[\w./-]+)`", section
+    ):
         assert (REPO / path).is_file(), path

@@ -6,8 +6,14 @@ import re
 import pytest
 
 from accel_gradsync import GradSyncConfig
-from accel_gradsync.estimate import build_meta_model, estimate, estimated_adapter, load_model_config, read_accelerate_config
 from accel_gradsync.decision import describe_decision
+from accel_gradsync.estimate import (
+    build_meta_model,
+    estimate,
+    estimated_adapter,
+    load_model_config,
+    read_accelerate_config,
+)
 from accel_gradsync.policies import POLICIES
 
 pytestmark = pytest.mark.filterwarnings("ignore::accel_gradsync.errors.GradSyncWarning")

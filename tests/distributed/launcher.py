@@ -13,7 +13,6 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Optional
 
 import yaml
 
@@ -42,11 +41,11 @@ def accelerate_config(kind: str, num_processes: int = 2, **fsdp: object) -> dict
 def run_distributed(
     script: Path | str,
     args: list[str],
-    config: Optional[dict] = None,
+    config: dict | None = None,
     nprocs: int = 2,
-    env: Optional[dict] = None,
+    env: dict | None = None,
     timeout: int = 600,
-    cwd: Optional[Path] = None,
+    cwd: Path | None = None,
 ) -> subprocess.CompletedProcess:
     """`accelerate launch --config_file <config> script args`, or, with no config, `torchrun`
     with `ACCELERATE_USE_CPU=true` (accelerate launches CPU DDP only through mpirun)."""
@@ -66,7 +65,7 @@ def run_distributed(
         return subprocess.run(cmd, env=full_env, cwd=cwd or REPO, capture_output=True, text=True, timeout=timeout)
 
 
-def recipe_launch(argv: list[str], env: Optional[dict] = None) -> tuple[list[str], dict]:
+def recipe_launch(argv: list[str], env: dict | None = None) -> tuple[list[str], dict]:
     """The command and environment that run `accelerate launch <argv>` from the repo root as a
     module of this interpreter, on a free port, offline, with the mode set by `argv` alone."""
     full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **(env or {})}
@@ -77,7 +76,7 @@ def recipe_launch(argv: list[str], env: Optional[dict] = None) -> tuple[list[str
 
 
 def launch(
-    worker: str, args: list[str], config: Optional[dict] = None, env: Optional[dict] = None, timeout: int = 600
+    worker: str, args: list[str], config: dict | None = None, env: dict | None = None, timeout: int = 600
 ) -> list[dict]:
     """Run `workers/<worker>.py` on 2 ranks (accelerate launch, or torchrun without a config);
     return each rank's JSON result."""

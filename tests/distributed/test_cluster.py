@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from benchmarks import cluster
-from benchmarks.cluster import Cluster, ClusterUnavailable
+from benchmarks.cluster import Cluster
 
 REPO = Path(__file__).resolve().parents[2]
 COUNTER = Path(__file__).parent / "recipe_counter"
@@ -72,8 +72,8 @@ def test_without_ip_or_tc_it_refuses_naming_them():
 
 @needs_cluster
 def test_the_benchmark_refuses_a_cluster_it_cannot_build_before_launching(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.run", "--cluster", "2x1", "--quick", "--out", str(tmp_path)],
-                          cwd=REPO, env={**os.environ, "PATH": "/nonexistent"}, capture_output=True, text=True,
+    argv = [sys.executable, "-m", "benchmarks.run", "--cluster", "2x1", "--quick", "--out", str(tmp_path)]
+    proc = subprocess.run(argv, cwd=REPO, env={**os.environ, "PATH": "/nonexistent"}, capture_output=True, text=True,
                           timeout=60)  # fmt: skip
     assert proc.returncode != 0 and "--cluster: the simulated cluster needs ip and tc" in proc.stderr
     assert not (tmp_path / "results.json").exists()
@@ -117,10 +117,9 @@ def test_everything_is_removed_on_exit_and_on_error():
     with Cluster(2, "1gbit") as c:
         assert sorted(our_namespaces(os.getpid())) == sorted([c.switch, *c.namespaces])
     assert our_namespaces(os.getpid()) == []
-    with pytest.raises(RuntimeError, match="boom"):
-        with Cluster(3, "1gbit"):
-            assert len(our_namespaces(os.getpid())) == 4
-            raise RuntimeError("boom")
+    with pytest.raises(RuntimeError, match="boom"), Cluster(3, "1gbit"):
+        assert len(our_namespaces(os.getpid())) == 4
+        raise RuntimeError("boom")
     assert our_namespaces(os.getpid()) == []
     assert subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout.count(cluster.PREFIX) == 0
 
@@ -211,7 +210,8 @@ def launch_recipe_on_cluster(c: Cluster, config: Path, flags: list[str], tmp: Pa
     counters = tmp / "counters"
     counters.mkdir(parents=True)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "RECIPE_COUNTER_DIR": str(counters),
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(COUNTER), str(REPO), os.environ.get("PYTHONPATH")]))}  # fmt: skip
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(COUNTER), str(REPO),
+                                                       os.environ.get("PYTHONPATH")]))}  # fmt: skip
     env.pop("ACCEL_GRADSYNC_DEFER", None)
     argvs = [[sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
               *c.accelerate_flags(h), "recipes/grpo.py", *flags, *RECIPE_FLAGS, "--output_dir", str(tmp / "out")]
@@ -244,7 +244,10 @@ def test_grpo_recipe_on_two_hosts_defers_the_cross_host_all_reduces(tmp_path):
         removed = per_mb["all_reduces_by_group"][group] - deferred["all_reduces_by_group"].get(group, 0)
         assert removed == STEPS * (MICRO_BATCHES - 1) * units, (per_mb, deferred)
         # Only the cross-host all-reduces change: the in-host reduce-scatters stay per micro-batch.
-        rs = [sum(r["counts"].get(n, 0) for n in ("reduce_scatter_single", "reduce_scatter_tensor")) for r in (per_mb, deferred)]
+        rs = [
+            sum(r["counts"].get(n, 0) for n in ("reduce_scatter_single", "reduce_scatter_tensor"))
+            for r in (per_mb, deferred)
+        ]
         assert rs[0] == rs[1] == STEPS * MICRO_BATCHES * units
         assert {g: n for g, n in per_mb["all_reduces_by_group"].items() if g != group} == \
                {g: n for g, n in deferred["all_reduces_by_group"].items() if g != group}  # fmt: skip

@@ -93,7 +93,11 @@ def test_window_held_params_and_gradients_are_exact(run):
             continue
         assert len(result["held"]) == M - 1
         for held in result["held"]:
-            assert (held["bytes"], held["param_bytes"]) == (row.held_bytes, row.held_param_bytes), (est.model, row, held)
+            assert (held["bytes"], held["param_bytes"]) == (row.held_bytes, row.held_param_bytes), (
+                est.model,
+                row,
+                held,
+            )
             assert held["dtypes"] == [_DTYPE[row.held_dtype]]
         checked += 1
     assert checked >= 2
@@ -137,7 +141,7 @@ def test_units_are_the_runs_units_by_name_size_and_order(run):
     accelerate's own code, so they are the run's units: the names of its `unit_modes`, in order,
     and (deferred: every unit held) the same sizes."""
     checked = 0
-    for result, est, row in _rows(run):
+    for result, est, _ in _rows(run):
         names = ["" if u["name"] == "<root>" else u["name"] for u in est.units]
         assert list(result["stats"]["unit_modes"]) == names, (est.model, result["mode"])
         if result["mode"] == "deferred":

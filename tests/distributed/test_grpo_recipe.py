@@ -180,7 +180,9 @@ def test_the_default_run_learns(tmp_path, seed):
     cmd, env = recipe_launch(argv)
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-6000:]
-    logs = [e for e in json.loads((tmp_path / "out" / "trainer_state.json").read_text())["log_history"] if "reward" in e]
+    logs = [
+        e for e in json.loads((tmp_path / "out" / "trainer_state.json").read_text())["log_history"] if "reward" in e
+    ]
     assert len(logs) >= 40  # every 10 steps of 500
     first, last = fifth_means(logs, "rewards/accuracy_reward/mean")
     assert first < 0.45 and last > first + 0.1, (first, last)  # right answers: clearly more at the end

@@ -24,7 +24,9 @@ def fsdp2():
     runs = [{"name": "deferred", "config": {"defer": True}}]
     runs += [{"name": "keep_params", "config": {"defer": True, "keep_params_unsharded": True}}]
     runs += [{"name": f"budget_{b}", "config": {"sync_mode": "budget", "memory_budget": b}} for b in BUDGETS]
-    runs += [{"name": "budget_fraction", "config": {"sync_mode": "budget", "memory_budget": "0.5", "free_memory": "2400B"}}]
+    runs += [
+        {"name": "budget_fraction", "config": {"sync_mode": "budget", "memory_budget": "0.5", "free_memory": "2400B"}}
+    ]
     # auto plans from measured memory: a scripted device whose step-1 peak is 0 B, so the whole
     # capacity less the 10% margin is room.
     runs += [
@@ -80,10 +82,10 @@ def _check_run(res, hsdp=False):
 
 def test_every_mode_matches_reference_and_its_plans_collectives(fsdp2, hsdp):
     for rank in fsdp2:
-        for name, res in rank["modes"].items():
+        for res in rank["modes"].values():
             _check_run(res)
     for rank in hsdp:
-        for name, res in rank["modes"].items():
+        for res in rank["modes"].values():
             _check_run(res, hsdp=True)
 
 
@@ -150,8 +152,8 @@ def bf16():
     config = {**accelerate_config("fsdp2"), "mixed_precision": "bf16"}
     runs = [
         {"name": "deferred", "config": {"defer": True}},
-        {"name": "deferred_fp32_reduce", "config": {"defer": True, "reduce_dtype": "fp32"}, "attach_before_prepare": True},
-        {"name": "deferred_bf16_reduce", "config": {"defer": True, "reduce_dtype": "bf16"}, "attach_before_prepare": True},
+        *({"name": f"deferred_{d}_reduce", "config": {"defer": True, "reduce_dtype": d}, "attach_before_prepare": True}
+          for d in ("fp32", "bf16")),
     ]  # fmt: skip
     return launch("accumulate", _runs(runs), config)
 

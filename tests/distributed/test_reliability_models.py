@@ -19,7 +19,11 @@ MODES = {"per_micro_batch": {}, "deferred": {"defer": True}}
 
 @pytest.fixture(scope="module")
 def ranks():
-    runs = [{"name": f"{model}_{mode}", "model": model, "config": cfg} for model in ("tied", "lora") for mode, cfg in MODES.items()]
+    runs = [
+        {"name": f"{model}_{mode}", "model": model, "config": cfg}
+        for model in ("tied", "lora")
+        for mode, cfg in MODES.items()
+    ]
     config = accelerate_config("fsdp2")
     config["fsdp_config"]["fsdp_transformer_layer_cls_to_wrap"] = "Qwen2DecoderLayer"
     args = ["--runs", json.dumps(runs), "--M", str(M), "--batches", str(BATCHES), "--trainer-errors"]

@@ -36,7 +36,9 @@ def _args(runs):
 
 
 def _gathers(res):
-    return [s["counts"].get("all_gather_single", 0) + s["counts"].get("all_gather_into_tensor", 0) for s in res["steps"]]
+    return [
+        s["counts"].get("all_gather_single", 0) + s["counts"].get("all_gather_into_tensor", 0) for s in res["steps"]
+    ]
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,13 @@ import torch.distributed as dist
 from torch import nn
 
 DIM = 16
-COUNTED = ("reduce_scatter_single", "reduce_scatter_tensor", "all_reduce", "all_gather_single", "all_gather_into_tensor")
+COUNTED = (
+    "reduce_scatter_single",
+    "reduce_scatter_tensor",
+    "all_reduce",
+    "all_gather_single",
+    "all_gather_into_tensor",
+)
 
 
 class Block(nn.Module):
@@ -92,7 +98,9 @@ def full_grads(model: nn.Module) -> dict[str, torch.Tensor]:
         with FSDP1.summon_full_params(model, with_grads=True):
             return {clean(n): p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     if isinstance(model, FSDPModule):
-        return {clean(n): p.grad.full_tensor().detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+        return {
+            clean(n): p.grad.full_tensor().detach().clone() for n, p in model.named_parameters() if p.grad is not None
+        }
     return {clean(n): p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 

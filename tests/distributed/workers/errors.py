@@ -34,7 +34,7 @@ elif args.case == "modes":  # modes the wrapper cannot run, under FSDP1 or a 1-D
     model, _ = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
     for mode, extra in (("budget", {"memory_budget": "1GiB"}), ("defer_all_reduce", {})):
         config = accel_gradsync.GradSyncConfig(sync_mode=mode, **extra)
-        result[mode] = refusal(lambda: accel_gradsync.attach(accelerator, config).detach())
+        result[mode] = refusal(lambda config=config: accel_gradsync.attach(accelerator, config).detach())
 else:  # "misuse", under FSDP2
     accel_gradsync.enable_cpu_fsdp()
     plugin = GradientAccumulationPlugin(num_steps=2, sync_each_batch=True)

@@ -73,7 +73,9 @@ def run_checkpoint(accelerator, config: dict, root: str) -> dict:
         saved_params, saved_grads, _ = _train(accelerator, config, seed=0, ckpt=ckpt)
     out = {
         "save_warnings": [str(w.message) for w in caught if issubclass(w.category, accel_gradsync.GradSyncWarning)],
-        "files": {name: sorted(os.listdir(path)) for name, path in (("boundary", ckpt[BOUNDARY]), ("middle", ckpt[MIDDLE]))},
+        "files": {
+            name: sorted(os.listdir(path)) for name, path in (("boundary", ckpt[BOUNDARY]), ("middle", ckpt[MIDDLE]))
+        },
         "save_and_continue": compare(saved_params, ref_params),
         "save_and_continue_grads": [compare(a, b)["max_diff"] for a, b in zip(saved_grads, ref_grads)],
     }

@@ -4,6 +4,7 @@ also runs the save_state/load_state scenario of reliability_checkpoint.py per sy
 
 import json
 import os
+from pathlib import Path
 
 from accelerate import Accelerator
 from common import CollectiveCounter, parse_args, write_result
@@ -15,7 +16,7 @@ args = parse_args([(("--specs",), {"required": True}), (("--checkpoint",), {"def
 accel_gradsync.enable_cpu_fsdp()
 counter = CollectiveCounter()
 accelerator = Accelerator(gradient_accumulation_steps=1)
-specs = json.loads(open(args.specs).read())
+specs = json.loads(Path(args.specs).read_text())
 result = {"runs": {spec["name"]: run_schedule(accelerator, spec, counter) for spec in specs}, "checkpoint": {}}
 if args.checkpoint:  # JSON {name: GradSyncConfig kwargs}: save/load_state mid-run in each
     from reliability_checkpoint import run_checkpoint

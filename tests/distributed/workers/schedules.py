@@ -209,7 +209,9 @@ def run_schedule(accelerator, spec: dict, counter) -> dict:
         else:
             model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
             handle = accel_gradsync.attach(accelerator, config)
-    result["attach_warnings"] = [str(w.message) for w in at_attach if issubclass(w.category, accel_gradsync.GradSyncWarning)]
+    result["attach_warnings"] = [
+        str(w.message) for w in at_attach if issubclass(w.category, accel_gradsync.GradSyncWarning)
+    ]
     adapter = adapt_model(model)
     is_fsdp2 = adapter is not None and adapter.kind == "fsdp2"
     flags0 = sync_flags(model) if is_fsdp2 else None
