@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import time
 from collections import Counter
 from collections.abc import Callable
 
@@ -155,29 +154,3 @@ def reset_device_peak(device: str) -> None:
     backend = getattr(torch, device, None) if device in ("cuda", "npu") else None
     if backend is not None:
         backend.reset_peak_memory_stats()
-
-
-def reduce_scatter_over_all_gather(numel: int, device: torch.device, repeats: int = 15) -> float:
-    """How long a `reduce_scatter_tensor` of `numel` elements takes against an
-    `all_gather_into_tensor` of the same tensor on the default group: the fastest of `repeats`
-    (the least disturbed by other processes on the machine), the slowest rank's. What
-    `accel_gradsync.policies.REDUCE_SCATTER_COST` assumes for the backend, measured here so the
-    report can hold the figure against the run."""
-    world = dist.get_world_size()
-    full = torch.randn(numel - numel % world, device=device)
-    shard = torch.empty(full.numel() // world, device=device)
-    times = []
-    for fn in (lambda: dist.reduce_scatter_tensor(shard, full), lambda: dist.all_gather_into_tensor(full, shard)):
-        fn()  # the first call sets up the algorithm's buffers
-        samples = []
-        for _ in range(repeats):
-            dist.barrier()
-            start = time.perf_counter()
-            fn()
-            if device.type in ("cuda", "npu"):
-                getattr(torch, device.type).synchronize()
-            samples.append(time.perf_counter() - start)
-        times.append(min(samples))
-    worst = torch.tensor(times, dtype=torch.float64)
-    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-    return float(worst[0] / worst[1])

@@ -19,9 +19,9 @@ RUNS = [
     {"name": "window", "config": WINDOW},
     {"name": "window_after_abort", "config": WINDOW, "abort_after": 2},
     # Per unit, fp32: a Block holds 1088 B of gradient and 1088 B of params, the root's head 68 + 68 B.
-    # On 2 gloo ranks deferring a unit saves 3 reduce-scatters of 2 all-gather bytes each
+    # On 2 gloo ranks deferring a unit saves 3 reduce-scatters of 1.4 all-gather bytes each
     # (policies.REDUCE_SCATTER_COST) per half a gradient byte it adds (the sharded half is not kept):
-    # 12 per byte at M = 4, before a window's 7 all-gathers per param byte.
+    # 8.4 per byte at M = 4, before a window's 7 all-gathers per param byte.
     # 3340 B: every unit deferred (2244 B), then one Block windowed (1088 B more); the head's window
     # (68 B more) no longer fits.
     {"name": "budget_3340B", "config": {"sync_mode": "budget", "memory_budget": "3340B"}},
