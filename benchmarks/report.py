@@ -149,6 +149,17 @@ def describe_machine(m: dict) -> str:
 
 
 # -- plots ------------------------------------------------------------------------------------
+def finish_axes(ax) -> None:
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+
+
+def save_figure(fig, path: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def plot_step_times(results: dict, path: Path) -> None:
     runs = results["runs"]
     fig, axes = plt.subplots(1, len(runs), figsize=(6 * len(runs), 4.5), squeeze=False)
@@ -163,11 +174,8 @@ def plot_step_times(results: dict, path: Path) -> None:
         ax.set_xlabel("micro-batches per optimizer step (M)")
         ax.set_ylabel("median step time (ms)")
         ax.set_title(f"{run['size']} ({run['facts']['params'] / 1e6:.1f} M params, {run['ranks']} ranks)")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+        finish_axes(ax)
+    save_figure(fig, path)
 
 
 def step_cost_ratio(run: dict) -> float | None:
@@ -217,11 +225,8 @@ def plot_frontier(results: dict, path: Path) -> None:
         ax.set_xlabel("MiB held per rank between micro-batches (gradients + unsharded params)")
         ax.set_ylabel(f"median step time at M={M} (ms)")
         ax.set_title(f"{run['size']}, {run['ranks']} ranks: memory / time trade-off")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+        finish_axes(ax)
+    save_figure(fig, path)
 
 
 # -- targets ----------------------------------------------------------------------------------
@@ -576,11 +581,8 @@ def plot_cluster_speedup(results: dict, path: Path) -> None:
     ax.set_ylabel(f"speedup over per-micro-batch at M={max(results['plan']['Ms'])}")
     hosts = results["plan"]["cluster"]["hosts"]
     ax.set_title(f"simulated cluster: {hosts} hosts x 1 rank (HSDP dotted: {hosts} hosts x {4 // hosts} ranks)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    finish_axes(ax)
+    save_figure(fig, path)
 
 
 def write_cluster_table(results: dict) -> str:
