@@ -32,11 +32,12 @@ def is_hooked(accelerator: Accelerator) -> bool:
 
 def hook_accelerator(
     accelerator: Accelerator, owner: Any, *, no_sync: Callable, abort: Callable[[], None],
-    bind: Callable[[nn.Module], Any],
+    window_ends: Callable[[], None], bind: Callable[[nn.Module], Any],
 ) -> type:  # fmt: skip
     """Give `accelerator` a subclass of its class whose `no_sync` enters `no_sync(model,
-    accelerate_no_sync)`, whose `accumulate` calls `abort()` when an exception leaves it, and
-    whose `prepare` binds the models it wraps. Returns the original class."""
+    accelerate_no_sync)`, whose `accumulate` calls `window_ends()` on entering a micro-batch that
+    syncs and `abort()` when an exception leaves it, and whose `prepare` binds the models it
+    wraps. Returns the original class."""
     base = type(accelerator)
 
     class GradSyncAccelerator(base):  # type: ignore[misc, valid-type]
@@ -48,6 +49,8 @@ def hook_accelerator(
         @contextlib.contextmanager
         def accumulate(self, *models):
             with super().accumulate(*models):
+                if self.sync_gradients:
+                    window_ends()  # before the last forward: the flags the window held come back
                 try:
                     yield
                 except BaseException:

@@ -85,6 +85,7 @@ class GradSyncHandle:
 
     def detach(self) -> None:
         """Undo `attach`: the accelerator's own `no_sync` again, hooks and callback removed."""
+        self._window.end_hold()  # a window left mid-way: its flags back
         if self._original_class is not None:
             unhook_accelerator(self.accelerator, self._original_class)
             self._original_class = None
@@ -123,5 +124,10 @@ class GradSyncHandle:
             # First in line, so the reporting callbacks (TensorBoard, W&B, ...) see our keys.
             trainer.callback_handler.callbacks.insert(0, self._callback)
         self._original_class = hook_accelerator(
-            accelerator, self, no_sync=self._window.no_sync, abort=self._window.abort, bind=self.bind
+            accelerator,
+            self,
+            no_sync=self._window.no_sync,
+            abort=self._window.abort,
+            window_ends=self._window.end_hold,
+            bind=self.bind,
         )

@@ -1,17 +1,23 @@
-"""The hot path: hold each non-final micro-batch's sync as planned, keep a window's params through
-its last forward, count every micro-batch, and drop the window's gradients when an exception ends it.
+"""The hot path: hold the sync of a window's non-final micro-batches as planned, keep a window's
+params through its last forward, count every micro-batch, and drop the window's gradients when an
+exception ends it.
 
 Both `Accelerator.accumulate()` and the Trainer enter `no_sync(model)` on every micro-batch but
 the last, so `Window.no_sync` sees each held micro-batch; a forward pre-hook on each bound model
-sees every micro-batch that runs with gradients, the last one included. This runs once per
-micro-batch, so it keeps to dict lookups and integer additions; its only collective is `auto`'s
-one all-reduce per window (replan.py), and held bytes are read from tensor sizes once per window.
+sees every micro-batch that runs with gradients, the last one included. The units' flags are set
+once, at the window's first held micro-batch, and put back once: when `accumulate()` enters the
+micro-batch that syncs, else (the Trainer) when a forward runs outside a held micro-batch, on an
+exception, or at detach. Flipping them around every micro-batch cost more than the rest of this
+module together (1-2% of a short step). This runs once per micro-batch,
+so it keeps to dict lookups and integer additions; its only collective is `auto`'s one all-reduce
+per window (replan.py), and held bytes are read from tensor sizes once per window.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -20,7 +26,19 @@ from torch import nn
 from .checkpoint import GradCheckpoint
 from .decision import describe_decision
 from .fsdp import ModelAdapter
+from .policies import Plan
 from .state import Attachment, BoundModel, root_of
+
+
+@dataclass
+class _Hold:
+    """The flags one model's window holds, set at its first held micro-batch."""
+
+    plan: Plan
+    held: tuple[int, ...]
+    """`id` of each held unit: fewer than the plan's while some cannot hold yet (`holdable`)."""
+    flags: contextlib.ExitStack
+    """Closing it puts every flag back (`ModelAdapter.hold`)."""
 
 
 class Window:
@@ -34,6 +52,7 @@ class Window:
         self._checkpoint = checkpoint
         self._held: dict[int, tuple[list, str]] = {}  # by id(root): (units held, how) during a held micro-batch
         self._restore_forward: Callable[[], None] | None = None  # flags to put back after the last forward
+        self._holds: dict[int, _Hold] = {}  # by id(root): the window's flags, until its last forward
 
     def watch(self, root: nn.Module) -> list[torch.utils.hooks.RemovableHandle]:
         """Count `root`'s micro-batches from its forward (hooks inside DDP's wrapper)."""
@@ -41,7 +60,8 @@ class Window:
 
     @contextlib.contextmanager
     def no_sync(self, model: nn.Module, accelerate_no_sync: Callable) -> Iterator[None]:
-        """Hold what the plan holds through one micro-batch's forward and backward."""
+        """Hold what the plan holds through one non-final micro-batch's forward and backward; the
+        flags, set at the window's first such micro-batch, stay until its last forward."""
         adapter = self._bind(model)
         if adapter is None:
             with accelerate_no_sync(model):
@@ -68,8 +88,8 @@ class Window:
                     "holding: torch's FSDP2 cannot hold a gradient that must be cast to reduce_dtype for a "
                     "unit that has not run yet. They hold once they have run; gradients stay exact.",
                 )
-            windowed = [u for u in plan.windowed if any(u is h for h in held)]
-            context = adapter.hold(held, plan.hold, windowed)
+            self._start_hold(id(root), adapter, plan, held)
+            context = contextlib.nullcontext()
         self._held[id(root)] = (held, plan.hold)
         try:
             with context:
@@ -81,8 +101,30 @@ class Window:
                     "their unit did; they now hold a zero gradient in the reduce dtype so that a later "
                     "first gradient reduces correctly (torch's FSDP2 needs one dtype per unit).",
                 )
+        except BaseException:
+            self.end_hold(id(root))  # flags back at once; accumulate()'s abort drops the gradients
+            raise
         finally:
             self._held.pop(id(root), None)
+
+    def _start_hold(self, key: int, adapter: ModelAdapter, plan: Plan, held: list) -> None:
+        """Set the flags `plan` holds, unless this window already holds exactly those."""
+        ids = tuple(id(u) for u in held)
+        current = self._holds.get(key)
+        if current is not None and current.plan is plan and current.held == ids:
+            return
+        self.end_hold(key)  # a new plan (auto), or units that could not hold before now can
+        windowed = [u for u in plan.windowed if id(u) in ids]
+        flags = contextlib.ExitStack()
+        flags.enter_context(adapter.hold(held, plan.hold, windowed))
+        self._holds[key] = _Hold(plan, ids, flags)
+
+    def end_hold(self, key: int | None = None) -> None:
+        """Put back the flags the window of model `key` (of every model: None) set."""
+        for k in list(self._holds) if key is None else [key]:
+            hold = self._holds.pop(k, None)
+            if hold is not None:
+                hold.flags.close()
 
     def _replan(self, bound: BoundModel) -> None:
         """At a window's first micro-batch: read the last step's peak; change the plan if auto says so."""
@@ -116,6 +158,8 @@ class Window:
                 f"accel_gradsync: sync mode {state.policy.name!r} is not applied: accelerate's "
                 "sync_each_batch=True was set after attach() and makes every micro-batch sync.",
             )
+        if id(module) not in self._held:
+            self.end_hold(id(module))  # the window's last micro-batch (or one accelerate syncs): it syncs
         held, hold = self._held.get(id(module), ((), ""))
         bound = state.bound[id(module)]
         if ends_step and bound.account.current.deferred_micro_batches:
@@ -137,9 +181,9 @@ class Window:
 
     def abort(self) -> None:
         """An exception (KeyboardInterrupt included) left `accumulate()`: discard the window's
-        gradients, held or not, so none leaks into the next one. Flags were restored on the way
-        out of `no_sync`."""
+        gradients, held or not, so none leaks into the next one, and put every flag back."""
         self.after_forward()
+        self.end_hold()
         for key, adapter in self.state.adapters.items():
             if adapter is not None:
                 adapter.drop_held_grads()

@@ -2,7 +2,8 @@
 
 Keys of an entry:
 - `loop`: which training loop drives it (`worker.LOOPS`): "accumulate" (accelerate's
-  `accumulate`, with or without the plugin), "raw" / "raw_window" (hand-written FSDP2 loops) or "trainer"
+  `accumulate`, with or without the plugin), "accumulate_window" (the same, with the window's
+  flags flipped by hand), "raw" / "raw_window" (hand-written FSDP2 loops) or "trainer"
   (a stock `transformers.Trainer`).
 - `gradsync`: keyword arguments for `accel_gradsync.GradSyncConfig`, or a function of the
   model's facts returning them (the budget modes size their budget from the full-deferral
@@ -62,6 +63,9 @@ CONFIGS: dict[str, dict[str, Any]] = {
                   "label": "hand-written set_requires_gradient_sync loop (verl)"},
     "raw_window": {"loop": "raw_window", "gradsync": None, "reshard_after_forward": False, "group": "peer",
                    "label": "hand-written window loop (PyTorch issue 124319)"},
+    "stock_window_by_hand": {"loop": "accumulate_window", "gradsync": None, "reshard_after_forward": False,
+                             "group": "peer",
+                             "label": "stock accelerate accumulate, window flags by hand (issue 124319's calls)"},
     "stock_no_reshard": {"loop": "accumulate", "gradsync": None, "reshard_after_forward": False, "group": "peer",
                          "label": "stock accelerate accumulate, fsdp_reshard_after_forward: false"},
     "trainer_stock": {"loop": "trainer", "gradsync": None, "group": "peer",
@@ -82,6 +86,9 @@ PAIRS: tuple[tuple[str, str], ...] = (
     ("deferred", "raw_fsdp2"),
     ("per_micro_batch", "stock_sync_each_batch"),
     ("window", "raw_window"),
+    # The same window flags by hand, in accelerate's own loop: what the plugin adds to that loop,
+    # apart from what the loop itself costs against `raw_window`.
+    ("window", "stock_window_by_hand"),
 )
 
 # Model sizes: `dim` x `layers` residual MLP blocks and a root of the same size (8 dim^2 + 5 dim

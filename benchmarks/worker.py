@@ -170,7 +170,25 @@ def step_raw(bench: Bench, run: dict, M: int) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
-LOOPS = {"accumulate": step_accumulate, "raw": step_raw, "raw_window": step_raw_window}
+def step_accumulate_window(bench: Bench, run: dict, M: int) -> None:
+    """The window by hand inside accelerate's own loop: `fsdp_reshard_after_forward: false` (set
+    at prepare), `set_reshard_after_backward` True on the last micro-batch only, and accelerate's
+    `no_sync` holding the gradient sync. Against `raw_window` it prices accelerate's loop; against
+    the plugin's window, what the plugin adds to that loop."""
+    acc, model, optimizer = run["acc"], run["model"], run["optimizer"]
+    for k in range(M):
+        x, y = bench.batch(k)
+        model.set_reshard_after_backward(k == M - 1)
+        with acc.accumulate(model):
+            acc.backward(model(x, y)["loss"])
+            bench.probe(model)
+            if acc.sync_gradients:
+                optimizer.step()
+                optimizer.zero_grad()
+
+
+LOOPS = {"accumulate": step_accumulate, "accumulate_window": step_accumulate_window, "raw": step_raw,
+         "raw_window": step_raw_window}  # fmt: skip
 
 
 # -- one configuration ----------------------------------------------------------------------
@@ -265,8 +283,13 @@ def measure_sync_control(bench: Bench, run: dict, iterations: int = 100, repeats
                 model.set_requires_gradient_sync(True)
                 model.set_reshard_after_backward(True)
             else:
+                by_hand = loop == "accumulate_window"
+                if by_hand:
+                    model.set_reshard_after_backward(False)
                 with acc.accumulate(model):  # not the last micro-batch: no_sync (or the plugin's)
                     pass
+                if by_hand:
+                    model.set_reshard_after_backward(True)
                 with acc.accumulate(model):  # the last one: syncs
                     pass
         best = min(best, (time.perf_counter() - t0) / (2 * iterations) * 1e6)
@@ -366,13 +389,30 @@ def measure_trainer(bench: Bench, name: str, M: int) -> tuple[list[dict], dict]:
     return steps, {"wrapper_class": wrapper}
 
 
+def pair_chains(names: list[str]) -> list[list[str]]:
+    """The overhead pairs among `names` as chains of adjacent configurations: a configuration in
+    two pairs (the window, against the raw loop and against the flags by hand) sits between its
+    two partners."""
+    chains: list[list[str]] = []
+    for a, b in registry.PAIRS:
+        if a not in names or b not in names:
+            continue
+        chain = next((c for c in chains if a in c and a in (c[0], c[-1])), None)
+        if chain is None:
+            chains.append([a, b])
+        elif chain[0] == a:
+            chain.insert(0, b)
+        else:
+            chain.append(b)
+    return chains
+
+
 def round_order(runs: list[dict], k: int) -> list[dict]:
-    """Round k's order: the overhead pairs as adjacent blocks (a, b on even rounds, b, a on odd
-    ones, so neither always runs first), every other configuration a block of its own, and the
-    blocks rotated by k."""
+    """Round k's order: the overhead pairs as adjacent blocks (as listed on even rounds, reversed
+    on odd ones, so no configuration always runs first), every other configuration a block of its
+    own, and the blocks rotated by k."""
     by_name = {run["name"]: run for run in runs}
-    blocks = [[by_name[n] for n in (pair if k % 2 == 0 else pair[::-1])]
-              for pair in registry.PAIRS if all(n in by_name for n in pair)]  # fmt: skip
+    blocks = [[by_name[n] for n in (chain if k % 2 == 0 else chain[::-1])] for chain in pair_chains(list(by_name))]
     done = {run["name"] for block in blocks for run in block}
     blocks += [[run] for run in runs if run["name"] not in done]
     if not blocks:

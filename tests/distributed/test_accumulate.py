@@ -77,6 +77,9 @@ def test_fsdp2_restores_each_units_previous_flags(run):
         flags = rank["flags"]
         assert flags["before"]["blocks.0"] == [False, False, True]  # switched off by the user
         assert all(v == [False, False, True] for v in flags["inside"].values())  # deferred
-        assert flags["after"] == flags["before"]  # not blindly True
+        assert flags["between"] == flags["inside"]  # set once per window, not around every micro-batch
+        assert flags["after"] == flags["before"]  # back after the window's last forward, not blindly True
         assert all(v == [False, False, True] for v in flags["inside_raising"].values())
         assert flags["after_raise"] == flags["before"]
+        assert all(v == [False, False, True] for v in flags["held_at_detach"].values())
+        assert flags["after_detach"] == flags["before"]

@@ -26,7 +26,16 @@ def ranks():
     ]
     config = accelerate_config("fsdp2")
     config["fsdp_config"]["fsdp_transformer_layer_cls_to_wrap"] = "Qwen2DecoderLayer"
-    args = ["--runs", json.dumps(runs), "--M", str(M), "--batches", str(BATCHES), "--trainer-errors"]
+    args = [
+        "--runs",
+        json.dumps(runs),
+        "--M",
+        str(M),
+        "--batches",
+        str(BATCHES),
+        "--trainer-window",
+        "--trainer-errors",
+    ]
     return launch("reliability_models", args, config)
 
 
@@ -71,3 +80,15 @@ def test_trainer_with_sync_each_batch_refuses_deferral_before_any_step(ranks):
         assert "sync_each_batch" in msg and "deferred" in msg and "per_micro_batch" in msg
         assert err["written"] == [], err  # nothing in output_dir
         assert err["global_step"] == 0
+
+
+def test_trainer_window_holds_flags_between_micro_batches_and_restores_them_each_step(ranks):
+    for rank in ranks:
+        run = rank["trainer_window"]
+        assert run["steps"] == 2
+        before = run["before"][0]
+        assert len(run["after_step"]) == 2 and all(f == before for f in run["after_step"])
+        assert len(run["between"]) == 2 * (M - 1)
+        for flags in run["between"]:  # held units: (sync, all-reduce, reshard after backward) all off
+            held = [name for name, f in flags.items() if f == [False, False, False]]
+            assert held and all(f == [False, False, False] or f == before[name] for name, f in flags.items())

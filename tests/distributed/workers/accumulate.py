@@ -160,9 +160,13 @@ if result["wrapper"] == "fsdp2":
     model, _ = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=LR))
     handle = accel_gradsync.attach(accelerator, accel_gradsync.GradSyncConfig(defer=True))
     model.blocks[0].set_requires_gradient_sync(False, recurse=False)  # a user's own per-unit choice
+    accelerator.gradient_accumulation_steps, accelerator.step = 2, 0  # windows of 2 from here
     flags = {"before": sync_flags(model)}
     with accelerator.accumulate(model):  # first micro-batch of a window: deferred
         flags["inside"] = sync_flags(model)
+        accelerator.backward(model(X[:b]).sum())
+    flags["between"] = sync_flags(model)  # the window still holds
+    with accelerator.accumulate(model):  # its last micro-batch: syncs
         accelerator.backward(model(X[:b]).sum())
     flags["after"] = sync_flags(model)
     try:
@@ -172,7 +176,11 @@ if result["wrapper"] == "fsdp2":
     except RuntimeError:
         pass
     flags["after_raise"] = sync_flags(model)
+    with accelerator.accumulate(model):  # a window left mid-way, then detach
+        accelerator.backward(model(X[:b]).sum())
+    flags["held_at_detach"] = sync_flags(model)
     handle.detach()
+    flags["after_detach"] = sync_flags(model)
     result["flags"] = flags
 
 write_result(args.out, result)

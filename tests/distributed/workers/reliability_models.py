@@ -19,7 +19,8 @@ VOCAB, SEQ, B = 48, 8, 2
 
 args = parse_args([(("--runs",), {"type": json.loads, "required": True}), (("--M",), {"type": int, "default": 3}),
                    (("--batches",), {"type": int, "default": 4}),
-                   (("--trainer-errors",), {"action": "store_true"})])  # fmt: skip
+                   (("--trainer-errors",), {"action": "store_true"}),
+                   (("--trainer-window",), {"action": "store_true"})])  # fmt: skip
 accel_gradsync.enable_cpu_fsdp()
 counter = CollectiveCounter()
 accelerator = Accelerator(gradient_accumulation_steps=args.M)
@@ -107,6 +108,42 @@ for run in args.runs:
     handle.detach()
     accelerator.free_memory()
 out = {"runs": result}
+
+if args.trainer_window:
+    # The Trainer enters no_sync itself (not accumulate()): the window's flags must still be set
+    # once, held between its micro-batches, and back before the optimizer step.
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from accel_gradsync.fsdp import sync_flags
+
+    class Watch(TrainerCallback):
+        def __init__(self) -> None:
+            self.seen: dict[str, list] = {"before": [], "between": [], "after_step": []}
+
+        def flags(self, key: str, model) -> None:
+            self.seen[key].append(sync_flags(model))
+
+        def on_train_begin(self, args, state, control, model=None, **kw):
+            self.flags("before", trainer.model_wrapped)
+
+        def on_substep_end(self, args, state, control, **kw):
+            self.flags("between", trainer.model_wrapped)
+
+        def on_step_end(self, args, state, control, **kw):
+            self.flags("after_step", trainer.model_wrapped)
+
+    targs = TrainingArguments(
+        output_dir=f"{args.out}/trainer_window", per_device_train_batch_size=B, gradient_accumulation_steps=M,
+        max_steps=2, report_to=[], save_strategy="no", logging_strategy="no", learning_rate=0.1,
+        accelerator_config={"use_configured_state": True},
+    )  # fmt: skip
+    dataset = [{"input_ids": ids, "labels": ids} for ids in IDS] * 2
+    watch = Watch()
+    trainer = Trainer(model=build("tied"), args=targs, train_dataset=dataset, callbacks=[watch])
+    handle = accel_gradsync.attach(trainer, accel_gradsync.GradSyncConfig(defer=True, keep_params_unsharded=True))
+    trainer.train()
+    out["trainer_window"] = {**watch.seen, "steps": trainer.state.global_step, "stats": handle.stats()}
+    handle.detach()
 
 if args.trainer_errors:
     # Last: the Trainer's accelerator shares accelerate's state (and its sync_each_batch) with ours.

@@ -268,7 +268,7 @@ def run_schedule(accelerator, spec: dict, counter) -> dict:
                             optimizer.zero_grad()
                             if accelerator.sync_gradients and adapter is not None:
                                 held_after_step.append(adapter.held_grad_bytes())
-                        if is_fsdp2:
+                        if is_fsdp2 and pos["final"]:  # a window holds its flags until its last forward
                             flags_between.append(sync_flags(model) == flags0)
                             flags_inside.append(inside)
                     except (RuntimeError, KeyboardInterrupt) as err:
