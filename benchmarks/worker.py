@@ -125,7 +125,7 @@ class Bench:
 
 
 # -- one optimizer step, per loop -----------------------------------------------------------
-def step_accumulate(bench: Bench, run: dict, M: int) -> None:
+def step_accumulate(bench: Bench, run: dict, M: int, window_by_hand: bool = False) -> None:
     """What the accelerate docs show, `accumulate` around every micro-batch, stepping the
     optimizer on the micro-batch that syncs, as the Trainer does. (The docs call `step()` on every
     micro-batch and let accelerate skip it; in accelerate 1.15 that skipped call still costs two
@@ -134,6 +134,8 @@ def step_accumulate(bench: Bench, run: dict, M: int) -> None:
     acc, model, optimizer = run["acc"], run["model"], run["optimizer"]
     for k in range(M):
         x, y = bench.batch(k)
+        if window_by_hand:
+            model.set_reshard_after_backward(k == M - 1)
         with acc.accumulate(model):
             acc.backward(model(x, y)["loss"])
             bench.probe(model)
@@ -175,16 +177,7 @@ def step_accumulate_window(bench: Bench, run: dict, M: int) -> None:
     at prepare), `set_reshard_after_backward` True on the last micro-batch only, and accelerate's
     `no_sync` holding the gradient sync. Against `raw_window` it prices accelerate's loop; against
     the plugin's window, what the plugin adds to that loop."""
-    acc, model, optimizer = run["acc"], run["model"], run["optimizer"]
-    for k in range(M):
-        x, y = bench.batch(k)
-        model.set_reshard_after_backward(k == M - 1)
-        with acc.accumulate(model):
-            acc.backward(model(x, y)["loss"])
-            bench.probe(model)
-            if acc.sync_gradients:
-                optimizer.step()
-                optimizer.zero_grad()
+    step_accumulate(bench, run, M, window_by_hand=True)
 
 
 LOOPS = {"accumulate": step_accumulate, "accumulate_window": step_accumulate_window, "raw": step_raw,
