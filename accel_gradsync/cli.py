@@ -27,11 +27,19 @@ _MODEL_DTYPES = ("fp32", "bf16", "fp16")
 class EstimateArguments:
     """What `accel-gradsync estimate` reads besides the sync settings."""
 
-    accelerate_config: str = field(
-        metadata={"help": "The accelerate config file the run will be launched with (FSDP version, wrap policy, "
-                  "mixed_precision, num_processes, parallelism_config replicate/shard sizes)."}
-    )  # fmt: skip
     micro_batches: int = field(metadata={"help": "Micro-batches per optimizer step (gradient_accumulation_steps)."})
+    accelerate_config: str | None = field(
+        default=None,
+        metadata={"help": "The accelerate config file the run will be launched with (FSDP version, wrap policy, "
+                  "mixed_precision, num_processes, parallelism_config replicate/shard sizes)."},
+    )  # fmt: skip
+    distributed_config: str | None = field(
+        default=None,
+        metadata={"help": "Instead of --accelerate-config, for a model transformers shards at load time: the keys "
+                  "of its DistributedConfig as JSON or a JSON/YAML file, e.g. '{\"fsdp_size\": 8, "
+                  "\"dp_replicate_size\": 2}' (fsdp_size, dp_replicate_size, fsdp_mixed_precision, "
+                  "fsdp_cpu_offload, fsdp_plan)."},
+    )  # fmt: skip
     model: str = field(
         default=RECIPE_DEFAULT,
         metadata={"help": f"A transformers config: a local directory with config.json, a hub name (online only), "
@@ -87,6 +95,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             result = estimate(
                 args.model, args.accelerate_config, args.micro_batches, config, args.num_processes,
                 model_dtype=_torch_dtype(args.model_dtype), mixed_precision=args.mixed_precision,
+                distributed_config=args.distributed_config,
             )  # fmt: skip
         except ValueError as err:
             estimate_parser.error(str(err))  # exits 2 with the usage line

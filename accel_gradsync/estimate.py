@@ -41,7 +41,7 @@ import yaml
 from torch import nn
 
 from .config import GradSyncConfig
-from .fake_shard import fake_world, shard_like_accelerate
+from .fake_shard import fake_world, shard_like_accelerate, shard_like_transformers
 from .fsdp import ModelAdapter, adapt_model
 from .policies import (
     ALL_REDUCE,
@@ -80,6 +80,8 @@ class FSDPSetup:
     """FSDP2 `fsdp_reshard_after_forward`; FSDP1: sharding strategy FULL_SHARD (vs SHARD_GRAD_OP)."""
     use_orig_params: bool = False
     """FSDP1 `fsdp_use_orig_params` (units are the same either way; passed on as a launch would)."""
+    distributed_config: tuple[tuple[str, Any], ...] = ()
+    """A model transformers shards at load time: its `DistributedConfig` keys (empty: accelerate shards)."""
 
     @property
     def hsdp(self) -> bool:
@@ -144,6 +146,50 @@ def read_accelerate_config(
         shard_size=shard,
         reshard_after_forward=strategy in ("TRUE", "FULL_SHARD", "1"),
         use_orig_params=str(fsdp.get("fsdp_use_orig_params", False)).lower() == "true",
+    )
+
+
+_DISTRIBUTED_KEYS = ("fsdp_size", "dp_replicate_size", "fsdp_mixed_precision", "fsdp_cpu_offload", "fsdp_plan")
+
+
+def read_distributed_config(source: str | os.PathLike | dict) -> FSDPSetup:
+    """An `FSDPSetup` for a model transformers shards at load time, from the keys of its
+    `DistributedConfig` (a dict, JSON text, or a JSON/YAML file): FSDP2 over `fsdp_size` ranks,
+    HSDP with `dp_replicate_size` > 1. Tensor, pipeline and expert parallelism are refused."""
+    keys: Any
+    if isinstance(source, dict):
+        keys = dict(source)
+    else:
+        text = Path(source).read_text() if Path(source).is_file() else str(source)
+        try:
+            keys = yaml.safe_load(text)  # JSON is YAML
+        except yaml.YAMLError:
+            keys = None
+        if not isinstance(keys, dict):
+            raise ValueError(
+                f"--distributed-config {str(source)!r} is neither a file nor a mapping; give DistributedConfig's "
+                'keys, e.g. \'{"fsdp_size": 8, "dp_replicate_size": 2}\'.'
+            )
+    unknown = sorted(set(keys) - set(_DISTRIBUTED_KEYS))
+    if unknown:
+        raise ValueError(
+            f"--distributed-config: {', '.join(unknown)} not covered by the estimate (it plans FSDP and HSDP, "
+            f"not tensor, pipeline or expert parallelism); valid keys: {', '.join(_DISTRIBUTED_KEYS)}."
+        )
+    replicate, shard = int(keys.get("dp_replicate_size") or 1), int(keys.get("fsdp_size") or 1)
+    if replicate < 1 or shard < 1 or replicate * shard < 2:
+        raise ValueError(
+            f"--distributed-config: fsdp_size={shard} x dp_replicate_size={replicate} does not shard anything; "
+            "give sizes >= 1 whose product is the number of processes (at least 2)."
+        )
+    return FSDPSetup(
+        fsdp_version=2,
+        num_processes=replicate * shard,
+        # DistributedConfig(fsdp_mixed_precision=True): bf16 params, fp32 reduce (transformers' policy).
+        mixed_precision="bf16" if keys.get("fsdp_mixed_precision") else "no",
+        replicate_size=replicate,
+        shard_size=shard,
+        distributed_config=tuple(sorted(keys.items())),
     )
 
 
@@ -292,6 +338,17 @@ def estimated_adapter(model: nn.Module, setup: FSDPSetup, config: GradSyncConfig
     """The adapter a launched run reads its units from (`fsdp.adapt_model`, the same code), over
     `model` (meta device) sharded as accelerate would shard it for `setup`, in a fake process
     group of `setup.num_processes` ranks (fake_shard.py). `model` is wrapped in place."""
+    if setup.distributed_config:
+        if config.resolved().reduce_dtype != "auto":
+            raise ValueError(
+                f"reduce_dtype={config.reduce_dtype!r} cannot reach a model transformers shards at load time; "
+                "DistributedConfig(fsdp_mixed_precision=True) gives bf16 params with an fp32 reduce, else the "
+                "params' dtype is reduced."
+            )
+        with fake_world(setup.num_processes):
+            adapter = adapt_model(shard_like_transformers(model, dict(setup.distributed_config)))
+            assert adapter is not None  # fully_shard wraps the root
+            return adapter
     if setup.hsdp and setup.fsdp_version != 2:
         raise ValueError("parallelism_config dp_replicate_size > 1 needs fsdp_version: 2 in the accelerate config.")
     plugin = accelerate_plugin(setup, config, model)
@@ -360,6 +417,8 @@ class Estimate:
     params: int
     units: list[dict] = field(default_factory=list)
     free_memory: int | None = None
+    sharded_by: str = "accelerate"
+    """Who wraps the model: "accelerate" (at prepare) or "transformers" (at load, `DistributedConfig`)."""
     modes: list[ModeEstimate] = field(default_factory=list)
 
     def to_dict(self) -> dict:
@@ -419,18 +478,30 @@ def peak_grad_bytes(plan: Plan, adapter: ModelAdapter) -> int:
 
 def estimate(
     model_spec: str | dict,
-    accelerate_config: str | os.PathLike | dict,
+    accelerate_config: str | os.PathLike | dict | None,
     micro_batches: int,
     config: GradSyncConfig | None = None,
     num_processes: int | None = None,
     model_dtype: torch.dtype = torch.float32,
     mixed_precision: str | None = None,
+    distributed_config: str | os.PathLike | dict | None = None,
 ) -> Estimate:
-    """One `ModeEstimate` per mode in `policies.POLICIES`, planned by the runtime's own policies."""
+    """One `ModeEstimate` per mode in `policies.POLICIES`, planned by the runtime's own policies,
+    for a model accelerate shards (`accelerate_config`) or one transformers shards at load time
+    (`distributed_config`: the keys of its `DistributedConfig`); exactly one of the two."""
     if micro_batches < 1:
         raise ValueError(f"micro_batches={micro_batches}: needs at least 1 micro-batch per optimizer step.")
     config = GradSyncConfig() if config is None else config
-    setup = read_accelerate_config(accelerate_config, num_processes, mixed_precision)
+    if (accelerate_config is None) == (distributed_config is None):
+        raise ValueError(
+            "give exactly one of --accelerate-config (accelerate shards the model) and --distributed-config "
+            "(transformers shards it at load time: from_pretrained(..., distributed_config=...))."
+        )
+    if distributed_config is not None:
+        setup = read_distributed_config(distributed_config)
+    else:
+        assert accelerate_config is not None  # one of the two, checked above
+        setup = read_accelerate_config(accelerate_config, num_processes, mixed_precision)
     model = build_meta_model(load_model_config(model_spec), model_dtype)
     adapter = estimated_adapter(model, setup, config)
     free = config.free_memory_bytes
@@ -446,6 +517,7 @@ def estimate(
         params=sum(u.numel for u in adapter.units),
         units=[{"name": u.name or "<root>", "numel": u.numel} for u in adapter.units],
         free_memory=free,
+        sharded_by="transformers" if setup.distributed_config else "accelerate",
     )
     rows: list[tuple[str, type[SyncPolicy]]] = [*POLICIES.items(), (WINDOW_ROW, DeferredSync)]
     for name, policy_cls in rows:
@@ -515,9 +587,10 @@ def format_table(est: Estimate) -> str:
         else f"{est.shard_size} shards"
     )
     lines = [
-        f"model {est.model}: {est.params:,} trainable params in {len(est.units)} {est.wrapper} units; "
-        f"{est.num_processes} processes ({mesh}); mixed_precision={est.mixed_precision}, "
-        f"reduce_dtype={est.reduce_dtype}; {est.micro_batches} micro-batches per optimizer step"
+        f"model {est.model}: {est.params:,} trainable params in {len(est.units)} {est.wrapper} units "
+        f"(sharded by {est.sharded_by}); {est.num_processes} processes ({mesh}); "
+        f"mixed_precision={est.mixed_precision}, reduce_dtype={est.reduce_dtype}; "
+        f"{est.micro_batches} micro-batches per optimizer step"
         + (f"; free memory {format_bytes(est.free_memory)}/rank" if est.free_memory is not None else ""),
         "",
     ]

@@ -18,6 +18,10 @@ re-implement any of that, this module runs the real code on a model without stor
   meta model, a `param_init_fn` materialises each module, here as fake tensors (FakeTensorMode:
   shapes and dtypes, no storage), and accelerate's `ensure_weights_retied` keeps tied weights tied.
 
+- A model transformers shards at load time (`DistributedConfig`): transformers' own
+  `prepare_distribute_model` and `maybe_distribute_model`, the two steps `from_pretrained` runs,
+  build its mesh and call `fully_shard` on its `fsdp_plan`.
+
 What is not accelerate's own code, and why: `_PreparingAccelerator` carries the few attributes of
 an `Accelerator` that `fsdp2_prepare_model` reads (a real `Accelerator` would initialise
 accelerate's process-wide state and need the launch environment); the FSDP1 keyword arguments
@@ -142,3 +146,13 @@ def _shard_fsdp1(model: nn.Module, plugin: Any, mixed_precision: str) -> nn.Modu
             param_init_fn=ensure_weights_retied(materialise, model, _CPU),
             device_id=_CPU,
         )
+
+
+def shard_like_transformers(model: nn.Module, distributed_config: dict) -> nn.Module:
+    """`model` (on the meta device) sharded as `from_pretrained(..., distributed_config=...)`
+    shards it: transformers' own mesh and `fsdp_plan`. Must run inside `fake_world`."""
+    from transformers.distributed import DistributedConfig
+
+    cls: Any = type(model)  # a transformers PreTrainedModel: the two steps are its classmethods
+    config, _, mesh = cls.prepare_distribute_model(DistributedConfig(**distributed_config))
+    return cls.maybe_distribute_model(model, config, mesh)

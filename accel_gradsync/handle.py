@@ -20,6 +20,7 @@ from .fsdp import ModelAdapter
 from .memory import MemoryProbe
 from .policies import Plan, SyncPolicy, resolve_policy
 from .state import Attachment, root_of
+from .trainer_hook import hook_trainer, sharded_by_transformers, unhook_trainer
 from .window import Window
 
 
@@ -40,6 +41,7 @@ class GradSyncHandle:
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         self._callback: Any = None  # trainer.GradSyncCallback, with a Trainer
         self._original_class: type | None = None
+        self._original_trainer_class: type | None = None  # a model transformers sharded (trainer_hook.py)
 
     # -- public ---------------------------------------------------------------------------
     @property
@@ -95,6 +97,9 @@ class GradSyncHandle:
         if self._callback is not None:
             self._state.trainer.remove_callback(self._callback)
             self._callback = None
+        if self._original_trainer_class is not None:
+            unhook_trainer(self._state.trainer, self._original_trainer_class)
+            self._original_trainer_class = None
 
     def __enter__(self) -> GradSyncHandle:
         return self
@@ -123,6 +128,8 @@ class GradSyncHandle:
             self._callback = GradSyncCallback(trainer, self.bind, self.stats, self.config)
             # First in line, so the reporting callbacks (TensorBoard, W&B, ...) see our keys.
             trainer.callback_handler.callbacks.insert(0, self._callback)
+            if sharded_by_transformers(trainer):
+                self._original_trainer_class = hook_trainer(trainer, self._window.no_sync)
         self._original_class = hook_accelerator(
             accelerator,
             self,

@@ -64,13 +64,17 @@ class Attachment:
     bound: dict[int, BoundModel] = field(default_factory=dict)
     """The models with trainable units, in bind order (the first one is the default of plan())."""
     warned: set[str] = field(default_factory=set)
+    window_seen: int = 0
+    """Micro-batches of the first window of a loop that holds them with `no_sync` outside
+    `accumulate()` while the Accelerator says one per step (0 until such a window ends)."""
 
     @property
     def micro_batches_per_step(self) -> int:
-        """M: micro-batches per optimizer step (the Trainer keeps it outside accelerate)."""
+        """M: micro-batches per optimizer step (the Trainer keeps it outside accelerate; a loop
+        with `no_sync` and `gradient_accumulation_steps=1` shows it in its first window)."""
         if self.trainer is not None:
             return int(self.trainer.args.gradient_accumulation_steps)
-        return int(self.accelerator.gradient_accumulation_steps)
+        return int(self.accelerator.gradient_accumulation_steps) if not self.window_seen else self.window_seen
 
     def warn_once(self, key: str, message: str) -> None:
         """A warning that would otherwise repeat every micro-batch or checkpoint, once per attach."""

@@ -69,12 +69,23 @@ class Window:
             return
         root = root_of(model)
         bound = self.state.bound.get(id(root))
-        if bound is not None and bound.auto is not None:
-            self._replan(bound)
-        plan = None if bound is None else bound.plan
-        # The micro-batch that ends an optimizer step always syncs, whatever asked for no_sync.
-        if self.state.accelerator.sync_gradients or plan is None or not plan.held:
+        if bound is None:  # nothing trainable: no gradient to hold
             yield
+            return
+        # accumulate() and the Trainer enter no_sync only on micro-batches that do not end an
+        # optimizer step (sync_gradients False); with it True, the user called no_sync directly, as
+        # accelerate documents for a loop without accumulate(), and that micro-batch holds too.
+        if self.state.accelerator.sync_gradients:
+            self._check_explicit_no_sync()
+        if bound.auto is not None:
+            self._replan(bound)
+        plan = bound.plan
+        if not plan.held:
+            self._held[id(root)] = ([], plan.hold)  # inside no_sync: this micro-batch does not end the step
+            try:
+                yield
+            finally:
+                self._held.pop(id(root), None)
             return
         held = plan.held
         if adapter.root_only:
@@ -106,6 +117,25 @@ class Window:
             raise
         finally:
             self._held.pop(id(root), None)
+
+    def _check_explicit_no_sync(self) -> None:
+        """A `no_sync` the user entered outside `accumulate()`: say once that `per_micro_batch`
+        overrides it; refuse the modes that plan per unit for M micro-batches when M is unknown."""
+        state, mode = self.state, self.state.policy.name
+        if mode == "per_micro_batch":
+            state.warn_once(
+                "explicit_no_sync",
+                "accel_gradsync: accelerator.no_sync(model) is overridden by sync mode 'per_micro_batch': every "
+                "micro-batch reduce-scatters its gradients (sharded, lowest memory). Use sync mode 'deferred' "
+                "(GradSyncConfig(defer=True), --defer-grad-sync) to hold them inside no_sync.",
+            )
+        elif mode in ("budget", "auto") and state.micro_batches_per_step == 1:
+            raise ValueError(
+                f"accelerator.no_sync(model) holds gradients over several micro-batches, but sync mode {mode!r} "
+                "plans each unit for the M micro-batches of one optimizer step and the Accelerator has "
+                "gradient_accumulation_steps=1. Build it with Accelerator(gradient_accumulation_steps=M) (M-1 "
+                "micro-batches inside no_sync, then the one that syncs), or use sync mode 'deferred'."
+            )
 
     def _start_hold(self, key: int, adapter: ModelAdapter, plan: Plan, held: list) -> None:
         """Set the flags `plan` holds, unless this window already holds exactly those."""
@@ -143,12 +173,15 @@ class Window:
     def on_forward(self, module: nn.Module, args: Any) -> None:
         """Forward pre-hook: count the micro-batch; before a window's last forward, read the held
         bytes and keep the windowed params through it."""
-        if not (module.training and torch.is_grad_enabled()):
-            return  # generation, evaluation, or log-prob passes without gradients
+        if not torch.is_grad_enabled():
+            # Generation, evaluation, log-prob passes. A forward with gradients counts whatever the
+            # module's train/eval mode: its backward reduces (or holds) all the same.
+            return
         if self._checkpoint.pending is not None:
             self._checkpoint.restore()
         state = self.state
-        ends_step = state.accelerator.sync_gradients
+        # Inside no_sync a micro-batch never ends the step, even outside accumulate() (sync_gradients True).
+        ends_step = state.accelerator.sync_gradients and id(module) not in self._held
         skipped_no_sync = id(module) not in self._held and not ends_step and state.policy.name != "per_micro_batch"
         # A non-final micro-batch that skipped no_sync: accelerate's shared sync_each_batch was
         # switched on after attach (by another Accelerator or Trainer in this process).
@@ -162,6 +195,10 @@ class Window:
             self.end_hold(id(module))  # the window's last micro-batch (or one accelerate syncs): it syncs
         held, hold = self._held.get(id(module), ((), ""))
         bound = state.bound[id(module)]
+        if ends_step and bound.account.current.micro_batches and state.micro_batches_per_step == 1:
+            # A loop holding micro-batches with no_sync outside accumulate(): its first window tells M.
+            state.window_seen = bound.account.current.micro_batches + 1
+            state.accelerator.print(describe_decision(bound.plan, bound.adapter, state.window_seen))
         if ends_step and bound.account.current.deferred_micro_batches:
             # Held gradients only grow through a window: their bytes before its last forward are
             # its peak, read once per window instead of after every held backward.

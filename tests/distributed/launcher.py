@@ -76,11 +76,12 @@ def recipe_launch(argv: list[str], env: dict | None = None) -> tuple[list[str], 
 
 
 def launch(
-    worker: str, args: list[str], config: dict | None = None, env: dict | None = None, timeout: int = 600
-) -> list[dict]:
-    """Run `workers/<worker>.py` on 2 ranks (accelerate launch, or torchrun without a config);
-    return each rank's JSON result."""
-    nprocs = config["num_processes"] if config else 2
+    worker: str, args: list[str], config: dict | None = None, env: dict | None = None, timeout: int = 600,
+    nprocs: int = 2,
+) -> list[dict]:  # fmt: skip
+    """Run `workers/<worker>.py` on `nprocs` ranks (accelerate launch with the config's
+    processes, or torchrun without a config); return each rank's JSON result."""
+    nprocs = config["num_processes"] if config else nprocs
     with tempfile.TemporaryDirectory() as out:
         proc = run_distributed(WORKERS / f"{worker}.py", ["--out", out, *args], config, nprocs, env, timeout)
         results = sorted(Path(out).glob("rank*.json"))

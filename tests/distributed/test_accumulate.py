@@ -3,6 +3,8 @@ real collective counts per optimizer step, the handle's counters, and gradients 
 single-process unsharded reference. 6 micro-batches per rank with M=4, so the second
 optimizer step is the short last accumulation that ends with the dataloader."""
 
+import json
+
 import pytest
 from launcher import accelerate_config, launch
 from workers.common import TinyNet
@@ -11,11 +13,22 @@ M, BATCHES = 4, 6
 WINDOWS = [4, 2]  # micro-batches per optimizer step: a full one, then the dataloader's end
 
 
-@pytest.fixture(scope="module", params=["fsdp2", "fsdp1", "ddp"])
+LOOPS = {
+    "accumulate": None,  # accelerator.accumulate(model) around every micro-batch
+    "no_sync": [  # accelerate's documented loop without accumulate(): no_sync(model) around the held ones
+        {"name": "per_micro_batch", "config": {}, "loop": "no_sync"},
+        {"name": "deferred", "config": {"defer": True}, "loop": "no_sync"},
+    ],
+}
+
+
+@pytest.fixture(scope="module", params=[(w, loop) for loop in LOOPS for w in ("fsdp2", "fsdp1", "ddp")], ids=str)
 def run(request):
-    config = None if request.param == "ddp" else accelerate_config(request.param)
-    ranks = launch("accumulate", ["--M", str(M), "--batches", str(BATCHES)], config)
-    return request.param, ranks
+    wrapper, loop = request.param
+    config = None if wrapper == "ddp" else accelerate_config(wrapper)
+    runs = [] if LOOPS[loop] is None else ["--runs", json.dumps(LOOPS[loop])]
+    ranks = launch("accumulate", ["--M", str(M), "--batches", str(BATCHES), *runs], config)
+    return wrapper, ranks
 
 
 def _collective(wrapper):

@@ -4,6 +4,7 @@ counted, the handle's stats and the largest gradient difference to a single-proc
 unsharded reference over the same global batch. With FSDP2 it also checks that every unit's
 sync flags come back as they were, after a normal micro-batch and after one that raises."""
 
+import contextlib
 import copy
 import json
 import warnings
@@ -88,6 +89,14 @@ def abort_a_window(model, optimizer, after: int) -> dict:
     return {"sharded_after_abort": all_sharded(model)}
 
 
+def micro_batch(model, explicit_no_sync: bool, ends_step: bool):
+    """`accumulate(model)`, or accelerate's documented loop without it: `no_sync(model)` around
+    every micro-batch that does not end an optimizer step."""
+    if not explicit_no_sync:
+        return accelerator.accumulate(model)
+    return contextlib.nullcontext() if ends_step else accelerator.no_sync(model)
+
+
 result = {"wrapper": None, "modes": {}}
 for run in args.runs:
     config = dict(run["config"])
@@ -122,17 +131,18 @@ for run in args.runs:
     aborted = abort_a_window(model, optimizer, run["abort_after"]) if "abort_after" in run else {}
     counter.take()
     steps = []
-    for x, y in loader:
-        with accelerator.accumulate(model):
+    for k, (x, y) in enumerate(loader):
+        ends_step = (k + 1) % args.M == 0 or k + 1 == args.batches
+        with micro_batch(model, run.get("loop") == "no_sync", ends_step):
             accelerator.backward(F.mse_loss(model(x), y))
-            if accelerator.sync_gradients:
+            if ends_step:
                 counts = counter.take()
                 with counter.paused():
                     grads = full_grads(model)
                 levels = {k: v for k, v in handle.stats().items() if k.startswith("units_")}
                 steps.append({"counts": counts, "max_diff": max_diff(grads, expected[len(steps)]), "levels": levels})
-            optimizer.step()
-            optimizer.zero_grad()
+                optimizer.step()
+                optimizer.zero_grad()
     caught.__exit__(None, None, None)
     plan = handle.plan()
     result["modes"][run["name"]] = {
