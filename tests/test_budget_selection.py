@@ -1,4 +1,4 @@
-"""Issue 14 B: a memory budget given without a mode selects budget mode, as --defer-grad-sync
+"""A memory budget given without a mode selects budget mode, as --defer-grad-sync
 selects deferred; with another mode given explicitly the budget is ignored with one warning."""
 
 import dataclasses

@@ -1,4 +1,4 @@
-"""Issue 14 C: every bad input to `accel-gradsync estimate` ends in one line naming the input and
+"""Every bad input to `accel-gradsync estimate` ends in one line naming the input and
 what is wrong, exit code 2 and no traceback; negative sizes say they must be >= 0; defer accepts
 the ints 0 and 1 as it accepts "0" and "1"."""
 

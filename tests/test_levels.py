@@ -1,4 +1,4 @@
-"""Issue 12: how `budget` and `auto` rank the levels of a unit, per byte each adds over
+"""How `budget` and `auto` rank the levels of a unit, per byte each adds over
 per-micro-batch. Deferral saves reduce-scatter bytes and adds the unsharded gradient less the
 sharded one (half of it on 2 ranks); a window saves all-gather bytes and adds the params. On gloo
 a reduce-scatter byte takes about 1.4x an all-gather byte, so the same budget buys deferral of more

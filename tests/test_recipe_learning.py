@@ -1,4 +1,4 @@
-"""Issue 14, defect 6: the default GRPO run must learn, not print one fixed number.
+"""The default GRPO run learns, not print one fixed number.
 
 Two fast checks of the two things that make it learn (the slow end-to-end check of a whole
 default run is `test_the_default_run_learns` in tests/distributed/test_grpo_recipe.py):

@@ -37,7 +37,7 @@ def e2e_quickstart() -> list[str]:
 def test_quickstart_is_what_the_e2e_test_runs():
     quickstart = fenced_commands(grpo_section())[0]
     assert quickstart == e2e_quickstart()
-    assert quickstart[0] == TITLE_COMMAND  # the title command, first
+    assert quickstart[0] == TITLE_COMMAND  # the command `make demo` runs, first
 
 
 def test_e2e_covers_both_fsdp_versions_and_both_modes():

@@ -1,4 +1,4 @@
-"""Issue 7, bad input: every invalid setting fails when the config is built (before any model,
+"""Bad input: every invalid setting fails when the config is built (before any model,
 launch or step), with a message naming the setting, the value and what to do instead, whether
 it comes from Python, the environment or the command line."""
 

@@ -1,4 +1,4 @@
-"""Issue 13: `auto` from measured memory, played on a scripted device (no GPU): step 1 per
+"""`auto` from measured memory, played on a scripted device (no GPU): step 1 per
 micro-batch, the plan after it, a fall-back when peaks grow, a recovery after quiet steps and
 never a change back and forth from one step to the next. Units are the GRPO recipe model's,
 found on the meta device by the estimate's adapter (FSDP2, fp32: 3 units)."""

@@ -1,4 +1,4 @@
-"""Issue 14 A: with one micro-batch per optimizer step every micro-batch syncs, so no mode holds
+"""With one micro-batch per optimizer step every micro-batch syncs, so no mode holds
 anything: the decision line and every estimate row say so (0 held, same peak as per_micro_batch)."""
 
 import re

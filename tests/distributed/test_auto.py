@@ -1,4 +1,4 @@
-"""Issue 13 on real gloo ranks, FSDP2: `auto` syncs every micro-batch in step 1 while it
+"""`auto` on real gloo ranks, FSDP2: it syncs every micro-batch in step 1 while it
 measures, then follows the plan that fits, falls back when one rank's peak grows past the
 margin (both ranks agree), and moves back up after quiet steps; the device is played by a
 scripted memory probe (capacity 10 kB, the 10% margin leaves 9 kB), the collectives are real

@@ -1,4 +1,4 @@
-"""`accel_gradsync.estimate` against real 2-rank gloo runs (issue 4, acceptance): for the
+"""`accel_gradsync.estimate` against real 2-rank gloo runs: for the
 recipe's default model and a ~10M-parameter Qwen2, FSDP1 and FSDP2, without and with bf16
 mixed precision (FSDP2 also with an fp32 reduce, the 4-bytes-per-param case), the estimated
 held bytes are within 2% of the bytes FSDP really holds between micro-batches, in the
@@ -83,7 +83,7 @@ def test_held_bytes_within_two_percent_in_the_estimated_dtype(run):
 
 
 def test_window_held_params_and_gradients_are_exact(run):
-    """Issue 12: the window row's held gradient and held parameter bytes are the tensors' bytes."""
+    """The window row's held gradient and held parameter bytes are the tensors' bytes."""
     kind, _, _ = run
     if kind != "fsdp2":
         pytest.skip("the window is FSDP2's")
@@ -137,7 +137,7 @@ def test_runtime_counters_agree_with_the_estimate(run):
 
 
 def test_units_are_the_runs_units_by_name_size_and_order(run):
-    """Issue 16: the estimate reads its units with the run's own adapter from a model sharded by
+    """The estimate reads its units with the run's own adapter from a model sharded by
     accelerate's own code, so they are the run's units: the names of its `unit_modes`, in order,
     and (deferred: every unit held) the same sizes."""
     checked = 0

@@ -1,4 +1,4 @@
-"""Issue 7, property tests: hypothesis draws training schedules (M, dataloader length, epochs,
+"""Property tests: hypothesis draws training schedules (M, dataloader length, epochs,
 sync mode, which micro-batches raise and how) and every schedule runs on a 2-rank FSDP2 gloo
 group. Each optimizer step's gradients must equal the single-process reference, the real
 reduce-scatters must equal what the plan implies (and, for windows without failures,

@@ -1,4 +1,4 @@
-"""Issue 7, edge cases of real training on 2 gloo ranks: every optimizer step's gradients must
+"""Edge cases of real training on 2 gloo ranks: every optimizer step's gradients must
 equal a single-process unsharded fp32 reference (bf16 runs: within bf16 rounding), every FSDP2
 unit's sync flags must come back as they were, and the collectives must follow the plan.
 

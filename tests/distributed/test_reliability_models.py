@@ -1,4 +1,4 @@
-"""Issue 7 with real transformers models under FSDP2 on 2 gloo ranks: a tiny Qwen2 whose input
+"""Real transformers models under FSDP2 on 2 gloo ranks: a tiny Qwen2 whose input
 and output embeddings are one tied parameter, and the same model with PEFT LoRA adapters (the
 base frozen). Every optimizer step's gradients equal a single-process reference, and only the
 units holding trainable parameters are units.

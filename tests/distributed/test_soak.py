@@ -1,4 +1,4 @@
-"""Issue 7, under load (slow, not in CI's default run): the recipe's default model trains for
+"""Under load (slow, not in CI's default run): the recipe's default model trains for
 thousands of micro-batches per mode on 2 FSDP2 gloo ranks, with a failure injected now and
 then. After every optimizer step FSDP must hold no gradient outside `.grad`, the process's
 memory must not grow, and no unit's sync flags may differ from their state before training."""

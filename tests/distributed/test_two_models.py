@@ -1,4 +1,4 @@
-"""Issue 14, defect 1: two trained models on one accelerator (policy and value, each prepared
+"""Two trained models on one accelerator (policy and value, each prepared
 with its own optimizer) plus a frozen reference model, one `attach`, deferred, M = 4, 2 optimizer
 steps. What `stats()` says must add up to what ran, counted from outside, and each model gets
 its own decision line and its own counters; the frozen model stays out. FSDP2 and FSDP1."""

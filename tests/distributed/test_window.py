@@ -1,4 +1,4 @@
-"""Issue 12: parameters unsharded for the whole accumulation window (FSDP2 `keep_params_unsharded`
+"""Parameters unsharded for the whole accumulation window (FSDP2 `keep_params_unsharded`
 with deferral, and the windowed level `budget` picks per unit), on real gloo ranks: all-gathers
 counted from outside, gradients equal to a single-process reference every step, every flag back
 as it was, params resharded before the optimizer step and after an aborted window."""

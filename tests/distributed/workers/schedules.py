@@ -9,7 +9,7 @@ A schedule is a JSON dict:
     attach_before_prepare: bool (needed for reduce_dtype),
     zero_grad_on_abort: bool (default True: the user's handler calls `model.zero_grad()`).
 
-The semantics the reference implements (the spec of issue 7): a micro-batch that raises aborts
+The semantics the reference implements: a micro-batch that raises aborts
 its accumulation window; the user's handler calls `model.zero_grad()`; the next window starts
 fresh (M micro-batches, syncing on the last); the last micro-batch of the dataloader always
 syncs. Every micro-batch's loss is scaled by 1/M, as `accelerator.backward` does.
