@@ -22,7 +22,7 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: setup.cfg pyproject.toml $(CONSTRAINTS)
 	test -x $(VENV)/bin/python || python3 -m venv $(VENV)
 	python -m pip install torch==2.13.0 $(TORCH_PIP_ARGS)
-	python -m pip install -c $(CONSTRAINTS) -e ".[test,bench,quality]"
+	python -m pip install -c $(CONSTRAINTS) -e ".[recipes,test,bench,quality]"
 	touch $@
 
 # The GRPO recipe on its embedded default (2 processes, FSDP2 with deferral; about 70 s on 2 cores).

@@ -29,7 +29,6 @@ M micro-batches, per unit u):
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import logging
 import os
 from dataclasses import asdict, dataclass, field
@@ -226,14 +225,14 @@ def load_model_config(spec: str | dict) -> Any:
     of config keys with `model_type`, a local directory/config.json, or a hub name (online only)."""
     from transformers import AutoConfig
 
+    if spec == RECIPE_DEFAULT:
+        spec = RECIPE_DEFAULT_MODEL
     if isinstance(spec, dict):
         kwargs = dict(spec)
         model_type = kwargs.pop("model_type", None)
         if model_type is None:
             raise ValueError("a model config dict needs a `model_type` key, e.g. {'model_type': 'qwen2', ...}.")
         return AutoConfig.for_model(model_type, **kwargs)
-    if spec == RECIPE_DEFAULT:
-        return _recipe_default_config()
     if Path(spec).is_dir() and not (Path(spec) / "config.json").is_file():
         # transformers would report a missing `model_type` key, as if there were a config.json.
         raise ValueError(
@@ -249,29 +248,24 @@ def load_model_config(spec: str | dict) -> Any:
         ) from None
 
 
-def _recipe_default_config() -> Any:
-    """The config `recipes/embedded.py` builds its model from, read from the source tree (the
-    recipes are scripts next to the package, not part of it)."""
-    path = Path(__file__).resolve().parents[1] / "recipes" / "embedded.py"
-    if not path.is_file():
-        raise ValueError(
-            f"--model {RECIPE_DEFAULT}: {path} is missing (it ships with the source tree, not the wheel); "
-            "pass a transformers config name or directory instead."
-        )
-    spec = importlib.util.spec_from_file_location("accel_gradsync_recipe_embedded", path)
-    assert spec is not None and spec.loader is not None  # a .py file that exists
-    embedded = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(embedded)
-    tokenizer = embedded.build_tokenizer()
-    from transformers import Qwen2Config
-
-    return Qwen2Config(
-        vocab_size=len(tokenizer),
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=None,
-        **embedded.MODEL_CONFIG,
-    )
+RECIPE_DEFAULT_MODEL: dict[str, Any] = {
+    "model_type": "qwen2",
+    # The recipe's character tokenizer: <pad>, <eos>, <unk> and "0123456789+-= ".
+    "vocab_size": 17,
+    "pad_token_id": 0,
+    "eos_token_id": 1,
+    "bos_token_id": None,
+    # Small enough that a GRPO step (generation + M micro-batches) takes about a second on 2 CPU cores.
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,  # FSDP units: one per Qwen2DecoderLayer plus the root (embeddings, norm, head)
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 64,
+    "tie_word_embeddings": True,
+}
+"""The config of the GRPO recipe's built-in tiny Qwen2 (`recipes/embedded.py` builds its model
+from it), which `--model recipe-default` estimates without anything outside the package."""
 
 
 def build_meta_model(config: Any, dtype: torch.dtype = torch.float32) -> nn.Module:

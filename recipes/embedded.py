@@ -23,19 +23,10 @@ from datasets import Dataset
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
+from accel_gradsync.estimate import RECIPE_DEFAULT_MODEL
+
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
 CHARS = "0123456789+-= "
-
-# Small enough that a GRPO step (generation + M micro-batches) takes about a second on 2 CPU cores.
-MODEL_CONFIG = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,  # FSDP units: one per Qwen2DecoderLayer plus the root (embeddings, norm, head)
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-    tie_word_embeddings=True,
-)
 
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
@@ -52,13 +43,9 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
 def build_model(tokenizer: PreTrainedTokenizerFast) -> Qwen2ForCausalLM:
     """Random init; every rank gets the same weights because the caller seeds first (CPU FSDP
     cannot broadcast rank 0's weights, see accel_gradsync/cpu.py)."""
-    config = Qwen2Config(
-        vocab_size=len(tokenizer),
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=None,
-        **MODEL_CONFIG,
-    )
+    config = Qwen2Config(**{k: v for k, v in RECIPE_DEFAULT_MODEL.items() if k != "model_type"})
+    ids = (len(tokenizer), tokenizer.pad_token_id, tokenizer.eos_token_id)
+    assert ids == (config.vocab_size, config.pad_token_id, config.eos_token_id), ids  # one character set
     return Qwen2ForCausalLM(config)
 
 

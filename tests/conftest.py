@@ -1,6 +1,25 @@
-"""`@pytest.mark.slow` tests (soak, long property runs) are skipped unless `--slow` or `-m slow`."""
+"""`@pytest.mark.slow` tests (soak, long property runs) are skipped unless `--slow` or `-m slow`.
+
+The package alone (`pip install accel-gradsync`, no extras) runs the tests of the package itself:
+the recipe's tests and the multi-rank suite (which trains the recipe's models with TRL and PEFT)
+need the `recipes` extra, the benchmark tests the `bench` extra, and are not collected without.
+"""
+
+import importlib.util
 
 import pytest
+
+
+def _missing(*modules: str) -> bool:
+    return any(importlib.util.find_spec(m) is None for m in modules)
+
+
+collect_ignore = []
+if _missing("trl", "datasets", "peft", "tokenizers"):
+    collect_ignore += ["distributed", "test_accelerate_configs.py", "test_config.py", "test_recipe_errors.py",
+                       "test_recipe_learning.py"]  # fmt: skip
+if _missing("matplotlib"):
+    collect_ignore += ["test_benchmarks_report.py", "test_benchmarks_smoke.py"]
 
 
 def pytest_addoption(parser):

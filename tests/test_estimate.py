@@ -133,6 +133,7 @@ def test_held_dtype_follows_the_wrapper_and_mixed_precision(
 
 
 def test_recipe_default_is_the_recipes_model():
+    pytest.importorskip("datasets", reason="the recipe's model needs the `recipes` extra")
     from recipes.embedded import build_model, build_tokenizer
 
     real = build_model(build_tokenizer())
