@@ -526,7 +526,8 @@ def estimate(
             result.modes.append(row)
             continue
         rs, ar = collectives_per_step(plan, adapter.units, adapter.hsdp, micro_batches)
-        row.mode = name if plan.mode == name or name == WINDOW_ROW else f"{name} -> {plan.mode}"
+        label = _plan_label(plan)
+        row.mode = name if label == name or name == WINDOW_ROW else f"{name} -> {label}"
         row.reason = plan.reason
         row.units_held = len(plan.held)
         row.reduce_scatters, row.all_reduces = rs, ar
@@ -566,6 +567,13 @@ def _plan(
         return free
 
     return policy_cls(config).plan(adapter, free_memory, micro_batches)
+
+
+def _plan_label(plan: Plan) -> str:
+    """What a row's plan amounts to: its mode, with the windows a deferral keeps said."""
+    if plan.mode != "deferred" or not plan.windowed:
+        return plan.mode
+    return WINDOW_ROW if len(plan.windowed) == len(plan.held) else f"deferred ({len(plan.windowed)} windowed)"
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

@@ -348,3 +348,10 @@ def test_console_script_and_module_help(monkeypatch, capsys):
     with pytest.raises(SystemExit) as exit_info:
         runpy.run_module("accel_gradsync", run_name="__main__")
     assert exit_info.value.code == 0 and "estimate" in capsys.readouterr().out
+
+
+def test_a_row_names_the_windows_its_plan_keeps():
+    """With room for everything, auto windows every unit: the row says so, not plain deferral."""
+    est = estimate("recipe-default", fsdp(2), 4, GradSyncConfig(free_memory="1GiB"))
+    auto = next(r for r in est.modes if r.mode.startswith("auto"))
+    assert auto.mode == "auto -> deferred+window", auto.mode
