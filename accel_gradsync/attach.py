@@ -36,13 +36,35 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 def attach(
     target: Any, config: GradSyncConfig | None = None, *, memory_probe: MemoryProbe | None = None
 ) -> GradSyncHandle:
-    """Make `target`'s `accumulate()` / `no_sync()` follow `config` (default: `GradSyncConfig()`).
+    """Make `target`'s `accumulate()` / `no_sync()` follow `config`.
 
-    `target` is an `accelerate.Accelerator` (before or after `prepare`; with a `reduce_dtype`
-    other than auto, before) or a `transformers.Trainer` (any TRL trainer) before `train()`.
-    Returns a handle with `stats()` and `detach()`; it is also a context manager.
-    `memory_probe` replaces the device's memory readings that `auto` plans from (tests, dry
-    runs: `accel_gradsync.memory.ScriptedMemoryProbe`).
+    Every micro-batch that does not end an optimizer step then holds, per FSDP unit, what the
+    sync mode plans (`requires_gradient_sync` / `requires_all_reduce` off, parameters kept
+    unsharded in a window); the one that ends it syncs every unit. Models are bound when
+    accelerate prepares them (or at the Trainer's train start, or their first `no_sync`), and
+    the main process prints one decision line per model.
+
+    Args:
+        target (`accelerate.Accelerator` or `transformers.Trainer`):
+            An Accelerator, before or after `prepare` (before, with a `reduce_dtype` other than
+            `auto`), or a Trainer (any TRL trainer) before `train()`, including one whose model
+            transformers sharded at load time (`DistributedConfig`).
+        config (`GradSyncConfig`, *optional*):
+            The sync settings; defaults to `GradSyncConfig()` (environment, then defaults).
+        memory_probe (`accel_gradsync.memory.MemoryProbe`, *optional*):
+            Replaces the device memory readings `auto` plans from (tests, dry runs:
+            `accel_gradsync.memory.ScriptedMemoryProbe`).
+
+    Returns:
+        `GradSyncHandle`: `stats()`, `plan()`, `units()`, `describe()` and `detach()`; also a
+        context manager that detaches on exit.
+
+    Raises:
+        `TypeError`: `target` is neither an Accelerator nor a Trainer, or `config` is not a
+            `GradSyncConfig`.
+        `ValueError`: before any training step, for what would not run as asked: a second
+            attach, an FSDP config that trains unsharded, `sync_each_batch=True` with a holding
+            mode, a `reduce_dtype` after `prepare`, a mode the wrapper cannot run (at bind).
     """
     config = GradSyncConfig() if config is None else config
     if not isinstance(config, GradSyncConfig):

@@ -480,9 +480,32 @@ def estimate(
     mixed_precision: str | None = None,
     distributed_config: str | os.PathLike | dict | None = None,
 ) -> Estimate:
-    """One `ModeEstimate` per mode in `policies.POLICIES`, planned by the runtime's own policies,
-    for a model accelerate shards (`accelerate_config`) or one transformers shards at load time
-    (`distributed_config`: the keys of its `DistributedConfig`); exactly one of the two."""
+    """What each sync mode would cost per optimizer step, before launch, planned by the
+    runtime's own policies over the units a launched run would have.
+
+    Args:
+        model_spec (`str` or `dict`): a local directory with a transformers `config.json`, a hub
+            name (online only), a dict of config keys with `model_type`, or `"recipe-default"`.
+        accelerate_config (`str`, `os.PathLike`, `dict` or `None`): the accelerate config file
+            (or its keys) a launch would use; `None` with `distributed_config`.
+        micro_batches (`int`): M, micro-batches per optimizer step (at least 1).
+        config (`GradSyncConfig`, *optional*): the sync settings; `GradSyncConfig()` by default.
+        num_processes (`int`, *optional*): overrides the config's, as `accelerate launch` does.
+        model_dtype (`torch.dtype`): the dtype the weights are loaded in.
+        mixed_precision (`str`, *optional*): overrides the config's, as `accelerate launch` does.
+        distributed_config (`str`, `os.PathLike` or `dict`, *optional*): instead of
+            `accelerate_config`, the `DistributedConfig` keys of a model transformers shards at
+            load time (JSON text, a JSON/YAML file, or a dict).
+
+    Returns:
+        `Estimate`: the model, mesh and units, and one `ModeEstimate` per mode of
+        `policies.POLICIES` plus the `deferred+window` row.
+
+    Raises:
+        `ValueError`: an input a launch would also fail on, named with what to change (both or
+            neither of the two configs, a config accelerate cannot shard, M below 1, a process
+            that already has a torch.distributed group).
+    """
     if micro_batches < 1:
         raise ValueError(f"micro_batches={micro_batches}: needs at least 1 micro-batch per optimizer step.")
     config = GradSyncConfig() if config is None else config

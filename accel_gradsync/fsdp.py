@@ -223,7 +223,12 @@ class FSDP2Adapter(ModelAdapter):
         from torch.distributed.tensor import DTensor
 
         groups = [g for u in self.units for g in _groups(_fsdp2(u.module)._get_fsdp_state())]
-        assert len(groups) == len(state), "a grad checkpoint from a different model"  # invariant
+        if len(groups) != len(state):
+            raise ValueError(
+                f"the checkpoint's window gradients are for {len(state)} FSDP2 param groups, this model has "
+                f"{len(groups)}: it was saved from a different model or wrapping. Load it into the model it was "
+                "saved from, or delete its accel_gradsync_grads_rank*.pt files to resume at the last optimizer step."
+            )
         for group, (params, partial) in zip(groups, state):
             group._partial_reduce_output = partial
             for p, (held, sharded) in zip(group.fsdp_params, params):
