@@ -16,12 +16,11 @@ import os
 import warnings
 from typing import Any
 
-import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
 from .accelerator_hook import is_hooked
-from .config import GradSyncConfig
+from .config import DTYPES, GradSyncConfig
 from .cpu import fsdp_requested
 from .errors import GradSyncWarning
 from .handle import GradSyncHandle
@@ -29,8 +28,6 @@ from .memory import MemoryProbe
 from .policies import SyncPolicy
 from .teardown import install_exit_guard
 from .versions import warn_if_untested_torch
-
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def attach(
@@ -156,4 +153,4 @@ def _apply_reduce_dtype(accelerator: Accelerator, config: GradSyncConfig, alread
     policy = plugin.mixed_precision_policy
     if policy is None:
         policy = MixedPrecisionPolicy() if plugin.fsdp_version == 2 else MixedPrecision()
-    plugin.mixed_precision_policy = dataclasses.replace(policy, reduce_dtype=_DTYPES[config.resolved().reduce_dtype])
+    plugin.mixed_precision_policy = dataclasses.replace(policy, reduce_dtype=DTYPES[config.resolved().reduce_dtype])

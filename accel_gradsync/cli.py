@@ -16,11 +16,9 @@ from dataclasses import dataclass, field
 
 from transformers import HfArgumentParser
 
-from .config import GradSyncConfig
+from .config import DTYPES, GradSyncConfig
 from .errors import GradSyncWarning
 from .estimate import RECIPE_DEFAULT, estimate, format_table
-
-_MODEL_DTYPES = ("fp32", "bf16", "fp16")
 
 
 @dataclass
@@ -58,7 +56,7 @@ class EstimateArguments:
     model_dtype: str = field(
         default="fp32",
         metadata={"help": "dtype the model's parameters are loaded in. With mixed_precision on, accelerate upcasts "
-                  "trainable parameters to fp32 anyway.", "choices": _MODEL_DTYPES},
+                  "trainable parameters to fp32 anyway.", "choices": tuple(DTYPES)},
     )  # fmt: skip
     json: bool = field(default=False, metadata={"help": "Print the estimate as JSON instead of a table."})
 
@@ -94,7 +92,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args, config = estimate_parser.parse_args_into_dataclasses(argv[1:], look_for_args_file=False)
             result = estimate(
                 args.model, args.accelerate_config, args.micro_batches, config, args.num_processes,
-                model_dtype=_torch_dtype(args.model_dtype), mixed_precision=args.mixed_precision,
+                model_dtype=DTYPES[args.model_dtype], mixed_precision=args.mixed_precision,
                 distributed_config=args.distributed_config,
             )  # fmt: skip
         except ValueError as err:
@@ -114,9 +112,3 @@ def _join_negative_values(argv: list[str]) -> list[str]:
         else:
             joined.append(arg)
     return joined
-
-
-def _torch_dtype(name: str):
-    import torch
-
-    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]

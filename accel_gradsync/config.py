@@ -16,12 +16,22 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from .errors import GradSyncWarning
 
 ENV_PREFIX = "ACCEL_GRADSYNC_"
 
 SYNC_MODES = ("per_micro_batch", "deferred", "auto", "budget", "defer_all_reduce")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+"""The dtype names settings and tables use, and the torch dtypes they stand for."""
 REDUCE_DTYPES = ("auto", "fp32", "bf16")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """`fp32`, `bf16` or `fp16` (`DTYPES`' names); torch's own name for any other dtype."""
+    return next((name for name, d in DTYPES.items() if d == dtype), str(dtype).removeprefix("torch."))
+
 
 # The single source of every default. `GradSyncConfig()` with an empty environment, the
 # recipe's `--help`, a recipe YAML without the key and the environment all resolve to these.

@@ -39,7 +39,7 @@ import torch
 import yaml
 from torch import nn
 
-from .config import GradSyncConfig
+from .config import DTYPES, GradSyncConfig, dtype_name
 from .fake_shard import fake_world, shard_like_accelerate, shard_like_transformers
 from .fsdp import ModelAdapter, adapt_model
 from .policies import (
@@ -57,7 +57,6 @@ RECIPE_DEFAULT = "recipe-default"
 WINDOW_ROW = "deferred+window"
 """The row for deferral with every unit windowed (`keep_params_unsharded`), shown whatever is selected."""
 _MIXED_PRECISION = ("no", "fp16", "bf16", "fp8")
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _WRAP_POLICIES = ("TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP")
 
 
@@ -324,7 +323,7 @@ def accelerate_plugin(setup: FSDPSetup, config: GradSyncConfig, model: nn.Module
     reduce_dtype = config.resolved().reduce_dtype
     if reduce_dtype != "auto":
         policy = plugin.mixed_precision_policy or (MixedPrecision() if fsdp1 else MixedPrecisionPolicy())
-        plugin.mixed_precision_policy = dataclasses.replace(policy, reduce_dtype=_DTYPES[reduce_dtype])
+        plugin.mixed_precision_policy = dataclasses.replace(policy, reduce_dtype=DTYPES[reduce_dtype])
     return plugin
 
 
@@ -557,7 +556,7 @@ def estimate(
         row.send_bytes = send_bytes_per_step(plan, adapter, micro_batches, setup.replicate_size)
         row.held_bytes = plan.held_grad_bytes()
         row.held_param_bytes = plan.held_param_bytes()
-        row.held_dtype = _dtype_name(plan.held[0].held_dtype) if plan.held else ""
+        row.held_dtype = dtype_name(plan.held[0].held_dtype) if plan.held else ""
         if plan.hold == ALL_REDUCE:
             row.held_dtype += " (sharded)"
         row.sharded_bytes = sharded_grad_bytes(plan, adapter)
@@ -597,10 +596,6 @@ def _plan_label(plan: Plan) -> str:
     if plan.mode != "deferred" or not plan.windowed:
         return plan.mode
     return WINDOW_ROW if len(plan.windowed) == len(plan.held) else f"deferred ({len(plan.windowed)} windowed)"
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype))
 
 
 # -- output ----------------------------------------------------------------------------------------
