@@ -55,13 +55,12 @@ def run_distributed(
         port = str(free_port())
         if config is None:
             full_env["ACCELERATE_USE_CPU"] = "true"
-            cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nprocs}",
-                   f"--master_port={port}", str(script), *args]  # fmt: skip
+            launcher = ["torch.distributed.run", f"--nproc_per_node={nprocs}", f"--master_port={port}"]
         else:
             config_file = Path(tmp) / "accelerate.yaml"
             config_file.write_text(yaml.safe_dump(config))
-            cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config_file),
-                   "--main_process_port", port, str(script), *args]  # fmt: skip
+            launcher = ["accelerate.commands.launch", "--config_file", str(config_file), "--main_process_port", port]
+        cmd = [sys.executable, "-m", *launcher, str(script), *args]
         return subprocess.run(cmd, env=full_env, cwd=cwd or REPO, capture_output=True, text=True, timeout=timeout)
 
 
@@ -76,9 +75,13 @@ def recipe_launch(argv: list[str], env: dict | None = None) -> tuple[list[str], 
 
 
 def launch(
-    worker: str, args: list[str], config: dict | None = None, env: dict | None = None, timeout: int = 600,
+    worker: str,
+    args: list[str],
+    config: dict | None = None,
+    env: dict | None = None,
+    timeout: int = 600,
     nprocs: int = 2,
-) -> list[dict]:  # fmt: skip
+) -> list[dict]:
     """Run `workers/<worker>.py` on `nprocs` ranks (accelerate launch with the config's
     processes, or torchrun without a config); return each rank's JSON result."""
     nprocs = config["num_processes"] if config else nprocs

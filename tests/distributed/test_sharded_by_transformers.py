@@ -20,9 +20,15 @@ def model_dir(tmp_path_factory):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     config = Qwen2Config(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, max_position_embeddings=64, tie_word_embeddings=False,
-    )  # fmt: skip
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     path = tmp_path_factory.mktemp("qwen2")
     Qwen2ForCausalLM(config).save_pretrained(path)
@@ -103,9 +109,16 @@ def test_stats_match_the_collectives_counted_from_outside(fsdp, name):
 
 @pytest.mark.parametrize(
     ("name", "held_windows"),
-    [("per_micro_batch", 0), ("deferred", STEPS), ("window", STEPS), ("budget", STEPS), ("auto", STEPS - 1),
-     ("loop_deferred", STEPS), ("loop_per_micro_batch", 0)],
-)  # fmt: skip
+    [
+        ("per_micro_batch", 0),
+        ("deferred", STEPS),
+        ("window", STEPS),
+        ("budget", STEPS),
+        ("auto", STEPS - 1),
+        ("loop_deferred", STEPS),
+        ("loop_per_micro_batch", 0),
+    ],
+)
 def test_every_mode_applies(fsdp, name, held_windows):
     """Each held window reduce-scatters each unit once instead of M times; auto's first step
     measures, syncing every micro-batch. transformers' own deferral would hold every window."""
@@ -155,8 +168,9 @@ def test_explicit_no_sync_outside_accumulate(fsdp):
         assert torch.allclose(torch.tensor(value), torch.tensor(reference["weights"][key]), atol=1e-6), key
 
 
-@pytest.mark.parametrize(("name", "all_reduce_windows"), [("per_micro_batch", 0), ("defer_all_reduce", STEPS),
-                                                          ("deferred", STEPS)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("name", "all_reduce_windows"), [("per_micro_batch", 0), ("defer_all_reduce", STEPS), ("deferred", STEPS)]
+)
 def test_hsdp_modes_apply_and_are_counted(hsdp, name, all_reduce_windows):
     """transformers' own HSDP deferral holds only the all-reduce; here each mode does what it says."""
     for rank in hsdp:
@@ -183,8 +197,12 @@ def test_the_estimate_plans_what_the_run_did(model_dir, mesh, runs, request):
     ranks = request.getfixturevalue(runs)
     est = estimate(model_dir, None, M, distributed_config=mesh)
     assert est.sharded_by == "transformers" and est.replicate_size == mesh.get("dp_replicate_size", 1)
-    rows = {"per_micro_batch": "per_micro_batch", "deferred": "deferred", "window": "deferred+window",
-            "defer_all_reduce": "defer_all_reduce"}  # fmt: skip
+    rows = {
+        "per_micro_batch": "per_micro_batch",
+        "deferred": "deferred",
+        "window": "deferred+window",
+        "defer_all_reduce": "defer_all_reduce",
+    }
     for name, run in ranks[0]["runs"].items():
         if name not in rows:  # auto's run measures its first step; budget's row needs a budget
             continue

@@ -58,10 +58,20 @@ def full_weights(model) -> dict:
 def train_with_trainer(config: accel_gradsync.GradSyncConfig, out_dir: str):
     model = load_model()
     training = TrainingArguments(
-        output_dir=out_dir, per_device_train_batch_size=BATCH, gradient_accumulation_steps=M, max_steps=STEPS,
-        learning_rate=1e-2, report_to="none", save_strategy="no", logging_steps=1, use_cpu=True,
-        disable_tqdm=True, seed=0, data_seed=0, optim="sgd",  # Adam would magnify rounding near zero
-    )  # fmt: skip
+        output_dir=out_dir,
+        per_device_train_batch_size=BATCH,
+        gradient_accumulation_steps=M,
+        max_steps=STEPS,
+        learning_rate=1e-2,
+        report_to="none",
+        save_strategy="no",
+        logging_steps=1,
+        use_cpu=True,
+        disable_tqdm=True,
+        seed=0,
+        data_seed=0,
+        optim="sgd",  # Adam would magnify rounding near zero
+    )
     trainer = Trainer(model=model, args=training, train_dataset=Tokens())
     handle = accel_gradsync.attach(trainer, config)
     trainer.train()
@@ -76,14 +86,27 @@ def train_with_grpo(config: accel_gradsync.GradSyncConfig, out_dir: str):
 
     model = load_model()
     training = GRPOConfig(
-        output_dir=out_dir, per_device_train_batch_size=4, gradient_accumulation_steps=M, num_generations=8,
-        max_completion_length=4, max_steps=STEPS, report_to="none", save_strategy="no", logging_steps=1,
-        use_cpu=True, bf16=False, disable_tqdm=True, seed=0,
-    )  # fmt: skip
+        output_dir=out_dir,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=M,
+        num_generations=8,
+        max_completion_length=4,
+        max_steps=STEPS,
+        report_to="none",
+        save_strategy="no",
+        logging_steps=1,
+        use_cpu=True,
+        bf16=False,
+        disable_tqdm=True,
+        seed=0,
+    )
     trainer = GRPOTrainer(
-        model=model, reward_funcs=[embedded.REWARD_FUNCS["accuracy"]], args=training,
-        train_dataset=embedded.build_dataset(), processing_class=embedded.build_tokenizer(),
-    )  # fmt: skip
+        model=model,
+        reward_funcs=[embedded.REWARD_FUNCS["accuracy"]],
+        args=training,
+        train_dataset=embedded.build_dataset(),
+        processing_class=embedded.build_tokenizer(),
+    )
     handle = accel_gradsync.attach(trainer, config)
     trainer.train()
     losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
