@@ -11,8 +11,9 @@ are one flag each, or a recipe YAML:
         --config recipes/qwen2.5-0.5b-gsm8k.yaml --defer-grad-sync
 
 Every field of the script arguments, `GRPOConfig`, `ModelConfig` and `GradSyncConfig` is a flag
-and a YAML key (`python recipes/grpo.py --help`). On a machine with no GPU/NPU the FSDP configs
-run as real FSDP over gloo with the processes the config names.
+and a YAML key (`python recipes/grpo.py --help`). A checkpoint is saved every --save_steps (100)
+steps; `--resume_from_checkpoint auto` continues from the newest complete one. On a machine with
+no GPU/NPU the FSDP configs run as real FSDP over gloo with the processes the config names.
 """
 
 from __future__ import annotations
@@ -266,6 +267,12 @@ def make_parser(cpu_fsdp: bool = False) -> TrlParser:
         # GRPOConfig sets up accelerate's state while it is parsed; without this it would discard
         # the FSDP state enable_cpu_fsdp() built (a YAML/CLI `accelerator_config` must keep it).
         parser.set_defaults(accelerator_config={"use_configured_state": True})
+    for action in parser._actions:  # what `auto` means, in --help (GRPOConfig's text predates it)
+        if action.dest == "resume_from_checkpoint":
+            action.help = (
+                "A checkpoint-<step> folder to resume from, or 'auto': the newest complete checkpoint in "
+                "--output_dir if there is one, else a fresh start (the same command starts and restarts a run)."
+            )
     return parser
 
 

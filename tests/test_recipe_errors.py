@@ -253,3 +253,17 @@ def test_resume_from_a_missing_folder_is_refused_before_anything_is_built(tmp_pa
     with pytest.raises(ValueError, match=r"--resume_from_checkpoint .*gone: no such folder.*'auto'"):
         grpo.main(*args)
     assert not (tmp_path / "out").exists()
+
+
+def test_resume_auto_is_explained_in_help():
+    help_text = grpo.make_parser().format_help()
+    assert "'auto': the newest complete checkpoint" in " ".join(help_text.split())
+
+
+def test_warm_up_steps_with_a_model_path_get_one_warning(tmp_path):
+    args = parse("--model_name_or_path", str(tmp_path / "model"), "--sft_warmup_steps", "5",
+                 "--output_dir", str(tmp_path / "out"))  # fmt: skip
+    with pytest.warns(UserWarning, match=r"--sft_warmup_steps 5 is ignored with --model_name_or_path") as record:
+        grpo.prepare(*args)
+    assert len([w for w in record if "sft_warmup_steps" in str(w.message)]) == 1
+    assert not (tmp_path / "out").exists()
