@@ -23,6 +23,7 @@ import os
 import shutil
 import sys
 from dataclasses import dataclass, field
+from typing import Any
 
 from trl import (
     GRPOConfig,
@@ -36,7 +37,7 @@ from trl import (
 
 import accel_gradsync
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # `embedded` sits next to this file
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the recipe's modules sit next to this file
 import checkpoints  # noqa: E402
 import checks  # noqa: E402
 import embedded  # noqa: E402
@@ -95,11 +96,25 @@ class GRPOScriptArguments(ScriptArguments):
     )
 
 
+@dataclass
+class PreparedRun:
+    """The parsed settings once `prepare` has checked them, and what it loaded for `train`."""
+
+    script_args: GRPOScriptArguments
+    training_args: GRPOConfig
+    model_args: ModelConfig
+    grad_sync_args: accel_gradsync.GradSyncConfig
+    reward_funcs: list
+    dataset: Any
+    resume: str | None
+    """The checkpoint folder to resume from; None: a fresh start."""
+
+
 def main(script_args, training_args, model_args, grad_sync_args):
-    train(*prepare(script_args, training_args, model_args, grad_sync_args))
+    train(prepare(script_args, training_args, model_args, grad_sync_args))
 
 
-def prepare(script_args, training_args, model_args, grad_sync_args):
+def prepare(script_args, training_args, model_args, grad_sync_args) -> PreparedRun:
     """Everything that can be wrong with the settings, checked before the model is loaded or
     anything is written to output_dir (a ValueError naming the setting); returns what `train` needs."""
     reward_funcs = resolve_rewards(script_args.reward_funcs)
@@ -115,10 +130,11 @@ def prepare(script_args, training_args, model_args, grad_sync_args):
     checks.check_sync_mode_fits_launch(grad_sync_args)
     resume = checkpoints.resolve_resume(training_args.resume_from_checkpoint, training_args.output_dir)
     dataset = load_prompts(script_args)
-    return script_args, training_args, model_args, grad_sync_args, reward_funcs, dataset, resume
+    return PreparedRun(script_args, training_args, model_args, grad_sync_args, reward_funcs, dataset, resume)
 
 
-def train(script_args, training_args, model_args, grad_sync_args, reward_funcs, dataset, resume) -> None:
+def train(prepared: PreparedRun) -> None:
+    script_args, training_args, model_args = prepared.script_args, prepared.training_args, prepared.model_args
     if model_args.model_name_or_path is None:
         from transformers import set_seed
 
@@ -139,18 +155,18 @@ def train(script_args, training_args, model_args, grad_sync_args, reward_funcs, 
 
     trainer = GRPOTrainer(
         model=model,
-        reward_funcs=reward_funcs,
+        reward_funcs=prepared.reward_funcs,
         args=training_args,
-        train_dataset=dataset,
+        train_dataset=prepared.dataset,
         processing_class=tokenizer,
         peft_config=get_peft_config(model_args),
         quantization_config=get_quantization_config(model_args),
     )
     trainer.add_callback(checkpoints.MarkCheckpointComplete(trainer.accelerator))
-    accel_gradsync.attach(trainer, grad_sync_args)
-    if resume is not None:
-        trainer.accelerator.print(f"Resuming from {resume}.")
-    trainer.train(resume_from_checkpoint=resume)
+    accel_gradsync.attach(trainer, prepared.grad_sync_args)
+    if prepared.resume is not None:
+        trainer.accelerator.print(f"Resuming from {prepared.resume}.")
+    trainer.train(resume_from_checkpoint=prepared.resume)
     save_model_whole(trainer, training_args.output_dir)
     trainer.save_state()
     trainer.accelerator.print(f"Model and trainer state saved to {training_args.output_dir}.")
@@ -332,7 +348,7 @@ def run(argv: list[str] | None = None) -> None:
         prepared = prepare(*parse_args(make_parser(cpu_fsdp), argv))
     except ValueError as error:
         checks.exit_on_setting_error(error)
-    train(*prepared)
+    train(prepared)
 
 
 if __name__ == "__main__":
