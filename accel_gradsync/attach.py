@@ -1,12 +1,12 @@
 """`attach()`: put a sync policy behind an Accelerator's `accumulate()` / `no_sync()`, or a Trainer's.
 
 Everything that can be refused is refused here, before any training step: a target that is
-neither, a second attach, an accelerate config that would train unsharded or sync every
-micro-batch anyway, a `reduce_dtype` that comes after the model was wrapped. `reduce_dtype` is
-written into the FSDP plugin's `mixed_precision_policy` field (the public dataclass field
-accelerate builds `fully_shard` from) before prepare. The handle then binds each prepared model
-(bind.py) and the accelerator's subclass (accelerator_hook.py) routes every micro-batch to the
-window (window.py).
+neither, fewer than one micro-batch per optimizer step, a second attach, an accelerate config
+that would train unsharded or sync every micro-batch anyway, a `reduce_dtype` that comes after
+the model was wrapped. `reduce_dtype` is written into the FSDP plugin's `mixed_precision_policy`
+field (the public dataclass field accelerate builds `fully_shard` from) before prepare. The
+handle then binds each prepared model (bind.py) and the accelerator's subclass
+(accelerator_hook.py) routes every micro-batch to the window (window.py).
 """
 
 from __future__ import annotations
@@ -68,6 +68,7 @@ def attach(
         raise TypeError(f"attach(config=...) takes a GradSyncConfig, got {type(config).__name__}.")
     warn_if_untested_torch()  # fsdp.check_fsdp2_internals raises at bind if an attribute it reads is gone
     accelerator, trainer = _resolve_target(target)
+    _check_micro_batches(accelerator, trainer)
     if is_hooked(accelerator):
         raise ValueError(
             "accel_gradsync.attach() was already called on this accelerator; call `.detach()` on the "
@@ -96,6 +97,16 @@ def _resolve_target(target: Any) -> tuple[Accelerator, Any]:
         f"accel_gradsync.attach() takes an accelerate.Accelerator or a transformers.Trainer, got "
         f"{type(target).__module__}.{type(target).__name__}."
     )
+
+
+def _check_micro_batches(accelerator: Accelerator, trainer: Any) -> None:
+    """The window is gradient_accumulation_steps micro-batches: fewer than one is no schedule."""
+    if trainer is not None:
+        steps, setting = trainer.args.gradient_accumulation_steps, "TrainingArguments.gradient_accumulation_steps"
+    else:
+        steps, setting = accelerator.gradient_accumulation_steps, "Accelerator(gradient_accumulation_steps=...)"
+    if steps < 1:
+        raise ValueError(f"{setting}={steps}: must be >= 1, the micro-batches per optimizer step (1: no accumulation).")
 
 
 def _reason_not_applicable(accelerator: Accelerator) -> str | None:

@@ -11,8 +11,9 @@ are one flag each, or a recipe YAML:
         --config recipes/qwen2.5-0.5b-gsm8k.yaml --defer-grad-sync
 
 Every field of the script arguments, `GRPOConfig`, `ModelConfig` and `GradSyncConfig` is a flag
-and a YAML key (`python recipes/grpo.py --help`). On a machine with no GPU/NPU the FSDP configs
-run as real FSDP over gloo with the processes the config names.
+and a YAML key (`python recipes/grpo.py --help`). A checkpoint is saved every --save_steps (100)
+steps; `--resume_from_checkpoint auto` continues from the newest complete one. On a machine with
+no GPU/NPU the FSDP configs run as real FSDP over gloo with the processes the config names.
 """
 
 from __future__ import annotations
@@ -22,12 +23,23 @@ import os
 import shutil
 import sys
 from dataclasses import dataclass, field
+from typing import Any
 
-from trl import GRPOConfig, GRPOTrainer, ModelConfig, ScriptArguments, TrlParser, get_peft_config
+from trl import (
+    GRPOConfig,
+    GRPOTrainer,
+    ModelConfig,
+    ScriptArguments,
+    TrlParser,
+    get_peft_config,
+    get_quantization_config,
+)
 
 import accel_gradsync
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # `embedded` sits next to this file
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the recipe's modules sit next to this file
+import checkpoints  # noqa: E402
+import checks  # noqa: E402
 import embedded  # noqa: E402
 
 # The recipe's defaults, sized for the embedded model on a few CPU cores; a YAML or a flag
@@ -44,9 +56,15 @@ RECIPE_DEFAULTS = dict(
     learning_rate=5e-4,
     lr_scheduler_type="constant",
     logging_steps=10,
-    save_strategy="no",
+    # A checkpoint every 100 steps (each one resumable, see --resume_from_checkpoint auto);
+    # --save_steps alone changes the interval.
+    save_strategy="steps",
+    save_steps=100,
     report_to="none",
 )
+
+
+SFT_WARMUP_STEPS = 100
 
 
 @dataclass
@@ -56,8 +74,8 @@ class GRPOScriptArguments(ScriptArguments):
     dataset_name: str | None = field(
         default=None,
         metadata={
-            "help": "Hub dataset name or local path (a `load_dataset` path or a `save_to_disk` "
-            "folder). Default: the built-in `a+b=` prompts."
+            "help": "Hub dataset name or local path: a `save_to_disk` folder, a .json/.jsonl/.csv/.parquet "
+            "file (its rows are the train split) or a `load_dataset` path. Default: the built-in `a+b=` prompts."
         },
     )
     prompt_column: str = field(default="prompt", metadata={"help": "Dataset column holding the prompt."})
@@ -66,7 +84,7 @@ class GRPOScriptArguments(ScriptArguments):
         metadata={"help": "Dataset column holding the reference answer (its last integer is the target)."},
     )
     sft_warmup_steps: int = field(
-        default=100,
+        default=SFT_WARMUP_STEPS,
         metadata={
             "help": "Supervised warm-up steps of the built-in tiny model before GRPO (about 2 s for "
             "100; 0: start GRPO from random weights). Ignored with --model_name_or_path."
@@ -78,14 +96,45 @@ class GRPOScriptArguments(ScriptArguments):
     )
 
 
+@dataclass
+class PreparedRun:
+    """The parsed settings once `prepare` has checked them, and what it loaded for `train`."""
+
+    script_args: GRPOScriptArguments
+    training_args: GRPOConfig
+    model_args: ModelConfig
+    grad_sync_args: accel_gradsync.GradSyncConfig
+    reward_funcs: list
+    dataset: Any
+    resume: str | None
+    """The checkpoint folder to resume from; None: a fresh start."""
+
+
 def main(script_args, training_args, model_args, grad_sync_args):
-    # Everything that can be wrong with the inputs is checked before the trainer exists, so a
-    # bad run stops before anything is written to output_dir.
+    train(prepare(script_args, training_args, model_args, grad_sync_args))
+
+
+def prepare(script_args, training_args, model_args, grad_sync_args) -> PreparedRun:
+    """Everything that can be wrong with the settings, checked before the model is loaded or
+    anything is written to output_dir (a ValueError naming the setting); returns what `train` needs."""
     reward_funcs = resolve_rewards(script_args.reward_funcs)
     if script_args.sft_warmup_steps < 0:
         raise ValueError(f"--sft_warmup_steps {script_args.sft_warmup_steps}: must be >= 0 (0 skips the warm-up).")
+    if model_args.model_name_or_path is not None and script_args.sft_warmup_steps != SFT_WARMUP_STEPS:
+        checks.warn_once(
+            f"--sft_warmup_steps {script_args.sft_warmup_steps} is ignored with --model_name_or_path: "
+            "it warms up only the built-in tiny model."
+        )
+    checks.check_training_settings(training_args)
+    checks.check_save_steps_used(training_args, RECIPE_DEFAULTS["save_steps"])
+    checks.check_sync_mode_fits_launch(grad_sync_args)
+    resume = checkpoints.resolve_resume(training_args.resume_from_checkpoint, training_args.output_dir)
     dataset = load_prompts(script_args)
+    return PreparedRun(script_args, training_args, model_args, grad_sync_args, reward_funcs, dataset, resume)
 
+
+def train(prepared: PreparedRun) -> None:
+    script_args, training_args, model_args = prepared.script_args, prepared.training_args, prepared.model_args
     if model_args.model_name_or_path is None:
         from transformers import set_seed
 
@@ -96,9 +145,9 @@ def main(script_args, training_args, model_args, grad_sync_args):
             embedded.warm_up(model, tokenizer, script_args.sft_warmup_steps)
     else:
         model, tokenizer = model_args.model_name_or_path, None  # GRPOTrainer loads both
+        # As TRL's own scripts/grpo.py; GRPOTrainer adds GRPOConfig's trust_remote_code itself.
         training_args.model_init_kwargs = {
             "revision": model_args.model_revision,
-            "trust_remote_code": model_args.trust_remote_code,
             "attn_implementation": model_args.attn_implementation,
             "dtype": model_args.dtype,
             **(training_args.model_init_kwargs or {}),
@@ -106,14 +155,18 @@ def main(script_args, training_args, model_args, grad_sync_args):
 
     trainer = GRPOTrainer(
         model=model,
-        reward_funcs=reward_funcs,
+        reward_funcs=prepared.reward_funcs,
         args=training_args,
-        train_dataset=dataset,
+        train_dataset=prepared.dataset,
         processing_class=tokenizer,
         peft_config=get_peft_config(model_args),
+        quantization_config=get_quantization_config(model_args),
     )
-    accel_gradsync.attach(trainer, grad_sync_args)
-    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    trainer.add_callback(checkpoints.MarkCheckpointComplete(trainer.accelerator))
+    accel_gradsync.attach(trainer, prepared.grad_sync_args)
+    if prepared.resume is not None:
+        trainer.accelerator.print(f"Resuming from {prepared.resume}.")
+    trainer.train(resume_from_checkpoint=prepared.resume)
     save_model_whole(trainer, training_args.output_dir)
     trainer.save_state()
     trainer.accelerator.print(f"Model and trainer state saved to {training_args.output_dir}.")
@@ -163,8 +216,16 @@ def load_prompts(script_args):
     from datasets import DatasetDict, load_dataset, load_from_disk
 
     name = script_args.dataset_name
-    if os.path.isdir(name) and any(os.path.exists(os.path.join(name, f)) for f in ("state.json", "dataset_dict.json")):
+    local = _local_dataset_kind(name)
+    if local is not None and script_args.dataset_config is not None:
+        checks.warn_once(
+            f"--dataset_config {script_args.dataset_config} is ignored: --dataset_name {name} is a local "
+            f"{local}, which has no configurations."
+        )
+    if local == "save_to_disk folder":
         data = load_from_disk(name)
+    elif local is not None:  # a data file: its format's builder, the file as the train split
+        data = load_dataset(DATA_FILE_BUILDERS[local], data_files={"train": name})
     else:
         data = load_dataset(name, name=script_args.dataset_config)
     if isinstance(data, DatasetDict):
@@ -186,8 +247,35 @@ def load_prompts(script_args):
     return data.rename_columns(renames) if renames else data
 
 
+# Local data files the recipe reads, by extension: the `datasets` builder for each.
+DATA_FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+
+
+def _local_dataset_kind(name: str) -> str | None:
+    """`save_to_disk folder`, a data file extension, or None for a hub name / load_dataset path."""
+    if os.path.isdir(name) and any(os.path.exists(os.path.join(name, f)) for f in ("state.json", "dataset_dict.json")):
+        return "save_to_disk folder"
+    extension = os.path.splitext(name)[1].lower()
+    if os.path.isfile(name):
+        if extension not in DATA_FILE_BUILDERS:
+            raise ValueError(
+                f"--dataset_name {name}: a file the recipe cannot read; give a {', '.join(DATA_FILE_BUILDERS)} "
+                "file, a `save_to_disk` folder or a hub dataset name."
+            )
+        return extension
+    return None
+
+
+class RecipeParser(TrlParser):
+    """TrlParser whose parse errors are raised (`checks.ParseError`), not printed with the full
+    usage and exited on: under `accelerate launch` every rank would print the ~200 lines of usage."""
+
+    def error(self, message: str):  # argparse's documented hook for parse errors
+        raise checks.ParseError(message)
+
+
 def make_parser(cpu_fsdp: bool = False) -> TrlParser:
-    parser = TrlParser((GRPOScriptArguments, GRPOConfig, ModelConfig, accel_gradsync.GradSyncConfig))
+    parser = RecipeParser((GRPOScriptArguments, GRPOConfig, ModelConfig, accel_gradsync.GradSyncConfig))
     parser.set_defaults(**RECIPE_DEFAULTS)
     if not _has_gpu_or_npu():
         parser.set_defaults(bf16=False)  # GRPOConfig's bf16 default asks for a GPU
@@ -195,6 +283,12 @@ def make_parser(cpu_fsdp: bool = False) -> TrlParser:
         # GRPOConfig sets up accelerate's state while it is parsed; without this it would discard
         # the FSDP state enable_cpu_fsdp() built (a YAML/CLI `accelerator_config` must keep it).
         parser.set_defaults(accelerator_config={"use_configured_state": True})
+    for action in parser._actions:  # what `auto` means, in --help (GRPOConfig's text predates it)
+        if action.dest == "resume_from_checkpoint":
+            action.help = (
+                "A checkpoint-<step> folder to resume from, or 'auto': the newest complete checkpoint in "
+                "--output_dir if there is one, else a fresh start (the same command starts and restarts a run)."
+            )
     return parser
 
 
@@ -243,8 +337,19 @@ def _did_you_mean(name: str, valid: list[str]) -> str:
     return f" (did you mean {', '.join(close)}?)" if close else ""
 
 
+def run(argv: list[str] | None = None) -> None:
+    """The script: settings checked before anything is built (a bad one ends the launch with one
+    line from the main process, exit 2), then training."""
+    try:
+        checks.check_restart_settings()  # before the process group exists: a restart would not form it
+        # On a machine without GPU/NPU, turn the FSDP config into real FSDP over gloo (a no-op on
+        # GPU/NPU, or without an FSDP config); before parsing, which builds accelerate's state.
+        cpu_fsdp = accel_gradsync.enable_cpu_fsdp()
+        prepared = prepare(*parse_args(make_parser(cpu_fsdp), argv))
+    except ValueError as error:
+        checks.exit_on_setting_error(error)
+    train(prepared)
+
+
 if __name__ == "__main__":
-    # Before parsing: on a machine without GPU/NPU, turn the FSDP config into real FSDP over gloo
-    # (a no-op on GPU/NPU, or without an FSDP config).
-    cpu_fsdp = accel_gradsync.enable_cpu_fsdp()
-    main(*parse_args(make_parser(cpu_fsdp)))
+    run()

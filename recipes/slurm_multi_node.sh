@@ -3,6 +3,10 @@
 #   sbatch recipes/slurm_multi_node.sh --defer-grad-sync          # any recipes/grpo.py flags
 # One `accelerate launch` per node; each starts one process per device and they meet at the
 # first node. Adjust --gpus-per-node and hsdp.yaml's num_processes / dp_shard_size together.
+# When a rank dies, every node restarts its ranks (once: --max_restarts 1) and the run continues
+# from its newest complete checkpoint (--resume_from_checkpoint auto; output_dir must be on
+# storage both nodes see). The c10d rendezvous and TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 give each
+# attempt a fresh store, without which the restarted group cannot form (README, GRPO recipe).
 # On Ascend NPU: replace the --gpus-per-node line with your site's NPU request and export
 # ASCEND_RT_VISIBLE_DEVICES=0,1,2,3,4,5,6,7 below.
 #SBATCH --job-name=grpo-hsdp
@@ -15,6 +19,7 @@ set -euo pipefail
 
 MAIN_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 MAIN_PORT=29500
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 
 # `srun` runs this once per node; SLURM_NODEID becomes the node's machine rank.
 srun --kill-on-bad-exit=1 bash -c "accelerate launch \
@@ -23,4 +28,6 @@ srun --kill-on-bad-exit=1 bash -c "accelerate launch \
     --machine_rank \$SLURM_NODEID \
     --main_process_ip $MAIN_NODE \
     --main_process_port $MAIN_PORT \
-    recipes/grpo.py $*"
+    --rdzv_backend c10d \
+    --max_restarts 1 \
+    recipes/grpo.py --resume_from_checkpoint auto $*"

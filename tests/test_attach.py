@@ -46,3 +46,32 @@ def test_attach_refuses_other_objects(accelerator):
 
 def test_enable_cpu_fsdp_does_nothing_without_an_fsdp_launch(accelerator):
     assert accel_gradsync.enable_cpu_fsdp() is False
+
+
+def test_attach_refuses_fewer_than_one_micro_batch_per_step(monkeypatch):
+    for var in ("ACCELERATE_USE_FSDP", "WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    try:
+        accelerator = Accelerator(cpu=True, gradient_accumulation_steps=0)  # accelerate takes it as is
+        with pytest.raises(ValueError, match=r"Accelerator\(gradient_accumulation_steps=...\)=0: must be >= 1"):
+            accel_gradsync.attach(accelerator, GradSyncConfig(defer=True))
+        assert type(accelerator) is Accelerator  # nothing hooked
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def test_attach_refuses_a_trainer_with_zero_gradient_accumulation_steps(monkeypatch, tmp_path):
+    from transformers import Trainer, TrainingArguments
+
+    for var in ("ACCELERATE_USE_FSDP", "WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    try:
+        args = TrainingArguments(output_dir=str(tmp_path / "out"), gradient_accumulation_steps=0, use_cpu=True,
+                                 report_to="none")  # fmt: skip
+        trainer = Trainer(model=torch.nn.Linear(2, 2), args=args)
+        with pytest.raises(ValueError, match=r"TrainingArguments.gradient_accumulation_steps=0: must be >= 1"):
+            accel_gradsync.attach(trainer, GradSyncConfig(defer=True))
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)

@@ -3,6 +3,7 @@ and writes nothing to output_dir. Parsing runs in-process (fast); one run goes t
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -13,7 +14,11 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "recipes"))
 
+import checkpoints  # noqa: E402
+import checks  # noqa: E402
 import grpo  # noqa: E402
+
+from accel_gradsync import GradSyncConfig  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -112,8 +117,9 @@ def test_the_script_exits_before_writing_anything(tmp_path):
         [sys.executable, "recipes/grpo.py", "--dataset_name", str(data), "--output_dir", str(out)],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
-    assert proc.returncode != 0
-    assert "ValueError: --prompt_column 'prompt'" in proc.stderr and "Set --prompt_column" in proc.stderr
+    assert proc.returncode == 2
+    assert proc.stderr.count("error: --prompt_column 'prompt'") == 1 and "Set --prompt_column" in proc.stderr
+    assert "Traceback" not in proc.stderr  # one line, not a stack
     assert not out.exists()
 
 
@@ -141,3 +147,123 @@ def test_the_warm_up_gives_the_tiny_model_the_format_deterministically():
     assert loss < 1.6  # from about 3 (random over 17 tokens)
     for a, b in zip(models[0].parameters(), models[1].parameters()):
         assert torch.equal(a, b)
+
+
+def test_zero_gradient_accumulation_steps_is_refused_before_anything_is_built(tmp_path):
+    args = parse("--gradient_accumulation_steps", "0", "--output_dir", str(tmp_path / "out"))
+    with pytest.raises(ValueError, match=r"^--gradient_accumulation_steps 0: must be >= 1 \(micro-batches"):
+        grpo.main(*args)
+    assert not (tmp_path / "out").exists()
+
+
+def test_save_steps_alone_selects_saving_every_n_steps(tmp_path):
+    training_args = parse("--save_steps", "7", "--output_dir", str(tmp_path / "out"))[1]
+    assert (training_args.save_strategy.value, training_args.save_steps) == ("steps", 7)
+
+
+def test_save_steps_that_the_strategy_ignores_get_one_warning(tmp_path):
+    args = parse("--save_steps", "7", "--save_strategy", "no", "--output_dir", str(tmp_path / "out"))
+    with pytest.warns(UserWarning, match=r"--save_steps 7 is ignored with --save_strategy no") as record:
+        checks.check_save_steps_used(args[1], grpo.RECIPE_DEFAULTS["save_steps"])
+    assert len(record) == 1
+
+
+def test_a_parse_error_is_one_line_and_a_pointer_to_help(tmp_path):
+    with pytest.raises(checks.ParseError, match=r"--grad-sync-mode.*invalid choice: 'nonsense'"):
+        parse("--grad-sync-mode", "nonsense", "--output_dir", str(tmp_path / "out"))
+
+
+@pytest.mark.parametrize(
+    ("env", "mode", "error"),
+    [
+        (
+            {"FSDP_VERSION": "1"},
+            "budget",
+            r"--grad-sync-mode budget.*needs FSDP2, but the accelerate config runs FSDP1",
+        ),
+        ({"FSDP_VERSION": "1"}, "defer_all_reduce", r"needs FSDP2, but the accelerate config runs FSDP1"),
+        ({"FSDP_VERSION": "2"}, "defer_all_reduce", r"needs an HSDP mesh.*shards over one dimension"),
+        (
+            {
+                "FSDP_VERSION": "2",
+                "ACCELERATE_USE_PARALLELISM_CONFIG": "true",
+                "PARALLELISM_CONFIG_DP_REPLICATE_SIZE": "2",
+            },
+            "defer_all_reduce",
+            None,
+        ),  # fmt: skip
+        ({"FSDP_VERSION": "2"}, "budget", None),
+        ({"FSDP_VERSION": "1"}, "deferred", None),
+    ],
+)
+def test_sync_modes_the_launch_cannot_run_are_refused_from_its_environment(monkeypatch, env, mode, error):
+    """What `accelerate launch --config_file ...` exports decides, before any model exists."""
+    for name, value in {"ACCELERATE_USE_FSDP": "true", "WORLD_SIZE": "2", **env}.items():
+        monkeypatch.setenv(name, value)
+    config = GradSyncConfig(sync_mode=mode, memory_budget="1GiB" if mode == "budget" else None)
+    if error is None:
+        checks.check_sync_mode_fits_launch(config)
+    else:
+        with pytest.raises(ValueError, match=error):
+            checks.check_sync_mode_fits_launch(config)
+
+
+def test_keep_params_unsharded_on_fsdp1_is_not_refused(monkeypatch):
+    for name, value in {"ACCELERATE_USE_FSDP": "true", "WORLD_SIZE": "2", "FSDP_VERSION": "1"}.items():
+        monkeypatch.setenv(name, value)
+    checks.check_sync_mode_fits_launch(GradSyncConfig(defer=True, keep_params_unsharded=True))  # the plugin warns
+
+
+def test_restart_with_the_launchers_shared_store_is_refused(monkeypatch):
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "1")
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    with pytest.raises(
+        ValueError, match=r"--max_restarts 1: .*--rdzv_backend c10d and TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"
+    ):
+        checks.check_restart_settings()
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")  # c10d with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+    checks.check_restart_settings()
+
+
+def _checkpoint(output_dir: Path, step: int, complete: bool, marker_step: int | None = None) -> Path:
+    folder = output_dir / f"checkpoint-{step}"
+    folder.mkdir(parents=True)
+    (folder / "trainer_state.json").write_text(json.dumps({"global_step": step}))
+    if complete:
+        marker = {"global_step": step if marker_step is None else marker_step, "world_size": 2}
+        (folder / checkpoints.COMPLETE_MARKER).write_text(json.dumps(marker))
+    return folder
+
+
+def test_resume_auto_takes_the_newest_complete_checkpoint(tmp_path):
+    assert checkpoints.resolve_resume("auto", str(tmp_path / "none")) is None  # no output_dir yet: start fresh
+    assert checkpoints.resolve_resume("auto", str(tmp_path)) is None  # no checkpoint: start fresh
+    _checkpoint(tmp_path, 9, complete=True)
+    newest = _checkpoint(tmp_path, 10, complete=True)
+    _checkpoint(tmp_path, 20, complete=False)  # killed while saving: trainer_state.json but no mark
+    _checkpoint(tmp_path, 30, complete=True, marker_step=20)  # a mark copied from elsewhere
+    (tmp_path / "checkpoint-40").mkdir()  # killed before anything was written
+    (tmp_path / "checkpoint-50").mkdir()
+    (tmp_path / "checkpoint-50" / checkpoints.COMPLETE_MARKER).write_text('{"global_st')  # cut short
+    assert checkpoints.resolve_resume("auto", str(tmp_path)) == str(newest)  # 10 > 9 numerically, not as text
+
+
+def test_resume_from_a_missing_folder_is_refused_before_anything_is_built(tmp_path):
+    args = parse("--resume_from_checkpoint", str(tmp_path / "gone"), "--output_dir", str(tmp_path / "out"))
+    with pytest.raises(ValueError, match=r"--resume_from_checkpoint .*gone: no such folder.*'auto'"):
+        grpo.main(*args)
+    assert not (tmp_path / "out").exists()
+
+
+def test_resume_auto_is_explained_in_help():
+    help_text = grpo.make_parser().format_help()
+    assert "'auto': the newest complete checkpoint" in " ".join(help_text.split())
+
+
+def test_warm_up_steps_with_a_model_path_get_one_warning(tmp_path):
+    args = parse("--model_name_or_path", str(tmp_path / "model"), "--sft_warmup_steps", "5",
+                 "--output_dir", str(tmp_path / "out"))  # fmt: skip
+    with pytest.warns(UserWarning, match=r"--sft_warmup_steps 5 is ignored with --model_name_or_path") as record:
+        grpo.prepare(*args)
+    assert len([w for w in record if "sft_warmup_steps" in str(w.message)]) == 1
+    assert not (tmp_path / "out").exists()

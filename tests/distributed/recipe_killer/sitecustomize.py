@@ -1,0 +1,63 @@
+"""Kills one rank of a launched run with SIGKILL at a chosen point, from outside the script under test.
+
+A test puts this folder on PYTHONPATH and sets, for the launch:
+
+- RECIPE_KILL_RANK: the global rank to kill;
+- RECIPE_KILL_AT: where, either `reduce_scatter:<n>` (on entering that rank's n-th gradient
+  reduce-scatter, 1-based: mid-step, inside backward) or `save:<path suffix>` (on entering the
+  `torch.save` whose path ends with the suffix, after writing the first bytes of the file: a
+  checkpoint half written).
+
+Only the launch's first attempt is killed (TORCHELASTIC_RESTART_COUNT 0), so a restarted group
+runs to the end. Other processes (the launcher, the elastic agent) are untouched.
+"""
+
+import os
+
+if (
+    os.environ.get("RECIPE_KILL_AT")
+    and os.environ.get("RANK") == os.environ.get("RECIPE_KILL_RANK")
+    and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+):
+    import signal
+
+    _kind, _, _arg = os.environ["RECIPE_KILL_AT"].partition(":")
+
+    def _die() -> None:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    if _kind == "reduce_scatter":
+        import torch.distributed as dist
+
+        _calls = [0]
+
+        def _wrap(name: str) -> None:
+            original = getattr(dist, name)
+
+            def counted(*args, **kwargs):
+                _calls[0] += 1
+                if _calls[0] == int(_arg):
+                    _die()
+                return original(*args, **kwargs)
+
+            setattr(dist, name, counted)
+
+        for _name in ("reduce_scatter_tensor", "reduce_scatter_single"):
+            _wrap(_name)
+    elif _kind == "save":
+        import torch
+
+        _save = torch.save
+
+        def save(obj, f, *args, **kwargs):
+            if isinstance(f, (str, os.PathLike)) and os.fspath(f).endswith(_arg):
+                with open(f, "wb") as partial:  # what a write cut short leaves: a file, not the object
+                    partial.write(b"PK\x03\x04")
+                _die()
+            return _save(obj, f, *args, **kwargs)
+
+        torch.save = save
+    else:
+        raise ValueError(
+            f"RECIPE_KILL_AT={os.environ['RECIPE_KILL_AT']!r}: use reduce_scatter:<n> or save:<path suffix>."
+        )
