@@ -36,6 +36,7 @@ from trl import (
 )
 
 import accel_gradsync
+from accel_gradsync.cpu import has_accelerator_device
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the recipe's modules sit next to this file
 import checkpoints  # noqa: E402
@@ -61,6 +62,9 @@ RECIPE_DEFAULTS = dict(
     save_strategy="steps",
     save_steps=100,
     report_to="none",
+    # Two small layers gain nothing from recomputing activations (TRL turns it on by default, under
+    # transformers' deprecated name `gradient_checkpointing`); the real-model YAML turns it on.
+    activation_checkpointing=False,
 )
 
 
@@ -277,8 +281,9 @@ class RecipeParser(TrlParser):
 def make_parser(cpu_fsdp: bool = False) -> TrlParser:
     parser = RecipeParser((GRPOScriptArguments, GRPOConfig, ModelConfig, accel_gradsync.GradSyncConfig))
     parser.set_defaults(**RECIPE_DEFAULTS)
-    if not _has_gpu_or_npu():
-        parser.set_defaults(bf16=False)  # GRPOConfig's bf16 default asks for a GPU
+    if not has_accelerator_device():
+        # GRPOConfig's bf16 default asks for a GPU; pinned host memory needs one too.
+        parser.set_defaults(bf16=False, dataloader_pin_memory=False)
     if cpu_fsdp:
         # GRPOConfig sets up accelerate's state while it is parsed; without this it would discard
         # the FSDP state enable_cpu_fsdp() built (a YAML/CLI `accelerator_config` must keep it).
@@ -290,13 +295,6 @@ def make_parser(cpu_fsdp: bool = False) -> TrlParser:
                 "--output_dir if there is one, else a fresh start (the same command starts and restarts a run)."
             )
     return parser
-
-
-def _has_gpu_or_npu() -> bool:
-    import torch
-
-    npu = getattr(torch, "npu", None)
-    return torch.cuda.is_available() or bool(npu is not None and npu.is_available())
 
 
 def parse_args(parser: TrlParser, args: list[str] | None = None):
