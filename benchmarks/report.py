@@ -1,7 +1,8 @@
 """results.json -> results.md (tables), step_time_vs_M.png, memory_vs_time.png, and the target
 summary (PASS / FAIL / SKIP per target, with the measured ratios).
 
-`python -m benchmarks.report benchmarks/results` redraws everything from an existing JSON.
+`python -m benchmarks.report benchmarks/results` redraws everything from an existing JSON (the GRPO
+benchmark's too: grpo_report.py).
 """
 
 from __future__ import annotations
@@ -623,4 +624,9 @@ def write_cluster_report(results: dict, out: Path) -> str:
 if __name__ == "__main__":
     folder = Path(sys.argv[1] if len(sys.argv) > 1 else "benchmarks/results")
     results = json.loads((folder / "results.json").read_text())
-    print((write_cluster_report if results["plan"].get("cluster") else write_report)(results, folder))
+    if results.get("benchmark") == "grpo":  # python -m benchmarks.run --grpo
+        from benchmarks import grpo_report
+
+        print(grpo_report.write_report(results, folder))
+    else:
+        print((write_cluster_report if results["plan"].get("cluster") else write_report)(results, folder))

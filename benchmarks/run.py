@@ -37,6 +37,12 @@ WORKER = Path(__file__).with_name("worker.py")
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="small model, M=1,2,4, few configs (CI smoke test)")
+    p.add_argument(
+        "--grpo",
+        action="store_true",
+        help="the GRPO benchmark instead (benchmarks/grpo.py): TRL's GRPOTrainer, stock and every sync mode, "
+        "full fine-tuning and LoRA; over loopback, and with --cluster also per --link",
+    )
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "npu"])
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     p.add_argument("--sizes", help="comma-separated, from registry.SIZES")
@@ -312,6 +318,10 @@ def run_cluster(p: dict, args: argparse.Namespace) -> list[dict]:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.grpo:
+        from benchmarks import grpo
+
+        return grpo.main(args)
     p = plan(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,314 @@
+"""The GRPO benchmark: TRL's real `GRPOTrainer` on a communication-bound Qwen2, stock and with
+each sync mode of the plugin, full fine-tuning and LoRA; `python -m benchmarks.run --grpo`
+(`--quick`: a tiny model for the smoke test; `--cluster 2x1 --link 1gbit`: also on the simulated
+cluster).
+
+Every configuration trains the same saved random-weight model on the same prompts with the same
+seed (2 gloo ranks, FSDP2 through accelerate with `accel_gradsync.enable_cpu_fsdp()`), so their
+completions, rewards and losses must agree exactly; the report checks that, and splits each
+optimizer step into generation, no-grad log-prob passes, scoring and training
+(`grpo_worker.py`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from benchmarks import cluster
+
+REPO = Path(__file__).resolve().parents[1]
+WORKER = Path(__file__).with_name("grpo_worker.py")
+LORA_TARGETS = ("q_proj", "v_proj")  # what `--lora_target_modules q_proj v_proj` gives TRL's get_peft_config
+LAYER_CLASS = "Qwen2DecoderLayer"
+
+# Model and GRPO shapes. `full`: little compute per parameter (short prompts, a 4k vocabulary on
+# a 384-wide model), so FSDP's collectives dominate a step, the case a sync mode is for. Every
+# micro-batch and every decode step of stock FSDP2 all-gathers every unit, so the completion
+# length sets how much of a step generation is. `quick`: the smallest shapes that still run every
+# phase, for the smoke test.
+SIZES: dict[str, dict[str, Any]] = {
+    "quick": {"hidden": 64, "intermediate": 128, "layers": 2, "heads": 4, "kv_heads": 2, "vocab": 512,
+              "batch": 2, "M": 2, "generations": 4, "completion": 8, "steps": 2, "rounds": 1},
+    "full": {"hidden": 384, "intermediate": 1536, "layers": 4, "heads": 6, "kv_heads": 2, "vocab": 4096,
+             "batch": 1, "M": 4, "generations": 4, "completion": 16, "steps": 3, "rounds": 2},
+}  # fmt: skip
+
+# A fixed capacity for `auto`, so its plan does not depend on the machine's free RAM at the time:
+# far above what any step here holds, so auto windows every unit from step 2 on.
+AUTO_FREE_MEMORY = "8GiB"
+
+# Sync modes: the GradSyncConfig arguments (None: no plugin attached, stock TRL + accelerate).
+MODES: dict[str, dict[str, Any] | None] = {
+    "stock": None,
+    "per_micro_batch": {"defer": False},
+    "deferred": {"defer": True},
+    "window": {"defer": True, "keep_params_unsharded": True},
+    "auto": {"sync_mode": "auto", "free_memory": AUTO_FREE_MEMORY},
+    "deferred_gen_resident": {"defer": True, "gather_for_generation": True},
+}
+LABELS = {
+    "stock": "stock TRL + accelerate (no plugin; accelerate's no_sync defers on FSDP2)",
+    "per_micro_batch": "plugin, per-micro-batch sync",
+    "deferred": "plugin, deferred sync",
+    "window": "plugin, deferred + keep_params_unsharded (the window)",
+    "auto": f"plugin, auto with --grad-sync-free-memory {AUTO_FREE_MEMORY}",
+    "deferred_gen_resident": "plugin, deferred + gather_for_generation (params gathered once per generation)",
+}
+TUNINGS = ("full", "lora")
+CONFIGS: dict[str, dict[str, Any]] = {
+    f"{tuning}/{mode}": {"mode": mode, "lora": tuning == "lora", "gradsync": kwargs}
+    for tuning in TUNINGS
+    for mode, kwargs in MODES.items()
+}
+PLAN = {"quick": {"size": "quick", "configs": list(CONFIGS)}, "full": {"size": "full", "configs": list(CONFIGS)}}
+
+
+def grpo_settings(size: dict) -> dict:
+    """The GRPOConfig fields every configuration shares (the worker adds output_dir, steps, seed)."""
+    return dict(
+        per_device_train_batch_size=size["batch"],
+        gradient_accumulation_steps=size["M"],
+        num_generations=size["generations"],
+        max_completion_length=size["completion"],
+        # KL to the reference policy, as in the GRPO paper: the reference log-prob passes are the
+        # step's no-grad forwards (the reference model under full fine-tuning, the adapter-free
+        # model under LoRA).
+        beta=0.0,
+        learning_rate=1e-5,
+        lr_scheduler_type="constant",
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        bf16=False,
+        model_init_kwargs={"dtype": "float32"},
+        # GRPOConfig would otherwise discard the FSDP state enable_cpu_fsdp() built.
+        accelerator_config={"use_configured_state": True},
+    )
+
+
+def unavailable_reason(name: str) -> str | None:
+    """Why this accel_gradsync cannot run configuration `name`, or None."""
+    kwargs = CONFIGS[name]["gradsync"]
+    if kwargs is None:
+        return None
+    from accel_gradsync import GradSyncConfig
+
+    fields = {f.name for f in dataclasses.fields(GradSyncConfig)}
+    missing = sorted(set(kwargs) - fields)
+    if missing:
+        return f"not available: GradSyncConfig has no field {', '.join(missing)} in this version"
+    return None
+
+
+def build_prompts():
+    """The recipe's built-in `a+b=` prompts (recipes/embedded.py)."""
+    sys.path.insert(0, str(REPO / "recipes"))
+    import embedded
+
+    return embedded.build_dataset(n=512)
+
+
+def build_model_dir(path: Path, size_name: str) -> dict:
+    """Save the benchmark's random-weight Qwen2 and its tokenizer to `path`; return its facts.
+
+    The tokenizer is the recipe's characters plus filler tokens up to the vocabulary size, so the
+    model's output layer has a language model's share of the parameters."""
+    import torch
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    sys.path.insert(0, str(REPO / "recipes"))
+    import embedded
+
+    size = SIZES[size_name]
+    base = [embedded.PAD, embedded.EOS, embedded.UNK, *embedded.CHARS]
+    vocab = {tok: i for i, tok in enumerate(base + [f"<w{i}>" for i in range(size["vocab"] - len(base))])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token=embedded.UNK))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token=embedded.PAD, eos_token=embedded.EOS, unk_token=embedded.UNK
+    )
+    tokenizer.padding_side = "left"
+    config = Qwen2Config(
+        vocab_size=len(vocab), hidden_size=size["hidden"], intermediate_size=size["intermediate"],
+        num_hidden_layers=size["layers"], num_attention_heads=size["heads"], num_key_value_heads=size["kv_heads"],
+        max_position_embeddings=128, tie_word_embeddings=False, pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    params = sum(p.numel() for p in model.parameters())
+    per_layer = sum(p.numel() for p in model.model.layers[0].parameters())
+    facts = {"size": size_name, "params": params, "layer_params": per_layer, **size}
+    (Path(path) / "bench_facts.json").write_text(json.dumps(facts))
+    return facts
+
+
+def model_facts(model_dir: str) -> dict:
+    return json.loads((Path(model_dir) / "bench_facts.json").read_text())
+
+
+def accelerate_config() -> dict:
+    fsdp = {"fsdp_version": 2, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+            "fsdp_transformer_layer_cls_to_wrap": LAYER_CLASS, "fsdp_reshard_after_forward": True,
+            "fsdp_state_dict_type": "SHARDED_STATE_DICT"}  # fmt: skip
+    return {"distributed_type": "FSDP", "num_processes": 2, "fsdp_config": fsdp, "mixed_precision": "no"}
+
+
+def launch(p: dict, model_dir: Path, timeout: int, pin: bool, hosts: cluster.Cluster | None = None) -> list[dict]:
+    """One `accelerate launch` of grpo_worker.py (with `hosts`: one per simulated host)."""
+    from benchmarks import run
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1",
+           "CUDA_VISIBLE_DEVICES": ""}  # fmt: skip
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    env.setdefault("MALLOC_MMAP_THRESHOLD_", str(2**20))  # freed buffers go back to the OS (run.py)
+    env.pop("ACCEL_GRADSYNC_DEFER", None)  # the configuration alone chooses the mode
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = Path(tmp, "accelerate.yaml")
+        config = accelerate_config()
+        if hosts is not None:
+            config["num_machines"] = hosts.hosts
+        cfg.write_text(yaml.safe_dump(config))
+        launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(cfg)]
+        worker = [str(WORKER), "--out", tmp, "--model-dir", str(model_dir), "--size", p["size"],
+                  "--configs", ",".join(p["configs"]), "--rounds", str(p["rounds"]),
+                  "--steps", str(p["steps"])]  # fmt: skip
+        if pin:
+            worker.append("--pin-cores")
+        if hosts is None:
+            cmd = [*launcher, "--main_process_port", str(run._free_port()), *worker]
+            proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            tail, code = run.stream(proc, timeout), proc.returncode
+        else:
+            done = hosts.run([[*launcher, *hosts.accelerate_flags(h), *worker] for h in range(hosts.hosts)], env,
+                             cwd=REPO, timeout=timeout, echo=run.echo_progress)  # fmt: skip
+            code = next((c for c, _ in done if c != 0), 0)
+            tail = [f"--- host {h} ---\n" + "".join(t) for h, (_, t) in enumerate(done)]
+        files = sorted(Path(tmp).glob("rank*.json"))
+        if code != 0 or len(files) != 2:
+            raise RuntimeError(f"GRPO worker failed (exit {code}):\n" + "".join(tail))
+        return [json.loads(f.read_text()) for f in files]
+
+
+def merge(ranks: list[dict]) -> dict:
+    """One row per configuration. A step lasts as long as its slowest rank: each step's time and
+    phase split are that rank's; the row has the medians over the timed steps of every round.
+    Collective counts are rank 0's (the ranks issue the same ones), memory the max over ranks."""
+    first, rows = ranks[0], []
+    names = list(dict.fromkeys(r["config"] for r in first["runs"]))
+    for name in names:
+        per_rank = [[r for r in rank["runs"] if r["config"] == name] for rank in ranks]
+        steps = []
+        for runs in zip(*per_rank):  # one run per round, on every rank
+            for j in range(len(runs[0]["steps"])):
+                slowest = max((run["steps"][j] for run in runs), key=lambda s: s["time_s"])
+                steps.append({**slowest, "round": runs[0]["round"]})
+        rank0 = [s for run in per_rank[0] for s in run["steps"]]
+        phases = list(rank0[0]["phases"]) if rank0 else []
+        kinds = ("all_gathers", "reduce_scatters", "all_reduces")
+        counts = {p: {k: sorted({s["phases"][p][k] for s in rank0}) for k in kinds} for p in phases}
+        all_steps = [s for runs in per_rank for run in runs for s in run["steps"]]
+        rows.append({
+            "config": name, "mode": CONFIGS[name]["mode"], "lora": CONFIGS[name]["lora"],
+            "step_time_s": statistics.median(s["time_s"] for s in steps), "step_times_s": [s["time_s"] for s in steps],
+            "step_rounds": [s["round"] for s in steps],
+            "phase_time_s": {p: statistics.median(s["phases"][p]["time_s"] for s in steps) for p in phases},
+            "counts_seen": counts,
+            "counts_per_step": {p: {k: statistics.median(s["phases"][p][k] for s in rank0)
+                                    for k in ("all_gathers", "reduce_scatters", "all_reduces", "bytes_sent")}
+                                for p in phases},
+            "held_grad_bytes": max(s["held_grad_bytes"] for s in all_steps),
+            "held_param_bytes": max(s["held_param_bytes"] for s in all_steps),
+            "handle_held_grad_bytes": max((run["handle_held_bytes"] or 0 for runs in per_rank for run in runs),
+                                          default=0) if per_rank[0][0]["handle_held_bytes"] is not None else None,
+            "rss_growth_bytes": max(s["rss_growth_bytes"] for s in all_steps),
+            # What the report compares with stock, per round: rank 0's logs and rewards (the rewards
+            # are gathered over ranks), and every rank's completion digests.
+            "logs": [run["logs"] for run in per_rank[0]],
+            "rewards": [run["outputs"].get("rewards", []) for run in per_rank[0]],
+            "completions": [[run["outputs"].get("completions", []) for run in runs] for runs in zip(*per_rank)],
+            "completion_tokens": [run["outputs"].get("completion_tokens", []) for run in per_rank[0]],
+            "units": per_rank[0][0]["units"],
+            "stats": per_rank[0][-1]["stats"],
+        })  # fmt: skip
+    return {"size": first["size"], "facts": first["facts"], "unavailable": first["unavailable"],
+            "versions": first["versions"], "pinned_cores": [r["pinned_core"] for r in ranks], "rows": rows}  # fmt: skip
+
+
+def plan_of(args) -> dict:
+    p = dict(PLAN["quick" if args.quick else "full"])
+    size = SIZES[p["size"]]
+    p.update(rounds=args.reps or size["rounds"], steps=args.steps or size["steps"], quick=bool(args.quick))
+    if args.configs:
+        p["configs"] = args.configs.split(",")
+        unknown = [c for c in p["configs"] if c not in CONFIGS]
+        if unknown:
+            raise SystemExit(
+                f"--configs: unknown GRPO configuration(s) {', '.join(unknown)}; valid: {', '.join(CONFIGS)}"
+            )
+    if p["steps"] < 2:
+        raise SystemExit(f"--steps {p['steps']}: the GRPO benchmark needs at least 2 (step 1 is untimed warm-up)")
+    return p
+
+
+def main(args) -> int:
+    """`python -m benchmarks.run --grpo ...`: the loopback launch, then one launch per --link when
+    --cluster is given; results.json, results.md, the step-split plot and the target lines."""
+    from benchmarks import grpo_report, run
+
+    p = plan_of(args)
+    links = run.cluster_links(args.link) if args.cluster else []
+    if args.cluster:
+        run.cluster_shape(args.cluster)  # the same check as the other benchmarks
+        if args.cluster.lower() != "2x1":
+            raise SystemExit(f"--cluster {args.cluster}: the GRPO benchmark runs 2 hosts x 1 rank (2x1)")
+        if reason := cluster.unavailable_reason():
+            raise SystemExit(f"--cluster: {reason}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    start, load_before = time.time(), os.getloadavg()
+    runs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        facts = build_model_dir(Path(tmp), p["size"])
+        print(f"[benchmarks] GRPO {p['size']} model ({facts['params'] / 1e6:.2f} M params, {facts['layers']} "
+              f"layers): {len(p['configs'])} configurations, {p['rounds']} round(s) of {p['steps']} steps",
+              flush=True)  # fmt: skip
+        for link in [None, *links]:
+            t0 = time.time()
+            if link is None:
+                print("[benchmarks] GRPO over loopback", flush=True)
+                merged = merge(launch(p, Path(tmp), args.timeout, pin=not args.no_pin))
+            else:
+                with cluster.Cluster(2, link, cpus_per_host=not args.no_pin) as hosts:
+                    print(f"[benchmarks] GRPO on 2 simulated hosts, {link} link", flush=True)
+                    sent0 = sum(hosts.link_bytes())
+                    merged = merge(launch(p, Path(tmp), args.timeout, pin=False, hosts=hosts))
+                    merged["link_bytes"] = sum(hosts.link_bytes()) - sent0
+            merged.update(link=link, wall_s=round(time.time() - t0, 1))
+            runs.append(merged)
+    results = {
+        "benchmark": "grpo",
+        "command": "python -m benchmarks.run " + " ".join(sys.argv[1:]),
+        "plan": p, "machine": run.describe_machine("cpu"), "elapsed_s": round(time.time() - start, 1),
+        "load_average": {"before": load_before, "after": os.getloadavg()}, "runs": runs,
+    }  # fmt: skip
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    print(grpo_report.write_report(results, out))
+    print(f"[benchmarks] wrote {out}/results.json, results.md, grpo_step_split.png in {results['elapsed_s']} s")
+    return 0
