@@ -1,0 +1,147 @@
+"""Generation under FSDP2 on real gloo ranks: a tiny Qwen2 generates T tokens once per optimizer
+step and trains on them (workers/generation.py).
+
+- `gather_for_generation` (and `handle.gathered()`) all-gathers each unit once per generation
+  round instead of once per unit per token, in every sync mode, with generation before the window
+  (a plain loop, M = 1) or inside its first micro-batch (TRL); completions, losses and parameters
+  equal the run without it.
+- stats() counts training and generation all-gathers, and reduce-scatters, exactly as counted from
+  outside (CollectiveCounter), frozen units included: a PEFT LoRA model (embeddings, head and the
+  root frozen) and a model whose root unit is frozen.
+- An exception inside generation (in a forward, after the forwards, inside `accumulate()`) leaves
+  every unit resharded, and the next step is exact.
+"""
+
+import json
+
+import pytest
+from launcher import accelerate_config, launch
+
+T, M, STEPS = 5, 2, 2
+UNITS = 3  # two decoder layers and the root
+CONFIG = accelerate_config("fsdp2", fsdp_transformer_layer_cls_to_wrap="Qwen2DecoderLayer")
+GEN = {"gather_for_generation": True}
+WINDOW = {"defer": True, "keep_params_unsharded": True}
+MODES = {
+    "per_micro_batch": {},
+    "deferred": {"defer": True},
+    "window": WINDOW,
+    "budget": {"sync_mode": "budget", "memory_budget": "1MiB"},
+    "auto": {"sync_mode": "auto"},
+}
+RUNS = []
+for name, config in MODES.items():
+    RUNS += [{"name": name, "config": config}, {"name": f"{name}+gen", "config": {**config, **GEN}, "compare_to": name}]
+RUNS += [
+    # Generation inside the window's first held micro-batch, as TRL's GRPOTrainer does.
+    {"name": "window_inside", "config": WINDOW, "generate_at": "inside"},
+    {"name": "window_inside+gen", "config": {**WINDOW, **GEN}, "generate_at": "inside", "compare_to": "window_inside"},
+    {"name": "deferred_inside+gen", "config": {"defer": True, **GEN}, "generate_at": "inside",
+     "compare_to": "deferred"},
+    # The context manager, with the setting off.
+    {"name": "gathered", "config": {}, "gathered": True, "compare_to": "per_micro_batch"},
+    # Exceptions: in a forward, after the forwards (inside gathered()), inside accumulate().
+    {"name": "raise_in_forward", "config": GEN, "raise": "forward", "compare_to": "per_micro_batch"},
+    {"name": "raise_in_gathered", "config": {}, "gathered": True, "raise": "between", "compare_to": "per_micro_batch"},
+    {"name": "raise_in_accumulate", "config": {**WINDOW, **GEN}, "generate_at": "inside", "raise": "accumulate",
+     "compare_to": "window_inside"},
+]  # fmt: skip
+FROZEN_RUNS = [
+    {"name": f"{model}_{mode}{'+gen' * gen}", "model": model, "config": {**MODES[mode], **(GEN if gen else {})}}
+    for model in ("lora", "frozen_root")
+    for mode in ("deferred", "window")
+    for gen in (False, True)
+]
+ONE = [
+    {"name": "m1", "config": {"defer": True}},
+    {"name": "m1+gen", "config": {"defer": True, **GEN}, "compare_to": "m1"},
+]
+COMPARE = {r["name"]: r["compare_to"] for r in RUNS + ONE if "compare_to" in r}
+GATHERED = {"gathered", "raise_in_gathered"}
+
+
+def _args(runs, m=M):
+    return ["--runs", json.dumps(runs), "--M", str(m), "--steps", str(STEPS), "--tokens", str(T)]
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return launch("generation", _args(RUNS), CONFIG, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def frozen():
+    return launch("generation", _args(FROZEN_RUNS), CONFIG, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def single():
+    """M = 1: every micro-batch syncs, nothing is held; generation still gathers once."""
+    return launch("generation", _args(ONE, m=1), CONFIG, timeout=900)
+
+
+def _gathers_once(run) -> bool:
+    return "+gen" in run or run in GATHERED or run.startswith("raise_in")
+
+
+def test_generation_gathers_each_unit_once_per_round_not_per_token(runs, single):
+    for rank in runs + single:
+        for name, out in rank["runs"].items():
+            for step in out["steps"]:
+                if _gathers_once(name):
+                    assert 0 < step["gen_outside"] <= out["units"], (name, step)
+                elif "inside" not in name:  # the window keeps its units through its first micro-batch
+                    assert step["gen_outside"] >= (out["units"] - 1) * T, (name, step)
+            if "+gen" in name:
+                assert "all-gathers per round" in out["decision"], out["decision"]
+            elif name in MODES:
+                assert "all-gathers per token" in out["decision"], out["decision"]
+
+
+def test_stats_count_what_was_counted_from_outside(runs, single, frozen):
+    for rank in runs + single + frozen:
+        for name, out in rank["runs"].items():
+            for step in out["steps"]:
+                assert step["gen_stats"] == step["gen_outside"], (name, step)
+                assert step["train_stats"] == step["train_outside"], (name, step)
+                assert step["reduce_scatters_stats"] == step["reduce_scatters_outside"], (name, step)
+                assert step["gen_stats_in_train"] == 0, (name, step)
+
+
+def test_completions_losses_and_parameters_equal_the_run_without_it(runs, single):
+    for rank in runs + single:
+        outs = rank["runs"]
+        for name, out in outs.items():
+            if name not in COMPARE:
+                continue
+            ref = outs[COMPARE[name]]
+            for step, ref_step in zip(out["steps"], ref["steps"]):
+                assert step["completions"] == ref_step["completions"], name
+                assert step["losses"] == pytest.approx(ref_step["losses"], rel=1e-6), name
+            assert out["param_diff"] <= 1e-6, (name, out["param_diff"])
+
+
+def test_units_are_sharded_after_every_step_and_after_an_exception(runs, single):
+    for rank in runs + single:
+        for name, out in rank["runs"].items():
+            assert all(step["sharded_after_step"] for step in out["steps"]), name
+            if name.startswith("raise_in"):
+                assert out["sharded_after_raise"] is True, name
+
+
+def test_frozen_units_count_and_window(frozen):
+    for rank in frozen:
+        for name, out in rank["runs"].items():
+            assert out["frozen_units"] >= 1, name
+            if name.startswith("frozen_root"):
+                assert out["frozen_units"] == 1 and out["units"] == UNITS, name
+            stats = out["stats"]
+            assert stats["units_frozen"] + stats["units_deferred"] + stats["units_windowed"] == out["units"] or (
+                "window" in name and stats["units_windowed"] == out["units"]
+            ), (name, stats)
+            if "window" in name:  # frozen units are windowed too: every unit gathers once per step
+                assert stats["units_windowed"] == out["units"], (name, stats)
+                assert all(s["train_outside"] <= out["units"] for s in out["steps"]), (name, out["steps"])
+            # A frozen unit reduces nothing: one reduce-scatter per trainable unit per step.
+            trainable = out["units"] - out["frozen_units"]
+            assert all(s["reduce_scatters_outside"] == trainable for s in out["steps"]), (name, out["steps"])
