@@ -18,7 +18,7 @@ from .policies import (
     all_gathers_per_step,
     collectives_per_step,
     format_bytes,
-    generation_all_gathers,
+    generation_all_gathers_per,
 )
 
 
@@ -68,12 +68,11 @@ def _generation_cost(plan: Plan, adapter: ModelAdapter) -> str:
     if plan.generation_bytes:
         dtype = str(units[0].compute_dtype).removeprefix("torch.")
         return (
-            f"generation {generation_all_gathers(units, 2, kept=True)} all-gathers per round "
+            f"generation {generation_all_gathers_per(units, kept=True)} all-gathers per round "
             f"(gather_for_generation: ~{format_bytes(plan.generation_bytes)} unsharded {dtype} params per rank "
             "while generating)"
         )
-    per_token = generation_all_gathers(units, 2, kept=False) - generation_all_gathers(units, 1, kept=False)
-    return f"generation {per_token} all-gathers per token"
+    return f"generation {generation_all_gathers_per(units, kept=False)} all-gathers per token"
 
 
 _LEVELS = {

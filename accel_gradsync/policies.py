@@ -124,6 +124,14 @@ def generation_all_gathers(units: Sequence[Unit], forwards: int, kept: bool) -> 
     return count
 
 
+def generation_all_gathers_per(units: Sequence[Unit], kept: bool) -> int:
+    """All-gathers generation costs: per round with `kept` (`gather_for_generation`, each unit
+    once), else per token (each unit that reshards after forward)."""
+    if kept:
+        return generation_all_gathers(units, 1, kept=True)
+    return generation_all_gathers(units, 2, kept=False) - generation_all_gathers(units, 1, kept=False)
+
+
 def all_gathers_per_step(plan: Plan, adapter: Any, micro_batches: int) -> tuple[int, int]:
     """(all-gathers, bytes one rank sends for them) per optimizer step, over `adapter.units`.
     Ring: (N-1)/N of the unsharded params in the compute dtype per all-gather."""
