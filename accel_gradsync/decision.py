@@ -93,7 +93,7 @@ def warn_about_plan(plan: Plan, adapter: ModelAdapter, config: GradSyncConfig, m
             GradSyncWarning,
             stacklevel=4,
         )
-    if adapter.root_only and plan.held and len(plan.held) != len(adapter.units):
+    if adapter.root_only and plan.held and any(not u.frozen and u not in plan.held for u in adapter.units):
         raise AssertionError(f"{adapter.kind} can only defer every unit at once")  # policies ensure it
     wide = [u for u in plan.held if u.held_dtype.itemsize > u.compute_dtype.itemsize]
     if plan.hold != ALL_REDUCE and wide and micro_batches > 1:

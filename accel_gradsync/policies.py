@@ -196,10 +196,11 @@ class DeferredSync(SyncPolicy):
     description = "reduce-scatter once per optimizer step (unsharded grads held)"
 
     def plan(self, adapter: ModelAdapter, free_memory: FreeMemory, micro_batches: int) -> Plan:
-        units = list(adapter.units)
         window = self.config.keep_params_unsharded and adapter.kind == "fsdp2"
+        # Frozen units have nothing to hold; they are held only to be windowed (they all-gather).
+        held = [u for u in adapter.units if window or not u.frozen]
         generation = generation_bytes_of(adapter, self.config)
-        return Plan(self.name, units, windowed=units if window else [], generation_bytes=generation)
+        return Plan(self.name, held, windowed=held if window else [], generation_bytes=generation)
 
 
 class BudgetSync(SyncPolicy):
@@ -295,9 +296,8 @@ class DeferAllReduceSync(SyncPolicy):
                 "but the model is sharded over a 1-D mesh. Set parallelism_config dp_replicate_size > 1 "
                 "in the accelerate config, or use sync_mode 'deferred'."
             )
-        return Plan(
-            self.name, list(adapter.units), hold=ALL_REDUCE, generation_bytes=generation_bytes_of(adapter, self.config)
-        )
+        trainable = [u for u in adapter.units if not u.frozen]
+        return Plan(self.name, trainable, hold=ALL_REDUCE, generation_bytes=generation_bytes_of(adapter, self.config))
 
 
 class AutoSync(SyncPolicy):
@@ -318,7 +318,7 @@ class AutoSync(SyncPolicy):
         free = free_memory()
         usable = int(free * (1 - self.config.memory_margin))
         choice = plan_within(adapter, usable, micro_batches, generation_bytes_of(adapter, self.config))
-        full = Plan(self.name, list(adapter.units))
+        full = Plan(self.name, [u for u in adapter.units if not u.frozen])
         choice.reason = (
             f"auto chose {_level_counts(choice, adapter.units)}: full deferral holds "
             f"{format_bytes(full.held_bytes())}/rank, {format_bytes(usable)} usable of {format_bytes(free)} free "
@@ -334,13 +334,13 @@ def plan_within(adapter: ModelAdapter, usable: int, micro_batches: int, generati
     fits, else only the all-reduce deferred. FSDP1/DDP: full deferral if it fits, else per
     micro-batch."""
     g = generation_bytes
-    full = Plan("auto", list(adapter.units), generation_bytes=g)
+    full = Plan("auto", [u for u in adapter.units if not u.frozen], generation_bytes=g)
     if adapter.kind == "fsdp2":
         choice = choose_levels("auto", adapter.units, usable, micro_batches, reduce_scatter_cost_of(adapter), g)
         if adapter.hsdp and any(not u.frozen and u not in choice.held for u in adapter.units):
             # The greedy counts no all-reduce savings: deferring every unit's all-reduce (or its
             # whole sync, without windows, where that fits) beats holding only some units.
-            all_reduce = Plan("auto", list(adapter.units), hold=ALL_REDUCE, generation_bytes=g)
+            all_reduce = Plan("auto", list(full.held), hold=ALL_REDUCE, generation_bytes=g)
             choice = full if full.held_bytes() + g <= usable else all_reduce
     else:
         choice = full if full.held_bytes() + g <= usable else Plan("auto", generation_bytes=g)

@@ -145,3 +145,39 @@ def test_frozen_units_count_and_window(frozen):
             # A frozen unit reduces nothing: one reduce-scatter per trainable unit per step.
             trainable = out["units"] - out["frozen_units"]
             assert all(s["reduce_scatters_outside"] == trainable for s in out["steps"]), (name, out["steps"])
+
+
+# -- TRL's GRPOTrainer through the recipe ---------------------------------------------------------
+GRPO = "accelerate launch --config_file accelerate_configs/fsdp2.yaml recipes/grpo.py --grad-sync-log-all-counters"
+
+
+@pytest.fixture(scope="module")
+def grpo(tmp_path_factory):
+    from test_grpo_recipe import run_command
+
+    flags = ("", " --grad-sync-gather-for-generation")
+    return {gen: run_command(GRPO + gen, tmp_path_factory.mktemp("grpo")) for gen in flags}
+
+
+def test_grpo_recipe_gathers_per_round_not_per_token(grpo):
+    """TRL generates inside the first micro-batch of each step (steps_per_generation = M): with the
+    setting each unit is all-gathered once per round, counted from outside the recipe."""
+    from test_grpo_recipe import STEPS
+
+    off, on = grpo[""], grpo[" --grad-sync-gather-for-generation"]
+    assert "all-gathers per round (gather_for_generation" in on["stdout"]
+    assert "all-gathers per token" in off["stdout"]
+    for run in (off, on):
+        last = run["logs"][-1]
+        for rank in run["ranks"]:
+            gathered = sum(rank["counts"].get(n, 0) for n in ("all_gather_single", "all_gather_into_tensor"))
+            # Every all-gather of the run is a training or a generation one, as the plugin counted them.
+            assert gathered == last["grad_sync/all_gathers"] + last["grad_sync/generation_all_gathers"], (rank, last)
+    units = on["logs"][-1]["grad_sync/units"]
+    assert on["logs"][-1]["grad_sync/generation_all_gathers"] <= STEPS * units
+    assert off["logs"][-1]["grad_sync/generation_all_gathers"] >= 2 * STEPS * (units - 1)
+    assert on["logs"][-1]["grad_sync/all_gathers"] <= off["logs"][-1]["grad_sync/all_gathers"]
+    # Same seed: the same completions, rewards and loss with the units kept through generation.
+    for first_on, first_off in zip(on["logs"], off["logs"]):
+        assert first_on["reward"] == first_off["reward"]
+        assert first_on["loss"] == pytest.approx(first_off["loss"], rel=1e-5, abs=1e-7)
