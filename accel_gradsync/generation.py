@@ -56,12 +56,13 @@ class GenerationGather:
         """Hooks on each unit module of the bound model `root`: count forwards without gradients,
         keep their units where the setting (or `gathered()`) asks, release when training resumes."""
         bound = self.state.bound[id(root)]
-        if bound.adapter.kind == "fsdp1" and self.enabled:
+        if bound.adapter.kind != "fsdp2" and self.enabled:
+            instead = {"fsdp1": "under FSDP1 wrap generation in FSDP.summon_full_params(model) yourself, or use "
+                       "fsdp_version: 2", "ddp": "DDP never shards parameters"}[bound.adapter.kind]  # fmt: skip
             self.state.warn_once(
-                "generation_fsdp1",
-                "accel_gradsync: gather_for_generation does not apply to FSDP1 models: it keeps FSDP2 units "
-                "unsharded while generating. Under FSDP1 wrap generation in FSDP.summon_full_params(model) "
-                "yourself, or use fsdp_version: 2.",
+                "generation_not_fsdp2",
+                f"accel_gradsync: gather_for_generation is ignored on {bound.adapter.kind}: it keeps FSDP2 units "
+                f"unsharded while generating ({instead}).",
             )
         if bound.adapter.kind != "fsdp2":
             return []
@@ -140,6 +141,16 @@ class GenerationGather:
             raise ValueError(
                 "grad_sync.gathered(model): the model is not bound to this attach() (pass the model "
                 "accelerator.prepare returned, with FSDP2)."
+            )
+        kinds = {b.adapter.kind for b in self.state.bound.values()} if model is None else {
+            self.state.bound[id(root_of(model))].adapter.kind
+        }  # fmt: skip
+        others = ", ".join(sorted(kinds - {"fsdp2"}))
+        if others:
+            self.state.warn_once(
+                "gathered_not_fsdp2",
+                f"accel_gradsync: gathered() keeps FSDP2 units unsharded; it does nothing for {others} "
+                "models (FSDP1: FSDP.summon_full_params(model); DDP keeps whole parameters anyway).",
             )
         self._forced += 1
         try:

@@ -147,6 +147,16 @@ def test_frozen_units_count_and_window(frozen):
             assert all(s["reduce_scatters_outside"] == trainable for s in out["steps"]), (name, out["steps"])
 
 
+@pytest.mark.parametrize("kind", ["fsdp1", "ddp"])
+def test_the_setting_warns_once_where_it_does_not_apply(kind):
+    runs = [{"name": "gen", "config": {"defer": True, **GEN}}]
+    config = accelerate_config("fsdp1") if kind == "fsdp1" else None  # torchrun: CPU DDP
+    for rank in launch("accumulate", ["--runs", json.dumps(runs), "--M", "2", "--batches", "2"], config):
+        assert rank["wrapper"] == kind
+        warned = [w for w in rank["modes"]["gen"]["warnings"] if "gather_for_generation is ignored" in w]
+        assert len(warned) == 1 and kind in warned[0], rank["modes"]["gen"]["warnings"]
+
+
 # -- TRL's GRPOTrainer through the recipe ---------------------------------------------------------
 GRPO = "accelerate launch --config_file accelerate_configs/fsdp2.yaml recipes/grpo.py --grad-sync-log-all-counters"
 
