@@ -124,6 +124,8 @@ def test_completions_losses_and_parameters_equal_the_run_without_it(runs, single
 def test_units_are_sharded_after_every_step_and_after_an_exception(runs, single):
     for rank in runs + single:
         for name, out in rank["runs"].items():
+            # Generation's flags sit on top of the window's: each set goes back exactly.
+            assert out["flags_restored"], name
             assert all(step["sharded_after_step"] for step in out["steps"]), name
             if name.startswith("raise_in"):
                 assert out["sharded_after_raise"] is True, name

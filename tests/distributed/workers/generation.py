@@ -15,9 +15,11 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 from common import CollectiveCounter, parse_args, write_result
+from torch.distributed.fsdp import FSDPModule
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 import accel_gradsync
+from accel_gradsync.fsdp import sync_flags
 
 VOCAB, PROMPT, B = 32, 4, 2
 
@@ -74,10 +76,16 @@ def reduces(counts: dict) -> int:
 
 def all_sharded(model) -> bool:
     """No FSDP2 unit holds its unsharded params (read as the accumulate worker does)."""
-    from torch.distributed.fsdp import FSDPModule
-
     return all(g.is_sharded for m in model.modules() if isinstance(m, FSDPModule)
                for g in m._get_fsdp_state()._fsdp_param_groups)  # fmt: skip
+
+
+def flags(model) -> dict:
+    """Every FSDP2 unit's (requires_gradient_sync, requires_all_reduce, reshard_after_backward) and
+    reshard_after_forward, as FSDP2 keeps them (no public getters)."""
+    after_forward = {n: [g.post_forward_mesh_info is not None for g in m._get_fsdp_state()._fsdp_param_groups]
+                     for n, m in model.named_modules() if isinstance(m, FSDPModule)}  # fmt: skip
+    return {"sync": {n: list(f) for n, f in sync_flags(model).items()}, "after_forward": after_forward}
 
 
 def full_params(model) -> dict:
@@ -109,7 +117,13 @@ def one_run(run: dict) -> dict:
     model = build(run.get("model", "plain"))
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
     model, optimizer = accelerator.prepare(model, optimizer)
+    with torch.no_grad():  # FSDP2's lazy init (it sets the root's flags), before the flags are read
+        model(input_ids=PROMPTS[0, rank])
+    for module in model.modules():  # the root's units stay gathered after a forward: start sharded
+        if isinstance(module, FSDPModule):
+            module.reshard()
     handle = accel_gradsync.attach(accelerator, accel_gradsync.GradSyncConfig(**run["config"]))
+    flags_before = flags(model)
     generate_at = run.get("generate_at", "outside")
     out: dict = {"steps": [], "decision": handle.describe(), "units": len(handle.units())}
     out["frozen_units"] = sum(u.frozen for u in handle.units())
@@ -190,6 +204,7 @@ def one_run(run: dict) -> dict:
         ref = snapshots[run["compare_to"]]
         out["param_diff"] = max((a[n] - b[n]).abs().max().item() for a, b in zip(params, ref) for n in a)
     out["stats"] = handle.stats()
+    out["flags_restored"] = flags(model) == flags_before
     handle.detach()
     accelerator.free_memory()
     return out
