@@ -161,13 +161,14 @@ def test_the_setting_warns_once_where_it_does_not_apply(kind):
 
 # -- TRL's GRPOTrainer through the recipe ---------------------------------------------------------
 GRPO = "accelerate launch --config_file accelerate_configs/fsdp2.yaml recipes/grpo.py --grad-sync-log-all-counters"
+PEFT = " --defer-grad-sync --grad-sync-gather-for-generation --use_peft --lora_r 8 --lora_target_modules q_proj v_proj"
 
 
 @pytest.fixture(scope="module")
 def grpo(tmp_path_factory):
     from test_grpo_recipe import run_command
 
-    flags = ("", " --grad-sync-gather-for-generation")
+    flags = ("", " --grad-sync-gather-for-generation", PEFT)
     return {gen: run_command(GRPO + gen, tmp_path_factory.mktemp("grpo")) for gen in flags}
 
 
@@ -193,3 +194,23 @@ def test_grpo_recipe_gathers_per_round_not_per_token(grpo):
     for first_on, first_off in zip(on["logs"], off["logs"]):
         assert first_on["reward"] == first_off["reward"]
         assert first_on["loss"] == pytest.approx(first_off["loss"], rel=1e-5, abs=1e-7)
+
+
+def test_grpo_recipe_with_lora_counts_its_frozen_units(grpo):
+    """Under LoRA the embeddings and head are frozen FSDP units: they reduce nothing but all-gather,
+    in training and in generation; the counters equal what was counted from outside."""
+    from test_grpo_recipe import STEPS
+
+    run = grpo[PEFT]
+    line = next(line for line in run["stdout"].splitlines() if line.startswith("grad sync:"))
+    assert "frozen" in line and "all-gathers per round" in line, line
+    last = run["logs"][-1]
+    frozen, units = last["grad_sync/units_frozen"], last["grad_sync/units"]
+    assert frozen >= 1
+    for rank in run["ranks"]:
+        counts = rank["counts"]
+        gathered = sum(counts.get(n, 0) for n in ("all_gather_single", "all_gather_into_tensor"))
+        assert gathered == last["grad_sync/all_gathers"] + last["grad_sync/generation_all_gathers"], (rank, last)
+        reduced = sum(counts.get(n, 0) for n in ("reduce_scatter_single", "reduce_scatter_tensor"))
+        assert reduced == last["grad_sync/reduce_scatters_issued"] == STEPS * (units - frozen)
+    assert last["grad_sync/generation_all_gathers"] <= STEPS * units
