@@ -69,12 +69,14 @@ class GenerationGather:
         handles = []
         for module, unit in bound.adapter.unit_modules():
             handles.append(module.register_forward_pre_hook(self._pre_hook(id(root), bound, unit), prepend=True))
-            handles.append(module.register_forward_hook(self._post_hook(), always_call=True))
+            if self.enabled:  # gathered() sees its own exceptions
+                handles.append(module.register_forward_hook(self._post_hook(), always_call=True))
         # The root too, unit or not: training resumes before the window counts the micro-batch
         # (its hook on the root runs next), and an exception from a later hook of a unit passes
         # only through the root.
         handles.append(root.register_forward_pre_hook(self._resume_hook, prepend=True))
-        handles.append(root.register_forward_hook(self._post_hook(), always_call=True))
+        if self.enabled:
+            handles.append(root.register_forward_hook(self._post_hook(), always_call=True))
         if self.enabled and self._optimizer_hook is None:
             self._optimizer_hook = register_optimizer_step_pre_hook(self._before_step)
             handles.append(self._optimizer_hook)
