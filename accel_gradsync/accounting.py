@@ -3,6 +3,13 @@ reads, so recording a micro-batch costs a few integer additions in the hot path.
 
 Counts are per *unit sync*: one FSDP unit's reduce-scatter (one per param group), or for DDP
 one whole-model all-reduce pass (which DDP splits into buckets of its own choosing).
+
+All-gathers are counted per unit from what the plugin knows of each unit's flags: whether its
+params are still unsharded from before, kept through a forward (a window, `gather_for_generation`)
+or resharded after it, with the same functions (`units.micro_batch_all_gathers`,
+`no_grad_forward_all_gathers`) the decision line and the estimate count with. Training forwards
+and forwards without gradients (generation, evaluation) are counted apart. Every FSDP unit counts,
+frozen ones included; a frozen unit reduces nothing.
 """
 
 from __future__ import annotations
@@ -12,7 +19,7 @@ from dataclasses import asdict, dataclass, field, fields
 
 import torch
 
-from .units import Unit
+from .units import Unit, micro_batch_all_gathers, no_grad_forward_all_gathers
 
 
 def retained_grad_dtype(
@@ -62,6 +69,10 @@ class StepCounts:
     all_reduces_skipped: int = 0
     bytes_reduced: int = 0
     """Unsharded gradient bytes handed to the issued reduce-scatters (DDP: all-reduces)."""
+    all_gathers: int = 0
+    """Parameter all-gathers of the training micro-batches (forward and backward), over every unit."""
+    generation_all_gathers: int = 0
+    """Parameter all-gathers of forwards without gradients (generation, log-prob passes, evaluation)."""
     held_grad_bytes: int = 0
     """Unsharded gradient bytes the wrapper held after the last deferred micro-batch, measured
     before the window's last forward."""
@@ -100,11 +111,30 @@ class SyncAccounting:
     current: StepCounts = field(default_factory=StepCounts)
     last_step: StepCounts = field(default_factory=StepCounts)
 
-    def record_micro_batch(self, units: Sequence[Unit], held: Sequence[Unit], hold: str, ends_step: bool) -> None:
+    gathered: set = field(default_factory=set)
+    """`id` of each unit whose params are unsharded now, as far as the plugin knows."""
+
+    def record_micro_batch(
+        self, units: Sequence[Unit], held: Sequence[Unit], hold: str, ends_step: bool,
+        windowed: Sequence[Unit] = (), keeps_params_when_held: bool = False,
+    ) -> None:  # fmt: skip
         """Count one micro-batch over `units` whose backward holds the sync of `held`: all of
-        it (`gradient_sync`), or on HSDP only the cross-replica `all_reduce`."""
+        it (`gradient_sync`), or on HSDP only the cross-replica `all_reduce`. The plan's
+        `windowed` units keep their params through it (held ones also after its backward); FSDP1
+        SHARD_GRAD_OP keeps every held unit's params after backward (`keeps_params_when_held`)."""
         step = StepCounts(micro_batches=1, deferred_micro_batches=int(bool(held)))
         held_ids = {id(u) for u in held}
+        window_ids = {id(u) for u in windowed}
+        for unit in units if self.collective != "all_reduce" else ():  # DDP keeps whole params: no all-gathers
+            key = id(unit)
+            kept = key in window_ids and (key in held_ids or ends_step)
+            after = key in held_ids and (key in window_ids or keeps_params_when_held)
+            gathers, still = micro_batch_all_gathers(unit, key in self.gathered, kept, after)
+            step.all_gathers += gathers
+            if still:
+                self.gathered.add(key)
+            else:
+                self.gathered.discard(key)
         for unit in units:
             n = unit.collectives
             if self.collective == "all_reduce":  # DDP: one bucketed all-reduce pass per sync
@@ -131,11 +161,28 @@ class SyncAccounting:
             self.optimizer_steps += 1
             self.last_step, self.current = self.current, StepCounts()
 
+    def record_no_grad_forward(self, unit: Unit, kept: bool) -> None:
+        """Count one unit's forward without gradients (generation, evaluation); `kept`: its params
+        stay unsharded after it (`gather_for_generation`)."""
+        gathers, still = no_grad_forward_all_gathers(unit, id(unit) in self.gathered, kept)
+        self.current.generation_all_gathers += gathers
+        self.total.generation_all_gathers += gathers
+        if still:
+            self.gathered.add(id(unit))
+        else:
+            self.gathered.discard(id(unit))
+
+    def record_resharded(self, units: Sequence[Unit]) -> None:
+        """`units` were resharded outside a forward or backward (generation ended, an abort)."""
+        for unit in units:
+            self.gathered.discard(id(unit))
+
     def abort_step(self) -> None:
         """An exception ended the accumulation: its micro-batches stay in the totals, the next
         window starts from zero."""
         self.aborted_steps += 1
         self.current = StepCounts()
+        self.gathered.clear()  # the abort reshards the window's units (window.py)
 
     def record_held(self, held_grad_bytes: int) -> None:
         """The bytes measured after the window's held micro-batches, before its last forward."""
@@ -157,7 +204,7 @@ class SyncAccounting:
             "plan_changes": self.plan_changes,
             **{
                 f"units_{level}": list(self.unit_modes.values()).count(level)
-                for level in ("windowed", "deferred", "per_micro_batch", "defer_all_reduce")
+                for level in ("windowed", "deferred", "per_micro_batch", "defer_all_reduce", "frozen")
             },
             "measured_peaks": list(self.measured_peaks),
             **({"measured_peak_bytes": self.measured_peaks[-1]} if self.measured_peaks else {}),

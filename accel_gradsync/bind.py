@@ -63,7 +63,7 @@ class Binder:
             state.adapters[id(root)] = None
             return None
         state.adapters[id(root)] = adapter
-        if not adapter.units:
+        if not adapter.trainable:
             return adapter  # nothing trainable (a frozen reference model): no gradient to schedule
         m, auto = state.micro_batches_per_step, None
         if state.policy.name == "auto" and m > 1:
@@ -71,7 +71,7 @@ class Binder:
             if self._probe is None:
                 self._probe = memory_probe(state.accelerator.device, state.config)
             auto = MeasuredAuto(state.config.resolved(), self._probe, self._agree_peak)
-            plan = auto.first_plan()
+            plan = auto.first_plan(adapter)
         else:
             plan = state.policy.plan(adapter, self._agreed_free_memory, m)
         warn_about_plan(plan, adapter, state.config, m)

@@ -45,6 +45,9 @@ DEFAULTS: dict[str, Any] = {
     "free_memory": "",
     "keep_params_unsharded": False,
     "reduce_dtype": "auto",
+    # Memory first: keeping every unit unsharded while generating costs the whole unsharded model
+    # (compute dtype) on every rank; off, generation all-gathers every unit for every token.
+    "gather_for_generation": False,
     # A Trainer log line carries the few per-step counters; the ~20 others stay in stats().
     "log_all_counters": False,
 }
@@ -73,6 +76,7 @@ class ResolvedConfig:
     free_memory: str
     keep_params_unsharded: bool
     reduce_dtype: str
+    gather_for_generation: bool
     log_all_counters: bool
 
 
@@ -144,6 +148,18 @@ class GradSyncConfig:
         "prepared: auto keeps accelerate's choice (the param dtype), fp32 or bf16. FSDP2 holds "
         "deferred gradients in this dtype when it differs from the param dtype (fp32: 4 bytes/param).",
         choices=REDUCE_DTYPES,
+    )
+    gather_for_generation: bool | None = _flag(
+        "gather_for_generation",
+        "FSDP2: forwards without gradients (generation, no-grad log-prob passes, evaluation) gather "
+        "each unit once and keep it unsharded until training resumes (the next forward with "
+        "gradients in training mode, an optimizer step, or an exception), instead of all-gathering "
+        "every unit for every generated token. Costs the whole model's unsharded parameters "
+        "(compute dtype) on every rank while generating, as DeepSpeed ZeRO-3's "
+        "ds3_gather_for_generation does; budget and auto plan with those bytes. Applies in every "
+        "sync mode.",
+        nargs="?",
+        const=True,
     )
     log_all_counters: bool | None = _flag(
         "log_all_counters",

@@ -12,12 +12,21 @@ import warnings
 from .config import GradSyncConfig
 from .errors import GradSyncWarning
 from .fsdp import ModelAdapter
-from .policies import ALL_REDUCE, Plan, all_gathers_per_step, collectives_per_step, format_bytes
+from .policies import (
+    ALL_REDUCE,
+    Plan,
+    all_gathers_per_step,
+    collectives_per_step,
+    format_bytes,
+    generation_all_gathers_per,
+)
 
 
 def describe_decision(plan: Plan, adapter: ModelAdapter, micro_batches: int) -> str:
     """One line: the mode, each unit's level, the collectives per optimizer step it implies and
-    what it holds, gradients and params apart."""
+    what it holds, gradients and params apart; then what forwards without gradients
+    (generation) all-gather, and hold with `gather_for_generation`. Frozen units count in the
+    all-gathers (they reduce nothing)."""
     m = micro_batches
     plan = plan.over(m)
     rs, ar = collectives_per_step(plan, adapter.units, adapter.hsdp, m)
@@ -45,14 +54,30 @@ def describe_decision(plan: Plan, adapter: ModelAdapter, micro_batches: int) -> 
             param_dtype = str(plan.windowed[0].compute_dtype).removeprefix("torch.")
             line += f" + ~{format_bytes(plan.held_param_bytes())} unsharded {param_dtype} params"
         line += " per rank"
+    if adapter.collective != "all_reduce":
+        line += "; " + _generation_cost(plan, adapter)
     if plan.reason:
         line += f" [{plan.reason}]"
     return line
 
 
+def _generation_cost(plan: Plan, adapter: ModelAdapter) -> str:
+    """What generation all-gathers apart from training: once per unit per round when its units
+    are kept unsharded (`gather_for_generation`), else every resharding unit on every token."""
+    units = adapter.units
+    if plan.generation_bytes:
+        dtype = str(units[0].compute_dtype).removeprefix("torch.")
+        return (
+            f"generation {generation_all_gathers_per(units, kept=True)} all-gathers per round "
+            f"(gather_for_generation: ~{format_bytes(plan.generation_bytes)} unsharded {dtype} params per rank "
+            "while generating)"
+        )
+    return f"generation {generation_all_gathers_per(units, kept=False)} all-gathers per token"
+
+
 _LEVELS = {
-    "gradient_sync": ("windowed", "deferred", "per_micro_batch"),
-    ALL_REDUCE: ("defer_all_reduce", "per_micro_batch"),
+    "gradient_sync": ("windowed", "deferred", "per_micro_batch", "frozen"),
+    ALL_REDUCE: ("windowed", "defer_all_reduce", "per_micro_batch", "frozen"),
 }
 
 
@@ -68,7 +93,7 @@ def warn_about_plan(plan: Plan, adapter: ModelAdapter, config: GradSyncConfig, m
             GradSyncWarning,
             stacklevel=4,
         )
-    if adapter.root_only and plan.held and len(plan.held) != len(adapter.units):
+    if adapter.root_only and plan.held and any(not u.frozen and u not in plan.held for u in adapter.units):
         raise AssertionError(f"{adapter.kind} can only defer every unit at once")  # policies ensure it
     wide = [u for u in plan.held if u.held_dtype.itemsize > u.compute_dtype.itemsize]
     if plan.hold != ALL_REDUCE and wide and micro_batches > 1:

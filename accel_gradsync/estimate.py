@@ -23,7 +23,11 @@ M micro-batches, per unit u):
   (ring), 2(R-1)/R x that unsharded size / N per HSDP all-reduce.
 - held bytes: `Plan.held_grad_bytes()` (numel x sizeof(held dtype) per held unit) and
   `Plan.held_param_bytes()` (numel x sizeof(compute dtype) per windowed unit).
-- peak: see `peak_grad_bytes`; all-gathers: `policies.all_gathers_per_step`, the runtime's own.
+- peak: see `peak_grad_bytes`; all-gathers: `policies.all_gathers_per_step`, the runtime's own,
+  over every unit, frozen ones included (a frozen unit reduces nothing but all-gathers).
+- generation (`gather_for_generation`): every unit's unsharded params (compute dtype) held while
+  generating, `Plan.generation_bytes`; budget and auto plan with it; one all-gather per unit per
+  round instead of one per resharding unit per token.
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ from .policies import (
     all_gathers_per_step,
     collectives_per_step,
     format_bytes,
+    generation_all_gathers_per,
 )
 
 RECIPE_DEFAULT = "recipe-default"
@@ -392,8 +397,13 @@ class ModeEstimate:
     all_gathers: int = 0
     """Parameter all-gathers per optimizer step (forward, and backward after a reshard)."""
     all_gather_bytes: int = 0
+    generation_bytes: int = 0
+    """Unsharded parameter bytes per rank held while generating (`gather_for_generation`; 0 when off)."""
+    generation_all_gathers: int = 0
+    """All-gathers of generation: per token, or per round with `gather_for_generation`."""
     fits: bool | None = None
-    """peak_bytes <= free memory x (1 - memory_margin); None without --grad-sync-free-memory."""
+    """max(peak_bytes, generation_bytes + held gradients) <= free memory x (1 - memory_margin); None
+    without --grad-sync-free-memory."""
     selected: bool = False
 
 
@@ -562,8 +572,11 @@ def estimate(
         row.sharded_bytes = sharded_grad_bytes(plan, adapter)
         row.peak_bytes = peak_grad_bytes(plan, adapter)
         row.all_gathers, row.all_gather_bytes = all_gathers_per_step(plan, adapter, micro_batches)
+        row.generation_bytes = plan.generation_bytes
+        row.generation_all_gathers = generation_all_gathers_per(adapter.units, kept=bool(plan.generation_bytes))
         if free is not None:
-            row.fits = row.peak_bytes <= int(free * (1 - config.resolved().memory_margin))
+            worst = max(row.peak_bytes, row.generation_bytes + row.held_bytes)
+            row.fits = worst <= int(free * (1 - config.resolved().memory_margin))
         result.modes.append(row)
     return result
 
@@ -615,7 +628,8 @@ def format_table(est: Estimate) -> str:
         "",
     ]
     header = ["mode", "reduce-scatters/step", "all-reduces/step", "sent/rank/step", "held grads/rank", "held dtype",
-              "held params/rank", "sharded grads/rank", "peak/rank", "fits", "all-gathers/step"]  # fmt: skip
+              "held params/rank", "sharded grads/rank", "peak/rank", "fits", "all-gathers/step",
+              "generation params/rank"]  # fmt: skip
     rows, notes = [], []
     for m in est.modes:
         name = m.mode + (" *" if m.selected else "")
@@ -627,7 +641,8 @@ def format_table(est: Estimate) -> str:
         rows.append([name, str(m.reduce_scatters), str(m.all_reduces) if est.replicate_size > 1 else "-",
                      format_bytes(m.send_bytes), format_bytes(m.held_bytes), m.held_dtype or "-",
                      format_bytes(m.held_param_bytes), format_bytes(m.sharded_bytes), format_bytes(m.peak_bytes),
-                     fits, f"{m.all_gathers} ({format_bytes(m.all_gather_bytes)})"])  # fmt: skip
+                     fits, f"{m.all_gathers} ({format_bytes(m.all_gather_bytes)})",
+                     format_bytes(m.generation_bytes) if m.generation_bytes else "-"])  # fmt: skip
         if m.reason:
             notes.append(f"{m.mode}: {m.reason}")
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]

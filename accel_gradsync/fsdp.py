@@ -50,6 +50,11 @@ class ModelAdapter:
         self.model = model
         self.units: list[Unit] = self._find_units(model)
 
+    @property
+    def trainable(self) -> bool:
+        """Some unit has a gradient to sync (a frozen reference model has none)."""
+        return any(not u.frozen for u in self.units)
+
     def _find_units(self, model: nn.Module) -> list[Unit]:
         raise NotImplementedError
 
@@ -68,6 +73,24 @@ class ModelAdapter:
 
     def reshard(self, units: Sequence[Unit]) -> None:
         """Free the unsharded params of `units` (after an aborted window)."""
+
+    def unit_modules(self) -> list[tuple[nn.Module, Unit]]:
+        """Every module FSDP2 runs a unit's pre-forward on, with its unit (a grouped
+        `fully_shard([a, b])` unit has several); empty for other wrappers."""
+        return []
+
+    def reshard_unless_kept(self, units: Sequence[Unit]) -> list[Unit]:
+        """Reshard those of `units` whose flags say they reshard after forward; returns them."""
+        return []
+
+    def reshards_now(self, unit: Unit) -> bool:
+        """The unit's flags say it reshards after its next forward (a window or generation can
+        keep it; `unit.reshards_after_forward` is what it was given)."""
+        return unit.reshards_after_forward
+
+    def reset_after_exception(self) -> bool:
+        """Reset the wrapper after an exception inside a forward; False where it cannot."""
+        return False
 
     def holdable(self, units: Sequence[Unit]) -> list[Unit]:
         """The `units` whose sync can be held on this micro-batch (all, unless a wrapper says not)."""
@@ -99,8 +122,9 @@ class ModelAdapter:
 
 
 class FSDP2Adapter(ModelAdapter):
-    """`fully_shard` models: every `FSDPModule` with trainable parameters is a unit, and its
-    sync can be held on its own with `set_requires_gradient_sync(False, recurse=False)`."""
+    """`fully_shard` models: every `FSDPModule` is a unit (a frozen one too: it all-gathers like
+    the others), and a trainable unit's sync can be held on its own with
+    `set_requires_gradient_sync(False, recurse=False)`."""
 
     kind = "fsdp2"
 
@@ -117,24 +141,28 @@ class FSDP2Adapter(ModelAdapter):
                 continue
             seen.add(id(state))
             groups = _groups(state)
-            params = [p for g in groups for p in g.fsdp_params if p.sharded_param.requires_grad]
-            if not params:
-                continue
+            everything = [p for g in groups for p in g.fsdp_params]
+            if not everything:
+                continue  # a module fully_shard gave no parameter of its own: nothing to gather
+            params = [p for p in everything if p.sharded_param.requires_grad]
             numel = sum(p.sharded_param.numel() for p in params)  # DTensor: the global size
             policy = groups[0].mp_policy
-            held, reduce, compute = unit_dtypes(
-                "fsdp2", params[0].sharded_param.dtype, policy.param_dtype, policy.reduce_dtype
-            )
-            mesh = params[0].sharded_param.device_mesh  # HSDP: (replicate, shard)
+            first = (params or everything)[0].sharded_param
+            held, reduce, compute = unit_dtypes("fsdp2", first.dtype, policy.param_dtype, policy.reduce_dtype)
+            if not params:
+                held = reduce = compute  # a frozen unit holds and reduces nothing
+            mesh = first.device_mesh  # HSDP: (replicate, shard)
             self.backend = self.backend or str(torch.distributed.get_backend(mesh.get_group(mesh.ndim - 1)))
             self.hsdp = self.hsdp or mesh.ndim == 2
             shard = mesh.size(mesh.ndim - 1)
             # The root keeps its params after forward (FSDP2's lazy init), whatever it was given.
             reshards = name != "" and all(g.post_forward_mesh_info is not None for g in groups)
+            reducing = sum(any(p.sharded_param.requires_grad for p in g.fsdp_params) for g in groups)
             units.append(
-                Unit(name, cast(nn.Module, module), numel, len(groups), held_dtype=held, reduce_dtype=reduce,
+                Unit(name, cast(nn.Module, module), numel, reducing, held_dtype=held, reduce_dtype=reduce,
                      compute_dtype=compute, shard_size=shard,
                      sharded_numel=sum(dim0_shard_numel(p.sharded_param.shape, shard) for p in params),
+                     param_numel=sum(p.sharded_param.numel() for p in everything),
                      reshards_after_forward=reshards)
             )  # fmt: skip
         return units
@@ -291,9 +319,31 @@ class FSDP2Adapter(ModelAdapter):
         for u in units:
             _fsdp2(u.module).reshard()
 
+    def unit_modules(self) -> list[tuple[nn.Module, Unit]]:
+        by_state = {id(_fsdp2(u.module)._get_fsdp_state()): u for u in self.units}
+        return [(m, by_state[id(m._get_fsdp_state())]) for m in self.model.modules()
+                if isinstance(m, FSDPModule) and id(m._get_fsdp_state()) in by_state]  # fmt: skip
+
+    def reshards_now(self, unit: Unit) -> bool:
+        # No public getter for reshard_after_forward: read it where its setter writes it.
+        return all(g.post_forward_mesh_info is not None for g in _groups(_fsdp2(unit.module)._get_fsdp_state()))
+
+    def reshard_unless_kept(self, units: Sequence[Unit]) -> list[Unit]:
+        done = [u for u in units if self.reshards_now(u)]
+        self.reshard(done)
+        return done
+
+    def reset_after_exception(self) -> bool:
+        reset = getattr(self.model, "reset_iter_state", None)  # public in torch 2.13
+        if reset is None:
+            return False
+        reset()
+        return True
+
 
 class FSDP1Adapter(ModelAdapter):
-    """`FullyShardedDataParallel` models: one unit per FSDP instance that owns a flat parameter.
+    """`FullyShardedDataParallel` models: one unit per FSDP instance that owns a flat parameter
+    (a frozen one too).
     `no_sync()` is only valid on the root and keeps the unsharded flat gradient in the compute
     dtype; under SHARD_GRAD_OP it also keeps the parameters unsharded."""
 
@@ -304,8 +354,10 @@ class FSDP1Adapter(ModelAdapter):
         units = []
         for name, module in model.named_modules():
             handle = getattr(module, "_handle", None) if isinstance(module, FSDP1) else None
-            if handle is not None and handle.flat_param.requires_grad:
-                numel = handle.flat_param._unpadded_unsharded_size.numel()
+            if handle is not None:
+                # A frozen flat parameter reduces nothing but is all-gathered all the same.
+                param_numel = handle.flat_param._unpadded_unsharded_size.numel()
+                numel = param_numel if handle.flat_param.requires_grad else 0
                 policy = module.mixed_precision
                 held, reduce, compute = unit_dtypes(
                     "fsdp1", handle.flat_param.dtype, policy.param_dtype, policy.reduce_dtype
@@ -317,9 +369,9 @@ class FSDP1Adapter(ModelAdapter):
                     self.keeps_params_when_held or handle._sharding_strategy.name == "SHARD_GRAD_OP"
                 )
                 units.append(
-                    Unit(name, module, numel, 1, held_dtype=held, reduce_dtype=reduce, compute_dtype=compute,
-                         shard_size=shard, sharded_numel=-(-numel // shard),
-                         reshards_after_forward=full_shard and name != "")
+                    Unit(name, module, numel, int(numel > 0), held_dtype=held, reduce_dtype=reduce,
+                         compute_dtype=compute, shard_size=shard, sharded_numel=-(-numel // shard),
+                         param_numel=param_numel, reshards_after_forward=full_shard and name != "")
                 )  # fmt: skip
         return units
 

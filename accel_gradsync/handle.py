@@ -4,6 +4,7 @@ the hot path (window.py), mid-window checkpoints (checkpoint.py), the accelerato
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -17,6 +18,7 @@ from .checkpoint import GradCheckpoint
 from .config import GradSyncConfig
 from .decision import describe_decision
 from .fsdp import ModelAdapter
+from .generation import GenerationGather
 from .memory import MemoryProbe
 from .policies import Plan, SyncPolicy, resolve_policy
 from .state import Attachment, root_of
@@ -37,7 +39,8 @@ class GradSyncHandle:
         self._state = Attachment(accelerator, config, self.policy, trainer)
         self._binder = Binder(self._state, memory_probe)
         self._checkpoint = GradCheckpoint(self._state)
-        self._window = Window(self._state, self.bind, self._checkpoint)
+        self._generation = GenerationGather(self._state)
+        self._window = Window(self._state, self.bind, self._checkpoint, self._generation.release)
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         self._callback: Any = None  # trainer.GradSyncCallback, with a Trainer
         self._original_class: type | None = None
@@ -51,8 +54,10 @@ class GradSyncHandle:
 
     def stats(self) -> dict:
         """Counters since attach: micro-batches (all and deferred), optimizer steps, unit
-        reduce-scatters / all-reduces issued and skipped, bytes reduced, measured held gradient
-        bytes, each unit's mode; `last_step/*` for the last finished optimizer step."""
+        reduce-scatters / all-reduces issued and skipped, parameter all-gathers of training
+        (`all_gathers`) and of forwards without gradients (`generation_all_gathers`), bytes
+        reduced, measured held gradient bytes, each unit's mode; `last_step/*` for the last
+        finished optimizer step."""
         return combined_stats({b.name: b.account.stats() for b in self._state.bound.values()}, self.policy.name)
 
     def plan(self, model: nn.Module | None = None) -> Plan | None:
@@ -83,10 +88,20 @@ class GradSyncHandle:
         adapter = self._binder.bind(model)
         if id(root) in self._state.bound:
             self._hooks.extend(self._window.watch(root))
+            self._hooks.extend(self._generation.watch(root))
         return adapter
+
+    def gathered(self, model: nn.Module | None = None) -> contextlib.AbstractContextManager:
+        """Keep the units of every bound FSDP2 model unsharded through the forwards without
+        gradients inside the block (`with grad_sync.gathered(model): model.generate(...)`): each
+        all-gathers once instead of once per forward; resharded when the block ends, also on an
+        exception. What `gather_for_generation` does automatically; it costs the unsharded
+        parameters (compute dtype) on every rank while the block runs."""
+        return self._generation.gathered(model)
 
     def detach(self) -> None:
         """Undo `attach`: the accelerator's own `no_sync` again, hooks and callback removed."""
+        self._generation.close()  # units kept for generation: flags back, resharded
         self._window.end_hold()  # a window left mid-way: its flags back
         if self._original_class is not None:
             unhook_accelerator(self.accelerator, self._original_class)

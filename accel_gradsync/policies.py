@@ -14,6 +14,7 @@ from typing import Any
 
 from .config import GradSyncConfig, parse_bytes
 from .fsdp import ModelAdapter, Unit
+from .units import micro_batch_all_gathers, no_grad_forward_all_gathers
 
 GRADIENT_SYNC = "gradient_sync"  # skip reduce-scatter (and all-reduce): set_requires_gradient_sync(False)
 ALL_REDUCE = "all_reduce"  # HSDP: reduce-scatter, skip the cross-replica all-reduce: set_requires_all_reduce(False)
@@ -45,6 +46,9 @@ class Plan:
     windowed: list[Unit] = field(default_factory=list)
     """Held units whose params stay unsharded for the whole window (a subset of `held`)."""
     reason: str = ""
+    generation_bytes: int = 0
+    """Unsharded parameter bytes per rank held while generating (`gather_for_generation`: every
+    unit's params in the compute dtype; 0 when off)."""
 
     def held_grad_bytes(self) -> int:
         """Gradient bytes per rank the held units keep between micro-batches. For an
@@ -62,19 +66,22 @@ class Plan:
         return self.held_grad_bytes() + self.held_param_bytes()
 
     def level(self, unit: Unit) -> str:
-        """`per_micro_batch`, `deferred`, `windowed` or (HSDP) `defer_all_reduce`."""
+        """`per_micro_batch`, `deferred`, `windowed`, (HSDP) `defer_all_reduce`, or `frozen` for a
+        unit with nothing to reduce that is not windowed."""
+        if any(u is unit for u in self.windowed):
+            return "windowed"
+        if unit.frozen:
+            return "frozen"
         if not any(u is unit for u in self.held):
             return "per_micro_batch"
-        if self.hold == ALL_REDUCE:
-            return "defer_all_reduce"
-        return "windowed" if any(u is unit for u in self.windowed) else "deferred"
+        return "defer_all_reduce" if self.hold == ALL_REDUCE else "deferred"
 
     def over(self, micro_batches: int) -> Plan:
         """This plan as it plays out over `micro_batches` per optimizer step: with one, every
         micro-batch ends its step and syncs, so a deferring mode holds nothing."""
         if micro_batches > 1 or self.mode == "per_micro_batch":
             return self
-        return Plan(self.mode, reason=NOTHING_TO_DEFER)
+        return Plan(self.mode, reason=NOTHING_TO_DEFER, generation_bytes=self.generation_bytes)
 
 
 def collectives_per_step(plan: Plan, units: Sequence[Unit], hsdp: bool, micro_batches: int) -> tuple[int, int]:
@@ -90,13 +97,39 @@ def collectives_per_step(plan: Plan, units: Sequence[Unit], hsdp: bool, micro_ba
 
 
 def unit_all_gathers(unit: Unit, level: str, micro_batches: int, keeps_params_when_held: bool = False) -> int:
-    """Parameter all-gathers of one unit per optimizer step: one in each forward, another in each
-    backward when it reshards after forward; a windowed unit gathers once per step. FSDP1
-    SHARD_GRAD_OP under `no_sync()` keeps params after a held backward: one gather per step too."""
-    m = micro_batches
-    if level == "windowed" or (level == "deferred" and keeps_params_when_held):
-        return 1 if m > 1 else 1 + unit.reshards_after_forward
-    return m * (1 + unit.reshards_after_forward)
+    """Parameter all-gathers of one unit per optimizer step of `micro_batches`, from
+    `micro_batch_all_gathers`: one in each forward, another in each backward when it reshards
+    after forward; a windowed unit gathers once per step. FSDP1 SHARD_GRAD_OP under `no_sync()`
+    keeps params after a held backward: one gather per step too."""
+    count, gathered = 0, False
+    for k in range(micro_batches):
+        last = k == micro_batches - 1
+        windowed = level == "windowed" and micro_batches > 1
+        keeps = windowed or (level == "deferred" and keeps_params_when_held and micro_batches > 1)
+        n, gathered = micro_batch_all_gathers(unit, gathered, windowed, keeps and not last)
+        count += n
+    return count
+
+
+def generation_all_gathers(units: Sequence[Unit], forwards: int, kept: bool) -> int:
+    """Parameter all-gathers of `forwards` forwards without gradients (a generation round of
+    that many tokens), from sharded units: with `kept` (`gather_for_generation`) each unit once,
+    else each unit that reshards after forward once per forward."""
+    count = 0
+    for u in units:
+        gathered = False
+        for _ in range(forwards):
+            n, gathered = no_grad_forward_all_gathers(u, gathered, kept)
+            count += n
+    return count
+
+
+def generation_all_gathers_per(units: Sequence[Unit], kept: bool) -> int:
+    """All-gathers generation costs: per round with `kept` (`gather_for_generation`, each unit
+    once), else per token (each unit that reshards after forward)."""
+    if kept:
+        return generation_all_gathers(units, 1, kept=True)
+    return generation_all_gathers(units, 2, kept=False) - generation_all_gathers(units, 1, kept=False)
 
 
 def all_gathers_per_step(plan: Plan, adapter: Any, micro_batches: int) -> tuple[int, int]:
@@ -145,7 +178,7 @@ class PerMicroBatchSync(SyncPolicy):
     description = "reduce-scatter after every micro-batch (sharded grads, lowest memory)"
 
     def plan(self, adapter: ModelAdapter, free_memory: FreeMemory, micro_batches: int) -> Plan:
-        return Plan(self.name)
+        return Plan(self.name, generation_bytes=generation_bytes_of(adapter, self.config))
 
 
 class DeferredSync(SyncPolicy):
@@ -163,9 +196,11 @@ class DeferredSync(SyncPolicy):
     description = "reduce-scatter once per optimizer step (unsharded grads held)"
 
     def plan(self, adapter: ModelAdapter, free_memory: FreeMemory, micro_batches: int) -> Plan:
-        units = list(adapter.units)
         window = self.config.keep_params_unsharded and adapter.kind == "fsdp2"
-        return Plan(self.name, units, windowed=units if window else [])
+        # Frozen units have nothing to hold; they are held only to be windowed (they all-gather).
+        held = [u for u in adapter.units if window or not u.frozen]
+        generation = generation_bytes_of(adapter, self.config)
+        return Plan(self.name, held, windowed=held if window else [], generation_bytes=generation)
 
 
 class BudgetSync(SyncPolicy):
@@ -184,17 +219,22 @@ class BudgetSync(SyncPolicy):
         else:
             assert fraction is not None  # parse_bytes gives one of the two
             budget = int(fraction * free_memory())
-        plan = choose_levels(self.name, adapter.units, budget, micro_batches, reduce_scatter_cost_of(adapter))
+        generation = generation_bytes_of(adapter, self.config)
+        plan = choose_levels(
+            self.name, adapter.units, budget, micro_batches, reduce_scatter_cost_of(adapter), generation
+        )
         plan.reason = (
             f"{_level_counts(plan, adapter.units)} within the {format_bytes(budget)} budget "
-            f"({format_bytes(plan.held_bytes())} held)"
+            f"({format_bytes(plan.held_bytes())} held"
+            + (f", {format_bytes(generation)} of params while generating)" if generation else ")")
         )
         return plan
 
 
 def choose_levels(
-    mode: str, units: Sequence[Unit], budget: int, micro_batches: int, reduce_scatter_cost: float = 1.0
-) -> Plan:
+    mode: str, units: Sequence[Unit], budget: int, micro_batches: int, reduce_scatter_cost: float = 1.0,
+    generation_bytes: int = 0,
+) -> Plan:  # fmt: skip
     """The per-unit levels that save the most communication while holding at most `budget` bytes
     per rank. Deferring a unit saves M-1 reduce-scatters of its gradient; windowing it saves all
     its all-gathers but one. Bytes saved are counted as all-gather bytes: a reduce-scatter byte
@@ -204,20 +244,31 @@ def choose_levels(
     knapsack), first fit within the budget of held bytes. Deferral adds the unsharded gradient
     less the sharded one FSDP2 no longer keeps through the window (1/N of it); a window adds the
     unsharded params. A unit whose window pays more per byte than its deferral is offered both at
-    once."""
+    once. A frozen unit has only its window to offer (it all-gathers like the others).
+
+    `generation_bytes` (what `gather_for_generation` holds while generating) comes off the budget
+    first; windows then add nothing, since generation holds every unit's params already."""
     m = micro_batches
+    if m <= 1:
+        return Plan(mode, generation_bytes=generation_bytes)  # one micro-batch per step: nothing to hold
+    # Generation keeps every unit's params unsharded anyway (`generation_bytes`): those bytes come
+    # off the budget first, and a window then holds nothing generation does not already hold.
+    budget -= generation_bytes
     offers = []  # (bytes saved per byte added, bytes held, unit, level reached, prerequisite level)
     for u in units:
         deferral = reduce_scatter_cost * (m - 1) * u.collectives * u.reduce_bytes
         window = (unit_all_gathers(u, "deferred", m) - 1) * u.param_bytes
-        if deferral <= 0:
-            continue  # one micro-batch per step: nothing to hold
+        param_cost = 0 if generation_bytes else u.param_bytes
+        if u.frozen:  # nothing to defer: only its window saves anything
+            if window > 0:
+                offers.append((window / max(param_cost, 1), param_cost, u, "windowed", "per_micro_batch"))
+            continue
         added = max(u.held_bytes * (u.shard_size - 1) // u.shard_size, 1)  # unsharded only on one rank: free
         offers.append((deferral / added, u.held_bytes, u, "deferred", "per_micro_batch"))
         if window > 0:
-            offers.append((window / u.param_bytes, u.param_bytes, u, "windowed", "deferred"))
-            both = u.held_bytes + u.param_bytes
-            offers.append(((deferral + window) / (added + u.param_bytes), both, u, "windowed", "per_micro_batch"))
+            offers.append((window / max(param_cost, 1), param_cost, u, "windowed", "deferred"))
+            both = u.held_bytes + param_cost
+            offers.append(((deferral + window) / (added + param_cost), both, u, "windowed", "per_micro_batch"))
     levels: dict[int, str] = {}
     used = 0
     for _, cost, unit, level, needs in sorted(offers, key=lambda o: (o[0], o[1]), reverse=True):
@@ -225,7 +276,8 @@ def choose_levels(
             levels[id(unit)] = level
             used += cost
     held = [u for u in units if id(u) in levels]
-    return Plan(mode, held, windowed=[u for u in held if levels[id(u)] == "windowed"])
+    windowed = [u for u in held if levels[id(u)] == "windowed"]
+    return Plan(mode, held, windowed=windowed, generation_bytes=generation_bytes)
 
 
 class DeferAllReduceSync(SyncPolicy):
@@ -244,7 +296,8 @@ class DeferAllReduceSync(SyncPolicy):
                 "but the model is sharded over a 1-D mesh. Set parallelism_config dp_replicate_size > 1 "
                 "in the accelerate config, or use sync_mode 'deferred'."
             )
-        return Plan(self.name, list(adapter.units), hold=ALL_REDUCE)
+        trainable = [u for u in adapter.units if not u.frozen]
+        return Plan(self.name, trainable, hold=ALL_REDUCE, generation_bytes=generation_bytes_of(adapter, self.config))
 
 
 class AutoSync(SyncPolicy):
@@ -264,8 +317,8 @@ class AutoSync(SyncPolicy):
     def plan(self, adapter: ModelAdapter, free_memory: FreeMemory, micro_batches: int) -> Plan:
         free = free_memory()
         usable = int(free * (1 - self.config.memory_margin))
-        choice = plan_within(adapter, usable, micro_batches)
-        full = Plan(self.name, list(adapter.units))
+        choice = plan_within(adapter, usable, micro_batches, generation_bytes_of(adapter, self.config))
+        full = Plan(self.name, [u for u in adapter.units if not u.frozen])
         choice.reason = (
             f"auto chose {_level_counts(choice, adapter.units)}: full deferral holds "
             f"{format_bytes(full.held_bytes())}/rank, {format_bytes(usable)} usable of {format_bytes(free)} free "
@@ -274,25 +327,35 @@ class AutoSync(SyncPolicy):
         return choice
 
 
-def plan_within(adapter: ModelAdapter, usable: int, micro_batches: int) -> Plan:
-    """The plan that saves the most communication while holding at most `usable` bytes per rank.
-    FSDP2: the levels `choose_levels` picks; on an HSDP mesh where not every unit fits that way,
-    full deferral without windows if it fits, else only the all-reduce deferred. FSDP1/DDP: full
-    deferral if it fits, else per micro-batch."""
-    full = Plan("auto", list(adapter.units))
+def plan_within(adapter: ModelAdapter, usable: int, micro_batches: int, generation_bytes: int = 0) -> Plan:
+    """The plan that saves the most communication while holding at most `usable` bytes per rank
+    (`generation_bytes`, held while generating, included). FSDP2: the levels `choose_levels`
+    picks; on an HSDP mesh where not every unit fits that way, full deferral without windows if it
+    fits, else only the all-reduce deferred. FSDP1/DDP: full deferral if it fits, else per
+    micro-batch."""
+    g = generation_bytes
+    full = Plan("auto", [u for u in adapter.units if not u.frozen], generation_bytes=g)
     if adapter.kind == "fsdp2":
-        choice = choose_levels("auto", adapter.units, usable, micro_batches, reduce_scatter_cost_of(adapter))
-        if adapter.hsdp and len(choice.held) < len(adapter.units):
+        choice = choose_levels("auto", adapter.units, usable, micro_batches, reduce_scatter_cost_of(adapter), g)
+        if adapter.hsdp and any(not u.frozen and u not in choice.held for u in adapter.units):
             # The greedy counts no all-reduce savings: deferring every unit's all-reduce (or its
             # whole sync, without windows, where that fits) beats holding only some units.
-            all_reduce = Plan("auto", list(adapter.units), hold=ALL_REDUCE)
-            choice = full if full.held_bytes() <= usable else all_reduce
+            all_reduce = Plan("auto", list(full.held), hold=ALL_REDUCE, generation_bytes=g)
+            choice = full if full.held_bytes() + g <= usable else all_reduce
     else:
-        choice = full if full.held_bytes() <= usable else Plan("auto")
-    if choice.held_bytes() > usable:
-        choice = Plan("auto")
+        choice = full if full.held_bytes() + g <= usable else Plan("auto", generation_bytes=g)
+    if choice.held_grad_bytes() + max(choice.held_param_bytes(), g) > usable:
+        choice = Plan("auto", generation_bytes=g)
     choice.mode = mode_of(choice, adapter.units)
     return choice
+
+
+def generation_bytes_of(adapter: ModelAdapter, config: Any) -> int:
+    """Unsharded parameter bytes per rank `gather_for_generation` holds while generating: every
+    FSDP2 unit's params in the compute dtype; 0 when the setting is off or does not apply."""
+    if not config.gather_for_generation or adapter.kind != "fsdp2":
+        return 0
+    return sum(u.param_bytes for u in adapter.units)
 
 
 def reduce_scatter_cost_of(adapter: ModelAdapter) -> float:
@@ -302,22 +365,29 @@ def reduce_scatter_cost_of(adapter: ModelAdapter) -> float:
 
 def mode_of(plan: Plan, units: Sequence[Unit]) -> str:
     """The plain mode a plan amounts to: `per_micro_batch`, `deferred`, `defer_all_reduce`, or
-    `budget` for a mix of levels."""
-    if not plan.held:
+    `budget` for a mix of levels (frozen units, which reduce nothing, do not count)."""
+    trainable = [u for u in units if not u.frozen]
+    held = [u for u in plan.held if not u.frozen]
+    if not held and not plan.windowed:
         return "per_micro_batch"
     if plan.hold == ALL_REDUCE:
         return "defer_all_reduce"
-    return "deferred" if len(plan.held) == len(units) else "budget"
+    return "deferred" if len(held) == len(trainable) else "budget"
 
 
 def _level_counts(plan: Plan, units: Sequence[Unit]) -> str:
-    """e.g. `2 windowed, 1 deferred, 0 per micro-batch` (units at each level)."""
+    """e.g. `2 windowed, 1 deferred, 0 per micro-batch` (units at each level; `, 2 frozen` where
+    frozen units are not windowed)."""
     levels = [plan.level(u) for u in units]
+    frozen = f", {levels.count('frozen')} frozen" if "frozen" in levels else ""
     if plan.hold == ALL_REDUCE:
-        return f"{levels.count('defer_all_reduce')} defer_all_reduce, {levels.count('per_micro_batch')} per micro-batch"
+        return (
+            f"{levels.count('defer_all_reduce')} defer_all_reduce, {levels.count('per_micro_batch')} per micro-batch"
+            + frozen
+        )
     return (
         f"{levels.count('windowed')} windowed, {levels.count('deferred')} deferred, "
-        f"{levels.count('per_micro_batch')} per micro-batch"
+        f"{levels.count('per_micro_batch')} per micro-batch{frozen}"
     )
 
 

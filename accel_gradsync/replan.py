@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from .config import ResolvedConfig
 from .fsdp import ModelAdapter
 from .memory import MemoryProbe
-from .policies import ALL_REDUCE, Plan, format_bytes, mode_of, plan_within
+from .policies import ALL_REDUCE, Plan, format_bytes, generation_bytes_of, mode_of, plan_within
 
 QUIET_STEPS = 10
 """Steps in a row with room before a plan moves back up."""
@@ -57,10 +57,14 @@ class MeasuredAuto:
     changes: int = 0
     """Plan changes after the first plan (fall-backs and recoveries)."""
 
-    def first_plan(self) -> Plan:
-        """Step 1: sync every micro-batch while the probe measures the step's peak."""
+    def first_plan(self, adapter: ModelAdapter | None = None) -> Plan:
+        """Step 1: sync every micro-batch while the probe measures the step's peak (generation's
+        gathered params included, `adapter` given)."""
         self.probe.reset_peak()
-        return Plan("auto", reason="step 1 syncs every micro-batch and measures its peak memory")
+        generation = 0 if adapter is None else generation_bytes_of(adapter, self.config)
+        return Plan(
+            "auto", reason="step 1 syncs every micro-batch and measures its peak memory", generation_bytes=generation
+        )
 
     def at_window_start(self, adapter: ModelAdapter, plan: Plan, micro_batches: int) -> Change | None:
         """Read the step that just ended; return the next window's plan when it changes."""
@@ -71,7 +75,10 @@ class MeasuredAuto:
         limit = int(capacity * (1 - self.config.memory_margin))
         room = f"peak {format_bytes(peak)}/rank of {format_bytes(capacity)} (margin {self.config.memory_margin:g})"
         if self.measured_steps == 1:
+            # The measured peak already holds what generation gathered (gather_for_generation):
+            # generation ran in step 1, so it is not taken off a second time.
             chosen = plan_within(adapter, limit - peak, micro_batches)
+            chosen.generation_bytes = generation_bytes_of(adapter, self.config)
             chosen.reason = f"auto measured step 1: {room}; holds {format_bytes(chosen.held_bytes())}"
             return Change(chosen, f"grad sync: auto measured step 1: {room}; from step 2 on:")
         if peak > limit and plan.held:
@@ -91,6 +98,7 @@ class MeasuredAuto:
         needs = max(peak - plan.held_bytes(), 0)
         spare = int(capacity * self.config.memory_margin / 2)
         higher = plan_within(adapter, limit - needs - spare, micro_batches)
+        higher.generation_bytes = plan.generation_bytes
         if _saves_more(higher, plan, adapter):
             self.changes += 1
             higher.reason = f"auto moved up after {QUIET_STEPS} quiet steps: {room}"
@@ -102,10 +110,10 @@ def fall_back(plan: Plan, adapter: ModelAdapter, overshoot: int) -> Plan | None:
     """`plan` with units one level lower, largest first, until `overshoot` bytes are freed (or
     every unit went one level down); None when nothing can go lower."""
     if plan.hold == ALL_REDUCE:
-        return Plan("per_micro_batch")  # the only level below all-reduce deferral
+        return Plan("per_micro_batch", generation_bytes=plan.generation_bytes)  # the only level below
     held, windowed = list(plan.held), list(plan.windowed)
     freed = 0
-    for unit in sorted(adapter.units, key=lambda u: u.numel, reverse=True):
+    for unit in sorted(adapter.units, key=lambda u: u.param_numel, reverse=True):
         if freed >= overshoot:
             break
         if any(u is unit for u in windowed):
@@ -116,7 +124,8 @@ def fall_back(plan: Plan, adapter: ModelAdapter, overshoot: int) -> Plan | None:
             freed += unit.held_bytes
     if freed == 0:
         return None
-    return Plan(mode_of(Plan("", held, windowed=windowed), adapter.units), held, windowed=windowed)
+    mode = mode_of(Plan("", held, windowed=windowed), adapter.units)
+    return Plan(mode, held, windowed=windowed, generation_bytes=plan.generation_bytes)
 
 
 def _saves_more(a: Plan, b: Plan, adapter: ModelAdapter) -> bool:
@@ -125,5 +134,5 @@ def _saves_more(a: Plan, b: Plan, adapter: ModelAdapter) -> bool:
 
 
 def _score(plan: Plan, adapter: ModelAdapter) -> float:
-    levels = {"per_micro_batch": 0.0, "defer_all_reduce": 0.5, "deferred": 1.0, "windowed": 2.0}
-    return sum(levels[plan.level(u)] * u.numel for u in adapter.units)
+    levels = {"frozen": 0.0, "per_micro_batch": 0.0, "defer_all_reduce": 0.5, "deferred": 1.0, "windowed": 2.0}
+    return sum(levels[plan.level(u)] * u.param_numel for u in adapter.units)

@@ -1,8 +1,13 @@
-"""`Unit`: one gradient-reducing unit of a wrapped model.
+"""`Unit`: one FSDP unit (or DDP's whole model) of a wrapped model.
 
 The adapters find units (fsdp.py), the policies plan over them (policies.py) and the counters
 count their collectives (accounting.py). The type lives on its own so that each of those
 imports it from here rather than from one another.
+
+A *frozen* unit has no trainable parameter (the root holding frozen embeddings and head under
+LoRA, a frozen tower): it reduces nothing and holds no gradient, but it all-gathers its
+parameters in every forward like any other unit, so the all-gather counts, the window and the
+memory for generation include it.
 """
 
 from __future__ import annotations
@@ -15,15 +20,17 @@ from torch import nn
 
 @dataclass(frozen=True, eq=False)
 class Unit:
-    """One gradient-reducing unit of a wrapped model."""
+    """One FSDP unit of a wrapped model (DDP: the whole model), trainable or frozen."""
 
     name: str
     """Qualified module name ("" for the root)."""
     module: nn.Module
     numel: int
-    """Trainable elements whose unsharded gradient this unit holds when its sync is deferred."""
+    """Trainable elements whose unsharded gradient this unit holds when its sync is deferred
+    (0: a frozen unit)."""
     collectives: int
-    """Collectives one sync of the unit issues (FSDP: reduce-scatters, one per param group)."""
+    """Collectives one sync of the unit issues (FSDP: reduce-scatters, one per param group with
+    trainable parameters; 0 for a frozen unit)."""
     held_dtype: torch.dtype = torch.float32
     """dtype of the unsharded gradient held between deferred micro-batches."""
     reduce_dtype: torch.dtype = torch.float32
@@ -34,15 +41,28 @@ class Unit:
     """Ranks the unit's parameters are sharded over (1 for DDP)."""
     sharded_numel: int = 0
     """Elements of one rank's shard, padding included (FSDP2 pads dim 0 to the shard size)."""
+    param_numel: int = 0
+    """Elements of all the unit's parameters, frozen ones included: what one all-gather brings
+    together (0: the same as `numel`)."""
     reshards_after_forward: bool = False
     """The unit frees its unsharded params after forward, so backward all-gathers them again
     (FSDP2 `reshard_after_forward`, FSDP1 FULL_SHARD; never the root, whose params backward
     needs at once)."""
 
+    def __post_init__(self) -> None:
+        if self.param_numel == 0:
+            object.__setattr__(self, "param_numel", self.numel)  # frozen dataclass: set once, here
+
+    @property
+    def frozen(self) -> bool:
+        """No trainable parameter: nothing to reduce or hold, only parameters to gather."""
+        return self.numel == 0
+
     @property
     def param_bytes(self) -> int:
-        """Bytes of this unit's unsharded parameters (what keeping them unsharded costs)."""
-        return self.numel * self.compute_dtype.itemsize
+        """Bytes of this unit's unsharded parameters, frozen ones included (what keeping them
+        unsharded costs)."""
+        return self.param_numel * self.compute_dtype.itemsize
 
     @property
     def held_bytes(self) -> int:
@@ -53,3 +73,23 @@ class Unit:
     def reduce_bytes(self) -> int:
         """Bytes of the unsharded gradient one sync of this unit reduces."""
         return self.numel * self.reduce_dtype.itemsize
+
+
+def micro_batch_all_gathers(
+    unit: Unit, gathered: bool, kept_through_forward: bool, kept_after_backward: bool
+) -> tuple[int, bool]:
+    """(parameter all-gathers, params still unsharded after) of one unit over one micro-batch's
+    forward and backward: its forward gathers unless the params are still unsharded from before;
+    its backward gathers again when the forward resharded them (`reshard_after_forward`, unless
+    a window keeps them through this forward); after backward they stay only where a window (or
+    FSDP1 SHARD_GRAD_OP under `no_sync()`) keeps them. The decision line, the estimate (through
+    `policies.unit_all_gathers`) and the live counters (accounting.py) all count with it."""
+    count = (0 if gathered else 1) + (1 if unit.reshards_after_forward and not kept_through_forward else 0)
+    return count, kept_after_backward
+
+
+def no_grad_forward_all_gathers(unit: Unit, gathered: bool, kept: bool) -> tuple[int, bool]:
+    """(all-gathers, params still unsharded after) of one unit over a forward without gradients
+    (generation, evaluation): no backward follows, so a unit that does not reshard after forward
+    (FSDP2's root) or that is `kept` (`gather_for_generation`) stays unsharded."""
+    return (0 if gathered else 1), kept or not unit.reshards_after_forward

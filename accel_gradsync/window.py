@@ -45,9 +45,11 @@ class Window:
     """The accumulation window in progress of every model bound to one `attach()`."""
 
     def __init__(
-        self, state: Attachment, bind: Callable[[nn.Module], ModelAdapter | None], checkpoint: GradCheckpoint
-    ) -> None:
+        self, state: Attachment, bind: Callable[[nn.Module], ModelAdapter | None], checkpoint: GradCheckpoint,
+        release_generation: Callable[[], None] = lambda: None,
+    ) -> None:  # fmt: skip
         self.state = state
+        self._release_generation = release_generation  # generation.py: its flags sit on top of ours
         self._bind = bind
         self._checkpoint = checkpoint
         self._held: dict[int, tuple[list, str]] = {}  # by id(root): (units held, how) during a held micro-batch
@@ -144,6 +146,7 @@ class Window:
         if current is not None and current.plan is plan and current.held == ids:
             return
         self.end_hold(key)  # a new plan (auto), or units that could not hold before now can
+        self._release_generation()
         windowed = [u for u in plan.windowed if id(u) in ids]
         flags = contextlib.ExitStack()
         flags.enter_context(adapter.hold(held, plan.hold, windowed))
@@ -154,6 +157,7 @@ class Window:
         for k in list(self._holds) if key is None else [key]:
             hold = self._holds.pop(k, None)
             if hold is not None:
+                self._release_generation()  # units kept for generation put their flags back first
                 hold.flags.close()
 
     def _replan(self, bound: BoundModel) -> None:
@@ -208,7 +212,10 @@ class Window:
             # the backward then reshards (reshard_after_backward is back to what it was).
             self.after_forward()
             self._restore_forward = bound.adapter.keep_params_through_forward(bound.plan.windowed)
-        bound.account.record_micro_batch(bound.adapter.units, held, hold, ends_step=ends_step)
+        bound.account.record_micro_batch(
+            bound.adapter.units, held, hold, ends_step=ends_step,
+            windowed=bound.plan.windowed, keeps_params_when_held=bound.adapter.keeps_params_when_held,
+        )  # fmt: skip
 
     def after_forward(self, *_: Any) -> None:
         """Forward hook: the last forward is done; its windowed params reshard after backward again."""

@@ -106,7 +106,7 @@ def test_first_gradient_on_final_micro_batch_under_bf16_with_fp32_reduce(fsdp2):
 
 
 # -- frozen parameters, M = 1, epochs -----------------------------------------------------------
-def test_frozen_unit_is_not_a_unit_and_gradients_match(fsdp2):
+def test_frozen_unit_holds_nothing_and_gradients_match(fsdp2):
     for name, run in _runs(fsdp2, "frozen"):
         _exact(name, run)
         _counts(name, run)

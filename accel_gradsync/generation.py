@@ -1,0 +1,173 @@
+"""Forwards without gradients (generation, no-grad log-prob passes, evaluation): count their
+all-gathers, and with `gather_for_generation` gather each FSDP2 unit once and keep it unsharded
+until training resumes.
+
+Under FSDP2 with `reshard_after_forward` every forward all-gathers every unit and frees it again,
+so generating T tokens costs about T x U all-gathers. TRL's `unwrap_model_for_generation` gathers
+once only under DeepSpeed ZeRO-3; under FSDP2 it does nothing. Here each unit's first forward
+without gradients sets its `reshard_after_forward` to False (the public setter, the flags saved
+exactly as `FSDP2Adapter.keep_params_through_forward` saves them), so FSDP gathers it once and
+keeps it; later forwards find it unsharded. Training resumes at the next forward with gradients
+in training mode, an optimizer step, a change of the window's flags, an exception, or detach:
+every flag goes back to what it was and the units that reshard after forward are resharded
+(`FSDPModule.reshard()`). An exception inside a forward leaves FSDP mid-forward; torch's
+`reset_iter_state()` is its documented recovery, used where no deferred gradient would be lost.
+
+The hooks sit on every FSDP unit's module, not on the root: PEFT's `generate` and TRL's
+unwrapped model run the inner model without the root's forward. Each pre-hook is prepended, so it
+runs before FSDP's own pre-forward (which gathers). Where the model is not FSDP2 (FSDP1, DDP) the
+setting does not apply and says so once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from .state import Attachment, BoundModel, root_of
+from .units import Unit
+
+
+class GenerationGather:
+    """The units kept unsharded for generation, of every model bound to one `attach()`."""
+
+    def __init__(self, state: Attachment) -> None:
+        self.state = state
+        self._restores: dict[int, list[Callable[[], None]]] = {}
+        """By id(root): the calls that put back each kept unit's flags, in keeping order."""
+        self._kept: dict[int, set[int]] = {}
+        """By id(root): `id` of each unit kept unsharded."""
+        self._forced = 0
+        """`gathered()` blocks open: they keep units whatever the setting says."""
+        self._optimizer_hook: torch.utils.hooks.RemovableHandle | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.state.config.resolved().gather_for_generation)
+
+    # -- hooks --------------------------------------------------------------------------------
+    def watch(self, root: nn.Module) -> list[torch.utils.hooks.RemovableHandle]:
+        """Hooks on each unit module of the bound model `root`: count forwards without gradients,
+        keep their units where the setting (or `gathered()`) asks, release when training resumes."""
+        bound = self.state.bound[id(root)]
+        if bound.adapter.kind != "fsdp2" and self.enabled:
+            instead = {"fsdp1": "under FSDP1 wrap generation in FSDP.summon_full_params(model) yourself, or use "
+                       "fsdp_version: 2", "ddp": "DDP never shards parameters"}[bound.adapter.kind]  # fmt: skip
+            self.state.warn_once(
+                "generation_not_fsdp2",
+                f"accel_gradsync: gather_for_generation is ignored on {bound.adapter.kind}: it keeps FSDP2 units "
+                f"unsharded while generating ({instead}).",
+            )
+        if bound.adapter.kind != "fsdp2":
+            return []
+        handles = []
+        for module, unit in bound.adapter.unit_modules():
+            handles.append(module.register_forward_pre_hook(self._pre_hook(id(root), bound, unit), prepend=True))
+            if self.enabled:  # gathered() sees its own exceptions
+                handles.append(module.register_forward_hook(self._post_hook(), always_call=True))
+        # The root too, unit or not: training resumes before the window counts the micro-batch
+        # (its hook on the root runs next), and an exception from a later hook of a unit passes
+        # only through the root.
+        handles.append(root.register_forward_pre_hook(self._resume_hook, prepend=True))
+        if self.enabled:
+            handles.append(root.register_forward_hook(self._post_hook(), always_call=True))
+        if self.enabled and self._optimizer_hook is None:
+            self._optimizer_hook = register_optimizer_step_pre_hook(self._before_step)
+            handles.append(self._optimizer_hook)
+        return handles
+
+    def _resume_hook(self, module: nn.Module, args: Any) -> None:
+        """A forward with gradients in training mode: training resumes, generation's units go back."""
+        if self._kept and torch.is_grad_enabled() and module.training:
+            self.release()
+
+    def _pre_hook(self, key: int, bound: BoundModel, unit: Unit) -> Callable:
+        def hook(module: nn.Module, args: Any) -> None:
+            if torch.is_grad_enabled():
+                self._resume_hook(module, args)  # before FSDP's own pre-forward runs
+                return
+            keep = self.enabled or self._forced > 0
+            if keep and id(unit) not in self._kept.setdefault(key, set()):
+                self._kept[key].add(id(unit))
+                self._restores.setdefault(key, []).append(bound.adapter.keep_params_through_forward([unit]))
+            # A window may keep the unit through this forward too: count what its flags say now.
+            bound.account.record_no_grad_forward(unit, kept=not bound.adapter.reshards_now(unit))
+
+        return hook
+
+    def _post_hook(self) -> Callable:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            # always_call: also runs while an exception from the forward (or a later hook) propagates.
+            if self._kept and not torch.is_grad_enabled() and sys.exc_info()[1] is not None:
+                self.release(raised=True)
+
+        return hook
+
+    def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        """Global optimizer pre-step hook: nothing gathered for generation survives into a step."""
+        if self._kept:
+            self.release()
+
+    # -- keeping and releasing -----------------------------------------------------------------
+    def release(self, raised: bool = False) -> None:
+        """Put every flag generation changed back and reshard the kept units that reshard after
+        forward. Units that do not (FSDP2's root) stay as FSDP leaves them after any forward
+        without gradients: PEFT's `generate` runs the inner model without the root's forward and
+        relies on that."""
+        for key in list(self._kept):
+            bound = self.state.bound.get(key)
+            restores = self._restores.pop(key, [])
+            kept = self._kept.pop(key)
+            for restore in reversed(restores):
+                restore()
+            if bound is None:
+                continue
+            adapter, account = bound.adapter, bound.account
+            if raised and adapter.held_grad_bytes() == 0 and adapter.reset_after_exception():
+                account.record_resharded(adapter.units)  # FSDP's own recovery resharded every unit
+                continue
+            units = [u for u in adapter.units if id(u) in kept]
+            account.record_resharded(adapter.reshard_unless_kept(units))
+
+    @contextlib.contextmanager
+    def gathered(self, model: nn.Module | None = None) -> Iterator[None]:
+        """Keep every unit that runs a forward without gradients inside the block unsharded from
+        its first such forward to the end of the block; then reshard. Any model, any setting."""
+        if model is not None and id(root_of(model)) not in self.state.bound:
+            raise ValueError(
+                "grad_sync.gathered(model): the model is not bound to this attach() (pass the model "
+                "accelerator.prepare returned, with FSDP2)."
+            )
+        kinds = {b.adapter.kind for b in self.state.bound.values()} if model is None else {
+            self.state.bound[id(root_of(model))].adapter.kind
+        }  # fmt: skip
+        others = ", ".join(sorted(kinds - {"fsdp2"}))
+        if others:
+            self.state.warn_once(
+                "gathered_not_fsdp2",
+                f"accel_gradsync: gathered() keeps FSDP2 units unsharded; it does nothing for {others} "
+                "models (FSDP1: FSDP.summon_full_params(model); DDP keeps whole parameters anyway).",
+            )
+        self._forced += 1
+        try:
+            yield
+        except BaseException:
+            self._forced -= 1
+            self.release(raised=True)
+            raise
+        self._forced -= 1
+        if self._forced == 0:
+            self.release()
+
+    def close(self) -> None:
+        """Detach: put everything back."""
+        self.release()
+        if self._optimizer_hook is not None:
+            self._optimizer_hook.remove()
+            self._optimizer_hook = None

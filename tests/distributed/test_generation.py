@@ -1,0 +1,216 @@
+"""Generation under FSDP2 on real gloo ranks: a tiny Qwen2 generates T tokens once per optimizer
+step and trains on them (workers/generation.py).
+
+- `gather_for_generation` (and `handle.gathered()`) all-gathers each unit once per generation
+  round instead of once per unit per token, in every sync mode, with generation before the window
+  (a plain loop, M = 1) or inside its first micro-batch (TRL); completions, losses and parameters
+  equal the run without it.
+- stats() counts training and generation all-gathers, and reduce-scatters, exactly as counted from
+  outside (CollectiveCounter), frozen units included: a PEFT LoRA model (embeddings, head and the
+  root frozen) and a model whose root unit is frozen.
+- An exception inside generation (in a forward, after the forwards, inside `accumulate()`) leaves
+  every unit resharded, and the next step is exact.
+"""
+
+import json
+
+import pytest
+from launcher import accelerate_config, launch
+
+T, M, STEPS = 5, 2, 2
+UNITS = 3  # two decoder layers and the root
+CONFIG = accelerate_config("fsdp2", fsdp_transformer_layer_cls_to_wrap="Qwen2DecoderLayer")
+GEN = {"gather_for_generation": True}
+WINDOW = {"defer": True, "keep_params_unsharded": True}
+MODES = {
+    "per_micro_batch": {},
+    "deferred": {"defer": True},
+    "window": WINDOW,
+    "budget": {"sync_mode": "budget", "memory_budget": "1MiB"},
+    "auto": {"sync_mode": "auto"},
+}
+RUNS = []
+for name, config in MODES.items():
+    RUNS += [{"name": name, "config": config}, {"name": f"{name}+gen", "config": {**config, **GEN}, "compare_to": name}]
+RUNS += [
+    # Generation inside the window's first held micro-batch, as TRL's GRPOTrainer does.
+    {"name": "window_inside", "config": WINDOW, "generate_at": "inside"},
+    {"name": "window_inside+gen", "config": {**WINDOW, **GEN}, "generate_at": "inside", "compare_to": "window_inside"},
+    {"name": "deferred_inside+gen", "config": {"defer": True, **GEN}, "generate_at": "inside",
+     "compare_to": "deferred"},
+    # The context manager, with the setting off.
+    {"name": "gathered", "config": {}, "gathered": True, "compare_to": "per_micro_batch"},
+    # Exceptions: in a forward, after the forwards (inside gathered()), inside accumulate().
+    {"name": "raise_in_forward", "config": GEN, "raise": "forward", "compare_to": "per_micro_batch"},
+    {"name": "raise_in_gathered", "config": {}, "gathered": True, "raise": "between", "compare_to": "per_micro_batch"},
+    {"name": "raise_in_accumulate", "config": {**WINDOW, **GEN}, "generate_at": "inside", "raise": "accumulate",
+     "compare_to": "window_inside"},
+]  # fmt: skip
+FROZEN_RUNS = [
+    {"name": f"{model}_{mode}{'+gen' * gen}", "model": model, "config": {**MODES[mode], **(GEN if gen else {})}}
+    for model in ("lora", "frozen_root")
+    for mode in ("deferred", "window")
+    for gen in (False, True)
+]
+ONE = [
+    {"name": "m1", "config": {"defer": True}},
+    {"name": "m1+gen", "config": {"defer": True, **GEN}, "compare_to": "m1"},
+]
+COMPARE = {r["name"]: r["compare_to"] for r in RUNS + ONE if "compare_to" in r}
+GATHERED = {"gathered", "raise_in_gathered"}
+
+
+def _args(runs, m=M):
+    return ["--runs", json.dumps(runs), "--M", str(m), "--steps", str(STEPS), "--tokens", str(T)]
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return launch("generation", _args(RUNS), CONFIG, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def frozen():
+    return launch("generation", _args(FROZEN_RUNS), CONFIG, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def single():
+    """M = 1: every micro-batch syncs, nothing is held; generation still gathers once."""
+    return launch("generation", _args(ONE, m=1), CONFIG, timeout=900)
+
+
+def _gathers_once(run) -> bool:
+    return "+gen" in run or run in GATHERED or run.startswith("raise_in")
+
+
+def test_generation_gathers_each_unit_once_per_round_not_per_token(runs, single):
+    for rank in runs + single:
+        for name, out in rank["runs"].items():
+            for step in out["steps"]:
+                if _gathers_once(name):
+                    assert 0 < step["gen_outside"] <= out["units"], (name, step)
+                elif "inside" not in name:  # the window keeps its units through its first micro-batch
+                    assert step["gen_outside"] >= (out["units"] - 1) * T, (name, step)
+            if "+gen" in name:
+                assert "all-gathers per round" in out["decision"], out["decision"]
+            elif name in MODES:
+                assert "all-gathers per token" in out["decision"], out["decision"]
+
+
+def test_stats_count_what_was_counted_from_outside(runs, single, frozen):
+    for rank in runs + single + frozen:
+        for name, out in rank["runs"].items():
+            for step in out["steps"]:
+                assert step["gen_stats"] == step["gen_outside"], (name, step)
+                assert step["train_stats"] == step["train_outside"], (name, step)
+                assert step["reduce_scatters_stats"] == step["reduce_scatters_outside"], (name, step)
+                assert step["gen_stats_in_train"] == 0, (name, step)
+
+
+def test_completions_losses_and_parameters_equal_the_run_without_it(runs, single):
+    for rank in runs + single:
+        outs = rank["runs"]
+        for name, out in outs.items():
+            if name not in COMPARE:
+                continue
+            ref = outs[COMPARE[name]]
+            for step, ref_step in zip(out["steps"], ref["steps"]):
+                assert step["completions"] == ref_step["completions"], name
+                assert step["losses"] == pytest.approx(ref_step["losses"], rel=1e-6), name
+            assert out["param_diff"] <= 1e-6, (name, out["param_diff"])
+
+
+def test_units_are_sharded_after_every_step_and_after_an_exception(runs, single):
+    for rank in runs + single:
+        for name, out in rank["runs"].items():
+            # Generation's flags sit on top of the window's: each set goes back exactly.
+            assert out["flags_restored"], name
+            assert all(step["sharded_after_step"] for step in out["steps"]), name
+            if name.startswith("raise_in"):
+                assert out["sharded_after_raise"] is True, name
+
+
+def test_frozen_units_count_and_window(frozen):
+    for rank in frozen:
+        for name, out in rank["runs"].items():
+            assert out["frozen_units"] >= 1, name
+            if name.startswith("frozen_root"):
+                assert out["frozen_units"] == 1 and out["units"] == UNITS, name
+            stats = out["stats"]
+            assert stats["units_frozen"] + stats["units_deferred"] + stats["units_windowed"] == out["units"] or (
+                "window" in name and stats["units_windowed"] == out["units"]
+            ), (name, stats)
+            if "window" in name:  # frozen units are windowed too: every unit gathers once per step
+                assert stats["units_windowed"] == out["units"], (name, stats)
+                assert all(s["train_outside"] <= out["units"] for s in out["steps"]), (name, out["steps"])
+            # A frozen unit reduces nothing: one reduce-scatter per trainable unit per step.
+            trainable = out["units"] - out["frozen_units"]
+            assert all(s["reduce_scatters_outside"] == trainable for s in out["steps"]), (name, out["steps"])
+
+
+@pytest.mark.parametrize("kind", ["fsdp1", "ddp"])
+def test_the_setting_warns_once_where_it_does_not_apply(kind):
+    runs = [{"name": "gen", "config": {"defer": True, **GEN}}]
+    config = accelerate_config("fsdp1") if kind == "fsdp1" else None  # torchrun: CPU DDP
+    for rank in launch("accumulate", ["--runs", json.dumps(runs), "--M", "2", "--batches", "2"], config):
+        assert rank["wrapper"] == kind
+        warned = [w for w in rank["modes"]["gen"]["warnings"] if "gather_for_generation is ignored" in w]
+        assert len(warned) == 1 and kind in warned[0], rank["modes"]["gen"]["warnings"]
+
+
+# -- TRL's GRPOTrainer through the recipe ---------------------------------------------------------
+GRPO = "accelerate launch --config_file accelerate_configs/fsdp2.yaml recipes/grpo.py --grad-sync-log-all-counters"
+PEFT = " --defer-grad-sync --grad-sync-gather-for-generation --use_peft --lora_r 8 --lora_target_modules q_proj v_proj"
+
+
+@pytest.fixture(scope="module")
+def grpo(tmp_path_factory):
+    from test_grpo_recipe import run_command
+
+    flags = ("", " --grad-sync-gather-for-generation", PEFT)
+    return {gen: run_command(GRPO + gen, tmp_path_factory.mktemp("grpo")) for gen in flags}
+
+
+def test_grpo_recipe_gathers_per_round_not_per_token(grpo):
+    """TRL generates inside the first micro-batch of each step (steps_per_generation = M): with the
+    setting each unit is all-gathered once per round, counted from outside the recipe."""
+    from test_grpo_recipe import STEPS
+
+    off, on = grpo[""], grpo[" --grad-sync-gather-for-generation"]
+    assert "all-gathers per round (gather_for_generation" in on["stdout"]
+    assert "all-gathers per token" in off["stdout"]
+    for run in (off, on):
+        last = run["logs"][-1]
+        for rank in run["ranks"]:
+            gathered = sum(rank["counts"].get(n, 0) for n in ("all_gather_single", "all_gather_into_tensor"))
+            # Every all-gather of the run is a training or a generation one, as the plugin counted them.
+            assert gathered == last["grad_sync/all_gathers"] + last["grad_sync/generation_all_gathers"], (rank, last)
+    units = on["logs"][-1]["grad_sync/units"]
+    assert on["logs"][-1]["grad_sync/generation_all_gathers"] <= STEPS * units
+    assert off["logs"][-1]["grad_sync/generation_all_gathers"] >= 2 * STEPS * (units - 1)
+    assert on["logs"][-1]["grad_sync/all_gathers"] <= off["logs"][-1]["grad_sync/all_gathers"]
+    # Same seed: the same completions, rewards and loss with the units kept through generation.
+    for first_on, first_off in zip(on["logs"], off["logs"]):
+        assert first_on["reward"] == first_off["reward"]
+        assert first_on["loss"] == pytest.approx(first_off["loss"], rel=1e-5, abs=1e-7)
+
+
+def test_grpo_recipe_with_lora_counts_its_frozen_units(grpo):
+    """Under LoRA the embeddings and head are frozen FSDP units: they reduce nothing but all-gather,
+    in training and in generation; the counters equal what was counted from outside."""
+    from test_grpo_recipe import STEPS
+
+    run = grpo[PEFT]
+    line = next(line for line in run["stdout"].splitlines() if line.startswith("grad sync:"))
+    assert "frozen" in line and "all-gathers per round" in line, line
+    last = run["logs"][-1]
+    frozen, units = last["grad_sync/units_frozen"], last["grad_sync/units"]
+    assert frozen >= 1
+    for rank in run["ranks"]:
+        counts = rank["counts"]
+        gathered = sum(counts.get(n, 0) for n in ("all_gather_single", "all_gather_into_tensor"))
+        assert gathered == last["grad_sync/all_gathers"] + last["grad_sync/generation_all_gathers"], (rank, last)
+        reduced = sum(counts.get(n, 0) for n in ("reduce_scatter_single", "reduce_scatter_tensor"))
+        assert reduced == last["grad_sync/reduce_scatters_issued"] == STEPS * (units - frozen)
+    assert last["grad_sync/generation_all_gathers"] <= STEPS * units
