@@ -8,7 +8,7 @@ once only under DeepSpeed ZeRO-3; under FSDP2 it does nothing. Here each unit's 
 without gradients sets its `reshard_after_forward` to False (the public setter, the flags saved
 exactly as `FSDP2Adapter.keep_params_through_forward` saves them), so FSDP gathers it once and
 keeps it; later forwards find it unsharded. Training resumes at the next forward with gradients
-in training mode, an optimizer step, a change of the window's flags, an exception, or detach:
+(in train or eval mode), an optimizer step, a change of the window's flags, an exception, or detach:
 every flag goes back to what it was and the units that reshard after forward are resharded
 (`FSDPModule.reshard()`). An exception inside a forward leaves FSDP mid-forward; torch's
 `reset_iter_state()` is its documented recovery, used where no deferred gradient would be lost.
@@ -83,8 +83,9 @@ class GenerationGather:
         return handles
 
     def _resume_hook(self, module: nn.Module, args: Any) -> None:
-        """A forward with gradients in training mode: training resumes, generation's units go back."""
-        if self._kept and torch.is_grad_enabled() and module.training:
+        """A forward with gradients (in train or eval mode, as the window counts it): training
+        resumes, generation's units go back."""
+        if self._kept and torch.is_grad_enabled():
             self.release()
 
     def _pre_hook(self, key: int, bound: BoundModel, unit: Unit) -> Callable:
