@@ -18,6 +18,7 @@ from .config import GradSyncConfig
 from .decision import describe_decision
 from .fsdp import ModelAdapter
 from .memory import MemoryProbe
+from .optimizer_state import OptimizerStateFix
 from .policies import Plan, SyncPolicy, resolve_policy
 from .state import Attachment, root_of
 from .window import Window
@@ -36,6 +37,7 @@ class GradSyncHandle:
         self._state = Attachment(accelerator, config, self.policy, trainer)
         self._binder = Binder(self._state, memory_probe)
         self._checkpoint = GradCheckpoint(self._state)
+        self._optimizer_state = OptimizerStateFix(accelerator, trainer)  # FSDP1 sharded optimizer resume
         self._window = Window(self._state, self.bind, self._checkpoint)
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         self._callback: Any = None  # trainer.GradSyncCallback, with a Trainer
@@ -117,10 +119,12 @@ class GradSyncHandle:
         # accelerate's checkpoints hold no gradients: a mid-window one gets them from us.
         self._hooks.append(accelerator.register_save_state_pre_hook(self._checkpoint.on_save_state))
         self._hooks.append(accelerator.register_load_state_pre_hook(self._checkpoint.on_load_state))
+        self._hooks.append(accelerator.register_load_state_pre_hook(self._optimizer_state.on_load_state))
         if trainer is not None:
             from .trainer import GradSyncCallback  # imports transformers: only for a Trainer
 
-            self._callback = GradSyncCallback(trainer, self.bind, self.stats, self.config)
+            after_load = self._optimizer_state.after_trainer_load
+            self._callback = GradSyncCallback(trainer, self.bind, self.stats, self.config, after_load)
             # First in line, so the reporting callbacks (TensorBoard, W&B, ...) see our keys.
             trainer.callback_handler.callbacks.insert(0, self._callback)
         self._original_class = hook_accelerator(

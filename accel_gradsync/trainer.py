@@ -46,14 +46,18 @@ class GradSyncCallback(TrainerCallback):
     """Binds `trainer`'s wrapped model at train start and logs `stats()` under `grad_sync/`."""
 
     def __init__(
-        self, trainer: Any, bind: Callable[[nn.Module], object], stats: Callable[[], dict], config: GradSyncConfig
-    ) -> None:
+        self, trainer: Any, bind: Callable[[nn.Module], object], stats: Callable[[], dict], config: GradSyncConfig,
+        after_load: Callable[[], None] = lambda: None,
+    ) -> None:  # fmt: skip
         self.trainer = trainer
+        self.after_load = after_load
+        """Reloads an FSDP1 sharded optimizer the Trainer's resume left empty (optimizer_state.py)."""
         self.bind = bind
         self.stats = stats
         self.config = config
 
     def on_train_begin(self, args, state, control, **kwargs: Any):
+        self.after_load()  # the Trainer's checkpoint loading is over
         # `accelerator.prepare` ran just before this event; `model_wrapped` is what
         # the Trainer passes to `accelerator.no_sync` on every micro-batch.
         self.bind(self.trainer.model_wrapped)
