@@ -22,22 +22,26 @@ from launcher import REPO, accelerate_config, launch, recipe_launch
 M, L = 3, 9  # three windows of three micro-batches
 BOUNDARY, MIDDLE = 2, 4  # save after micro-batch 2 (ends window 1) or after 4 (inside window 2)
 SHARDED = {"fsdp_state_dict_type": "SHARDED_STATE_DICT"}
-PMB, DEFERRED = {}, {"defer": True}
+PMB, DEFERRED = {"config": {}}, {"config": {"defer": True}}
+AUTO = {"config": {"sync_mode": "auto", "free_memory": "64GiB"}}  # measures step 1, then holds everything
 FSDP2_MODES = {
     "per_micro_batch": PMB,
     "deferred": DEFERRED,
-    "budget": {"sync_mode": "budget", "memory_budget": "1100B"},  # holds both Blocks, not the head
-    "window": {"defer": True, "keep_params_unsharded": True},
+    "budget": {"config": {"sync_mode": "budget", "memory_budget": "1100B"}},  # holds both Blocks, not the head
+    "window": {"config": {"defer": True, "keep_params_unsharded": True}},
+    "auto": AUTO,
+    # A played device: 9 kB below the margin, 6 kB peak; 3 kB do not hold every unit windowed.
+    "auto_probe": {"config": {"sync_mode": "auto"}, "probe": {"capacity": 10_000, "peaks": [6_000]}},
 }
-FSDP1_MODES = {"per_micro_batch": PMB, "deferred": DEFERRED}
+FSDP1_MODES = {"per_micro_batch": PMB, "deferred": DEFERRED, "auto": AUTO}
 
 
 WHERE = {"boundary": BOUNDARY, "middle": MIDDLE}
 
 
 def _specs(modes: dict) -> list[dict]:
-    return [{"name": f"{mode}_{where}", "config": config, "M": M, "L": L, "save_at": at}
-            for mode, config in modes.items() for where, at in WHERE.items()]  # fmt: skip
+    return [{"name": f"{mode}_{where}", **spec, "M": M, "L": L, "save_at": at}
+            for mode, spec in modes.items() for where, at in WHERE.items()]  # fmt: skip
 
 
 def _launch(config: dict, specs: list[dict]) -> list[dict]:
@@ -59,6 +63,7 @@ def fsdp1():
 
 def _assert_exact(run: dict) -> None:
     assert run["state_entries"] > 0, run  # AdamW has state on this rank to lose
+    assert run["resumed_levels"] == run["levels"], run  # each unit's level at the last step
     assert run["state_entries_after_load"] == run["state_entries"], run
     assert run["resume_differs"] == [], run  # every parameter shard and optimizer tensor, bitwise
     assert run["save_and_continue_differs"] == [], run  # saving disturbs nothing
@@ -72,6 +77,9 @@ def test_fsdp2_resume_equals_uninterrupted_run(fsdp2, mode, where):
         assert run["wrapper"] == "fsdp2"
         _assert_exact(run)
         assert not run["save_warnings"], run
+        if mode.startswith("auto"):  # the resumed run goes on with the plan, it does not measure step 1 again
+            assert run["levels"] == ([3, 0, 0] if mode == "auto" else [1, 2, 0]), run
+            assert any(f.startswith("accel_gradsync_plan_rank") for f in run["files"]), run
 
 
 @pytest.mark.parametrize("mode", list(FSDP1_MODES))
@@ -81,7 +89,7 @@ def test_fsdp1_resume_from_a_step_boundary_restores_the_optimizer_state(fsdp1, m
         assert run["wrapper"] == "fsdp1"
         _assert_exact(run)
         assert not run["save_warnings"], run
-        assert not any(f.startswith("accel_gradsync") for f in run["files"]), run
+        assert not any(f.startswith(("accel_gradsync_grads", "accel_gradsync_window")) for f in run["files"]), run
 
 
 @pytest.mark.parametrize("mode", list(FSDP1_MODES))
@@ -137,10 +145,21 @@ def _differs(a: dict, b: dict) -> list[str]:
     return [k for k in sorted(set(a) | set(b)) if k not in a or k not in b or not same(a[k], b[k])]
 
 
-def test_recipe_resumed_on_fsdp1_ends_with_the_uninterrupted_runs_weights_and_optimizer(tmp_path):
+SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize(
+    "sync",
+    [
+        pytest.param([], id="per_micro_batch"),
+        pytest.param(["--defer-grad-sync"], id="deferred", marks=SLOW),
+        pytest.param(["--grad-sync-mode", "auto", "--grad-sync-free-memory", "64GiB"], id="auto", marks=SLOW),
+    ],
+)
+def test_recipe_resumed_on_fsdp1_ends_with_the_uninterrupted_runs_weights_and_optimizer(tmp_path, sync):
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
-    whole_losses = _recipe(whole)
-    resumed_losses = _recipe(resumed, "--resume_from_checkpoint", str(whole / "checkpoint-2"))
+    whole_losses = _recipe(whole, *sync)
+    resumed_losses = _recipe(resumed, *sync, "--resume_from_checkpoint", str(whole / "checkpoint-2"))
     want, got = whole / "checkpoint-4", resumed / "checkpoint-4"
     optimizer = _dcp(want / "optimizer_0")
     assert any(k.startswith("optimizer.state.") and k.endswith("exp_avg") for k in optimizer)

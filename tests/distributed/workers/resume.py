@@ -88,6 +88,8 @@ def train(accelerator, spec: dict, seed: int, save_to: str | None = None, load_f
     out["warnings"] = [str(w.message) for w in caught if issubclass(w.category, accel_gradsync.GradSyncWarning)]
     out["snapshot"] = snapshot(model, optimizer)
     out["state_entries"] = len(optimizer.optimizer.state)
+    stats = handle.stats()
+    out["levels"] = [stats[k] for k in ("units_windowed", "units_deferred", "units_per_micro_batch")]
     handle.detach()
     accelerator.free_memory()
     return out
@@ -101,6 +103,7 @@ def run_spec(accelerator, spec: dict, root: str) -> dict:
     out = {
         "wrapper": reference["wrapper"],
         "state_entries": reference["state_entries"],
+        "levels": reference["levels"],
         "save_warnings": saved["warnings"],
         "save_and_continue_differs": differences(saved["snapshot"], reference["snapshot"]),
         "files": sorted(os.listdir(directory)),
@@ -109,6 +112,7 @@ def run_spec(accelerator, spec: dict, root: str) -> dict:
         out["load_error"] = resumed["load_error"]
     else:
         out["state_entries_after_load"] = resumed["state_entries_after_load"]
+        out["resumed_levels"] = resumed["levels"]
         out["resume_differs"] = differences(resumed["snapshot"], reference["snapshot"])
         out["resume_max_diff"] = max(
             ((resumed["snapshot"][n].float() - reference["snapshot"][n].float()).abs().max().item()
