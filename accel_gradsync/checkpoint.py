@@ -44,8 +44,8 @@ class GradCheckpoint:
                 "save_state",
                 f"accel_gradsync: save_state() after {done} of {self.state.micro_batches_per_step} micro-batches "
                 "of an accumulation window: accelerate's checkpoint holds no gradients and FSDP1's cannot be put "
-                "back, so a run resumed from it loses those micro-batches. Save after the optimizer step "
-                "(when accelerator.sync_gradients is True) for an exact resume.",
+                "back, so load_state will refuse this checkpoint rather than resume without those micro-batches. "
+                "Save after the optimizer step (when accelerator.sync_gradients is True) for an exact resume.",
             )
 
     def on_load_state(self, models: list, input_dir: str) -> None:
@@ -62,6 +62,13 @@ class GradCheckpoint:
         path = self._path(input_dir)
         # Put back at the next micro-batch, once load_state has restored the parameters.
         self.pending = torch.load(path, weights_only=True) if os.path.exists(path) else None
+        if self.pending is not None and not self.state.bound:
+            # DDP binds at its first no_sync, which can come after the window's last micro-batch: put
+            # them back now, into the models accelerate hands this hook (loading leaves `.grad` alone).
+            for model, grads in zip(models, self.pending):
+                for p, grad in zip(model.parameters(), grads):
+                    p.grad = None if grad is None else grad.to(p.device)
+            self.pending = None
 
     def restore(self) -> None:
         """Put the loaded gradients back, model by model in bind order (as they were saved)."""

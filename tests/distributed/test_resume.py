@@ -34,6 +34,7 @@ FSDP2_MODES = {
     "auto_probe": {"config": {"sync_mode": "auto"}, "probe": {"capacity": 10_000, "peaks": [6_000]}},
 }
 FSDP1_MODES = {"per_micro_batch": PMB, "deferred": DEFERRED, "auto": AUTO}
+DDP_MODES = {"per_micro_batch": PMB, "deferred": DEFERRED}
 
 
 WHERE = {"boundary": BOUNDARY, "middle": MIDDLE}
@@ -61,6 +62,11 @@ def fsdp1():
     return _launch(accelerate_config("fsdp1", **SHARDED), _specs(FSDP1_MODES))
 
 
+@pytest.fixture(scope="module")
+def ddp():
+    return _launch(None, _specs(DDP_MODES))
+
+
 def _assert_exact(run: dict) -> None:
     assert run["state_entries"] > 0, run  # AdamW has state on this rank to lose
     assert run["resumed_levels"] == run["levels"], run  # each unit's level at the last step
@@ -69,7 +75,7 @@ def _assert_exact(run: dict) -> None:
     assert run["save_and_continue_differs"] == [], run  # saving disturbs nothing
 
 
-@pytest.mark.parametrize("where", ["boundary", "middle"])
+@pytest.mark.parametrize("where", list(WHERE))
 @pytest.mark.parametrize("mode", list(FSDP2_MODES))
 def test_fsdp2_resume_equals_uninterrupted_run(fsdp2, mode, where):
     for rank in fsdp2:
@@ -100,6 +106,16 @@ def test_fsdp1_mid_window_checkpoint_warns_at_save_and_is_refused_at_load(fsdp1,
         assert any("save_state() after 2 of 3 micro-batches" in w for w in run["save_warnings"]), run
         error = run.get("load_error", "")
         assert "saved after 2 of 3 micro-batches" in error and "accel_gradsync_window_lost_rank" in error, run
+
+
+@pytest.mark.parametrize("where", list(WHERE))
+@pytest.mark.parametrize("mode", list(DDP_MODES))
+def test_ddp_resume_equals_uninterrupted_run(ddp, mode, where):
+    for rank in ddp:
+        run = rank[f"{mode}_{where}"]
+        assert run["wrapper"] == "ddp"
+        _assert_exact(run)
+        assert not run["save_warnings"], run
 
 
 # -- the Trainer: the GRPO recipe --------------------------------------------------------------

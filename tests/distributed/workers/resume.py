@@ -62,7 +62,7 @@ def train(accelerator, spec: dict, seed: int, save_to: str | None = None, load_f
     probe = spec.get("probe")
     probe = ScriptedMemoryProbe(probe["capacity"], probe["peaks"]) if probe else None
     handle = accel_gradsync.attach(accelerator, accel_gradsync.GradSyncConfig(**spec["config"]), memory_probe=probe)
-    out: dict = {"wrapper": handle.stats().get("wrapper")}
+    out: dict = {}
     skip = 0
     if load_from is not None:
         try:
@@ -89,6 +89,7 @@ def train(accelerator, spec: dict, seed: int, save_to: str | None = None, load_f
     out["snapshot"] = snapshot(model, optimizer)
     out["state_entries"] = len(optimizer.optimizer.state)
     stats = handle.stats()
+    out["wrapper"] = stats["wrapper"]  # DDP binds at its first micro-batch
     out["levels"] = [stats[k] for k in ("units_windowed", "units_deferred", "units_per_micro_batch")]
     handle.detach()
     accelerator.free_memory()
