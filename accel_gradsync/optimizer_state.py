@@ -18,7 +18,7 @@ The fix loads the optimizer again right after accelerate did, with torch's own h
 `get_optimizer_state_dict` (it initialises the unstepped optimizer: one step with zero gradients
 and a zero learning rate, which leaves the parameters unchanged) gives a template with every
 entry; DCP fills it with a `DefaultLoadPlanner(flatten_sharded_tensors=False)`, which keeps those
-keys (flattening only matters for nested, 2-D sharded tensors, which FSDP1 alone never makes);
+keys (flattening only matters for nested, 2-D sharded tensors, which accelerate's FSDP1 does not make);
 `set_optimizer_state_dict` puts it in. Every entry then comes from the checkpoint, so the
 optimizer is exactly the saved one.
 

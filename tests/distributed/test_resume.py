@@ -14,10 +14,13 @@ import json
 import subprocess
 import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from launcher import REPO, accelerate_config, launch, recipe_launch
+
+from accel_gradsync.optimizer_state import trainer_checkpoint
 
 M, L = 3, 9  # three windows of three micro-batches
 BOUNDARY, MIDDLE = 2, 4  # save after micro-batch 2 (ends window 1) or after 4 (inside window 2)
@@ -182,3 +185,26 @@ def test_recipe_resumed_on_fsdp1_ends_with_the_uninterrupted_runs_weights_and_op
     assert _differs(_dcp(got / "optimizer_0"), optimizer) == []
     assert _differs(_dcp(got / "pytorch_model_fsdp_0"), _dcp(want / "pytorch_model_fsdp_0")) == []
     assert len(whole_losses) == 4 and resumed_losses == whole_losses  # steps 3 and 4 too
+
+
+def _checkpoint(path: Path, step: int, history: list) -> Path:
+    path.mkdir(parents=True)
+    (path / "trainer_state.json").write_text(json.dumps({"global_step": step, "log_history": history}))
+    return path
+
+
+def test_the_checkpoint_a_trainer_resumed_from_is_the_one_whose_state_it_holds(tmp_path):
+    history = [{"step": 1, "loss": 0.5}, {"step": 2, "loss": 0.25}]
+    state = SimpleNamespace(global_step=2, log_history=history)
+    named = _checkpoint(tmp_path / "elsewhere" / "checkpoint-2", 2, history)
+    last = _checkpoint(tmp_path / "out" / "checkpoint-2", 2, history)
+
+    def trainer(resume_from_checkpoint):
+        args = SimpleNamespace(resume_from_checkpoint=resume_from_checkpoint, output_dir=str(tmp_path / "out"))
+        return SimpleNamespace(state=state, args=args)
+
+    assert trainer_checkpoint(trainer(str(named))) == str(named)  # TrainingArguments.resume_from_checkpoint
+    assert trainer_checkpoint(trainer(None)) == str(last)  # train(resume_from_checkpoint=True)'s pick
+    other = _checkpoint(tmp_path / "other" / "checkpoint-2", 2, [{"step": 1, "loss": 0.7}])
+    (last / "trainer_state.json").unlink()
+    assert trainer_checkpoint(trainer(str(other))) is None  # another run's step 2: not this state
