@@ -61,6 +61,11 @@ def fsdp2():
 
 
 @pytest.fixture(scope="module")
+def fsdp2_full():
+    return _launch(accelerate_config("fsdp2", fsdp_state_dict_type="FULL_STATE_DICT"), _specs(FSDP2_MODES))
+
+
+@pytest.fixture(scope="module")
 def fsdp1():
     return _launch(accelerate_config("fsdp1", **SHARDED), _specs(FSDP1_MODES))
 
@@ -89,6 +94,14 @@ def test_fsdp2_resume_equals_uninterrupted_run(fsdp2, mode, where):
         if mode.startswith("auto"):  # the resumed run goes on with the plan, it does not measure step 1 again
             assert run["levels"] == ([3, 0, 0] if mode == "auto" else [1, 2, 0]), run
             assert any(f.startswith("accel_gradsync_plan_rank") for f in run["files"]), run
+
+
+@pytest.mark.slow
+def test_fsdp2_resume_with_a_full_state_dict_equals_uninterrupted_run(fsdp2_full):
+    for rank in fsdp2_full:  # accelerate_configs/fsdp2.yaml's state dict type
+        for name, run in rank.items():
+            assert run["wrapper"] == "fsdp2", name
+            _assert_exact(run)
 
 
 @pytest.mark.parametrize("mode", list(FSDP1_MODES))
