@@ -20,6 +20,8 @@ from .decision import describe_decision
 from .fsdp import ModelAdapter
 from .generation import GenerationGather
 from .memory import MemoryProbe
+from .optimizer_state import OptimizerStateFix
+from .plan_checkpoint import PlanCheckpoint
 from .policies import Plan, SyncPolicy, resolve_policy
 from .state import Attachment, root_of
 from .trainer_hook import hook_trainer, sharded_by_transformers, unhook_trainer
@@ -39,6 +41,8 @@ class GradSyncHandle:
         self._state = Attachment(accelerator, config, self.policy, trainer)
         self._binder = Binder(self._state, memory_probe)
         self._checkpoint = GradCheckpoint(self._state)
+        self._optimizer_state = OptimizerStateFix(accelerator, trainer)  # FSDP1 sharded optimizer resume
+        self._plans = PlanCheckpoint(self._state)  # auto's plan across a resume
         self._generation = GenerationGather(self._state)
         self._window = Window(self._state, self.bind, self._checkpoint, self._generation.release)
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
@@ -122,6 +126,11 @@ class GradSyncHandle:
     def __exit__(self, *exc: Any) -> None:
         self.detach()
 
+    def _after_trainer_load(self) -> None:
+        """What accelerate's load_state pre-hooks do, for a Trainer, which loads without it."""
+        self._optimizer_state.after_trainer_load()
+        self._plans.after_trainer_load()
+
     # -- set-up (attach.py) -------------------------------------------------------------------
     def _connect(self, models: list) -> None:
         """Bind the models prepared before attach, and put the policy behind the accelerator's
@@ -137,10 +146,15 @@ class GradSyncHandle:
         # accelerate's checkpoints hold no gradients: a mid-window one gets them from us.
         self._hooks.append(accelerator.register_save_state_pre_hook(self._checkpoint.on_save_state))
         self._hooks.append(accelerator.register_load_state_pre_hook(self._checkpoint.on_load_state))
+        self._hooks.append(accelerator.register_load_state_pre_hook(self._optimizer_state.on_load_state))
+        self._hooks.append(accelerator.register_save_state_pre_hook(self._plans.on_save_state))
+        self._hooks.append(accelerator.register_load_state_pre_hook(self._plans.on_load_state))
         if trainer is not None:
             from .trainer import GradSyncCallback  # imports transformers: only for a Trainer
 
-            self._callback = GradSyncCallback(trainer, self.bind, self.stats, self.config)
+            self._callback = GradSyncCallback(
+                trainer, self.bind, self.stats, self.config, self._after_trainer_load, self._plans.on_trainer_save
+            )
             # First in line, so the reporting callbacks (TensorBoard, W&B, ...) see our keys.
             trainer.callback_handler.callbacks.insert(0, self._callback)
             if sharded_by_transformers(trainer):

@@ -3,11 +3,13 @@ counters into every log so they reach TensorBoard/W&B through `report_to`."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
 from torch import nn
 from transformers import TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from .config import GradSyncConfig
 
@@ -46,9 +48,14 @@ class GradSyncCallback(TrainerCallback):
     """Binds `trainer`'s wrapped model at train start and logs `stats()` under `grad_sync/`."""
 
     def __init__(
-        self, trainer: Any, bind: Callable[[nn.Module], object], stats: Callable[[], dict], config: GradSyncConfig
-    ) -> None:
+        self, trainer: Any, bind: Callable[[nn.Module], object], stats: Callable[[], dict], config: GradSyncConfig,
+        after_load: Callable[[], None] = lambda: None, on_checkpoint: Callable[[str], None] = lambda path: None,
+    ) -> None:  # fmt: skip
         self.trainer = trainer
+        self.after_load = after_load
+        """What a resume needs besides the Trainer's own loading (optimizer_state.py, plan_checkpoint.py)."""
+        self.on_checkpoint = on_checkpoint
+        """What a checkpoint needs besides what the Trainer saves (plan_checkpoint.py)."""
         self.bind = bind
         self.stats = stats
         self.config = config
@@ -57,6 +64,10 @@ class GradSyncCallback(TrainerCallback):
         # `accelerator.prepare` ran just before this event; `model_wrapped` is what
         # the Trainer passes to `accelerator.no_sync` on every micro-batch.
         self.bind(self.trainer.model_wrapped)
+        self.after_load()  # the Trainer has loaded its checkpoint, and the model is bound
+
+    def on_save(self, args, state, control, **kwargs: Any):
+        self.on_checkpoint(os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"))
 
     def on_log(self, args, state, control, logs=None, **kwargs: Any):
         if logs is None:
