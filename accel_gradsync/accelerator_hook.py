@@ -22,18 +22,22 @@ from torch import nn
 
 from .bind import wants_binding
 
-_OWNER_ATTR = "_accel_gradsync_handle"  # class attribute of the per-instance subclass
+_HOOKED_ATTR = "_accel_gradsync_hooked"  # marks the per-instance subclass; it refers to nothing
 
 
 def is_hooked(accelerator: Accelerator) -> bool:
     """True while an `attach()` on this accelerator has not been detached."""
-    return getattr(type(accelerator), _OWNER_ATTR, None) is not None
+    return getattr(type(accelerator), _HOOKED_ATTR, False)
 
 
 def hook_accelerator(
-    accelerator: Accelerator, owner: Any, *, no_sync: Callable, abort: Callable[[], None],
-    window_ends: Callable[[], None], bind: Callable[[nn.Module], Any],
-) -> type:  # fmt: skip
+    accelerator: Accelerator,
+    *,
+    no_sync: Callable,
+    abort: Callable[[], None],
+    window_ends: Callable[[], None],
+    bind: Callable[[nn.Module], Any],
+) -> type:
     """Give `accelerator` a subclass of its class whose `no_sync` enters `no_sync(model,
     accelerate_no_sync)`, whose `accumulate` calls `window_ends()` on entering a micro-batch that
     syncs and `abort()` when an exception leaves it, and whose `prepare` binds the models it
@@ -67,7 +71,7 @@ def hook_accelerator(
             return result
 
     GradSyncAccelerator.__name__ = GradSyncAccelerator.__qualname__ = f"GradSync{base.__name__}"
-    setattr(GradSyncAccelerator, _OWNER_ATTR, owner)
+    setattr(GradSyncAccelerator, _HOOKED_ATTR, True)
     accelerator.__class__ = GradSyncAccelerator
     return base
 

@@ -14,12 +14,12 @@ frozen ones included; a frozen unit reduces nothing.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 
 import torch
 
-from .units import Unit, micro_batch_all_gathers, no_grad_forward_all_gathers
+from .units import Level, Unit, micro_batch_all_gathers, no_grad_forward_all_gathers
 
 
 def retained_grad_dtype(
@@ -88,25 +88,19 @@ _FLOWS = tuple(f.name for f in fields(StepCounts) if f.name != "held_grad_bytes"
 
 @dataclass
 class SyncAccounting:
-    """Totals since `attach`, plus the window in progress and the last finished one."""
+    """Totals since `attach`, plus the window in progress and the last finished one. It counts
+    what ran; the plan (each unit's level) and `auto`'s measurements belong to their owners and
+    are handed to `stats()`."""
 
-    mode: str
-    """The plan's mode now (auto: what it chose)."""
     mode_selected: str = ""
     """The mode GradSyncConfig selects."""
     wrapper: str = "none"
     collective: str = "reduce_scatter"
     hsdp: bool = False
     units: int = 0
-    unit_modes: dict = field(default_factory=dict)
-    """Each unit's mode, by module name ("" is the root)."""
     optimizer_steps: int = 0
     aborted_steps: int = 0
     peak_held_grad_bytes: int = 0
-    plan_changes: int = 0
-    """auto: plan changes after its first plan (fall-backs and recoveries)."""
-    measured_peaks: list = field(default_factory=list)
-    """auto: the measured peak bytes per rank of each of the last optimizer steps."""
     total: StepCounts = field(default_factory=StepCounts)
     current: StepCounts = field(default_factory=StepCounts)
     last_step: StepCounts = field(default_factory=StepCounts)
@@ -189,25 +183,26 @@ class SyncAccounting:
         self.current.held_grad_bytes = held_grad_bytes
         self.peak_held_grad_bytes = max(self.peak_held_grad_bytes, held_grad_bytes)
 
-    def stats(self) -> dict:
-        """Flat dict: totals since attach, and the last finished step under `last_step/`."""
+    def stats(
+        self, mode: str, unit_modes: Mapping[str, str], plan_changes: int = 0, measured_peaks: Sequence[int] = ()
+    ) -> dict:
+        """Flat dict: totals since attach, and the last finished step under `last_step/`; with
+        the plan's `mode` and each unit's level (`unit_modes`, by module name, "" the root) and
+        `auto`'s `plan_changes` and `measured_peaks`, which their owners keep."""
         out = {
-            "mode": self.mode,
+            "mode": mode,
             "mode_selected": self.mode_selected,
             "wrapper": self.wrapper,
             "hsdp": self.hsdp,
             "units": self.units,
-            "unit_modes": dict(self.unit_modes),
+            "unit_modes": dict(unit_modes),
             "optimizer_steps": self.optimizer_steps,
             "aborted_steps": self.aborted_steps,
             "peak_held_grad_bytes": self.peak_held_grad_bytes,
-            "plan_changes": self.plan_changes,
-            **{
-                f"units_{level}": list(self.unit_modes.values()).count(level)
-                for level in ("windowed", "deferred", "per_micro_batch", "defer_all_reduce", "frozen")
-            },
-            "measured_peaks": list(self.measured_peaks),
-            **({"measured_peak_bytes": self.measured_peaks[-1]} if self.measured_peaks else {}),
+            "plan_changes": plan_changes,
+            **{f"units_{level}": list(unit_modes.values()).count(level) for level in Level},
+            "measured_peaks": list(measured_peaks),
+            **({"measured_peak_bytes": measured_peaks[-1]} if measured_peaks else {}),
             **asdict(self.total),
         }
         del out["held_grad_bytes"]  # per step only: see last_step/held_grad_bytes
@@ -225,7 +220,7 @@ def combined_stats(per_model: dict[str, dict], mode_selected: str) -> dict:
     """The stats() of a run with one or more bound models: window counts once, collectives,
     bytes, held bytes and units added up, and each model's own under `models`."""
     if not per_model:  # nothing bound yet: every counter at zero
-        return {**SyncAccounting(mode=mode_selected, mode_selected=mode_selected).stats(), "models": {}}
+        return {**SyncAccounting(mode_selected=mode_selected).stats(mode_selected, {}), "models": {}}
     stats = list(per_model.values())
     out = dict(stats[0])
     for key, value in stats[0].items():

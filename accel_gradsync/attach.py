@@ -20,7 +20,7 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
 from .accelerator_hook import is_hooked
-from .config import DTYPES, GradSyncConfig
+from .config import DTYPES, GradSyncConfig, SyncMode
 from .cpu import fsdp_requested
 from .errors import GradSyncWarning
 from .handle import GradSyncHandle
@@ -133,9 +133,9 @@ def _check_accelerate_config(accelerator: Accelerator, policy: SyncPolicy) -> No
             "`accelerator_config={'use_configured_state': True}`."
         )
     sync_each_batch = accelerator.gradient_state.plugin_kwargs.get("sync_each_batch", False)
-    if policy.name != "per_micro_batch" and sync_each_batch:
+    if policy.name != SyncMode.PER_MICRO_BATCH and sync_each_batch:
         raise ValueError(
-            f"GradSyncConfig selects sync mode {policy.name!r} but accelerate's "
+            f"GradSyncConfig selects sync mode '{policy.name}' but accelerate's "
             "GradientAccumulationPlugin(sync_each_batch=True) syncs every micro-batch. Drop "
             "sync_each_batch (in a Trainer: accelerator_config.gradient_accumulation_kwargs), or "
             "use sync mode 'per_micro_batch' (GradSyncConfig(defer=False))."

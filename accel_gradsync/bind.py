@@ -18,6 +18,7 @@ from accelerate.utils import DistributedType
 from torch import nn
 
 from .accounting import SyncAccounting
+from .config import SyncMode
 from .decision import describe_decision, warn_about_plan
 from .errors import GradSyncWarning
 from .fsdp import ModelAdapter, adapt_model, is_fsdp_wrapped
@@ -60,13 +61,13 @@ class Binder:
                 GradSyncWarning,
                 stacklevel=3,  # the code that called GradSyncHandle.bind
             )
-            state.adapters[id(root)] = None
+            state.adapters[root] = None
             return None
-        state.adapters[id(root)] = adapter
+        state.adapters[root] = adapter
         if not adapter.trainable:
             return adapter  # nothing trainable (a frozen reference model): no gradient to schedule
         m, auto = state.micro_batches_per_step, None
-        if state.policy.name == "auto" and m > 1:
+        if state.policy.name == SyncMode.AUTO and m > 1:
             # auto measures step 1 and plans from step 2 on (replan.py).
             if self._probe is None:
                 self._probe = memory_probe(state.accelerator.device, state.config)
@@ -78,10 +79,9 @@ class Binder:
         name, taken = model_name(root), {b.name for b in state.bound.values()}
         name = name if name not in taken else f"{name}#{len(taken) + 1}"
         account = SyncAccounting(
-            mode=plan.mode, mode_selected=state.policy.name, wrapper=adapter.kind,
-            collective=adapter.collective, hsdp=adapter.hsdp, units=len(adapter.units),
-        )  # fmt: skip
-        state.bound[id(root)] = BoundModel(name, adapter, plan, account, auto)
+            state.policy.name, adapter.kind, adapter.collective, hsdp=adapter.hsdp, units=len(adapter.units)
+        )
+        state.bound[root] = BoundModel(name, adapter, plan, account, auto)
         # One line at start, on the main process only: this model's decision and what it costs.
         state.accelerator.print(describe_decision(plan, adapter, m))
         return adapter

@@ -3,7 +3,9 @@
 accelerate's `save_state` holds no gradients, which is right at an optimizer step but loses the
 micro-batches of a window saved mid-way, held ones included. Its save/load pre-hooks let this
 rank write its gradients (wherever the wrapper keeps them) next to the checkpoint and put them
-back at the next micro-batch, so a resumed run finishes the window exactly. Where the wrapper
+back when it is loaded, so a resumed run finishes the window exactly. accelerate runs the load
+hooks once FSDP's models and optimizers are loaded; loading parameters leaves gradients alone
+either way. Where the wrapper
 cannot give them back (FSDP1), the save warns and leaves a note that makes `load_state` refuse
 the checkpoint rather than resume without those micro-batches.
 """
@@ -19,12 +21,10 @@ from .state import Attachment
 
 
 class GradCheckpoint:
-    """accelerate's save/load pre-hooks for one `attach()`, and gradients loaded but not yet put back."""
+    """accelerate's save/load pre-hooks for one `attach()`."""
 
     def __init__(self, state: Attachment) -> None:
         self.state = state
-        self.pending: list | None = None
-        """Loaded gradients, put back at the next micro-batch's forward (`restore`)."""
 
     def on_save_state(self, models: list, weights: list, output_dir: str) -> None:
         """Mid-window, save this rank's (held or sharded) gradients next to the checkpoint."""
@@ -60,23 +60,19 @@ class GradCheckpoint:
                 f"step, or delete {lost} to resume anyway without those micro-batches."
             )
         path = self._path(input_dir)
-        # Put back at the next micro-batch, once load_state has restored the parameters.
-        self.pending = torch.load(path, weights_only=True) if os.path.exists(path) else None
-        if self.pending is not None and not self.state.bound:
-            # DDP binds at its first no_sync, which can come after the window's last micro-batch: put
-            # them back now, into the models accelerate hands this hook (loading leaves `.grad` alone).
-            for model, grads in zip(models, self.pending):
-                for p, grad in zip(model.parameters(), grads):
-                    p.grad = None if grad is None else grad.to(p.device)
-            self.pending = None
-
-    def restore(self) -> None:
-        """Put the loaded gradients back, model by model in bind order (as they were saved)."""
+        if not os.path.exists(path):
+            return
+        saved = torch.load(path, weights_only=True)
         adapters = [a for a in self.state.adapters.values() if a is not None]
-        assert self.pending is not None  # called only with gradients loaded
-        for adapter, grads in zip(adapters, self.pending):
-            adapter.load_grad_state(grads)
-        self.pending = None
+        if adapters:  # model by model in bind order, as they were saved
+            for adapter, grads in zip(adapters, saved, strict=True):
+                adapter.load_grad_state(grads)
+            return
+        # DDP binds at its first no_sync, which can come after the window's last micro-batch: put
+        # them back into the models accelerate hands this hook.
+        for model, grads in zip(models, saved, strict=True):
+            for p, grad in zip(model.parameters(), grads, strict=True):
+                p.grad = None if grad is None else grad.to(p.device)
 
     def _path(self, directory: str) -> str:
         return os.path.join(directory, f"accel_gradsync_grads_rank{self.state.accelerator.process_index}.pt")

@@ -10,6 +10,7 @@ recipe's command line.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import os
 import re
 import warnings
@@ -22,7 +23,21 @@ from .errors import GradSyncWarning
 
 ENV_PREFIX = "ACCEL_GRADSYNC_"
 
-SYNC_MODES = ("per_micro_batch", "deferred", "auto", "budget", "defer_all_reduce")
+
+class SyncMode(str, enum.Enum):
+    """The sync modes: one policy class each in `accel_gradsync.policies.POLICIES`."""
+
+    PER_MICRO_BATCH = "per_micro_batch"
+    DEFERRED = "deferred"
+    AUTO = "auto"
+    BUDGET = "budget"
+    DEFER_ALL_REDUCE = "defer_all_reduce"
+
+    def __str__(self) -> str:  # the name itself in messages, logs and JSON (`enum.StrEnum` from 3.11)
+        return self.value
+
+
+SYNC_MODES = tuple(m.value for m in SyncMode)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 """The dtype names settings and tables use, and the torch dtypes they stand for."""
 REDUCE_DTYPES = ("auto", "fp32", "bf16")
@@ -39,7 +54,7 @@ DEFAULTS: dict[str, Any] = {
     # Per-micro-batch sync is the memory-safe choice: deferral holds the whole unsharded
     # gradient on every rank, which is the OOM users hit when it is on by default.
     "defer": False,
-    "sync_mode": "per_micro_batch",
+    "sync_mode": SyncMode.PER_MICRO_BATCH.value,
     "memory_budget": "",
     "memory_margin": 0.1,
     "free_memory": "",
@@ -187,17 +202,17 @@ class GradSyncConfig:
         self._check_combination(explicit)
 
     def _check_combination(self, explicit: dict[str, str]) -> None:
-        if "sync_mode" in explicit and self.defer and self.sync_mode != "deferred":
+        if "sync_mode" in explicit and self.defer and self.sync_mode != SyncMode.DEFERRED:
             raise ValueError(
                 f"{explicit['defer']}=True and {explicit['sync_mode']}={self.sync_mode!r} contradict: "
                 "--defer-grad-sync is shorthand for --grad-sync-mode deferred. Set only one of them."
             )
         if self.defer:
-            self.sync_mode = "deferred"
+            self.sync_mode = SyncMode.DEFERRED.value
         elif self.memory_budget and "sync_mode" not in explicit:
             # A budget names what to hold, as --defer-grad-sync does: asking for the mode as well is noise.
-            self.sync_mode = "budget"
-        if self.sync_mode == "budget" and not self.memory_budget:
+            self.sync_mode = SyncMode.BUDGET.value
+        if self.sync_mode == SyncMode.BUDGET and not self.memory_budget:
             raise ValueError(
                 "GradSyncConfig.sync_mode='budget' needs a memory budget: set --grad-sync-memory-budget "
                 "(e.g. 12GiB, 512MiB or a fraction of free memory such as 0.5)."
@@ -205,10 +220,10 @@ class GradSyncConfig:
 
         # Settings only some modes read: say once that they are ignored, never drop them silently.
         used_by = {
-            "memory_budget": ("budget",),
-            "memory_margin": ("auto",),
-            "free_memory": ("auto", "budget"),
-            "keep_params_unsharded": ("deferred", "budget", "auto"),
+            "memory_budget": (SyncMode.BUDGET,),
+            "memory_margin": (SyncMode.AUTO,),
+            "free_memory": (SyncMode.AUTO, SyncMode.BUDGET),
+            "keep_params_unsharded": (SyncMode.DEFERRED, SyncMode.BUDGET, SyncMode.AUTO),
         }
         for name, modes in used_by.items():
             if name in explicit and self.sync_mode not in modes:

@@ -9,17 +9,19 @@ from __future__ import annotations
 
 import warnings
 
-from .config import GradSyncConfig
+from .config import GradSyncConfig, SyncMode
 from .errors import GradSyncWarning
 from .fsdp import ModelAdapter
 from .policies import (
     ALL_REDUCE,
+    GRADIENT_SYNC,
     Plan,
     all_gathers_per_step,
     collectives_per_step,
     format_bytes,
     generation_all_gathers_per,
 )
+from .units import Level
 
 
 def describe_decision(plan: Plan, adapter: ModelAdapter, micro_batches: int) -> str:
@@ -35,7 +37,7 @@ def describe_decision(plan: Plan, adapter: ModelAdapter, micro_batches: int) -> 
         cost = f"{rs} all-reduces/step instead of {every}"  # DDP: whole-model passes, bucketed
     else:
         ag, _ = all_gathers_per_step(plan, adapter, m)
-        every_ag, _ = all_gathers_per_step(Plan("per_micro_batch"), adapter, m)
+        every_ag, _ = all_gathers_per_step(Plan(SyncMode.PER_MICRO_BATCH), adapter, m)
         if adapter.hsdp:
             cost = (
                 f"{rs} reduce-scatters, {ar} all-reduces and {ag} all-gathers/step "
@@ -44,11 +46,11 @@ def describe_decision(plan: Plan, adapter: ModelAdapter, micro_batches: int) -> 
         else:
             cost = f"{rs} reduce-scatters and {ag} all-gathers/step instead of {every} and {every_ag}"
     levels = [plan.level(u) for u in adapter.units]
-    counts = ", ".join(f"{levels.count(lv)} {lv.replace('_', '-')}" for lv in _LEVELS[plan.hold] if lv in levels)
+    counts = ", ".join(f"{levels.count(lv)} {lv.replace('_', '-')}" for lv in _LEVELS[plan.held_sync] if lv in levels)
     line = f"grad sync: {plan.mode} over {m} micro-batch{'es' if m != 1 else ''} on {adapter.kind} ({counts}) -> {cost}"
     if plan.held:
         dtype = str(plan.held[0].held_dtype).removeprefix("torch.")
-        what = "sharded partial" if plan.hold == ALL_REDUCE else "unsharded"
+        what = "sharded partial" if plan.held_sync == ALL_REDUCE else "unsharded"
         line += f"; holds ~{format_bytes(plan.held_grad_bytes())} {what} {dtype} grads"
         if plan.windowed:
             param_dtype = str(plan.windowed[0].compute_dtype).removeprefix("torch.")
@@ -76,8 +78,8 @@ def _generation_cost(plan: Plan, adapter: ModelAdapter) -> str:
 
 
 _LEVELS = {
-    "gradient_sync": ("windowed", "deferred", "per_micro_batch", "frozen"),
-    ALL_REDUCE: ("windowed", "defer_all_reduce", "per_micro_batch", "frozen"),
+    GRADIENT_SYNC: (Level.WINDOWED, Level.DEFERRED, Level.PER_MICRO_BATCH, Level.FROZEN),
+    ALL_REDUCE: (Level.WINDOWED, Level.DEFER_ALL_REDUCE, Level.PER_MICRO_BATCH, Level.FROZEN),
 }
 
 
@@ -96,7 +98,7 @@ def warn_about_plan(plan: Plan, adapter: ModelAdapter, config: GradSyncConfig, m
     if adapter.root_only and plan.held and any(not u.frozen and u not in plan.held for u in adapter.units):
         raise AssertionError(f"{adapter.kind} can only defer every unit at once")  # policies ensure it
     wide = [u for u in plan.held if u.held_dtype.itemsize > u.compute_dtype.itemsize]
-    if plan.hold != ALL_REDUCE and wide and micro_batches > 1:
+    if plan.held_sync != ALL_REDUCE and wide and micro_batches > 1:
         extra = sum(u.numel * (u.held_dtype.itemsize - u.compute_dtype.itemsize) for u in wide)
         warnings.warn(
             f"accel_gradsync: deferral holds gradients in {wide[0].held_dtype} (the reduce dtype), wider "

@@ -43,7 +43,7 @@ import torch
 import yaml
 from torch import nn
 
-from .config import DTYPES, GradSyncConfig, dtype_name
+from .config import DTYPES, GradSyncConfig, SyncMode, dtype_name
 from .fake_shard import fake_world, shard_like_accelerate, shard_like_transformers
 from .fsdp import ModelAdapter, adapt_model
 from .policies import (
@@ -441,7 +441,7 @@ def send_bytes_per_step(plan: Plan, adapter: ModelAdapter, micro_batches: int, r
         rs = ar = micro_batches
         if id(u) in held:
             ar = 1
-            rs = micro_batches if plan.hold == ALL_REDUCE else 1
+            rs = micro_batches if plan.held_sync == ALL_REDUCE else 1
         total += rs * u.collectives * u.reduce_bytes * (n - 1) / n
         if adapter.hsdp:
             total += ar * u.collectives * (u.reduce_bytes / n) * 2 * (replicate - 1) / replicate
@@ -472,7 +472,7 @@ def peak_grad_bytes(plan: Plan, adapter: ModelAdapter) -> int:
     transient = 0
     for u in adapter.units:
         compute = u.numel * u.compute_dtype.itemsize
-        if id(u) in held and plan.hold != ALL_REDUCE:
+        if id(u) in held and plan.held_sync != ALL_REDUCE:
             transient = max(transient, compute if u.held_dtype != u.compute_dtype else 0)
             continue
         transient = max(transient, compute + (u.reduce_bytes if u.reduce_dtype != u.compute_dtype else 0))
@@ -547,11 +547,11 @@ def estimate(
     )
     rows: list[tuple[str, type[SyncPolicy]]] = [*POLICIES.items(), (WINDOW_ROW, DeferredSync)]
     for name, policy_cls in rows:
-        windowed = config.sync_mode == "deferred" and config.keep_params_unsharded
+        windowed = config.sync_mode == SyncMode.DEFERRED and config.keep_params_unsharded
         row = ModeEstimate(name, selected=name == ("deferred+window" if windowed else config.sync_mode))
         try:
             # The deferred rows show deferral without and with the window, whatever the config says.
-            window = {"deferred": False, WINDOW_ROW: True}.get(name)
+            window = {SyncMode.DEFERRED: False, WINDOW_ROW: True}.get(name)
             plan = _plan(policy_cls, config, adapter, free, micro_batches, window).over(micro_batches)
         except ValueError as err:
             row.applicable, row.reason = False, str(err)
@@ -567,7 +567,7 @@ def estimate(
         row.held_bytes = plan.held_grad_bytes()
         row.held_param_bytes = plan.held_param_bytes()
         row.held_dtype = dtype_name(plan.held[0].held_dtype) if plan.held else ""
-        if plan.hold == ALL_REDUCE:
+        if plan.held_sync == ALL_REDUCE:
             row.held_dtype += " (sharded)"
         row.sharded_bytes = sharded_grad_bytes(plan, adapter)
         row.peak_bytes = peak_grad_bytes(plan, adapter)
@@ -593,7 +593,7 @@ def _plan(
         raise ValueError("keeps FSDP2 units' params unsharded through the window; FSDP1's equivalent is SHARD_GRAD_OP.")
     if window is not None:
         config = dataclasses.replace(config, keep_params_unsharded=window)
-    if policy_cls.name == "budget" and not config.memory_budget:
+    if policy_cls.name == SyncMode.BUDGET and not config.memory_budget:
         raise ValueError("needs a budget: set --grad-sync-memory-budget (e.g. 12GiB or 0.5 of free memory).")
 
     def free_memory() -> int:
@@ -606,7 +606,7 @@ def _plan(
 
 def _plan_label(plan: Plan) -> str:
     """What a row's plan amounts to: its mode, with the windows a deferral keeps said."""
-    if plan.mode != "deferred" or not plan.windowed:
+    if plan.mode != SyncMode.DEFERRED or not plan.windowed:
         return plan.mode
     return WINDOW_ROW if len(plan.windowed) == len(plan.held) else f"deferred ({len(plan.windowed)} windowed)"
 

@@ -39,10 +39,10 @@ class GenerationGather:
 
     def __init__(self, state: Attachment) -> None:
         self.state = state
-        self._restores: dict[int, list[Callable[[], None]]] = {}
-        """By id(root): the calls that put back each kept unit's flags, in keeping order."""
-        self._kept: dict[int, set[int]] = {}
-        """By id(root): `id` of each unit kept unsharded."""
+        self._restores: dict[nn.Module, list[Callable[[], None]]] = {}
+        """By bound model: the calls that put back each kept unit's flags, in keeping order."""
+        self._kept: dict[nn.Module, set[int]] = {}
+        """By bound model: `id` of each unit kept unsharded."""
         self._forced = 0
         """`gathered()` blocks open: they keep units whatever the setting says."""
         self._optimizer_hook: torch.utils.hooks.RemovableHandle | None = None
@@ -55,7 +55,7 @@ class GenerationGather:
     def watch(self, root: nn.Module) -> list[torch.utils.hooks.RemovableHandle]:
         """Hooks on each unit module of the bound model `root`: count forwards without gradients,
         keep their units where the setting (or `gathered()`) asks, release when training resumes."""
-        bound = self.state.bound[id(root)]
+        bound = self.state.bound[root]
         if bound.adapter.kind != "fsdp2" and self.enabled:
             instead = {"fsdp1": "under FSDP1 wrap generation in FSDP.summon_full_params(model) yourself, or use "
                        "fsdp_version: 2", "ddp": "DDP never shards parameters"}[bound.adapter.kind]  # fmt: skip
@@ -68,7 +68,7 @@ class GenerationGather:
             return []
         handles = []
         for module, unit in bound.adapter.unit_modules():
-            handles.append(module.register_forward_pre_hook(self._pre_hook(id(root), bound, unit), prepend=True))
+            handles.append(module.register_forward_pre_hook(self._pre_hook(root, bound, unit), prepend=True))
             if self.enabled:  # gathered() sees its own exceptions
                 handles.append(module.register_forward_hook(self._post_hook(), always_call=True))
         # The root too, unit or not: training resumes before the window counts the micro-batch
@@ -88,7 +88,7 @@ class GenerationGather:
         if self._kept and torch.is_grad_enabled():
             self.release()
 
-    def _pre_hook(self, key: int, bound: BoundModel, unit: Unit) -> Callable:
+    def _pre_hook(self, key: nn.Module, bound: BoundModel, unit: Unit) -> Callable:
         def hook(module: nn.Module, args: Any) -> None:
             if torch.is_grad_enabled():
                 self._resume_hook(module, args)  # before FSDP's own pre-forward runs
@@ -140,13 +140,13 @@ class GenerationGather:
     def gathered(self, model: nn.Module | None = None) -> Iterator[None]:
         """Keep every unit that runs a forward without gradients inside the block unsharded from
         its first such forward to the end of the block; then reshard. Any model, any setting."""
-        if model is not None and id(root_of(model)) not in self.state.bound:
+        if model is not None and root_of(model) not in self.state.bound:
             raise ValueError(
                 "grad_sync.gathered(model): the model is not bound to this attach() (pass the model "
                 "accelerator.prepare returned, with FSDP2)."
             )
         kinds = {b.adapter.kind for b in self.state.bound.values()} if model is None else {
-            self.state.bound[id(root_of(model))].adapter.kind
+            self.state.bound[root_of(model)].adapter.kind
         }  # fmt: skip
         others = ", ".join(sorted(kinds - {"fsdp2"}))
         if others:

@@ -44,7 +44,7 @@ class GradSyncHandle:
         self._optimizer_state = OptimizerStateFix(accelerator, trainer)  # FSDP1 sharded optimizer resume
         self._plans = PlanCheckpoint(self._state)  # auto's plan across a resume
         self._generation = GenerationGather(self._state)
-        self._window = Window(self._state, self.bind, self._checkpoint, self._generation.release)
+        self._window = Window(self._state, self.bind, self._generation.release)
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         self._callback: Any = None  # trainer.GradSyncCallback, with a Trainer
         self._original_class: type | None = None
@@ -62,18 +62,18 @@ class GradSyncHandle:
         (`all_gathers`) and of forwards without gradients (`generation_all_gathers`), bytes
         reduced, measured held gradient bytes, each unit's mode; `last_step/*` for the last
         finished optimizer step."""
-        return combined_stats({b.name: b.account.stats() for b in self._state.bound.values()}, self.policy.name)
+        return combined_stats({b.name: b.stats() for b in self._state.bound.values()}, self.policy.name)
 
     def plan(self, model: nn.Module | None = None) -> Plan | None:
         """The plan of `model` (default: the first bound model): held units, reason."""
         bound = self._state.bound
         if model is not None:
-            return bound[id(root_of(model))].plan if id(root_of(model)) in bound else None
+            return bound[root_of(model)].plan if root_of(model) in bound else None
         return next((b.plan for b in bound.values()), None)
 
     def units(self, model: nn.Module | None = None) -> list:
         """The units (`accel_gradsync.units.Unit`) of `model` (default: the first bound model)."""
-        key = id(root_of(model)) if model is not None else next(iter(self._state.bound), None)
+        key = root_of(model) if model is not None else next(iter(self._state.bound), None)
         adapter = self._state.adapters.get(key) if key is not None else None
         return list(adapter.units) if adapter is not None else []
 
@@ -87,10 +87,10 @@ class GradSyncHandle:
     def bind(self, model: nn.Module) -> ModelAdapter | None:
         """Inspect a prepared model once: its wrapper and units, the plan, the micro-batch counter."""
         root = root_of(model)
-        if id(root) in self._state.adapters:
-            return self._state.adapters[id(root)]
+        if root in self._state.adapters:
+            return self._state.adapters[root]
         adapter = self._binder.bind(model)
-        if id(root) in self._state.bound:
+        if root in self._state.bound:
             self._hooks.extend(self._window.watch(root))
             self._hooks.extend(self._generation.watch(root))
         return adapter
@@ -161,7 +161,6 @@ class GradSyncHandle:
                 self._original_trainer_class = hook_trainer(trainer, self._window.no_sync)
         self._original_class = hook_accelerator(
             accelerator,
-            self,
             no_sync=self._window.no_sync,
             abort=self._window.abort,
             window_ends=self._window.end_hold,

@@ -75,7 +75,7 @@ def _describe(bound: BoundModel) -> dict:
     plan, auto = bound.plan, bound.auto
     assert auto is not None  # saved for auto's models only
     return {
-        "mode": plan.mode, "hold": plan.hold, "reason": plan.reason,
+        "mode": plan.mode, "held_sync": plan.held_sync, "reason": plan.reason,
         "held": [u.name for u in plan.held], "windowed": [u.name for u in plan.windowed],
         "peaks": list(auto.peaks), "measured_steps": auto.measured_steps, "quiet": auto.quiet,
         "changes": auto.changes, "mid_window": bound.account.current.micro_batches > 0,
@@ -93,10 +93,9 @@ def _restore(bound: BoundModel, record: dict) -> None:
         )
     held = [units[n] for n in record["held"]]
     windowed = [units[n] for n in record["windowed"]]
-    bound.set_plan(Plan(record["mode"], held, hold=record["hold"], windowed=windowed, reason=record["reason"]))
+    bound.plan = Plan(record["mode"], held, held_sync=record["held_sync"], windowed=windowed, reason=record["reason"])
     auto.peaks.clear()
     auto.peaks.extend(record["peaks"])
     auto.measured_steps, auto.quiet, auto.changes = record["measured_steps"], record["quiet"], record["changes"]
-    bound.account.measured_peaks, bound.account.plan_changes = list(auto.peaks), auto.changes
     # Mid-window, the window under way keeps the plan; at a boundary the next window start re-plans.
     bound.auto_read_at = bound.window_key() if record["mid_window"] else NOT_READ

@@ -9,12 +9,12 @@ always syncs every unit, whatever the plan says.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from typing import Any
 
-from .config import GradSyncConfig, parse_bytes
+from .config import GradSyncConfig, SyncMode, parse_bytes
 from .fsdp import ModelAdapter, Unit
-from .units import micro_batch_all_gathers, no_grad_forward_all_gathers
+from .units import Level, micro_batch_all_gathers, no_grad_forward_all_gathers
 
 GRADIENT_SYNC = "gradient_sync"  # skip reduce-scatter (and all-reduce): set_requires_gradient_sync(False)
 ALL_REDUCE = "all_reduce"  # HSDP: reduce-scatter, skip the cross-replica all-reduce: set_requires_all_reduce(False)
@@ -28,9 +28,10 @@ to 2.1x (its small one) from the time deferral and the window save, and holds th
 against its own run."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class Plan:
-    """What a policy decided for one model: each unit's level.
+    """What a policy decided for one model: each unit's level. Immutable: a change of plan is a
+    new `Plan` (`dataclasses.replace`), and two plans are the same when their fields are.
 
     - per micro-batch (not in `held`): reduce-scatter every micro-batch, 0 bytes held;
     - deferred (`held`): reduce-scatter once per step, holds the unit's unsharded gradient;
@@ -40,20 +41,27 @@ class Plan:
     """
 
     mode: str
-    held: list[Unit] = field(default_factory=list)
-    """Units whose sync is held on non-final micro-batches."""
-    hold: str = GRADIENT_SYNC
-    windowed: list[Unit] = field(default_factory=list)
-    """Held units whose params stay unsharded for the whole window (a subset of `held`)."""
+    held: Sequence[Unit] = ()
+    """Units whose sync is held on non-final micro-batches (kept as a tuple)."""
+    held_sync: str = GRADIENT_SYNC
+    """What the held units skip: their whole gradient sync (`GRADIENT_SYNC`), or on HSDP only the
+    cross-replica all-reduce (`ALL_REDUCE`)."""
+    windowed: Sequence[Unit] = ()
+    """Held units whose params stay unsharded for the whole window (a subset of `held`; a tuple)."""
     reason: str = ""
     generation_bytes: int = 0
     """Unsharded parameter bytes per rank held while generating (`gather_for_generation`: every
     unit's params in the compute dtype; 0 when off)."""
 
+    def __post_init__(self) -> None:
+        # Sequences given as lists (the policies build them so) are kept as tuples: immutable.
+        object.__setattr__(self, "held", tuple(self.held))
+        object.__setattr__(self, "windowed", tuple(self.windowed))
+
     def held_grad_bytes(self) -> int:
         """Gradient bytes per rank the held units keep between micro-batches. For an
         `all_reduce` hold only a sharded partial sum."""
-        if self.hold == ALL_REDUCE:
+        if self.held_sync == ALL_REDUCE:
             return sum(u.sharded_numel * u.held_dtype.itemsize for u in self.held)
         return sum(u.held_bytes for u in self.held)
 
@@ -65,21 +73,21 @@ class Plan:
         """Everything the plan keeps per rank between micro-batches: gradients and params."""
         return self.held_grad_bytes() + self.held_param_bytes()
 
-    def level(self, unit: Unit) -> str:
+    def level(self, unit: Unit) -> Level:
         """`per_micro_batch`, `deferred`, `windowed`, (HSDP) `defer_all_reduce`, or `frozen` for a
         unit with nothing to reduce that is not windowed."""
         if any(u is unit for u in self.windowed):
-            return "windowed"
+            return Level.WINDOWED
         if unit.frozen:
-            return "frozen"
+            return Level.FROZEN
         if not any(u is unit for u in self.held):
-            return "per_micro_batch"
-        return "defer_all_reduce" if self.hold == ALL_REDUCE else "deferred"
+            return Level.PER_MICRO_BATCH
+        return Level.DEFER_ALL_REDUCE if self.held_sync == ALL_REDUCE else Level.DEFERRED
 
     def over(self, micro_batches: int) -> Plan:
         """This plan as it plays out over `micro_batches` per optimizer step: with one, every
         micro-batch ends its step and syncs, so a deferring mode holds nothing."""
-        if micro_batches > 1 or self.mode == "per_micro_batch":
+        if micro_batches > 1 or self.mode == SyncMode.PER_MICRO_BATCH:
             return self
         return Plan(self.mode, reason=NOTHING_TO_DEFER, generation_bytes=self.generation_bytes)
 
@@ -90,13 +98,13 @@ def collectives_per_step(plan: Plan, units: Sequence[Unit], hsdp: bool, micro_ba
     m = micro_batches
     per_sync = sum(u.collectives for u in units)
     held = sum(u.collectives for u in plan.held)
-    if plan.hold == ALL_REDUCE:
+    if plan.held_sync == ALL_REDUCE:
         return per_sync * m, per_sync * m - held * (m - 1)
     issued = per_sync * m - held * (m - 1)
     return issued, issued if hsdp else 0
 
 
-def unit_all_gathers(unit: Unit, level: str, micro_batches: int, keeps_params_when_held: bool = False) -> int:
+def unit_all_gathers(unit: Unit, level: Level, micro_batches: int, keeps_params_when_held: bool = False) -> int:
     """Parameter all-gathers of one unit per optimizer step of `micro_batches`, from
     `micro_batch_all_gathers`: one in each forward, another in each backward when it reshards
     after forward; a windowed unit gathers once per step. FSDP1 SHARD_GRAD_OP under `no_sync()`
@@ -104,8 +112,8 @@ def unit_all_gathers(unit: Unit, level: str, micro_batches: int, keeps_params_wh
     count, gathered = 0, False
     for k in range(micro_batches):
         last = k == micro_batches - 1
-        windowed = level == "windowed" and micro_batches > 1
-        keeps = windowed or (level == "deferred" and keeps_params_when_held and micro_batches > 1)
+        windowed = level == Level.WINDOWED and micro_batches > 1
+        keeps = windowed or (level == Level.DEFERRED and keeps_params_when_held and micro_batches > 1)
         n, gathered = micro_batch_all_gathers(unit, gathered, windowed, keeps and not last)
         count += n
     return count
@@ -164,7 +172,7 @@ class SyncPolicy:
     def _require_fsdp2(self, adapter: ModelAdapter, why: str) -> None:
         if adapter.kind != "fsdp2":
             raise ValueError(
-                f"GradSyncConfig.sync_mode={self.name!r} needs FSDP2 ({why}), but the model is wrapped in "
+                f"GradSyncConfig.sync_mode='{self.name}' needs FSDP2 ({why}), but the model is wrapped in "
                 f"{adapter.kind}. Use fsdp_version: 2 in the accelerate config, or sync_mode 'deferred' / "
                 "'per_micro_batch'."
             )
@@ -174,7 +182,7 @@ class PerMicroBatchSync(SyncPolicy):
     """Reduce-scatter every unit after every micro-batch: M x U collectives per optimizer step,
     gradients stay sharded. FSDP2: `requires_gradient_sync` stays True; FSDP1/DDP: no `no_sync()`."""
 
-    name = "per_micro_batch"
+    name = SyncMode.PER_MICRO_BATCH
     description = "reduce-scatter after every micro-batch (sharded grads, lowest memory)"
 
     def plan(self, adapter: ModelAdapter, free_memory: FreeMemory, micro_batches: int) -> Plan:
@@ -192,7 +200,7 @@ class DeferredSync(SyncPolicy):
     instead of up to 2M times; ZeRO-1 memory inside the window, fully sharded again before the
     optimizer step. FSDP1's nearest equivalent is the SHARD_GRAD_OP sharding strategy."""
 
-    name = "deferred"
+    name = SyncMode.DEFERRED
     description = "reduce-scatter once per optimizer step (unsharded grads held)"
 
     def plan(self, adapter: ModelAdapter, free_memory: FreeMemory, micro_batches: int) -> Plan:
@@ -208,7 +216,7 @@ class BudgetSync(SyncPolicy):
     most bytes of communication within the budget (`choose_levels`), applied per unit with
     `set_requires_gradient_sync(False, recurse=False)` and the reshard setters."""
 
-    name = "budget"
+    name = SyncMode.BUDGET
     description = "defer (and window) only the units whose held bytes fit a memory budget"
 
     def plan(self, adapter: ModelAdapter, free_memory: FreeMemory, micro_batches: int) -> Plan:
@@ -223,12 +231,12 @@ class BudgetSync(SyncPolicy):
         plan = choose_levels(
             self.name, adapter.units, budget, micro_batches, reduce_scatter_cost_of(adapter), generation
         )
-        plan.reason = (
+        reason = (
             f"{_level_counts(plan, adapter.units)} within the {format_bytes(budget)} budget "
             f"({format_bytes(plan.held_bytes())} held"
             + (f", {format_bytes(generation)} of params while generating)" if generation else ")")
         )
-        return plan
+        return replace(plan, reason=reason)
 
 
 def choose_levels(
@@ -257,26 +265,26 @@ def choose_levels(
     offers = []  # (bytes saved per byte added, bytes held, unit, level reached, prerequisite level)
     for u in units:
         deferral = reduce_scatter_cost * (m - 1) * u.collectives * u.reduce_bytes
-        window = (unit_all_gathers(u, "deferred", m) - 1) * u.param_bytes
+        window = (unit_all_gathers(u, Level.DEFERRED, m) - 1) * u.param_bytes
         param_cost = 0 if generation_bytes else u.param_bytes
         if u.frozen:  # nothing to defer: only its window saves anything
             if window > 0:
-                offers.append((window / max(param_cost, 1), param_cost, u, "windowed", "per_micro_batch"))
+                offers.append((window / max(param_cost, 1), param_cost, u, Level.WINDOWED, Level.PER_MICRO_BATCH))
             continue
         added = max(u.held_bytes * (u.shard_size - 1) // u.shard_size, 1)  # unsharded only on one rank: free
-        offers.append((deferral / added, u.held_bytes, u, "deferred", "per_micro_batch"))
+        offers.append((deferral / added, u.held_bytes, u, Level.DEFERRED, Level.PER_MICRO_BATCH))
         if window > 0:
-            offers.append((window / max(param_cost, 1), param_cost, u, "windowed", "deferred"))
+            offers.append((window / max(param_cost, 1), param_cost, u, Level.WINDOWED, Level.DEFERRED))
             both = u.held_bytes + param_cost
-            offers.append(((deferral + window) / (added + param_cost), both, u, "windowed", "per_micro_batch"))
-    levels: dict[int, str] = {}
+            offers.append(((deferral + window) / (added + param_cost), both, u, Level.WINDOWED, Level.PER_MICRO_BATCH))
+    levels: dict[int, Level] = {}
     used = 0
     for _, cost, unit, level, needs in sorted(offers, key=lambda o: (o[0], o[1]), reverse=True):
-        if levels.get(id(unit), "per_micro_batch") == needs and used + cost <= budget:
+        if levels.get(id(unit), Level.PER_MICRO_BATCH) == needs and used + cost <= budget:
             levels[id(unit)] = level
             used += cost
     held = [u for u in units if id(u) in levels]
-    windowed = [u for u in held if levels[id(u)] == "windowed"]
+    windowed = [u for u in held if levels[id(u)] == Level.WINDOWED]
     return Plan(mode, held, windowed=windowed, generation_bytes=generation_bytes)
 
 
@@ -285,7 +293,7 @@ class DeferAllReduceSync(SyncPolicy):
     sharded, and skip only the all-reduce across replicas until the last one
     (`set_requires_all_reduce(False)`), as torchtitan does."""
 
-    name = "defer_all_reduce"
+    name = SyncMode.DEFER_ALL_REDUCE
     description = "HSDP: reduce-scatter every micro-batch, all-reduce across replicas once per step"
 
     def plan(self, adapter: ModelAdapter, free_memory: FreeMemory, micro_batches: int) -> Plan:
@@ -297,7 +305,9 @@ class DeferAllReduceSync(SyncPolicy):
                 "in the accelerate config, or use sync_mode 'deferred'."
             )
         trainable = [u for u in adapter.units if not u.frozen]
-        return Plan(self.name, trainable, hold=ALL_REDUCE, generation_bytes=generation_bytes_of(adapter, self.config))
+        return Plan(
+            self.name, trainable, held_sync=ALL_REDUCE, generation_bytes=generation_bytes_of(adapter, self.config)
+        )
 
 
 class AutoSync(SyncPolicy):
@@ -308,7 +318,7 @@ class AutoSync(SyncPolicy):
     `capacity x (1 - margin) - peak`. This policy's own `plan` is that decision for a given free
     memory, which is what the estimate shows before launch."""
 
-    name = "auto"
+    name = SyncMode.AUTO
     description = (
         "the most communication-saving levels that fit measured memory (FSDP2), "
         "else defer_all_reduce (HSDP), else per_micro_batch"
@@ -319,12 +329,12 @@ class AutoSync(SyncPolicy):
         usable = int(free * (1 - self.config.memory_margin))
         choice = plan_within(adapter, usable, micro_batches, generation_bytes_of(adapter, self.config))
         full = Plan(self.name, [u for u in adapter.units if not u.frozen])
-        choice.reason = (
+        reason = (
             f"auto chose {_level_counts(choice, adapter.units)}: full deferral holds "
             f"{format_bytes(full.held_bytes())}/rank, {format_bytes(usable)} usable of {format_bytes(free)} free "
             f"(margin {self.config.memory_margin:g}); the plan holds {format_bytes(choice.held_bytes())}"
         )
-        return choice
+        return replace(choice, reason=reason)
 
 
 def plan_within(adapter: ModelAdapter, usable: int, micro_batches: int, generation_bytes: int = 0) -> Plan:
@@ -334,20 +344,19 @@ def plan_within(adapter: ModelAdapter, usable: int, micro_batches: int, generati
     fits, else only the all-reduce deferred. FSDP1/DDP: full deferral if it fits, else per
     micro-batch."""
     g = generation_bytes
-    full = Plan("auto", [u for u in adapter.units if not u.frozen], generation_bytes=g)
+    full = Plan(SyncMode.AUTO, [u for u in adapter.units if not u.frozen], generation_bytes=g)
     if adapter.kind == "fsdp2":
-        choice = choose_levels("auto", adapter.units, usable, micro_batches, reduce_scatter_cost_of(adapter), g)
+        choice = choose_levels(SyncMode.AUTO, adapter.units, usable, micro_batches, reduce_scatter_cost_of(adapter), g)
         if adapter.hsdp and any(not u.frozen and u not in choice.held for u in adapter.units):
             # The greedy counts no all-reduce savings: deferring every unit's all-reduce (or its
             # whole sync, without windows, where that fits) beats holding only some units.
-            all_reduce = Plan("auto", list(full.held), hold=ALL_REDUCE, generation_bytes=g)
+            all_reduce = Plan(SyncMode.AUTO, list(full.held), held_sync=ALL_REDUCE, generation_bytes=g)
             choice = full if full.held_bytes() + g <= usable else all_reduce
     else:
-        choice = full if full.held_bytes() + g <= usable else Plan("auto", generation_bytes=g)
+        choice = full if full.held_bytes() + g <= usable else Plan(SyncMode.AUTO, generation_bytes=g)
     if choice.held_grad_bytes() + max(choice.held_param_bytes(), g) > usable:
-        choice = Plan("auto", generation_bytes=g)
-    choice.mode = mode_of(choice, adapter.units)
-    return choice
+        choice = Plan(SyncMode.AUTO, generation_bytes=g)
+    return replace(choice, mode=mode_of(choice, adapter.units))
 
 
 def generation_bytes_of(adapter: ModelAdapter, config: Any) -> int:
@@ -369,25 +378,22 @@ def mode_of(plan: Plan, units: Sequence[Unit]) -> str:
     trainable = [u for u in units if not u.frozen]
     held = [u for u in plan.held if not u.frozen]
     if not held and not plan.windowed:
-        return "per_micro_batch"
-    if plan.hold == ALL_REDUCE:
-        return "defer_all_reduce"
-    return "deferred" if len(held) == len(trainable) else "budget"
+        return SyncMode.PER_MICRO_BATCH
+    if plan.held_sync == ALL_REDUCE:
+        return SyncMode.DEFER_ALL_REDUCE
+    return SyncMode.DEFERRED if len(held) == len(trainable) else SyncMode.BUDGET
 
 
 def _level_counts(plan: Plan, units: Sequence[Unit]) -> str:
     """e.g. `2 windowed, 1 deferred, 0 per micro-batch` (units at each level; `, 2 frozen` where
     frozen units are not windowed)."""
     levels = [plan.level(u) for u in units]
-    frozen = f", {levels.count('frozen')} frozen" if "frozen" in levels else ""
-    if plan.hold == ALL_REDUCE:
-        return (
-            f"{levels.count('defer_all_reduce')} defer_all_reduce, {levels.count('per_micro_batch')} per micro-batch"
-            + frozen
-        )
+    frozen = f", {levels.count(Level.FROZEN)} frozen" if Level.FROZEN in levels else ""
+    per_micro_batch = f"{levels.count(Level.PER_MICRO_BATCH)} per micro-batch"
+    if plan.held_sync == ALL_REDUCE:
+        return f"{levels.count(Level.DEFER_ALL_REDUCE)} defer_all_reduce, {per_micro_batch}{frozen}"
     return (
-        f"{levels.count('windowed')} windowed, {levels.count('deferred')} deferred, "
-        f"{levels.count('per_micro_batch')} per micro-batch{frozen}"
+        f"{levels.count(Level.WINDOWED)} windowed, {levels.count(Level.DEFERRED)} deferred, {per_micro_batch}{frozen}"
     )
 
 

@@ -20,12 +20,13 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from .config import ResolvedConfig
+from .config import ResolvedConfig, SyncMode
 from .fsdp import ModelAdapter
 from .memory import MemoryProbe
 from .policies import ALL_REDUCE, Plan, format_bytes, generation_bytes_of, mode_of, plan_within
+from .units import Level
 
 QUIET_STEPS = 10
 """Steps in a row with room before a plan moves back up."""
@@ -63,7 +64,9 @@ class MeasuredAuto:
         self.probe.reset_peak()
         generation = 0 if adapter is None else generation_bytes_of(adapter, self.config)
         return Plan(
-            "auto", reason="step 1 syncs every micro-batch and measures its peak memory", generation_bytes=generation
+            SyncMode.AUTO,
+            reason="step 1 syncs every micro-batch and measures its peak memory",
+            generation_bytes=generation,
         )
 
     def at_window_start(self, adapter: ModelAdapter, plan: Plan, micro_batches: int) -> Change | None:
@@ -78,8 +81,11 @@ class MeasuredAuto:
             # The measured peak already holds what generation gathered (gather_for_generation):
             # generation ran in step 1, so it is not taken off a second time.
             chosen = plan_within(adapter, limit - peak, micro_batches)
-            chosen.generation_bytes = generation_bytes_of(adapter, self.config)
-            chosen.reason = f"auto measured step 1: {room}; holds {format_bytes(chosen.held_bytes())}"
+            chosen = replace(
+                chosen,
+                generation_bytes=generation_bytes_of(adapter, self.config),
+                reason=f"auto measured step 1: {room}; holds {format_bytes(chosen.held_bytes())}",
+            )
             return Change(chosen, f"grad sync: auto measured step 1: {room}; from step 2 on:")
         if peak > limit and plan.held:
             self.quiet = 0
@@ -87,7 +93,7 @@ class MeasuredAuto:
             if lower is None:
                 return None
             self.changes += 1
-            lower.reason = f"auto fell back: {room}, {format_bytes(peak - limit)} over"
+            lower = replace(lower, reason=f"auto fell back: {room}, {format_bytes(peak - limit)} over")
             return Change(lower, f"grad sync: auto falls back one level: step peak {room}; now:")
         self.quiet += 1
         if self.quiet < QUIET_STEPS:
@@ -97,11 +103,12 @@ class MeasuredAuto:
         # the margin to spare, so a plan that only just fits is not taken.
         needs = max(peak - plan.held_bytes(), 0)
         spare = int(capacity * self.config.memory_margin / 2)
-        higher = plan_within(adapter, limit - needs - spare, micro_batches)
-        higher.generation_bytes = plan.generation_bytes
+        higher = replace(
+            plan_within(adapter, limit - needs - spare, micro_batches), generation_bytes=plan.generation_bytes
+        )
         if _saves_more(higher, plan, adapter):
             self.changes += 1
-            higher.reason = f"auto moved up after {QUIET_STEPS} quiet steps: {room}"
+            higher = replace(higher, reason=f"auto moved up after {QUIET_STEPS} quiet steps: {room}")
             return Change(higher, f"grad sync: auto moves back up after {QUIET_STEPS} quiet steps ({room}):")
         return None
 
@@ -109,8 +116,8 @@ class MeasuredAuto:
 def fall_back(plan: Plan, adapter: ModelAdapter, overshoot: int) -> Plan | None:
     """`plan` with units one level lower, largest first, until `overshoot` bytes are freed (or
     every unit went one level down); None when nothing can go lower."""
-    if plan.hold == ALL_REDUCE:
-        return Plan("per_micro_batch", generation_bytes=plan.generation_bytes)  # the only level below
+    if plan.held_sync == ALL_REDUCE:
+        return Plan(SyncMode.PER_MICRO_BATCH, generation_bytes=plan.generation_bytes)  # the only level below
     held, windowed = list(plan.held), list(plan.windowed)
     freed = 0
     for unit in sorted(adapter.units, key=lambda u: u.param_numel, reverse=True):
@@ -134,5 +141,11 @@ def _saves_more(a: Plan, b: Plan, adapter: ModelAdapter) -> bool:
 
 
 def _score(plan: Plan, adapter: ModelAdapter) -> float:
-    levels = {"frozen": 0.0, "per_micro_batch": 0.0, "defer_all_reduce": 0.5, "deferred": 1.0, "windowed": 2.0}
+    levels = {
+        Level.FROZEN: 0.0,
+        Level.PER_MICRO_BATCH: 0.0,
+        Level.DEFER_ALL_REDUCE: 0.5,
+        Level.DEFERRED: 1.0,
+        Level.WINDOWED: 2.0,
+    }
     return sum(levels[plan.level(u)] * u.param_numel for u in adapter.units)

@@ -37,14 +37,13 @@ class BoundModel:
     auto_read_at: tuple[int, int] = (0, 0)
     """`window_key()` when `auto` last read a peak: it reads once per window."""
 
-    def __post_init__(self) -> None:
-        self.set_plan(self.plan)
-
-    def set_plan(self, plan: Plan) -> None:
-        """Use `plan` from the next micro-batch on, and show it in the counters."""
-        self.plan = plan
-        self.account.mode = plan.mode
-        self.account.unit_modes = {u.name: plan.level(u) for u in self.adapter.units}
+    def stats(self) -> dict:
+        """This model's `stats()`: the counters, with the plan's levels and `auto`'s record read
+        from their owners (the plan, `auto`) at the time of asking."""
+        levels = {u.name: self.plan.level(u) for u in self.adapter.units}
+        if self.auto is None:
+            return self.account.stats(self.plan.mode, levels)
+        return self.account.stats(self.plan.mode, levels, self.auto.changes, list(self.auto.peaks))
 
     def window_key(self) -> tuple[int, int]:
         """Changes when a window ends (an optimizer step, or an aborted accumulation)."""
@@ -53,15 +52,15 @@ class BoundModel:
 
 @dataclass
 class Attachment:
-    """The accelerator and config of one `attach()`, and every model it has seen, by `id(root_of(model))`."""
+    """The accelerator and config of one `attach()`, and every model it has seen, by `root_of(model)`."""
 
     accelerator: Accelerator
     config: GradSyncConfig
     policy: SyncPolicy
     trainer: Any = None
-    adapters: dict[int, ModelAdapter | None] = field(default_factory=dict)
+    adapters: dict[nn.Module, ModelAdapter | None] = field(default_factory=dict)
     """Every model `bind` inspected; None where it is not wrapped (accelerate's no_sync applies)."""
-    bound: dict[int, BoundModel] = field(default_factory=dict)
+    bound: dict[nn.Module, BoundModel] = field(default_factory=dict)
     """The models with trainable units, in bind order (the first one is the default of plan())."""
     warned: set[str] = field(default_factory=set)
     window_seen: int = 0

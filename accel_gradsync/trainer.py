@@ -11,7 +11,7 @@ from torch import nn
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from .config import GradSyncConfig
+from .config import GradSyncConfig, SyncMode
 
 LOG_PREFIX = "grad_sync/"
 # The per-step counters a log line carries by default: log key -> stats() key.
@@ -39,7 +39,7 @@ def log_counters(stats: dict, everything: bool = False) -> dict:
     keys = dict(STEP_COUNTERS)
     if stats.get("wrapper") == "ddp" or stats.get("hsdp"):
         keys.update(ALL_REDUCE_COUNTERS)
-    if stats.get("mode_selected") == "auto":
+    if stats.get("mode_selected") == SyncMode.AUTO:
         keys.update(AUTO_COUNTERS)
     return {LOG_PREFIX + name: stats[key] for name, key in keys.items() if key in stats}
 

@@ -12,10 +12,29 @@ memory for generation include it.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+
+class Level(str, enum.Enum):
+    """What a plan does with one unit on the micro-batches that do not end an optimizer step."""
+
+    PER_MICRO_BATCH = "per_micro_batch"
+    """Reduce-scatter every micro-batch."""
+    DEFERRED = "deferred"
+    """Hold the gradient sync (`set_requires_gradient_sync(False)`): one reduce-scatter per step."""
+    WINDOWED = "windowed"
+    """Deferred, and the params kept unsharded through the window: one all-gather per step."""
+    DEFER_ALL_REDUCE = "defer_all_reduce"
+    """HSDP: reduce-scatter every micro-batch, hold the cross-replica all-reduce."""
+    FROZEN = "frozen"
+    """Nothing to reduce (no trainable parameter) and not windowed."""
+
+    def __str__(self) -> str:  # the name itself in messages, logs and JSON (`enum.StrEnum` from 3.11)
+        return self.value
 
 
 @dataclass(frozen=True, eq=False)

@@ -16,18 +16,19 @@ per window (replan.py), and held bytes are read from tensor sizes once per windo
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from .checkpoint import GradCheckpoint
+from .config import SyncMode
 from .decision import describe_decision
 from .fsdp import ModelAdapter
 from .policies import Plan
 from .state import Attachment, BoundModel, root_of
+from .units import Unit
 
 
 @dataclass
@@ -45,16 +46,17 @@ class Window:
     """The accumulation window in progress of every model bound to one `attach()`."""
 
     def __init__(
-        self, state: Attachment, bind: Callable[[nn.Module], ModelAdapter | None], checkpoint: GradCheckpoint,
+        self,
+        state: Attachment,
+        bind: Callable[[nn.Module], ModelAdapter | None],
         release_generation: Callable[[], None] = lambda: None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.state = state
         self._release_generation = release_generation  # generation.py: its flags sit on top of ours
         self._bind = bind
-        self._checkpoint = checkpoint
-        self._held: dict[int, tuple[list, str]] = {}  # by id(root): (units held, how) during a held micro-batch
+        self._held: dict[nn.Module, tuple[Sequence[Unit], str]] = {}  # by model: (units held, how) in no_sync
         self._restore_forward: Callable[[], None] | None = None  # flags to put back after the last forward
-        self._holds: dict[int, _Hold] = {}  # by id(root): the window's flags, until its last forward
+        self._holds: dict[nn.Module, _Hold] = {}  # by model: the window's flags, until its last forward
 
     def watch(self, root: nn.Module) -> list[torch.utils.hooks.RemovableHandle]:
         """Count `root`'s micro-batches from its forward (hooks inside DDP's wrapper)."""
@@ -70,7 +72,7 @@ class Window:
                 yield
             return
         root = root_of(model)
-        bound = self.state.bound.get(id(root))
+        bound = self.state.bound.get(root)
         if bound is None:  # nothing trainable: no gradient to hold
             yield
             return
@@ -83,11 +85,11 @@ class Window:
             self._replan(bound)
         plan = bound.plan
         if not plan.held:
-            self._held[id(root)] = ([], plan.hold)  # inside no_sync: this micro-batch does not end the step
+            self._held[root] = ([], plan.held_sync)  # inside no_sync: this micro-batch does not end the step
             try:
                 yield
             finally:
-                self._held.pop(id(root), None)
+                self._held.pop(root, None)
             return
         held = plan.held
         if adapter.root_only:
@@ -101,9 +103,9 @@ class Window:
                     "holding: torch's FSDP2 cannot hold a gradient that must be cast to reduce_dtype for a "
                     "unit that has not run yet. They hold once they have run; gradients stay exact.",
                 )
-            self._start_hold(id(root), adapter, plan, held)
+            self._start_hold(root, adapter, plan, held)
             context = contextlib.nullcontext()
-        self._held[id(root)] = (held, plan.hold)
+        self._held[root] = (held, plan.held_sync)
         try:
             with context:
                 yield
@@ -115,44 +117,44 @@ class Window:
                     "first gradient reduces correctly (torch's FSDP2 needs one dtype per unit).",
                 )
         except BaseException:
-            self.end_hold(id(root))  # flags back at once; accumulate()'s abort drops the gradients
+            self.end_hold(root)  # flags back at once; accumulate()'s abort drops the gradients
             raise
         finally:
-            self._held.pop(id(root), None)
+            self._held.pop(root, None)
 
     def _check_explicit_no_sync(self) -> None:
         """A `no_sync` the user entered outside `accumulate()`: say once that `per_micro_batch`
         overrides it; refuse the modes that plan per unit for M micro-batches when M is unknown."""
         state, mode = self.state, self.state.policy.name
-        if mode == "per_micro_batch":
+        if mode == SyncMode.PER_MICRO_BATCH:
             state.warn_once(
                 "explicit_no_sync",
                 "accel_gradsync: accelerator.no_sync(model) is overridden by sync mode 'per_micro_batch': every "
                 "micro-batch reduce-scatters its gradients (sharded, lowest memory). Use sync mode 'deferred' "
                 "(GradSyncConfig(defer=True), --defer-grad-sync) to hold them inside no_sync.",
             )
-        elif mode in ("budget", "auto") and state.micro_batches_per_step == 1:
+        elif mode in (SyncMode.BUDGET, SyncMode.AUTO) and state.micro_batches_per_step == 1:
             raise ValueError(
-                f"accelerator.no_sync(model) holds gradients over several micro-batches, but sync mode {mode!r} "
+                f"accelerator.no_sync(model) holds gradients over several micro-batches, but sync mode '{mode}' "
                 "plans each unit for the M micro-batches of one optimizer step and the Accelerator has "
                 "gradient_accumulation_steps=1. Build it with Accelerator(gradient_accumulation_steps=M) (M-1 "
                 "micro-batches inside no_sync, then the one that syncs), or use sync mode 'deferred'."
             )
 
-    def _start_hold(self, key: int, adapter: ModelAdapter, plan: Plan, held: list) -> None:
+    def _start_hold(self, key: nn.Module, adapter: ModelAdapter, plan: Plan, held: Sequence[Unit]) -> None:
         """Set the flags `plan` holds, unless this window already holds exactly those."""
         ids = tuple(id(u) for u in held)
         current = self._holds.get(key)
-        if current is not None and current.plan is plan and current.held == ids:
+        if current is not None and current.plan == plan and current.held == ids:
             return
         self.end_hold(key)  # a new plan (auto), or units that could not hold before now can
         self._release_generation()
         windowed = [u for u in plan.windowed if id(u) in ids]
         flags = contextlib.ExitStack()
-        flags.enter_context(adapter.hold(held, plan.hold, windowed))
+        flags.enter_context(adapter.hold(held, plan.held_sync, windowed))
         self._holds[key] = _Hold(plan, ids, flags)
 
-    def end_hold(self, key: int | None = None) -> None:
+    def end_hold(self, key: nn.Module | None = None) -> None:
         """Put back the flags the window of model `key` (of every model: None) set."""
         for k in list(self._holds) if key is None else [key]:
             hold = self._holds.pop(k, None)
@@ -168,9 +170,8 @@ class Window:
         m = self.state.micro_batches_per_step
         assert bound.auto is not None  # called for auto's models only
         change = bound.auto.at_window_start(bound.adapter, bound.plan, m)
-        bound.account.measured_peaks, bound.account.plan_changes = list(bound.auto.peaks), bound.auto.changes
         if change is not None:
-            bound.set_plan(change.plan)
+            bound.plan = change.plan
             self.state.accelerator.print(change.message)
             self.state.accelerator.print(describe_decision(change.plan, bound.adapter, m))
 
@@ -181,24 +182,22 @@ class Window:
             # Generation, evaluation, log-prob passes. A forward with gradients counts whatever the
             # module's train/eval mode: its backward reduces (or holds) all the same.
             return
-        if self._checkpoint.pending is not None:
-            self._checkpoint.restore()
         state = self.state
         # Inside no_sync a micro-batch never ends the step, even outside accumulate() (sync_gradients True).
-        ends_step = state.accelerator.sync_gradients and id(module) not in self._held
-        skipped_no_sync = id(module) not in self._held and not ends_step and state.policy.name != "per_micro_batch"
+        ends_step = state.accelerator.sync_gradients and module not in self._held
+        skipped_no_sync = module not in self._held and not ends_step and state.policy.name != SyncMode.PER_MICRO_BATCH
         # A non-final micro-batch that skipped no_sync: accelerate's shared sync_each_batch was
         # switched on after attach (by another Accelerator or Trainer in this process).
         if skipped_no_sync and state.accelerator.gradient_state.plugin_kwargs.get("sync_each_batch", False):
             state.warn_once(
                 "sync_each_batch",
-                f"accel_gradsync: sync mode {state.policy.name!r} is not applied: accelerate's "
+                f"accel_gradsync: sync mode '{state.policy.name}' is not applied: accelerate's "
                 "sync_each_batch=True was set after attach() and makes every micro-batch sync.",
             )
-        if id(module) not in self._held:
-            self.end_hold(id(module))  # the window's last micro-batch (or one accelerate syncs): it syncs
-        held, hold = self._held.get(id(module), ((), ""))
-        bound = state.bound[id(module)]
+        if module not in self._held:
+            self.end_hold(module)  # the window's last micro-batch (or one accelerate syncs): it syncs
+        held, hold = self._held.get(module, ((), ""))
+        bound = state.bound[module]
         if ends_step and bound.account.current.micro_batches and state.micro_batches_per_step == 1:
             # A loop holding micro-batches with no_sync outside accumulate(): its first window tells M.
             state.window_seen = bound.account.current.micro_batches + 1

@@ -76,7 +76,7 @@ def test_the_window_keeps_frozen_units_too_within_the_budget(adapter):
     root = next(u for u in adapter.units if u.frozen)
     # Exactly what the frozen unit's window costs: its parameter bytes; taken (it saves M - 1 gathers).
     only_root = choose_levels("budget", adapter.units, root.param_bytes, M)
-    assert only_root.windowed == [root] and only_root.level(root) == "windowed"
+    assert only_root.windowed == (root,) and only_root.level(root) == "windowed"
     less = choose_levels("budget", adapter.units, root.param_bytes - 1, M)
     assert less.level(root) == "frozen" and not less.windowed
 

@@ -4,6 +4,7 @@ sharded one (half of it on 2 ranks); a window saves all-gather bytes and adds th
 a reduce-scatter byte takes about 1.4x an all-gather byte, so the same budget buys deferral of more
 units there and a window with NCCL."""
 
+import pytest
 from torch import nn
 
 from accel_gradsync.fsdp import ModelAdapter, Unit
@@ -29,7 +30,7 @@ def test_on_gloo_the_same_budget_defers_two_units():
     plan = choose_levels(
         "budget", units, budget=8000, micro_batches=8, reduce_scatter_cost=REDUCE_SCATTER_COST["gloo"]
     )  # 19.6 per byte
-    assert plan.windowed == [] and [u.name for u in plan.held] == ["blocks.0", "blocks.1"]
+    assert plan.windowed == () and [u.name for u in plan.held] == ["blocks.0", "blocks.1"]
     # Room for every deferral and one window: deferral first, then the window.
     plan = choose_levels("budget", units, budget=16000, micro_batches=8, reduce_scatter_cost=1.4)
     assert len(plan.held) == 3 and [u.name for u in plan.windowed] == ["blocks.0"]
@@ -40,3 +41,16 @@ def test_the_weight_is_the_adapters_backend():
     for backend, weight in (("gloo", 1.4), ("nccl", 1.0), ("hccl", 1.0), ("", 1.0)):
         adapter.backend = backend
         assert reduce_scatter_cost_of(adapter) == weight
+
+
+def test_a_plan_is_immutable_and_compared_by_value():
+    """A change of plan is a new Plan; two plans with the same fields are the same plan."""
+    import dataclasses
+
+    units = _units()
+    first = choose_levels("budget", units, 10**9, 4)
+    again = choose_levels("budget", units, 10**9, 4)
+    assert first == again and first is not again
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        first.reason = "changed"  # type: ignore[misc]
+    assert dataclasses.replace(first, reason="changed") != first

@@ -63,7 +63,7 @@ def _expected(res, hsdp: bool):
     held = [len(plan["held"])] * len(WINDOWS)
     if "probe" in res:
         held[0] = 0
-    rs = [units * m - (h * (m - 1) if plan["hold"] == "gradient_sync" else 0) for m, h in zip(WINDOWS, held)]
+    rs = [units * m - (h * (m - 1) if plan["held_sync"] == "gradient_sync" else 0) for m, h in zip(WINDOWS, held)]
     ar = [units * m - h * (m - 1) for m, h in zip(WINDOWS, held)] if hsdp else [0] * len(WINDOWS)
     return rs, ar
 

@@ -148,7 +148,7 @@ for run in args.runs:
     result["modes"][run["name"]] = {
         "steps": steps,
         "stats": handle.stats(),
-        "plan": {"mode": plan.mode, "held": [u.name for u in plan.held], "hold": plan.hold,
+        "plan": {"mode": plan.mode, "held": [u.name for u in plan.held], "held_sync": plan.held_sync,
                  "held_bytes": plan.held_bytes(), "reason": plan.reason},
         "units": {u.name: u.held_bytes for u in handle.units()},
         "windowed": [u.name for u in plan.windowed],

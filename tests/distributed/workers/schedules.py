@@ -178,7 +178,7 @@ def _plan_numbers(handle) -> tuple[int, int, object]:
     plan = handle.plan()
     units = handle.units()
     total = sum(u.collectives for u in units)
-    held = sum(u.collectives for u in plan.held) if plan.hold == "gradient_sync" else 0
+    held = sum(u.collectives for u in plan.held) if plan.held_sync == "gradient_sync" else 0
     return total, held, types.SimpleNamespace(units=units, hsdp=False)
 
 
