@@ -112,7 +112,7 @@ class ModelAdapter:
 
     def load_grad_state(self, state: list) -> None:
         """Put `grad_state()`'s gradients back before the window continues."""
-        for p, grad in zip(self.model.parameters(), state):
+        for p, grad in zip(self.model.parameters(), state, strict=True):
             p.grad = None if grad is None else grad.to(p.device)
 
     def held_grad_bytes(self) -> int:
@@ -257,9 +257,9 @@ class FSDP2Adapter(ModelAdapter):
                 f"{len(groups)}: it was saved from a different model or wrapping. Load it into the model it was "
                 "saved from, or delete its accel_gradsync_grads_rank*.pt files to resume at the last optimizer step."
             )
-        for group, (params, partial) in zip(groups, state):
+        for group, (params, partial) in zip(groups, state, strict=True):
             group._partial_reduce_output = partial
-            for p, (held, sharded) in zip(group.fsdp_params, params):
+            for p, (held, sharded) in zip(group.fsdp_params, params, strict=True):
                 # FSDP2 adds later micro-batches' gradients to `unsharded_accumulated_grad` and
                 # reduce-scatters it on the last one, whatever the dtypes.
                 p.unsharded_accumulated_grad = held
@@ -310,7 +310,7 @@ class FSDP2Adapter(ModelAdapter):
         def restore() -> None:
             for state, auto, infos in saved:
                 state._auto_reshard_after_forward = auto
-                for group, info in zip(_groups(state), infos):
+                for group, info in zip(_groups(state), infos, strict=True):
                     group.post_forward_mesh_info = info
 
         return restore

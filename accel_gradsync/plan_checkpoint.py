@@ -52,7 +52,7 @@ class PlanCheckpoint:
                 f"accel_gradsync: {path} holds the auto plans of {len(saved)} model(s) but this run has "
                 f"{len(bound)} model(s) under sync mode auto; load the checkpoint with the models it was saved with."
             )
-        for model, record in zip(bound, saved):
+        for model, record in zip(bound, saved, strict=True):
             _restore(model, record)
 
     def on_trainer_save(self, checkpoint: str) -> None:

@@ -63,7 +63,7 @@ def warm_up(model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerFast, steps: 
     task and leave GRPO nothing to learn. Deterministic: every rank computes the same weights.
     Returns the last loss."""
     data = build_dataset(seed=seed)
-    texts = [p + a for p, a in zip(data["prompt"], data["answer"])]
+    texts = [p + a for p, a in zip(data["prompt"], data["answer"], strict=True)]
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     generator = torch.Generator().manual_seed(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
@@ -103,7 +103,7 @@ def accuracy_reward(completions: list, answer: list, **kwargs: Any) -> list[floa
     right answers, and a run that learns shows it (partial credit kept that mean near 0.6 whatever
     the model did)."""
     rewards = []
-    for completion, ans in zip(completions, answer):
+    for completion, ans in zip(completions, answer, strict=True):
         pred, target = _last_int(_text(completion)), _last_int(str(ans))
         rewards.append(1.0 if pred is not None and pred == target else 0.0)
     return rewards

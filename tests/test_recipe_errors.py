@@ -145,7 +145,7 @@ def test_the_warm_up_gives_the_tiny_model_the_format_deterministically():
         loss = embedded.warm_up(model, tokenizer, steps=60)
         models.append(model)
     assert loss < 1.6  # from about 3 (random over 17 tokens)
-    for a, b in zip(models[0].parameters(), models[1].parameters()):
+    for a, b in zip(models[0].parameters(), models[1].parameters(), strict=True):
         assert torch.equal(a, b)
 
 

@@ -103,7 +103,7 @@ def test_hosts_talk_through_the_shaped_link_and_nowhere_else():
             os.environ)  # fmt: skip
         assert sender.wait(120) == 0
         assert int(receiver.communicate(timeout=120)[0]) == size
-        sent = [after - before for after, before in zip(c.link_bytes(), sent_before)]
+        sent = [after - before for after, before in zip(c.link_bytes(), sent_before, strict=True)]
         assert sent[0] >= size  # host 0's NIC carried the payload (and its headers)
         assert sent[1] < size // 10  # host 1 only acknowledged
         stats = subprocess.run(["tc", "-n", c.namespaces[0], "-s", "qdisc", "show", "dev", cluster.NIC],
@@ -234,7 +234,7 @@ def test_grpo_recipe_on_two_hosts_defers_the_cross_host_all_reduces(tmp_path):
         for mode in ("per_micro_batch", "defer_all_reduce"):
             runs[mode] = launch_recipe_on_cluster(c, config, ["--grad-sync-mode", mode], tmp_path / mode)
     cross_host = {"0,2", "1,3"}  # the replicate groups: rank r of host 0 with rank r of host 1
-    for per_mb, deferred in zip(runs["per_micro_batch"], runs["defer_all_reduce"]):
+    for per_mb, deferred in zip(runs["per_micro_batch"], runs["defer_all_reduce"], strict=True):
         units = per_mb["fsdp2_reducing_groups"]
         assert units >= 3 and deferred["fsdp2_reducing_groups"] == units
         assert len([m for m in per_mb["fsdp2_modules"] if m.endswith("Qwen2DecoderLayer")]) == 2

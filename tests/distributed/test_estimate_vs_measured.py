@@ -146,6 +146,6 @@ def test_units_are_the_runs_units_by_name_size_and_order(run):
         assert list(result["stats"]["unit_modes"]) == names, (est.model, result["mode"])
         if result["mode"] == "deferred":
             sizes = [(u["name"], u["numel"]) for u in result["units"]]
-            assert sizes == [(n, u["numel"]) for n, u in zip(names, est.units)], est.model
+            assert sizes == [(n, u["numel"]) for n, u in zip(names, est.units, strict=True)], est.model
             checked += 1
     assert checked >= 2

@@ -115,7 +115,7 @@ def test_completions_losses_and_parameters_equal_the_run_without_it(runs, single
             if name not in COMPARE:
                 continue
             ref = outs[COMPARE[name]]
-            for step, ref_step in zip(out["steps"], ref["steps"]):
+            for step, ref_step in zip(out["steps"], ref["steps"], strict=True):
                 assert step["completions"] == ref_step["completions"], name
                 assert step["losses"] == pytest.approx(ref_step["losses"], rel=1e-6), name
             assert out["param_diff"] <= 1e-6, (name, out["param_diff"])
@@ -191,7 +191,7 @@ def test_grpo_recipe_gathers_per_round_not_per_token(grpo):
     assert off["logs"][-1]["grad_sync/generation_all_gathers"] >= 2 * STEPS * (units - 1)
     assert on["logs"][-1]["grad_sync/all_gathers"] <= off["logs"][-1]["grad_sync/all_gathers"]
     # Same seed: the same completions, rewards and loss with the units kept through generation.
-    for first_on, first_off in zip(on["logs"], off["logs"]):
+    for first_on, first_off in zip(on["logs"], off["logs"], strict=True):
         assert first_on["reward"] == first_off["reward"]
         assert first_on["loss"] == pytest.approx(first_off["loss"], rel=1e-5, abs=1e-7)
 

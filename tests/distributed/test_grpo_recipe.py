@@ -133,7 +133,7 @@ def test_window_mode_in_grpo_gathers_less_and_learns_the_same_first_step(runs):
     """Generation runs between windows (no-grad forwards); the window must survive it."""
     window, deferred, per_micro_batch = runs(WINDOW), runs(QUICKSTART[0]), runs(QUICKSTART[1])
     assert "windowed" in window["stdout"]  # the decision line
-    for w, d in zip(window["ranks"], deferred["ranks"]):
+    for w, d in zip(window["ranks"], deferred["ranks"], strict=True):
         gathers = [sum(r["counts"].get(n, 0) for n in ("all_gather_single", "all_gather_into_tensor")) for r in (w, d)]
         units = w["fsdp2_reducing_groups"]
         # Training gathers each unit once per step instead of up to 2M times; generation gathers as before.

@@ -63,8 +63,11 @@ def _expected(res, hsdp: bool):
     held = [len(plan["held"])] * len(WINDOWS)
     if "probe" in res:
         held[0] = 0
-    rs = [units * m - (h * (m - 1) if plan["held_sync"] == "gradient_sync" else 0) for m, h in zip(WINDOWS, held)]
-    ar = [units * m - h * (m - 1) for m, h in zip(WINDOWS, held)] if hsdp else [0] * len(WINDOWS)
+    rs = [
+        units * m - (h * (m - 1) if plan["held_sync"] == "gradient_sync" else 0)
+        for m, h in zip(WINDOWS, held, strict=True)
+    ]
+    ar = [units * m - h * (m - 1) for m, h in zip(WINDOWS, held, strict=True)] if hsdp else [0] * len(WINDOWS)
     return rs, ar
 
 
@@ -75,7 +78,7 @@ def _check_run(res, hsdp=False):
     assert _counts(res, "reduce_scatter_single") == rs
     # auto agrees on the measured peak with one small all-reduce at each window start after the first.
     agreement = [0] + [1] * (len(WINDOWS) - 1) if "probe" in res else [0] * len(WINDOWS)
-    assert _counts(res, "all_reduce") == [a + b for a, b in zip(ar, agreement)]
+    assert _counts(res, "all_reduce") == [a + b for a, b in zip(ar, agreement, strict=True)]
     stats = res["stats"]
     assert stats["reduce_scatters_issued"] == sum(rs) and stats["all_reduces_issued"] == sum(ar)
 

@@ -68,7 +68,9 @@ def test_window_gathers_each_unit_once_per_step_and_matches_the_reference(fp32):
         # U all-gathers per optimizer step whatever M is (the first step finds the root still
         # gathered by the evaluation pass before it: FSDP2 never reshards the root after forward).
         assert window[1:] == [UNITS] * (len(WINDOWS) - 1) and window[0] <= UNITS
-        assert deferred == per_mb and all(w < p for w, p in zip(window, per_mb))  # deferral alone gathers as often
+        assert deferred == per_mb and all(
+            w < p for w, p in zip(window, per_mb, strict=True)
+        )  # deferral alone gathers as often
         assert sorted(modes["window"]["windowed"]) == ["", "blocks.0", "blocks.1"]
 
 

@@ -202,7 +202,7 @@ def one_run(run: dict) -> dict:
     snapshots[run["name"]] = params
     if "compare_to" in run:
         ref = snapshots[run["compare_to"]]
-        out["param_diff"] = max((a[n] - b[n]).abs().max().item() for a, b in zip(params, ref) for n in a)
+        out["param_diff"] = max((a[n] - b[n]).abs().max().item() for a, b in zip(params, ref, strict=True) for n in a)
     out["stats"] = handle.stats()
     out["flags_restored"] = flags(model) == flags_before
     handle.detach()

@@ -77,7 +77,7 @@ def run_checkpoint(accelerator, config: dict, root: str) -> dict:
             name: sorted(os.listdir(path)) for name, path in (("boundary", ckpt[BOUNDARY]), ("middle", ckpt[MIDDLE]))
         },
         "save_and_continue": compare(saved_params, ref_params),
-        "save_and_continue_grads": [compare(a, b)["max_diff"] for a, b in zip(saved_grads, ref_grads)],
+        "save_and_continue_grads": [compare(a, b)["max_diff"] for a, b in zip(saved_grads, ref_grads, strict=True)],
     }
     for name, index in (("boundary", BOUNDARY), ("middle", MIDDLE)):
         # A different seed, so only load_state can make the weights right.
