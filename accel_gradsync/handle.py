@@ -57,35 +57,77 @@ class GradSyncHandle:
         return self._state.micro_batches_per_step
 
     def stats(self) -> dict:
-        """Counters since attach: micro-batches (all and deferred), optimizer steps, unit
-        reduce-scatters / all-reduces issued and skipped, parameter all-gathers of training
-        (`all_gathers`) and of forwards without gradients (`generation_all_gathers`), bytes
-        reduced, measured held gradient bytes, each unit's mode; `last_step/*` for the last
-        finished optimizer step."""
+        """What ran since `attach`, counted by the plugin from each unit's flags.
+
+        Returns:
+            `dict`: `micro_batches` (and `deferred_micro_batches`), `optimizer_steps`,
+            `reduce_scatters_issued` / `_skipped` and `all_reduces_issued` / `_skipped` (unit
+            syncs), `all_gathers` (training) and `generation_all_gathers` (forwards without
+            gradients), `bytes_reduced`, `peak_held_grad_bytes`, the plan's `mode` and each
+            unit's level (`unit_modes`, `units_<level>`), under `auto` its `measured_peaks` and
+            `plan_changes`; the same counts for the last finished optimizer step under
+            `last_step/`; with several models, each one's under `models`.
+        """
         return combined_stats({b.name: b.stats() for b in self._state.bound.values()}, self.policy.name)
 
     def plan(self, model: nn.Module | None = None) -> Plan | None:
-        """The plan of `model` (default: the first bound model): held units, reason."""
+        """The plan in force for one model.
+
+        Args:
+            model (`torch.nn.Module`, *optional*): a bound model; default: the first one bound.
+
+        Returns:
+            `Plan` or `None`: its mode, held and windowed units and why; `None` while the model
+            is not bound (not prepared yet, not wrapped, or nothing to train).
+        """
         bound = self._state.bound
         if model is not None:
             return bound[root_of(model)].plan if root_of(model) in bound else None
         return next((b.plan for b in bound.values()), None)
 
     def units(self, model: nn.Module | None = None) -> list:
-        """The units (`accel_gradsync.units.Unit`) of `model` (default: the first bound model)."""
+        """The FSDP units (DDP: the whole model) the plugin plans over.
+
+        Args:
+            model (`torch.nn.Module`, *optional*): a bound model; default: the first one bound.
+
+        Returns:
+            `list[accel_gradsync.units.Unit]`: name, sizes and dtypes of each unit, frozen ones
+            included; empty while the model is not bound.
+        """
         key = root_of(model) if model is not None else next(iter(self._state.bound), None)
         adapter = self._state.adapters.get(key) if key is not None else None
         return list(adapter.units) if adapter is not None else []
 
     def describe(self) -> str:
-        """The decision line printed at start, e.g. `grad sync: deferred over 4 micro-batches ...`."""
+        """The decision line of the first bound model, as printed at bind.
+
+        Returns:
+            `str`: e.g. `grad sync: deferred over 4 micro-batches on fsdp2 (3 deferred) -> ...`.
+        """
         bound = next(iter(self._state.bound.values()), None)
         if bound is None:
             return f"grad sync: {self.policy.name} (no FSDP/DDP model bound yet)"
         return describe_decision(bound.plan, bound.adapter, self.micro_batches_per_step)
 
     def bind(self, model: nn.Module) -> ModelAdapter | None:
-        """Inspect a prepared model once: its wrapper and units, the plan, the micro-batch counter."""
+        """Inspect a model once: its wrapper and units, its plan and counters; prints the
+        decision line. Models accelerate prepares, the Trainer's, and a model at its first
+        `no_sync` are bound without this call; call it for a model accelerate did not prepare
+        (one transformers sharded at load time) before its first step.
+
+        Args:
+            model (`torch.nn.Module`): a model wrapped in FSDP2, FSDP1 or DDP.
+
+        Returns:
+            `ModelAdapter` or `None`: `None` where the model is not wrapped (accelerate's own
+            `no_sync` then applies, with one warning).
+
+        Raises:
+            `ValueError`: the accelerate config asks for FSDP and the model is not FSDP-wrapped,
+                or the sync mode cannot run on its wrapper (`budget` and `defer_all_reduce` need
+                FSDP2, `defer_all_reduce` an HSDP mesh).
+        """
         root = root_of(model)
         if root in self._state.adapters:
             return self._state.adapters[root]
@@ -96,15 +138,27 @@ class GradSyncHandle:
         return adapter
 
     def gathered(self, model: nn.Module | None = None) -> contextlib.AbstractContextManager:
-        """Keep the units of every bound FSDP2 model unsharded through the forwards without
-        gradients inside the block (`with grad_sync.gathered(model): model.generate(...)`): each
-        all-gathers once instead of once per forward; resharded when the block ends, also on an
-        exception. What `gather_for_generation` does automatically; it costs the unsharded
-        parameters (compute dtype) on every rank while the block runs."""
+        """Keep FSDP2 units unsharded through the forwards without gradients inside the block:
+        `with grad_sync.gathered(model): model.generate(...)`. Each unit all-gathers once instead
+        of once per forward (per generated token); all are resharded when the block ends, also on
+        an exception. What `gather_for_generation` does by itself; it costs the unsharded
+        parameters (compute dtype) on every rank while the block runs.
+
+        Args:
+            model (`torch.nn.Module`, *optional*): a bound model; default: every bound model.
+
+        Returns:
+            A context manager.
+
+        Raises:
+            `ValueError`: `model` is not bound to this `attach()`.
+        """
         return self._generation.gathered(model)
 
     def detach(self) -> None:
-        """Undo `attach`: the accelerator's own `no_sync` again, hooks and callback removed."""
+        """Undo `attach`: every unit's flags as they were, units kept for generation resharded,
+        the accelerator's (and a Trainer's) own class, hooks and callback removed. The counters
+        stay readable."""
         self._generation.close()  # units kept for generation: flags back, resharded
         self._window.end_hold()  # a window left mid-way: its flags back
         if self._original_class is not None:
