@@ -109,9 +109,14 @@ class SyncAccounting:
     """`id` of each unit whose params are unsharded now, as far as the plugin knows."""
 
     def record_micro_batch(
-        self, units: Sequence[Unit], held: Sequence[Unit], hold: str, ends_step: bool,
-        windowed: Sequence[Unit] = (), keeps_params_when_held: bool = False,
-    ) -> None:  # fmt: skip
+        self,
+        units: Sequence[Unit],
+        held: Sequence[Unit],
+        hold: str,
+        ends_step: bool,
+        windowed: Sequence[Unit] = (),
+        keeps_params_when_held: bool = False,
+    ) -> None:
         """Count one micro-batch over `units` whose backward holds the sync of `held`: all of
         it (`gradient_sync`), or on HSDP only the cross-replica `all_reduce`. The plan's
         `windowed` units keep their params through it (held ones also after its backward); FSDP1

@@ -28,36 +28,47 @@ class EstimateArguments:
     micro_batches: int = field(metadata={"help": "Micro-batches per optimizer step (gradient_accumulation_steps)."})
     accelerate_config: str | None = field(
         default=None,
-        metadata={"help": "The accelerate config file the run will be launched with (FSDP version, wrap policy, "
-                  "mixed_precision, num_processes, parallelism_config replicate/shard sizes)."},
-    )  # fmt: skip
+        metadata={
+            "help": "The accelerate config file the run will be launched with (FSDP version, wrap policy, "
+            "mixed_precision, num_processes, parallelism_config replicate/shard sizes)."
+        },
+    )
     distributed_config: str | None = field(
         default=None,
-        metadata={"help": "Instead of --accelerate-config, for a model transformers shards at load time: the keys "
-                  "of its DistributedConfig as JSON or a JSON/YAML file, e.g. '{\"fsdp_size\": 8, "
-                  "\"dp_replicate_size\": 2}' (fsdp_size, dp_replicate_size, fsdp_mixed_precision, "
-                  "fsdp_cpu_offload, fsdp_plan)."},
-    )  # fmt: skip
+        metadata={
+            "help": "Instead of --accelerate-config, for a model transformers shards at load time: the keys "
+            'of its DistributedConfig as JSON or a JSON/YAML file, e.g. \'{"fsdp_size": 8, '
+            '"dp_replicate_size": 2}\' (fsdp_size, dp_replicate_size, fsdp_mixed_precision, '
+            "fsdp_cpu_offload, fsdp_plan)."
+        },
+    )
     model: str = field(
         default=RECIPE_DEFAULT,
-        metadata={"help": f"A transformers config: a local directory with config.json, a hub name (online only), "
-                  f"or {RECIPE_DEFAULT!r} for the GRPO recipe's embedded tiny Qwen2. Built on the meta device: "
-                  "no weights are loaded and no memory is spent."},
-    )  # fmt: skip
+        metadata={
+            "help": f"A transformers config: a local directory with config.json, a hub name (online only), "
+            f"or {RECIPE_DEFAULT!r} for the GRPO recipe's embedded tiny Qwen2. Built on the meta device: "
+            "no weights are loaded and no memory is spent."
+        },
+    )
     num_processes: int | None = field(
         default=None,
         metadata={"help": "Override the config's num_processes, as accelerate launch --num_processes does."},
     )
     mixed_precision: str | None = field(
         default=None,
-        metadata={"help": "Override the config's mixed_precision, as accelerate launch --mixed_precision does.",
-                  "choices": ("no", "fp16", "bf16", "fp8")},
-    )  # fmt: skip
+        metadata={
+            "help": "Override the config's mixed_precision, as accelerate launch --mixed_precision does.",
+            "choices": ("no", "fp16", "bf16", "fp8"),
+        },
+    )
     model_dtype: str = field(
         default="fp32",
-        metadata={"help": "dtype the model's parameters are loaded in. With mixed_precision on, accelerate upcasts "
-                  "trainable parameters to fp32 anyway.", "choices": tuple(DTYPES)},
-    )  # fmt: skip
+        metadata={
+            "help": "dtype the model's parameters are loaded in. With mixed_precision on, accelerate upcasts "
+            "trainable parameters to fp32 anyway.",
+            "choices": tuple(DTYPES),
+        },
+    )
     json: bool = field(default=False, metadata={"help": "Print the estimate as JSON instead of a table."})
 
 
@@ -91,10 +102,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             args, config = estimate_parser.parse_args_into_dataclasses(argv[1:], look_for_args_file=False)
             result = estimate(
-                args.model, args.accelerate_config, args.micro_batches, config, args.num_processes,
-                model_dtype=DTYPES[args.model_dtype], mixed_precision=args.mixed_precision,
+                args.model,
+                args.accelerate_config,
+                args.micro_batches,
+                config,
+                args.num_processes,
+                model_dtype=DTYPES[args.model_dtype],
+                mixed_precision=args.mixed_precision,
                 distributed_config=args.distributed_config,
-            )  # fmt: skip
+            )
         except ValueError as err:
             estimate_parser.error(str(err))  # exits 2 with the usage line
     print(json.dumps(result.to_dict(), indent=1) if args.json else format_table(result))

@@ -87,8 +87,10 @@ def warn_about_plan(plan: Plan, adapter: ModelAdapter, config: GradSyncConfig, m
     """Warn about what a first plan costs or ignores on this wrapper. The warnings point at the
     code that called `bind` (`prepare`, the first `no_sync`, or attach)."""
     if config.keep_params_unsharded and adapter.kind != "fsdp2" and plan.held:
-        instead = {"fsdp1": "FSDP1's nearest equivalent is sharding_strategy SHARD_GRAD_OP",
-                   "ddp": "DDP never shards parameters"}[adapter.kind]  # fmt: skip
+        instead = {
+            "fsdp1": "FSDP1's nearest equivalent is sharding_strategy SHARD_GRAD_OP",
+            "ddp": "DDP never shards parameters",
+        }[adapter.kind]
         warnings.warn(
             f"accel_gradsync: keep_params_unsharded does not apply on {adapter.kind}: it keeps FSDP2 units' "
             f"parameters unsharded through the accumulation window ({instead}).",

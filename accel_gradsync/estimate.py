@@ -627,9 +627,20 @@ def format_table(est: Estimate) -> str:
         + (f"; free memory {format_bytes(est.free_memory)}/rank" if est.free_memory is not None else ""),
         "",
     ]
-    header = ["mode", "reduce-scatters/step", "all-reduces/step", "sent/rank/step", "held grads/rank", "held dtype",
-              "held params/rank", "sharded grads/rank", "peak/rank", "fits", "all-gathers/step",
-              "generation params/rank"]  # fmt: skip
+    header = [
+        "mode",
+        "reduce-scatters/step",
+        "all-reduces/step",
+        "sent/rank/step",
+        "held grads/rank",
+        "held dtype",
+        "held params/rank",
+        "sharded grads/rank",
+        "peak/rank",
+        "fits",
+        "all-gathers/step",
+        "generation params/rank",
+    ]
     rows, notes = [], []
     for m in est.modes:
         name = m.mode + (" *" if m.selected else "")
@@ -638,11 +649,22 @@ def format_table(est: Estimate) -> str:
             notes.append(f"{m.mode}: n/a: {m.reason}")
             continue
         fits = "-" if m.fits is None else ("yes" if m.fits else "NO")
-        rows.append([name, str(m.reduce_scatters), str(m.all_reduces) if est.replicate_size > 1 else "-",
-                     format_bytes(m.send_bytes), format_bytes(m.held_bytes), m.held_dtype or "-",
-                     format_bytes(m.held_param_bytes), format_bytes(m.sharded_bytes), format_bytes(m.peak_bytes),
-                     fits, f"{m.all_gathers} ({format_bytes(m.all_gather_bytes)})",
-                     format_bytes(m.generation_bytes) if m.generation_bytes else "-"])  # fmt: skip
+        rows.append(
+            [
+                name,
+                str(m.reduce_scatters),
+                str(m.all_reduces) if est.replicate_size > 1 else "-",
+                format_bytes(m.send_bytes),
+                format_bytes(m.held_bytes),
+                m.held_dtype or "-",
+                format_bytes(m.held_param_bytes),
+                format_bytes(m.sharded_bytes),
+                format_bytes(m.peak_bytes),
+                fits,
+                f"{m.all_gathers} ({format_bytes(m.all_gather_bytes)})",
+                format_bytes(m.generation_bytes) if m.generation_bytes else "-",
+            ]
+        )
         if m.reason:
             notes.append(f"{m.mode}: {m.reason}")
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]

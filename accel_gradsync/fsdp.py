@@ -159,12 +159,20 @@ class FSDP2Adapter(ModelAdapter):
             reshards = name != "" and all(g.post_forward_mesh_info is not None for g in groups)
             reducing = sum(any(p.sharded_param.requires_grad for p in g.fsdp_params) for g in groups)
             units.append(
-                Unit(name, cast(nn.Module, module), numel, reducing, held_dtype=held, reduce_dtype=reduce,
-                     compute_dtype=compute, shard_size=shard,
-                     sharded_numel=sum(dim0_shard_numel(p.sharded_param.shape, shard) for p in params),
-                     param_numel=sum(p.sharded_param.numel() for p in everything),
-                     reshards_after_forward=reshards)
-            )  # fmt: skip
+                Unit(
+                    name,
+                    cast(nn.Module, module),
+                    numel,
+                    reducing,
+                    held_dtype=held,
+                    reduce_dtype=reduce,
+                    compute_dtype=compute,
+                    shard_size=shard,
+                    sharded_numel=sum(dim0_shard_numel(p.sharded_param.shape, shard) for p in params),
+                    param_numel=sum(p.sharded_param.numel() for p in everything),
+                    reshards_after_forward=reshards,
+                )
+            )
         return units
 
     def held_grad_bytes(self) -> int:
@@ -188,10 +196,11 @@ class FSDP2Adapter(ModelAdapter):
         (`to_accumulated_grad_if_needed`) on a unit that was never all-gathered, when a held
         gradient must be cast to `reduce_dtype`: such a unit syncs until it has run once."""
         return [
-            u for u in units
+            u
+            for u in units
             if u.held_dtype == u.compute_dtype
             or all(hasattr(p, "_unsharded_param") for p in _fsdp_params(_fsdp2(u.module)))
-        ]  # fmt: skip
+        ]
 
     def even_out_held_grads(self, units: Sequence[Unit]) -> int:
         """After a held backward: in each unit whose held gradients are cast to `reduce_dtype`,
@@ -239,10 +248,12 @@ class FSDP2Adapter(ModelAdapter):
                     if held is None and hasattr(p, "_unsharded_param"):
                         held = p._unsharded_param.grad
                     sharded = p.sharded_param.grad
-                    params.append((
-                        None if held is None else held.detach().clone(),
-                        None if sharded is None else sharded.to_local().detach().clone(),
-                    ))  # fmt: skip
+                    params.append(
+                        (
+                            None if held is None else held.detach().clone(),
+                            None if sharded is None else sharded.to_local().detach().clone(),
+                        )
+                    )
                 partial = group._partial_reduce_output
                 state.append((params, None if partial is None else partial.detach().clone()))
         return state
@@ -266,9 +277,13 @@ class FSDP2Adapter(ModelAdapter):
                 if sharded is not None:
                     sp = p.sharded_param
                     p.sharded_param.grad = DTensor.from_local(
-                        sharded.to(sp.device), sp.device_mesh, sp.placements, run_check=False,
-                        shape=sp.shape, stride=sp.stride(),
-                    )  # fmt: skip
+                        sharded.to(sp.device),
+                        sp.device_mesh,
+                        sp.placements,
+                        run_check=False,
+                        shape=sp.shape,
+                        stride=sp.stride(),
+                    )
 
     @contextlib.contextmanager
     def hold(self, units: Sequence[Unit], what: str = "gradient_sync", windowed: Sequence[Unit] = ()) -> Iterator[None]:
@@ -301,8 +316,7 @@ class FSDP2Adapter(ModelAdapter):
         # torch's setter cannot express what it replaces (the root's automatic False, or a
         # reshard to a smaller mesh), so the exact previous state is put back directly.
         states = [_fsdp2(u.module)._get_fsdp_state() for u in units if u.reshards_after_forward]
-        saved = [(s, s._auto_reshard_after_forward, [g.post_forward_mesh_info for g in _groups(s)])
-                 for s in states]  # fmt: skip
+        saved = [(s, s._auto_reshard_after_forward, [g.post_forward_mesh_info for g in _groups(s)]) for s in states]
         for u in units:
             if u.reshards_after_forward:
                 _fsdp2(u.module).set_reshard_after_forward(False, False)  # `recurse` is positional in torch 2.13
@@ -321,8 +335,11 @@ class FSDP2Adapter(ModelAdapter):
 
     def unit_modules(self) -> list[tuple[nn.Module, Unit]]:
         by_state = {id(_fsdp2(u.module)._get_fsdp_state()): u for u in self.units}
-        return [(m, by_state[id(m._get_fsdp_state())]) for m in self.model.modules()
-                if isinstance(m, FSDPModule) and id(m._get_fsdp_state()) in by_state]  # fmt: skip
+        return [
+            (m, by_state[id(m._get_fsdp_state())])
+            for m in self.model.modules()
+            if isinstance(m, FSDPModule) and id(m._get_fsdp_state()) in by_state
+        ]
 
     def reshards_now(self, unit: Unit) -> bool:
         # No public getter for reshard_after_forward: read it where its setter writes it.
@@ -369,10 +386,20 @@ class FSDP1Adapter(ModelAdapter):
                     self.keeps_params_when_held or handle._sharding_strategy.name == "SHARD_GRAD_OP"
                 )
                 units.append(
-                    Unit(name, module, numel, int(numel > 0), held_dtype=held, reduce_dtype=reduce,
-                         compute_dtype=compute, shard_size=shard, sharded_numel=-(-numel // shard),
-                         param_numel=param_numel, reshards_after_forward=full_shard and name != "")
-                )  # fmt: skip
+                    Unit(
+                        name,
+                        module,
+                        numel,
+                        int(numel > 0),
+                        held_dtype=held,
+                        reduce_dtype=reduce,
+                        compute_dtype=compute,
+                        shard_size=shard,
+                        sharded_numel=-(-numel // shard),
+                        param_numel=param_numel,
+                        reshards_after_forward=full_shard and name != "",
+                    )
+                )
         return units
 
     def drop_held_grads(self) -> None:
@@ -439,10 +466,17 @@ def is_fsdp_wrapped(model: nn.Module) -> bool:
 
 # The private FSDP2 attributes this module reads or writes, by object (see the module docstring).
 _FSDP2_INTERNALS = {
-    "param group": ("fsdp_params", "mp_policy", "reduce_grads", "all_reduce_grads", "reshard_after_backward",
-                    "post_forward_mesh_info", "_partial_reduce_output"),
+    "param group": (
+        "fsdp_params",
+        "mp_policy",
+        "reduce_grads",
+        "all_reduce_grads",
+        "reshard_after_backward",
+        "post_forward_mesh_info",
+        "_partial_reduce_output",
+    ),
     "FSDPParam": ("sharded_param", "unsharded_accumulated_grad", "_orig_size"),
-}  # fmt: skip
+}
 
 
 def check_fsdp2_internals(model: nn.Module) -> None:
@@ -461,8 +495,13 @@ def check_fsdp2_internals(model: nn.Module) -> None:
             if not groups:
                 continue
             objects = {"param group": groups[0], "FSDPParam": next(iter(groups[0].fsdp_params), None)}
-            gone = [f"{kind}.{a}" for kind, obj in objects.items() if obj is not None
-                    for a in _FSDP2_INTERNALS[kind] if not hasattr(obj, a)]  # fmt: skip
+            gone = [
+                f"{kind}.{a}"
+                for kind, obj in objects.items()
+                if obj is not None
+                for a in _FSDP2_INTERNALS[kind]
+                if not hasattr(obj, a)
+            ]
             missing = gone[0] if gone else None
         if missing is not None:
             raise RuntimeError(

@@ -57,8 +57,11 @@ class GenerationGather:
         keep their units where the setting (or `gathered()`) asks, release when training resumes."""
         bound = self.state.bound[root]
         if bound.adapter.kind != "fsdp2" and self.enabled:
-            instead = {"fsdp1": "under FSDP1 wrap generation in FSDP.summon_full_params(model) yourself, or use "
-                       "fsdp_version: 2", "ddp": "DDP never shards parameters"}[bound.adapter.kind]  # fmt: skip
+            instead = {
+                "fsdp1": "under FSDP1 wrap generation in FSDP.summon_full_params(model) yourself, or use "
+                "fsdp_version: 2",
+                "ddp": "DDP never shards parameters",
+            }[bound.adapter.kind]
             self.state.warn_once(
                 "generation_not_fsdp2",
                 f"accel_gradsync: gather_for_generation is ignored on {bound.adapter.kind}: it keeps FSDP2 units "
@@ -145,9 +148,11 @@ class GenerationGather:
                 "grad_sync.gathered(model): the model is not bound to this attach() (pass the model "
                 "accelerator.prepare returned, with FSDP2)."
             )
-        kinds = {b.adapter.kind for b in self.state.bound.values()} if model is None else {
-            self.state.bound[root_of(model)].adapter.kind
-        }  # fmt: skip
+        kinds = (
+            {b.adapter.kind for b in self.state.bound.values()}
+            if model is None
+            else {self.state.bound[root_of(model)].adapter.kind}
+        )
         others = ", ".join(sorted(kinds - {"fsdp2"}))
         if others:
             self.state.warn_once(

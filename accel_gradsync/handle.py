@@ -32,9 +32,12 @@ class GradSyncHandle:
     """What `attach` returns: live counters (`stats()`), the plan, and `detach()`."""
 
     def __init__(
-        self, accelerator: Accelerator, config: GradSyncConfig, trainer: Any = None,
+        self,
+        accelerator: Accelerator,
+        config: GradSyncConfig,
+        trainer: Any = None,
         memory_probe: MemoryProbe | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.accelerator = accelerator
         self.config = config
         self.policy: SyncPolicy = resolve_policy(config)

@@ -84,8 +84,11 @@ def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, dir
             "before loading the checkpoint."
         )
     template = {"optimizer": get_optimizer_state_dict(model, inner)}  # initialises the state first
-    dcp.load(template, storage_reader=dcp.FileSystemReader(directory),
-             planner=DefaultLoadPlanner(flatten_sharded_tensors=False))  # fmt: skip
+    dcp.load(
+        template,
+        storage_reader=dcp.FileSystemReader(directory),
+        planner=DefaultLoadPlanner(flatten_sharded_tensors=False),
+    )
     set_optimizer_state_dict(model, inner, template["optimizer"])
     assert inner.state, "a checkpoint with optimizer state loaded none"  # invariant of the load above
 

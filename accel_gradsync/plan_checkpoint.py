@@ -75,11 +75,17 @@ def _describe(bound: BoundModel) -> dict:
     plan, auto = bound.plan, bound.auto
     assert auto is not None  # saved for auto's models only
     return {
-        "mode": plan.mode, "held_sync": plan.held_sync, "reason": plan.reason,
-        "held": [u.name for u in plan.held], "windowed": [u.name for u in plan.windowed],
-        "peaks": list(auto.peaks), "measured_steps": auto.measured_steps, "quiet": auto.quiet,
-        "changes": auto.changes, "mid_window": bound.account.current.micro_batches > 0,
-    }  # fmt: skip
+        "mode": plan.mode,
+        "held_sync": plan.held_sync,
+        "reason": plan.reason,
+        "held": [u.name for u in plan.held],
+        "windowed": [u.name for u in plan.windowed],
+        "peaks": list(auto.peaks),
+        "measured_steps": auto.measured_steps,
+        "quiet": auto.quiet,
+        "changes": auto.changes,
+        "mid_window": bound.account.current.micro_batches > 0,
+    }
 
 
 def _restore(bound: BoundModel, record: dict) -> None:

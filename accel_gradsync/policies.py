@@ -240,9 +240,13 @@ class BudgetSync(SyncPolicy):
 
 
 def choose_levels(
-    mode: str, units: Sequence[Unit], budget: int, micro_batches: int, reduce_scatter_cost: float = 1.0,
+    mode: str,
+    units: Sequence[Unit],
+    budget: int,
+    micro_batches: int,
+    reduce_scatter_cost: float = 1.0,
     generation_bytes: int = 0,
-) -> Plan:  # fmt: skip
+) -> Plan:
     """The per-unit levels that save the most communication while holding at most `budget` bytes
     per rank. Deferring a unit saves M-1 reduce-scatters of its gradient; windowing it saves all
     its all-gathers but one. Bytes saved are counted as all-gather bytes: a reduce-scatter byte

@@ -48,9 +48,14 @@ class GradSyncCallback(TrainerCallback):
     """Binds `trainer`'s wrapped model at train start and logs `stats()` under `grad_sync/`."""
 
     def __init__(
-        self, trainer: Any, bind: Callable[[nn.Module], object], stats: Callable[[], dict], config: GradSyncConfig,
-        after_load: Callable[[], None] = lambda: None, on_checkpoint: Callable[[str], None] = lambda path: None,
-    ) -> None:  # fmt: skip
+        self,
+        trainer: Any,
+        bind: Callable[[nn.Module], object],
+        stats: Callable[[], dict],
+        config: GradSyncConfig,
+        after_load: Callable[[], None] = lambda: None,
+        on_checkpoint: Callable[[str], None] = lambda path: None,
+    ) -> None:
         self.trainer = trainer
         self.after_load = after_load
         """What a resume needs besides the Trainer's own loading (optimizer_state.py, plan_checkpoint.py)."""

@@ -212,9 +212,13 @@ class Window:
             self.after_forward()
             self._restore_forward = bound.adapter.keep_params_through_forward(bound.plan.windowed)
         bound.account.record_micro_batch(
-            bound.adapter.units, held, hold, ends_step=ends_step,
-            windowed=bound.plan.windowed, keeps_params_when_held=bound.adapter.keeps_params_when_held,
-        )  # fmt: skip
+            bound.adapter.units,
+            held,
+            hold,
+            ends_step=ends_step,
+            windowed=bound.plan.windowed,
+            keeps_params_when_held=bound.adapter.keeps_params_when_held,
+        )
 
     def after_forward(self, *_: Any) -> None:
         """Forward hook: the last forward is done; its windowed params reshard after backward again."""

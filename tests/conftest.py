@@ -16,8 +16,13 @@ def _missing(*modules: str) -> bool:
 
 collect_ignore = []
 if _missing("trl", "datasets", "peft", "tokenizers"):
-    collect_ignore += ["distributed", "test_accelerate_configs.py", "test_config.py", "test_recipe_errors.py",
-                       "test_recipe_learning.py"]  # fmt: skip
+    collect_ignore += [
+        "distributed",
+        "test_accelerate_configs.py",
+        "test_config.py",
+        "test_recipe_errors.py",
+        "test_recipe_learning.py",
+    ]
 if _missing("matplotlib"):
     collect_ignore += ["test_benchmarks_report.py", "test_benchmarks_smoke.py"]
 

@@ -68,8 +68,9 @@ def test_attach_refuses_a_trainer_with_zero_gradient_accumulation_steps(monkeypa
         monkeypatch.delenv(var, raising=False)
     AcceleratorState._reset_state(reset_partial_state=True)
     try:
-        args = TrainingArguments(output_dir=str(tmp_path / "out"), gradient_accumulation_steps=0, use_cpu=True,
-                                 report_to="none")  # fmt: skip
+        args = TrainingArguments(
+            output_dir=str(tmp_path / "out"), gradient_accumulation_steps=0, use_cpu=True, report_to="none"
+        )
         trainer = Trainer(model=torch.nn.Linear(2, 2), args=args)
         with pytest.raises(ValueError, match=r"TrainingArguments.gradient_accumulation_steps=0: must be >= 1"):
             accel_gradsync.attach(trainer, GradSyncConfig(defer=True))

@@ -44,9 +44,13 @@ def test_an_empty_budget_selects_nothing(monkeypatch):
 
 @pytest.mark.parametrize(
     "explicit, mode",
-    [({"sync_mode": "per_micro_batch"}, "per_micro_batch"), ({"sync_mode": "auto"}, "auto"),
-     ({"defer": True}, "deferred"), ({"defer": "1"}, "deferred")],
-)  # fmt: skip
+    [
+        ({"sync_mode": "per_micro_batch"}, "per_micro_batch"),
+        ({"sync_mode": "auto"}, "auto"),
+        ({"defer": True}, "deferred"),
+        ({"defer": "1"}, "deferred"),
+    ],
+)
 def test_an_explicit_mode_keeps_the_budget_ignored_with_one_warning(explicit, mode):
     with pytest.warns(GradSyncWarning, match=r"memory_budget='200KiB' is ignored in sync mode") as record:
         config = GradSyncConfig(memory_budget="200KiB", **explicit)

@@ -76,8 +76,13 @@ def test_make_test_and_demo_run_the_readme_commands_after_the_set_up():
 
 def test_make_runs_its_commands_inside_the_venv():
     """`python`, `accelerate` and `pytest` in a recipe are the venv's, not whatever is on PATH."""
-    out = subprocess.run(["make", "-s", "--eval", "show-path: ; @echo $$PATH", "show-path"], cwd=ROOT,
-                         check=True, capture_output=True, text=True)  # fmt: skip
+    out = subprocess.run(
+        ["make", "-s", "--eval", "show-path: ; @echo $$PATH", "show-path"],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     assert out.stdout.split(":")[0] == str(ROOT / ".venv" / "bin")
 
 

@@ -125,8 +125,13 @@ def test_7b_deferral_holds_4_bytes_per_param_with_fp32_reduce_and_does_not_fit_3
 def test_held_dtype_follows_the_wrapper_and_mixed_precision(
     version, mixed_precision, reduce_dtype, model_dtype, expected
 ):
-    est = estimate("recipe-default", fsdp(version, mixed_precision), 4, GradSyncConfig(reduce_dtype=reduce_dtype),
-                   model_dtype=model_dtype)  # fmt: skip
+    est = estimate(
+        "recipe-default",
+        fsdp(version, mixed_precision),
+        4,
+        GradSyncConfig(reduce_dtype=reduce_dtype),
+        model_dtype=model_dtype,
+    )
     deferred = est.mode("deferred")
     assert deferred.held_dtype == expected
     assert deferred.held_bytes == est.params * {"fp32": 4, "bf16": 2}[expected]
@@ -146,8 +151,15 @@ def test_recipe_default_is_the_recipes_model():
 
 
 def test_wrap_policies_give_the_units_accelerate_gives():
-    small = dict(QWEN2_7B, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-                 num_key_value_heads=2, vocab_size=100)  # fmt: skip
+    small = dict(
+        QWEN2_7B,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=100,
+    )
     layer = 4 * 64 * 64 // 2 + 64 + 2 * 32 + 64 * 64 + 3 * 64 * 128 + 2 * 64  # q,k,v(+bias),o, mlp, norms
     no_wrap = estimate(small, fsdp(1, fsdp_auto_wrap_policy="NO_WRAP"), 2)
     assert [u["name"] for u in no_wrap.units] == ["<root>"]
@@ -158,8 +170,12 @@ def test_wrap_policies_give_the_units_accelerate_gives():
     fsdp2 = estimate(small, fsdp(2), 2)
     # The untied input embedding, the layers, and [model.norm, lm_head] (named by its first module).
     assert [u["name"] for u in fsdp2.units] == [
-        "model.embed_tokens", "model.layers.0", "model.layers.1", "model.layers.2", "model.norm"
-    ]  # fmt: skip
+        "model.embed_tokens",
+        "model.layers.0",
+        "model.layers.1",
+        "model.layers.2",
+        "model.norm",
+    ]
     assert fsdp2.units[-1]["numel"] == 64 + 100 * 64
     size = estimate(small, fsdp(1, fsdp_auto_wrap_policy="SIZE_BASED_WRAP", fsdp_min_num_params=layer - 1), 2)
     assert len(size.units) >= 4
@@ -169,13 +185,17 @@ def test_wrap_policies_give_the_units_accelerate_gives():
 def test_units_are_read_by_the_runtime_adapters_from_a_model_sharded_without_memory():
     """FSDP2 shards stay on the meta device; FSDP1's flat parameters are fake tensors (no storage)."""
     config = GradSyncConfig()
-    fsdp2 = estimated_adapter(build_meta_model(load_model_config("recipe-default")),
-                              read_accelerate_config(fsdp(2, processes=4, replicate=2)), config)  # fmt: skip
+    fsdp2 = estimated_adapter(
+        build_meta_model(load_model_config("recipe-default")),
+        read_accelerate_config(fsdp(2, processes=4, replicate=2)),
+        config,
+    )
     assert type(fsdp2) is FSDP2Adapter and fsdp2.hsdp
     assert all(p.is_meta for p in fsdp2.model.parameters())
     assert {u.shard_size for u in fsdp2.units} == {2}  # 2 replicas x 2 shards: sharded over 2
-    fsdp1 = estimated_adapter(build_meta_model(load_model_config("recipe-default")),
-                              read_accelerate_config(fsdp(1, processes=4)), config)  # fmt: skip
+    fsdp1 = estimated_adapter(
+        build_meta_model(load_model_config("recipe-default")), read_accelerate_config(fsdp(1, processes=4)), config
+    )
     assert type(fsdp1) is FSDP1Adapter and fsdp1.root_only
     assert all(isinstance(p, FakeTensor) for p in fsdp1.model.parameters())
     assert {u.shard_size for u in fsdp1.units} == {4}
@@ -311,15 +331,35 @@ def test_bad_settings_name_the_setting_value_and_fix(tmp_path):
     with pytest.raises(ValueError, match="no transformers config found"):
         estimate(str(tmp_path / "missing"), fsdp(2), 4)
     with pytest.raises(ValueError, match=r"2 x 3 != num_processes=4"):
-        read_accelerate_config({**fsdp(2, processes=4), "parallelism_config": {
-            "parallelism_config_dp_replicate_size": 2, "parallelism_config_dp_shard_size": 3}})  # fmt: skip
+        read_accelerate_config(
+            {
+                **fsdp(2, processes=4),
+                "parallelism_config": {
+                    "parallelism_config_dp_replicate_size": 2,
+                    "parallelism_config_dp_shard_size": 3,
+                },
+            }
+        )
 
 
 def test_cli_prints_a_table_and_json(tmp_path, capsys):
     path = tmp_path / "fsdp2.yaml"
     path.write_text(yaml.safe_dump(fsdp(2, "bf16")))
-    assert main(["estimate", "--accelerate-config", str(path), "--micro-batches", "4",
-                 "--grad-sync-reduce-dtype", "fp32", "--defer-grad-sync"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "estimate",
+                "--accelerate-config",
+                str(path),
+                "--micro-batches",
+                "4",
+                "--grad-sync-reduce-dtype",
+                "fp32",
+                "--defer-grad-sync",
+            ]
+        )
+        == 0
+    )
     table = capsys.readouterr().out
     assert re.search(r"^deferred \*\s+3\s", table, re.M)  # the selected mode is starred
     assert "fp32" in table and "n/a" in table

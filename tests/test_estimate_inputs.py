@@ -111,7 +111,9 @@ def test_the_real_command_exits_2_with_one_line(tmp_path):
     path.write_text("distributed_type: FSDP\nfsdp_config: [unclosed\n")
     out = subprocess.run(
         [sys.executable, "-m", "accel_gradsync", "estimate", "--accelerate-config", str(path), "--micro-batches", "2"],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
     assert out.stderr.rstrip("\n").splitlines()[-1].startswith("accel-gradsync estimate: error: ")

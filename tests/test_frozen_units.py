@@ -27,9 +27,12 @@ pytestmark = pytest.mark.filterwarnings("ignore::accel_gradsync.errors.GradSyncW
 ACCELERATE = {
     "distributed_type": "FSDP",
     "num_processes": 2,
-    "fsdp_config": {"fsdp_version": 2, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
-                    "fsdp_transformer_layer_cls_to_wrap": "Qwen2DecoderLayer"},
-}  # fmt: skip
+    "fsdp_config": {
+        "fsdp_version": 2,
+        "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+        "fsdp_transformer_layer_cls_to_wrap": "Qwen2DecoderLayer",
+    },
+}
 M = 4
 
 

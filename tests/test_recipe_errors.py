@@ -102,8 +102,16 @@ def test_dataset_without_the_needed_column(tmp_path):
         grpo.main(*args)
     assert not (tmp_path / "out").exists()
     # Naming the right columns fixes it.
-    args = parse("--dataset_name", str(data), "--prompt_column", "question",
-                 "--answer_column", "solution", "--output_dir", str(tmp_path / "out"))  # fmt: skip
+    args = parse(
+        "--dataset_name",
+        str(data),
+        "--prompt_column",
+        "question",
+        "--answer_column",
+        "solution",
+        "--output_dir",
+        str(tmp_path / "out"),
+    )
     renamed = grpo.load_prompts(args[0])
     assert {"prompt", "answer"} <= set(renamed.column_names)
 
@@ -115,8 +123,12 @@ def test_the_script_exits_before_writing_anything(tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
     proc = subprocess.run(
         [sys.executable, "recipes/grpo.py", "--dataset_name", str(data), "--output_dir", str(out)],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert proc.stderr.count("error: --prompt_column 'prompt'") == 1 and "Set --prompt_column" in proc.stderr
     assert "Traceback" not in proc.stderr  # one line, not a stack
@@ -191,7 +203,7 @@ def test_a_parse_error_is_one_line_and_a_pointer_to_help(tmp_path):
             },
             "defer_all_reduce",
             None,
-        ),  # fmt: skip
+        ),
         ({"FSDP_VERSION": "2"}, "budget", None),
         ({"FSDP_VERSION": "1"}, "deferred", None),
     ],
@@ -261,8 +273,14 @@ def test_resume_auto_is_explained_in_help():
 
 
 def test_warm_up_steps_with_a_model_path_get_one_warning(tmp_path):
-    args = parse("--model_name_or_path", str(tmp_path / "model"), "--sft_warmup_steps", "5",
-                 "--output_dir", str(tmp_path / "out"))  # fmt: skip
+    args = parse(
+        "--model_name_or_path",
+        str(tmp_path / "model"),
+        "--sft_warmup_steps",
+        "5",
+        "--output_dir",
+        str(tmp_path / "out"),
+    )
     with pytest.warns(UserWarning, match=r"--sft_warmup_steps 5 is ignored with --model_name_or_path") as record:
         grpo.prepare(*args)
     assert len([w for w in record if "sft_warmup_steps" in str(w.message)]) == 1

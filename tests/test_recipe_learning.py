@@ -42,9 +42,13 @@ def sampled_and_greedy_accuracy(seed: int, prompts: int = 64) -> tuple[float, fl
     accuracy = []
     for options in (dict(do_sample=True, temperature=1.0, num_return_sequences=8), dict(do_sample=False)):
         with torch.no_grad():
-            out = model.generate(**batch, max_new_tokens=grpo.RECIPE_DEFAULTS["max_completion_length"],
-                                 pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-                                 **options)  # fmt: skip
+            out = model.generate(
+                **batch,
+                max_new_tokens=grpo.RECIPE_DEFAULTS["max_completion_length"],
+                pad_token_id=tokenizer.pad_token_id,
+                eos_token_id=tokenizer.eos_token_id,
+                **options,
+            )
         completions = tokenizer.batch_decode(out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
         per_prompt = len(completions) // prompts
         rewards = embedded.accuracy_reward(completions, [a for a in answers for _ in range(per_prompt)])

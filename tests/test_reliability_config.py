@@ -86,7 +86,7 @@ def test_defer_and_a_different_mode_name_both_settings():
         "0.5",
         "-3GiB",
     ],
-)  # fmt: skip
+)
 def test_free_memory_must_be_an_absolute_size_when_the_config_is_built(free):
     with pytest.raises(ValueError) as err:
         GradSyncConfig(sync_mode="auto", free_memory=free)

@@ -11,8 +11,11 @@ from accel_gradsync.memory import ScriptedMemoryProbe
 from accel_gradsync.replan import QUIET_STEPS, MeasuredAuto
 
 M = 4
-FSDP2 = {"distributed_type": "FSDP", "num_processes": 2,
-         "fsdp_config": {"fsdp_version": 2, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP"}}  # fmt: skip
+FSDP2 = {
+    "distributed_type": "FSDP",
+    "num_processes": 2,
+    "fsdp_config": {"fsdp_version": 2, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP"},
+}
 CONFIG = GradSyncConfig(sync_mode="auto", memory_margin=0.1)
 CAPACITY = 10 * 2**20  # a 10 MiB "device": limit 9 MiB with the 10% margin
 

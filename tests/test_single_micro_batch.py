@@ -29,8 +29,9 @@ CONFIG = GradSyncConfig(sync_mode="budget", free_memory="1GiB", memory_budget="2
 
 @pytest.mark.parametrize("name", ["deferred", "budget", "defer_all_reduce", "auto"])
 def test_decision_line_says_there_is_nothing_to_defer(name):
-    adapter = estimated_adapter(build_meta_model(load_model_config("recipe-default")),
-                                read_accelerate_config(FSDP2_HSDP), CONFIG)  # fmt: skip
+    adapter = estimated_adapter(
+        build_meta_model(load_model_config("recipe-default")), read_accelerate_config(FSDP2_HSDP), CONFIG
+    )
     plan = POLICIES[name](CONFIG).plan(adapter, lambda: 2**30, 4)
     assert plan.held  # with more micro-batches this mode would hold something
     line = describe_decision(plan, adapter, 1)
@@ -50,7 +51,10 @@ def test_every_estimate_row_holds_nothing_with_one_micro_batch():
         assert (row.units_held, row.held_bytes, row.held_dtype) == (0, 0, ""), row
         # Nothing held: each row costs exactly what syncing every micro-batch costs.
         assert (row.peak_bytes, row.sharded_bytes, row.send_bytes) == (
-            per_mb.peak_bytes, per_mb.sharded_bytes, per_mb.send_bytes), row  # fmt: skip
+            per_mb.peak_bytes,
+            per_mb.sharded_bytes,
+            per_mb.send_bytes,
+        ), row
         assert row.fits is True and row.all_gathers == per_mb.all_gathers, row
         assert "B held" not in row.reason, row
 
@@ -59,8 +63,10 @@ def test_cli_table_shows_zero_held_for_every_mode(tmp_path, capsys):
     from accel_gradsync.cli import main
 
     path = tmp_path / "fsdp2.yaml"
-    path.write_text("distributed_type: FSDP\nnum_processes: 2\nfsdp_config:\n  fsdp_version: 2\n"
-                    "  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n")  # fmt: skip
+    path.write_text(
+        "distributed_type: FSDP\nnum_processes: 2\nfsdp_config:\n  fsdp_version: 2\n"
+        "  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n"
+    )
     assert main(["estimate", "--accelerate-config", str(path), "--micro-batches", "1", "--defer-grad-sync"]) == 0
     table = capsys.readouterr().out
     deferred = re.search(r"^deferred \*\s+(\S+)\s+-\s+\S+ \S+\s+(\S+ \S+)\s", table, re.M)

@@ -10,8 +10,16 @@ from accel_gradsync.errors import GradSyncWarning
 from accel_gradsync.versions import TESTED_TORCH, is_tested_torch, warn_if_untested_torch
 
 
-@pytest.mark.parametrize("version", [f"{TESTED_TORCH}.0", f"{TESTED_TORCH}.0+cpu", f"{TESTED_TORCH}.2+cu128",
-                                     f"{TESTED_TORCH}.0a0+git1a2b3c", f"{TESTED_TORCH}.0.dev20260101"])  # fmt: skip
+@pytest.mark.parametrize(
+    "version",
+    [
+        f"{TESTED_TORCH}.0",
+        f"{TESTED_TORCH}.0+cpu",
+        f"{TESTED_TORCH}.2+cu128",
+        f"{TESTED_TORCH}.0a0+git1a2b3c",
+        f"{TESTED_TORCH}.0.dev20260101",
+    ],
+)
 def test_builds_and_patch_releases_of_the_tested_series_count(version):
     assert is_tested_torch(version)
 

@@ -57,8 +57,12 @@ def gsm8k_rows() -> list[dict]:
     rows = []
     for i in range(ROWS):
         a, b = i % 8, i // 8
-        rows.append({"question": f"Tom has {a} apples and buys {b} more. How many now?",
-                     "answer": f"He has {a} + {b} = {a + b} apples.\n#### {a + b}"})  # fmt: skip
+        rows.append(
+            {
+                "question": f"Tom has {a} apples and buys {b} more. How many now?",
+                "answer": f"He has {a} + {b} = {a + b} apples.\n#### {a + b}",
+            }
+        )
     return rows
 
 

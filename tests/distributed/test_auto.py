@@ -26,8 +26,13 @@ PEAKS = {
 
 @pytest.fixture(scope="module")
 def ranks():
-    runs = [{"name": "auto", "config": {"sync_mode": "auto", "memory_margin": 0.1},
-             "probe": {"capacity": CAPACITY, "peaks_by_rank": [PEAKS[0], PEAKS[1]]}}]  # fmt: skip
+    runs = [
+        {
+            "name": "auto",
+            "config": {"sync_mode": "auto", "memory_margin": 0.1},
+            "probe": {"capacity": CAPACITY, "peaks_by_rank": [PEAKS[0], PEAKS[1]]},
+        }
+    ]
     args = ["--M", str(M), "--batches", str(M * WINDOWS), "--runs", json.dumps(runs)]
     return launch("accumulate", args, accelerate_config("fsdp2"))
 

@@ -38,8 +38,15 @@ def our_namespaces(pid: int) -> list[str]:
 
 def python_snippet(code: str, **kwargs) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], env=env, cwd=REPO, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kwargs)  # fmt: skip
+    return subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env=env,
+        cwd=REPO,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        **kwargs,
+    )
 
 
 def test_a_link_that_is_not_a_tc_rate_is_refused_naming_it():
@@ -51,11 +58,11 @@ def test_a_link_that_is_not_a_tc_rate_is_refused_naming_it():
 @pytest.mark.skipif(shutil.which("unshare") is None, reason="needs unshare (util-linux) to drop root")
 def test_without_root_it_refuses_and_says_so():
     """A user namespace whose uid is not 0 has no say over the machine's network: a real non-root run."""
-    proc = subprocess.run(
-        ["unshare", "--user", "--map-user=1000", sys.executable, "-c",
-         "import sys; sys.path.insert(0, '.')\nfrom benchmarks.cluster import Cluster\nwith Cluster(2, '1gbit'): pass"],
-        cwd=REPO, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+    script = (
+        "import sys; sys.path.insert(0, '.')\nfrom benchmarks.cluster import Cluster\nwith Cluster(2, '1gbit'): pass"
+    )
+    command = ["unshare", "--user", "--map-user=1000", sys.executable, "-c", script]
+    proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=60)
     if "Traceback" not in proc.stderr:  # unshare itself failed: Python never ran
         pytest.skip(f"cannot make a user namespace here: {proc.stderr.strip()}")
     assert proc.returncode != 0
@@ -64,17 +71,23 @@ def test_without_root_it_refuses_and_says_so():
 
 @needs_cluster
 def test_without_ip_or_tc_it_refuses_naming_them():
-    proc = subprocess.run([sys.executable, "-c", "from benchmarks.cluster import unavailable_reason as u; print(u())"],
-                          cwd=REPO, env={"PYTHONPATH": str(REPO), "PATH": "/nonexistent"}, capture_output=True,
-                          text=True, timeout=60)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", "from benchmarks.cluster import unavailable_reason as u; print(u())"],
+        cwd=REPO,
+        env={"PYTHONPATH": str(REPO), "PATH": "/nonexistent"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.stdout.strip() == "the simulated cluster needs ip and tc (iproute2); install iproute2", proc
 
 
 @needs_cluster
 def test_the_benchmark_refuses_a_cluster_it_cannot_build_before_launching(tmp_path):
     argv = [sys.executable, "-m", "benchmarks.run", "--cluster", "2x1", "--quick", "--out", str(tmp_path)]
-    proc = subprocess.run(argv, cwd=REPO, env={**os.environ, "PATH": "/nonexistent"}, capture_output=True, text=True,
-                          timeout=60)  # fmt: skip
+    proc = subprocess.run(
+        argv, cwd=REPO, env={**os.environ, "PATH": "/nonexistent"}, capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode != 0 and "--cluster: the simulated cluster needs ip and tc" in proc.stderr
     assert not (tmp_path / "results.json").exists()
 
@@ -86,28 +99,48 @@ def test_hosts_talk_through_the_shaped_link_and_nowhere_else():
             routes = subprocess.run(["ip", "-n", ns, "route"], capture_output=True, text=True).stdout
             # Only the test subnet: no default route, so nothing leaves for the machine's network.
             assert routes.split()[:1] == ["198.18.0.0/24"] and "default" not in routes, routes
-            assert f"inet {c.address(h)}/24" in subprocess.run(["ip", "-n", ns, "addr"], capture_output=True,
-                                                               text=True).stdout  # fmt: skip
+            assert (
+                f"inet {c.address(h)}/24"
+                in subprocess.run(["ip", "-n", ns, "addr"], capture_output=True, text=True).stdout
+            )
         sent_before = c.link_bytes()
         size = 8 * 2**20
-        receiver = c.popen(1, [sys.executable, "-c", textwrap.dedent(f"""
+        receiver = c.popen(
+            1,
+            [
+                sys.executable,
+                "-c",
+                textwrap.dedent(f"""
             import socket
             s = socket.socket(); s.bind(("{c.address(1)}", 5555)); s.listen(1); print("ready", flush=True)
             conn, _ = s.accept(); n = 0
             while (d := conn.recv(1 << 20)): n += len(d)
-            print(n)""")], os.environ, stdout=subprocess.PIPE, text=True)  # fmt: skip
+            print(n)"""),
+            ],
+            os.environ,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         assert receiver.stdout.readline().strip() == "ready"
-        sender = c.popen(0, [sys.executable, "-c", textwrap.dedent(f"""
+        sender = c.popen(
+            0,
+            [
+                sys.executable,
+                "-c",
+                textwrap.dedent(f"""
             import socket
-            s = socket.create_connection(("{c.address(1)}", 5555)); s.sendall(bytes({size})); s.close()""")],
-            os.environ)  # fmt: skip
+            s = socket.create_connection(("{c.address(1)}", 5555)); s.sendall(bytes({size})); s.close()"""),
+            ],
+            os.environ,
+        )
         assert sender.wait(120) == 0
         assert int(receiver.communicate(timeout=120)[0]) == size
         sent = [after - before for after, before in zip(c.link_bytes(), sent_before, strict=True)]
         assert sent[0] >= size  # host 0's NIC carried the payload (and its headers)
         assert sent[1] < size // 10  # host 1 only acknowledged
-        stats = subprocess.run(["tc", "-n", c.namespaces[0], "-s", "qdisc", "show", "dev", cluster.NIC],
-                               capture_output=True, text=True).stdout  # fmt: skip
+        stats = subprocess.run(
+            ["tc", "-n", c.namespaces[0], "-s", "qdisc", "show", "dev", cluster.NIC], capture_output=True, text=True
+        ).stdout
         # tbf held packets back: 8 MiB faster than 100 Mbit/s would allow, so the shaper acted.
         assert "rate 100Mbit" in stats and int(re.search(r"overlimits (\d+)", stats).group(1)) > 0, stats
 
@@ -161,9 +194,25 @@ def test_a_crashed_runs_leftovers_are_removed_by_the_next_cluster():
 def test_quick_benchmark_on_two_simulated_hosts(tmp_path):
     """`python -m benchmarks.run --cluster 2x1 --link 1gbit --quick`: one accelerate launch per
     host; exact collective counts, and the collectives' bytes crossed the shaped links."""
-    proc = subprocess.Popen([sys.executable, "-m", "benchmarks.run", "--cluster", "2x1", "--link", "1gbit", "--quick",
-                             "--out", str(tmp_path)], cwd=REPO, env={**os.environ, "HF_HUB_OFFLINE": "1"},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.run",
+            "--cluster",
+            "2x1",
+            "--link",
+            "1gbit",
+            "--quick",
+            "--out",
+            str(tmp_path),
+        ],
+        cwd=REPO,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     stdout, stderr = proc.communicate(timeout=600)
     assert proc.returncode == 0, f"{stdout[-3000:]}\n{stderr[-6000:]}"
     assert our_namespaces(proc.pid) == []
@@ -174,8 +223,13 @@ def test_quick_benchmark_on_two_simulated_hosts(tmp_path):
         U = run["facts"]["units"]
         seen = {(r["config"], r["M"]): r["counts_seen_per_step"] for r in run["rows"]}
         for M in results["plan"]["Ms"]:
-            want = {"per_micro_batch": (M * U, 0), "deferred": (U, 0), "window": (U, 0),
-                    "hsdp_per_micro_batch": (M * U, M * U), "hsdp_defer_all_reduce": (M * U, U)}  # fmt: skip
+            want = {
+                "per_micro_batch": (M * U, 0),
+                "deferred": (U, 0),
+                "window": (U, 0),
+                "hsdp_per_micro_batch": (M * U, M * U),
+                "hsdp_defer_all_reduce": (M * U, U),
+            }
             for name, (rs, ar) in want.items():
                 if (name, M) in seen:
                     assert (seen[(name, M)]["reduce_scatters"], seen[(name, M)]["all_reduces"]) == ([rs], [ar]), name
@@ -209,13 +263,30 @@ def launch_recipe_on_cluster(c: Cluster, config: Path, flags: list[str], tmp: Pa
     """recipes/slurm_multi_node.sh's launch line on every host, the addresses those of the cluster."""
     counters = tmp / "counters"
     counters.mkdir(parents=True)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "RECIPE_COUNTER_DIR": str(counters),
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(COUNTER), str(REPO),
-                                                       os.environ.get("PYTHONPATH")]))}  # fmt: skip
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "OMP_NUM_THREADS": "1",
+        "RECIPE_COUNTER_DIR": str(counters),
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(COUNTER), str(REPO), os.environ.get("PYTHONPATH")])),
+    }
     env.pop("ACCEL_GRADSYNC_DEFER", None)
-    argvs = [[sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
-              *c.accelerate_flags(h), "recipes/grpo.py", *flags, *RECIPE_FLAGS, "--output_dir", str(tmp / "out")]
-             for h in range(c.hosts)]  # fmt: skip
+    argvs = [
+        [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--config_file",
+            str(config),
+            *c.accelerate_flags(h),
+            "recipes/grpo.py",
+            *flags,
+            *RECIPE_FLAGS,
+            "--output_dir",
+            str(tmp / "out"),
+        ]
+        for h in range(c.hosts)
+    ]
     done = c.run(argvs, env, cwd=REPO, timeout=900)
     for h, (code, tail) in enumerate(done):
         assert code == 0, f"host {h} exit {code}:\n" + "".join(tail)
@@ -249,5 +320,6 @@ def test_grpo_recipe_on_two_hosts_defers_the_cross_host_all_reduces(tmp_path):
             for r in (per_mb, deferred)
         ]
         assert rs[0] == rs[1] == STEPS * MICRO_BATCHES * units
-        assert {g: n for g, n in per_mb["all_reduces_by_group"].items() if g != group} == \
-               {g: n for g, n in deferred["all_reduces_by_group"].items() if g != group}  # fmt: skip
+        assert {g: n for g, n in per_mb["all_reduces_by_group"].items() if g != group} == {
+            g: n for g, n in deferred["all_reduces_by_group"].items() if g != group
+        }

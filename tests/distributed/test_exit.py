@@ -31,11 +31,20 @@ class Launch:
     """`accelerate launch` of the recipe in the background, its output collected as it comes."""
 
     def __init__(self, config: str, flags: list[str], out_dir: Path) -> None:
-        cmd, env = recipe_launch(["--config_file", f"accelerate_configs/{config}.yaml", "recipes/grpo.py",
-                                  *flags, "--output_dir", str(out_dir)])  # fmt: skip
+        cmd, env = recipe_launch(
+            [
+                "--config_file",
+                f"accelerate_configs/{config}.yaml",
+                "recipes/grpo.py",
+                *flags,
+                "--output_dir",
+                str(out_dir),
+            ]
+        )
         # Its own session, so a signal meant for it never reaches pytest, and cleanup finds every rank.
-        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, start_new_session=True)  # fmt: skip
+        self.proc = subprocess.Popen(
+            cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        )
         self.lines: list[str] = []
         self._reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True)
         self._reader.start()
@@ -147,8 +156,17 @@ def test_thirty_short_runs_under_load_all_exit_zero(tmp_path):
     with busy_cores(2):
         for i in range(30):
             config, flags = COMBINATIONS[i % len(COMBINATIONS)]
-            cmd, env = recipe_launch(["--config_file", f"accelerate_configs/{config}.yaml", "recipes/grpo.py",
-                                      *flags, *QUICK, "--output_dir", str(tmp_path / f"run{i}")])  # fmt: skip
+            cmd, env = recipe_launch(
+                [
+                    "--config_file",
+                    f"accelerate_configs/{config}.yaml",
+                    "recipes/grpo.py",
+                    *flags,
+                    *QUICK,
+                    "--output_dir",
+                    str(tmp_path / f"run{i}"),
+                ]
+            )
             proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
             if proc.returncode != 0:
                 failures.append(f"run {i} ({config} {flags}): exit {proc.returncode}\n{proc.stderr[-2000:]}")

@@ -36,16 +36,25 @@ RUNS += [
     # Generation inside the window's first held micro-batch, as TRL's GRPOTrainer does.
     {"name": "window_inside", "config": WINDOW, "generate_at": "inside"},
     {"name": "window_inside+gen", "config": {**WINDOW, **GEN}, "generate_at": "inside", "compare_to": "window_inside"},
-    {"name": "deferred_inside+gen", "config": {"defer": True, **GEN}, "generate_at": "inside",
-     "compare_to": "deferred"},
+    {
+        "name": "deferred_inside+gen",
+        "config": {"defer": True, **GEN},
+        "generate_at": "inside",
+        "compare_to": "deferred",
+    },
     # The context manager, with the setting off.
     {"name": "gathered", "config": {}, "gathered": True, "compare_to": "per_micro_batch"},
     # Exceptions: in a forward, after the forwards (inside gathered()), inside accumulate().
     {"name": "raise_in_forward", "config": GEN, "raise": "forward", "compare_to": "per_micro_batch"},
     {"name": "raise_in_gathered", "config": {}, "gathered": True, "raise": "between", "compare_to": "per_micro_batch"},
-    {"name": "raise_in_accumulate", "config": {**WINDOW, **GEN}, "generate_at": "inside", "raise": "accumulate",
-     "compare_to": "window_inside"},
-]  # fmt: skip
+    {
+        "name": "raise_in_accumulate",
+        "config": {**WINDOW, **GEN},
+        "generate_at": "inside",
+        "raise": "accumulate",
+        "compare_to": "window_inside",
+    },
+]
 FROZEN_RUNS = [
     {"name": f"{model}_{mode}{'+gen' * gen}", "model": model, "config": {**MODES[mode], **(GEN if gen else {})}}
     for model in ("lora", "frozen_root")

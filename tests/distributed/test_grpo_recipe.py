@@ -39,8 +39,10 @@ def run_command(command: str, tmp: Path, timeout: int = 300) -> dict:
     out_dir, counter_dir = tmp / "output", tmp / "counters"
     counter_dir.mkdir(parents=True)
     # recipe_counter's sitecustomize counts every rank's collectives from outside the script.
-    env = {"RECIPE_COUNTER_DIR": str(counter_dir),
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(COUNTER), os.environ.get("PYTHONPATH")]))}  # fmt: skip
+    env = {
+        "RECIPE_COUNTER_DIR": str(counter_dir),
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(COUNTER), os.environ.get("PYTHONPATH")])),
+    }
     cmd, env = recipe_launch([*argv[2:], *TEST_FLAGS, "--output_dir", str(out_dir)], env)
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:

@@ -33,7 +33,7 @@ def fsdp2():
         {"name": "auto_small", "config": {"sync_mode": "auto"}, "probe": {"capacity": 1000}},
         {"name": "auto_ample", "config": {"sync_mode": "auto"}, "probe": {"capacity": 2**30}},
         {"name": "auto_disagree", "config": {"sync_mode": "auto"}, "probe": {"capacity_by_rank": [2**30, 1000]}},
-    ]  # fmt: skip
+    ]
     return launch("accumulate", _runs(runs), accelerate_config("fsdp2"))
 
 
@@ -155,9 +155,15 @@ def bf16():
     config = {**accelerate_config("fsdp2"), "mixed_precision": "bf16"}
     runs = [
         {"name": "deferred", "config": {"defer": True}},
-        *({"name": f"deferred_{d}_reduce", "config": {"defer": True, "reduce_dtype": d}, "attach_before_prepare": True}
-          for d in ("fp32", "bf16")),
-    ]  # fmt: skip
+        *(
+            {
+                "name": f"deferred_{d}_reduce",
+                "config": {"defer": True, "reduce_dtype": d},
+                "attach_before_prepare": True,
+            }
+            for d in ("fp32", "bf16")
+        ),
+    ]
     return launch("accumulate", _runs(runs), config)
 
 

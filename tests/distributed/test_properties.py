@@ -36,16 +36,27 @@ def schedules(draw, failures: bool):
         for _ in range(draw(st.integers(1, 2))):
             where = (draw(st.integers(0, epochs - 1)), draw(st.integers(0, L - 1)))
             raises[where] = draw(st.sampled_from(KINDS))
-    return {"M": M, "L": L, "epochs": epochs, "mode": mode,
-            "raises": [[e, k, kind] for (e, k), kind in sorted(raises.items())]}  # fmt: skip
+    return {
+        "M": M,
+        "L": L,
+        "epochs": epochs,
+        "mode": mode,
+        "raises": [[e, k, kind] for (e, k), kind in sorted(raises.items())],
+    }
 
 
 def draw(strategy, n: int) -> list[dict]:
     """Up to `n` distinct examples, the same ones on every run."""
     found = []
 
-    @settings(max_examples=n, derandomize=True, database=None, phases=[Phase.generate], deadline=None,
-              suppress_health_check=list(HealthCheck))  # fmt: skip
+    @settings(
+        max_examples=n,
+        derandomize=True,
+        database=None,
+        phases=[Phase.generate],
+        deadline=None,
+        suppress_health_check=list(HealthCheck),
+    )
     @given(strategy)
     def collect(schedule):
         if schedule not in found:

@@ -24,7 +24,7 @@ CASES = {
         [
             "error: --grad-sync-mode budget (or --grad-sync-memory-budget 1GiB, which selects it): needs FSDP2, but "
             "the accelerate config runs FSDP1."
-        ],  # fmt: skip
+        ],
     ),
     "defer-all-reduce-on-fsdp1": (
         f"{FSDP1} --grad-sync-mode defer_all_reduce",
@@ -40,7 +40,7 @@ CASES = {
             "invalid choice: 'nonsense' (choose from 'per_micro_batch', 'deferred', 'auto', 'budget', "
             "'defer_all_reduce')",
             "See `python recipes/grpo.py --help` for every setting.",
-        ],  # fmt: skip
+        ],
     ),
 }
 

@@ -57,8 +57,10 @@ def launch(command: str, inputs: dict, out_dir: Path) -> dict:
     assert argv[:2] == ["accelerate", "launch"], command
     counter_dir = out_dir.parent / "counters"
     counter_dir.mkdir(parents=True)
-    env = {"RECIPE_COUNTER_DIR": str(counter_dir),
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(COUNTER), os.environ.get("PYTHONPATH")]))}  # fmt: skip
+    env = {
+        "RECIPE_COUNTER_DIR": str(counter_dir),
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(COUNTER), os.environ.get("PYTHONPATH")])),
+    }
     cmd, env = recipe_launch([*argv[2:], "--output_dir", str(out_dir)], env)
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:

@@ -43,8 +43,11 @@ def launch(inputs: dict, out_dir: Path, kill_at: str | None = None) -> subproces
     argv = shlex.split(RESTARTING.format(**inputs))[2:] + ["--output_dir", str(out_dir)]
     env = dict(RESTART_ENV)
     if kill_at is not None:
-        env |= {"RECIPE_KILL_RANK": "1", "RECIPE_KILL_AT": kill_at,
-                "PYTHONPATH": os.pathsep.join(filter(None, [str(KILLER), os.environ.get("PYTHONPATH")]))}  # fmt: skip
+        env |= {
+            "RECIPE_KILL_RANK": "1",
+            "RECIPE_KILL_AT": kill_at,
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(KILLER), os.environ.get("PYTHONPATH")])),
+        }
     cmd, env = recipe_launch(argv, env)
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"exit {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-8000:]}"

@@ -31,20 +31,37 @@ SPECS = (
         {"name": "epochs_budget", "M": 3, "L": 7, "epochs": 2, "config": BUDGET},
     ]
     + [{"name": f"raise_{m}", "M": 3, "L": 11, "raises": RAISES, "config": c} for m, c in MODES.items()]
-    + [{"name": f"nozero_raise_{m}", "M": 3, "L": 11, "raises": RAISES, "config": c, "zero_grad_on_abort": False}
-       for m, c in MODES.items()]
     + [
-        {"name": f"bf16_{mode}_reduce_{rd}", "M": 3, "L": 5, "param_dtype": "bf16", "attach_before_prepare": True,
-         "config": {**cfg, "reduce_dtype": rd}}
-        for rd in ("fp32", "bf16") for mode, cfg in (("deferred", DEFERRED), ("per_micro_batch", PMB))
+        {"name": f"nozero_raise_{m}", "M": 3, "L": 11, "raises": RAISES, "config": c, "zero_grad_on_abort": False}
+        for m, c in MODES.items()
+    ]
+    + [
+        {
+            "name": f"bf16_{mode}_reduce_{rd}",
+            "M": 3,
+            "L": 5,
+            "param_dtype": "bf16",
+            "attach_before_prepare": True,
+            "config": {**cfg, "reduce_dtype": rd},
+        }
+        for rd in ("fp32", "bf16")
+        for mode, cfg in (("deferred", DEFERRED), ("per_micro_batch", PMB))
     ]
     + [
         # FSDP2's "expects uniform gradient dtype" case: bf16 compute, fp32 reduce, a parameter
         # whose first gradient of the step arrives on the final micro-batch.
-        {"name": "bf16_cond_only_final", "model": "cond", "route": "only_final", "M": 3, "L": 6,
-         "param_dtype": "bf16", "attach_before_prepare": True, "config": {"defer": True, "reduce_dtype": "fp32"}},
+        {
+            "name": "bf16_cond_only_final",
+            "model": "cond",
+            "route": "only_final",
+            "M": 3,
+            "L": 6,
+            "param_dtype": "bf16",
+            "attach_before_prepare": True,
+            "config": {"defer": True, "reduce_dtype": "fp32"},
+        },
     ]
-)  # fmt: skip
+)
 CHECKPOINT = {"per_micro_batch": PMB, "deferred": DEFERRED}
 
 
@@ -220,8 +237,9 @@ def test_mid_window_save_state_keeps_this_ranks_gradients(fsdp2, mode):
         ck = rank["checkpoint"][mode]
         # accelerate saves no gradients; mid-window, each rank's held/sharded ones go beside them.
         assert [f for f in ck["files"]["middle"] if f.startswith("accel_gradsync_grads_rank")] == [
-            "accel_gradsync_grads_rank0.pt", "accel_gradsync_grads_rank1.pt"
-        ]  # fmt: skip
+            "accel_gradsync_grads_rank0.pt",
+            "accel_gradsync_grads_rank1.pt",
+        ]
         assert not any(f.startswith("accel_gradsync") for f in ck["files"]["boundary"])
         assert not [w for w in ck["save_warnings"] if "save_state()" in w]
 

@@ -44,8 +44,11 @@ WHERE = {"boundary": BOUNDARY, "middle": MIDDLE}
 
 
 def _specs(modes: dict) -> list[dict]:
-    return [{"name": f"{mode}_{where}", **spec, "M": M, "L": L, "save_at": at}
-            for mode, spec in modes.items() for where, at in WHERE.items()]  # fmt: skip
+    return [
+        {"name": f"{mode}_{where}", **spec, "M": M, "L": L, "save_at": at}
+        for mode, spec in modes.items()
+        for where, at in WHERE.items()
+    ]
 
 
 def _launch(config: dict, specs: list[dict]) -> list[dict]:
@@ -136,9 +139,23 @@ def test_ddp_resume_equals_uninterrupted_run(ddp, mode, where):
 
 # -- the Trainer: the GRPO recipe --------------------------------------------------------------
 # The recipe's defaults but for a short run that checkpoints every 2 optimizer steps.
-RECIPE = ["--config_file", "accelerate_configs/fsdp1.yaml", "recipes/grpo.py", "--max_completion_length", "4",
-          "--max_steps", "4", "--save_strategy", "steps", "--save_steps", "2", "--logging_steps", "1",
-          "--disable_tqdm", "true"]  # fmt: skip
+RECIPE = [
+    "--config_file",
+    "accelerate_configs/fsdp1.yaml",
+    "recipes/grpo.py",
+    "--max_completion_length",
+    "4",
+    "--max_steps",
+    "4",
+    "--save_strategy",
+    "steps",
+    "--save_steps",
+    "2",
+    "--logging_steps",
+    "1",
+    "--disable_tqdm",
+    "true",
+]
 
 
 def _recipe(output_dir: Path, *flags: str) -> list[float]:

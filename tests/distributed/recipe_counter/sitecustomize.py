@@ -16,8 +16,13 @@ if os.environ.get("RECIPE_COUNTER_DIR") and "RANK" in os.environ:
 
     import torch.distributed as dist
 
-    _COUNTED = ("reduce_scatter_single", "reduce_scatter_tensor", "all_reduce", "all_gather_single",
-                "all_gather_into_tensor")  # fmt: skip
+    _COUNTED = (
+        "reduce_scatter_single",
+        "reduce_scatter_tensor",
+        "all_reduce",
+        "all_gather_single",
+        "all_gather_into_tensor",
+    )
     _counts: Counter = Counter()
     _by_group: Counter = Counter()
     _wrapping: dict = {}

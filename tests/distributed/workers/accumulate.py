@@ -61,16 +61,23 @@ def reshard_after_forward(model: torch.nn.Module) -> dict:
     """Each FSDP2 unit's reshard_after_forward, as FSDP2 keeps it (no public getter)."""
     from torch.distributed.fsdp import FSDPModule
 
-    return {n: [g.post_forward_mesh_info is not None for g in m._get_fsdp_state()._fsdp_param_groups]
-            for n, m in model.named_modules() if isinstance(m, FSDPModule)}  # fmt: skip
+    return {
+        n: [g.post_forward_mesh_info is not None for g in m._get_fsdp_state()._fsdp_param_groups]
+        for n, m in model.named_modules()
+        if isinstance(m, FSDPModule)
+    }
 
 
 def all_sharded(model: torch.nn.Module) -> bool:
     """True when no FSDP2 unit holds its unsharded params."""
     from torch.distributed.fsdp import FSDPModule
 
-    return all(g.is_sharded for m in model.modules() if isinstance(m, FSDPModule)
-               for g in m._get_fsdp_state()._fsdp_param_groups)  # fmt: skip
+    return all(
+        g.is_sharded
+        for m in model.modules()
+        if isinstance(m, FSDPModule)
+        for g in m._get_fsdp_state()._fsdp_param_groups
+    )
 
 
 def abort_a_window(model, optimizer, after: int) -> dict:
@@ -148,8 +155,13 @@ for run in args.runs:
     result["modes"][run["name"]] = {
         "steps": steps,
         "stats": handle.stats(),
-        "plan": {"mode": plan.mode, "held": [u.name for u in plan.held], "held_sync": plan.held_sync,
-                 "held_bytes": plan.held_bytes(), "reason": plan.reason},
+        "plan": {
+            "mode": plan.mode,
+            "held": [u.name for u in plan.held],
+            "held_sync": plan.held_sync,
+            "held_bytes": plan.held_bytes(),
+            "reason": plan.reason,
+        },
         "units": {u.name: u.held_bytes for u in handle.units()},
         "windowed": [u.name for u in plan.windowed],
         "held_grad_bytes": plan.held_grad_bytes(),
@@ -159,7 +171,7 @@ for run in args.runs:
         "sharded_after_step": all_sharded(model) if fsdp2 else None,
         **aborted,
         "warnings": [str(w.message) for w in warned if issubclass(w.category, accel_gradsync.GradSyncWarning)],
-    }  # fmt: skip
+    }
     result["wrapper"] = handle.stats()["wrapper"]
     handle.detach()
     accelerator.free_memory()

@@ -23,9 +23,14 @@ from accel_gradsync.fsdp import sync_flags
 
 VOCAB, PROMPT, B = 32, 4, 2
 
-args = parse_args([(("--runs",), {"type": json.loads, "required": True}), (("--M",), {"type": int, "default": 2}),
-                   (("--steps",), {"type": int, "default": 2}),
-                   (("--tokens",), {"type": int, "default": 5})])  # fmt: skip
+args = parse_args(
+    [
+        (("--runs",), {"type": json.loads, "required": True}),
+        (("--M",), {"type": int, "default": 2}),
+        (("--steps",), {"type": int, "default": 2}),
+        (("--tokens",), {"type": int, "default": 5}),
+    ]
+)
 accel_gradsync.enable_cpu_fsdp()
 counter = CollectiveCounter()
 accelerator = Accelerator(gradient_accumulation_steps=args.M)
@@ -39,9 +44,19 @@ REDUCES = ("reduce_scatter_single", "reduce_scatter_tensor")
 
 def build(kind: str) -> torch.nn.Module:
     set_seed(0)
-    config = Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                         tie_word_embeddings=True, pad_token_id=0, eos_token_id=None, bos_token_id=None)  # fmt: skip
+    config = Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        tie_word_embeddings=True,
+        pad_token_id=0,
+        eos_token_id=None,
+        bos_token_id=None,
+    )
     model = Qwen2ForCausalLM(config)
     if kind == "lora":
         from peft import LoraConfig, get_peft_model
@@ -76,15 +91,22 @@ def reduces(counts: dict) -> int:
 
 def all_sharded(model) -> bool:
     """No FSDP2 unit holds its unsharded params (read as the accumulate worker does)."""
-    return all(g.is_sharded for m in model.modules() if isinstance(m, FSDPModule)
-               for g in m._get_fsdp_state()._fsdp_param_groups)  # fmt: skip
+    return all(
+        g.is_sharded
+        for m in model.modules()
+        if isinstance(m, FSDPModule)
+        for g in m._get_fsdp_state()._fsdp_param_groups
+    )
 
 
 def flags(model) -> dict:
     """Every FSDP2 unit's (requires_gradient_sync, requires_all_reduce, reshard_after_backward) and
     reshard_after_forward, as FSDP2 keeps them (no public getters)."""
-    after_forward = {n: [g.post_forward_mesh_info is not None for g in m._get_fsdp_state()._fsdp_param_groups]
-                     for n, m in model.named_modules() if isinstance(m, FSDPModule)}  # fmt: skip
+    after_forward = {
+        n: [g.post_forward_mesh_info is not None for g in m._get_fsdp_state()._fsdp_param_groups]
+        for n, m in model.named_modules()
+        if isinstance(m, FSDPModule)
+    }
     return {"sync": {n: list(f) for n, f in sync_flags(model).items()}, "after_forward": after_forward}
 
 

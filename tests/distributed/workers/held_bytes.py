@@ -70,8 +70,9 @@ for reduce_dtype in args.reduce_dtypes.split(","):
             set_seed(0)
             # "deferred+window": the estimate's row for deferral with keep_params_unsharded.
             window = mode == "deferred+window"
-            config = accel_gradsync.GradSyncConfig(sync_mode="deferred" if window else mode, reduce_dtype=reduce_dtype,
-                                                   keep_params_unsharded=window)  # fmt: skip
+            config = accel_gradsync.GradSyncConfig(
+                sync_mode="deferred" if window else mode, reduce_dtype=reduce_dtype, keep_params_unsharded=window
+            )
             handle = accel_gradsync.attach(accelerator, config)
             model = AutoModelForCausalLM.from_config(model_config)
             optimizer = torch.optim.SGD(model.parameters(), lr=0.01)

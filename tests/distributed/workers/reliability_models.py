@@ -17,10 +17,15 @@ import accel_gradsync
 
 VOCAB, SEQ, B = 48, 8, 2
 
-args = parse_args([(("--runs",), {"type": json.loads, "required": True}), (("--M",), {"type": int, "default": 3}),
-                   (("--batches",), {"type": int, "default": 4}),
-                   (("--trainer-errors",), {"action": "store_true"}),
-                   (("--trainer-window",), {"action": "store_true"})])  # fmt: skip
+args = parse_args(
+    [
+        (("--runs",), {"type": json.loads, "required": True}),
+        (("--M",), {"type": int, "default": 3}),
+        (("--batches",), {"type": int, "default": 4}),
+        (("--trainer-errors",), {"action": "store_true"}),
+        (("--trainer-window",), {"action": "store_true"}),
+    ]
+)
 accel_gradsync.enable_cpu_fsdp()
 counter = CollectiveCounter()
 accelerator = Accelerator(gradient_accumulation_steps=args.M)
@@ -31,9 +36,16 @@ IDS = torch.randint(0, VOCAB, (args.batches * N * B, SEQ), generator=g)
 
 def build(kind: str) -> torch.nn.Module:
     set_seed(0)
-    config = Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                         tie_word_embeddings=True)  # fmt: skip
+    config = Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        tie_word_embeddings=True,
+    )
     model = Qwen2ForCausalLM(config)
     assert model.lm_head.weight is model.model.embed_tokens.weight
     if kind == "lora":
@@ -133,10 +145,16 @@ if args.trainer_window:
             self.flags("after_step", trainer.model_wrapped)
 
     targs = TrainingArguments(
-        output_dir=f"{args.out}/trainer_window", per_device_train_batch_size=B, gradient_accumulation_steps=M,
-        max_steps=2, report_to=[], save_strategy="no", logging_strategy="no", learning_rate=0.1,
+        output_dir=f"{args.out}/trainer_window",
+        per_device_train_batch_size=B,
+        gradient_accumulation_steps=M,
+        max_steps=2,
+        report_to=[],
+        save_strategy="no",
+        logging_strategy="no",
+        learning_rate=0.1,
         accelerator_config={"use_configured_state": True},
-    )  # fmt: skip
+    )
     dataset = [{"input_ids": ids, "labels": ids} for ids in IDS] * 2
     watch = Watch()
     trainer = Trainer(model=build("tied"), args=targs, train_dataset=dataset, callbacks=[watch])
@@ -153,11 +171,16 @@ if args.trainer_errors:
 
     out_dir = os.path.join(args.out, "trainer")
     targs = TrainingArguments(
-        output_dir=out_dir, per_device_train_batch_size=B, gradient_accumulation_steps=M, max_steps=2,
-        report_to=[], save_strategy="steps", save_steps=1, logging_steps=1,
-        accelerator_config={"use_configured_state": True,
-                            "gradient_accumulation_kwargs": {"sync_each_batch": True}},
-    )  # fmt: skip
+        output_dir=out_dir,
+        per_device_train_batch_size=B,
+        gradient_accumulation_steps=M,
+        max_steps=2,
+        report_to=[],
+        save_strategy="steps",
+        save_steps=1,
+        logging_steps=1,
+        accelerator_config={"use_configured_state": True, "gradient_accumulation_kwargs": {"sync_each_batch": True}},
+    )
     dataset = [{"input_ids": ids, "labels": ids} for ids in IDS]
     trainer = Trainer(model=build("tied"), args=targs, train_dataset=dataset)
     errors = {}

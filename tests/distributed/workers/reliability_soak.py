@@ -18,10 +18,14 @@ from torch.nn import functional as F
 import accel_gradsync
 from accel_gradsync.fsdp import adapt_model, sync_flags
 
-args = parse_args([(("--modes",), {"type": json.loads, "required": True}),
-                   (("--micro-batches",), {"type": int, "default": 2000}),
-                   (("--M",), {"type": int, "default": 4}),
-                   (("--fail-every",), {"type": int, "default": 97})])  # fmt: skip
+args = parse_args(
+    [
+        (("--modes",), {"type": json.loads, "required": True}),
+        (("--micro-batches",), {"type": int, "default": 2000}),
+        (("--M",), {"type": int, "default": 4}),
+        (("--fail-every",), {"type": int, "default": 97}),
+    ]
+)
 REPO_ROOT = Path(__file__).resolve().parents[3]
 accel_gradsync.enable_cpu_fsdp()
 accelerator = Accelerator(gradient_accumulation_steps=args.M)

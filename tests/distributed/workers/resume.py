@@ -116,10 +116,13 @@ def run_spec(accelerator, spec: dict, root: str) -> dict:
         out["resumed_levels"] = resumed["levels"]
         out["resume_differs"] = differences(resumed["snapshot"], reference["snapshot"])
         out["resume_max_diff"] = max(
-            ((resumed["snapshot"][n].float() - reference["snapshot"][n].float()).abs().max().item()
-             for n in reference["snapshot"] if n in resumed["snapshot"] and reference["snapshot"][n].numel()),
+            (
+                (resumed["snapshot"][n].float() - reference["snapshot"][n].float()).abs().max().item()
+                for n in reference["snapshot"]
+                if n in resumed["snapshot"] and reference["snapshot"][n].numel()
+            ),
             default=0.0,
-        )  # fmt: skip
+        )
     return out
 
 

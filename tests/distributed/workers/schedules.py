@@ -219,8 +219,12 @@ def run_schedule(accelerator, spec: dict, counter) -> dict:
     if handle.plan() is None:  # bind() is public: do what the first no_sync() would do
         handle.bind(model)
     units, held, est_adapter = _plan_numbers(handle)
-    result["plan"] = {"mode": handle.plan().mode, "held": [u.name for u in handle.plan().held], "units": units,
-                      "held_collectives": held}  # fmt: skip
+    result["plan"] = {
+        "mode": handle.plan().mode,
+        "held": [u.name for u in handle.plan().held],
+        "units": units,
+        "held_collectives": held,
+    }
     result["expected_reduce_scatters"] = expected_reduce_scatters(spec, units, held)
     from accel_gradsync.policies import collectives_per_step  # what the estimate counts with
 
@@ -259,11 +263,13 @@ def run_schedule(accelerator, spec: dict, counter) -> dict:
                                 with counter.paused():
                                     grads = full_grads(model)
                                 want = expected[len(steps)] if len(steps) < len(expected) else {}
-                                steps.append({
-                                    "reduce_scatters": counts.get("reduce_scatter_single", 0)
-                                    + counts.get("reduce_scatter_tensor", 0),
-                                    **compare(grads, want),
-                                })  # fmt: skip
+                                steps.append(
+                                    {
+                                        "reduce_scatters": counts.get("reduce_scatter_single", 0)
+                                        + counts.get("reduce_scatter_tensor", 0),
+                                        **compare(grads, want),
+                                    }
+                                )
                             optimizer.step()
                             optimizer.zero_grad()
                             if accelerator.sync_gradients and adapter is not None:
@@ -276,10 +282,12 @@ def run_schedule(accelerator, spec: dict, counter) -> dict:
                             raise
                         if spec.get("zero_grad_on_abort", True):
                             model.zero_grad(set_to_none=True)  # what a user's handler does
-                        aborts.append({
-                            "flags_restored": sync_flags(model) == flags0 if is_fsdp2 else True,
-                            "held_after_zero_grad": adapter.held_grad_bytes() if adapter is not None else 0,
-                        })  # fmt: skip
+                        aborts.append(
+                            {
+                                "flags_restored": sync_flags(model) == flags0 if is_fsdp2 else True,
+                                "held_after_zero_grad": adapter.held_grad_bytes() if adapter is not None else 0,
+                            }
+                        )
         except Exception as err:  # a failure of torch or the plugin: report it, do not hang the other runs
             result["error"] = f"{type(err).__name__}: {err}"[:2000]
     result.update(

@@ -43,9 +43,12 @@ for k in range(args.M * args.steps):
             policy_opt.zero_grad(), value_opt.zero_grad()
 counts = counter.take()
 stats = handle.stats()
-write_result(args.out, {
-    "counts": counts,
-    "stats": {k: v for k, v in stats.items() if k != "models"},
-    "models": stats["models"],
-    "decisions": [line for line in printed.getvalue().splitlines() if line.startswith("grad sync:")],
-})  # fmt: skip
+write_result(
+    args.out,
+    {
+        "counts": counts,
+        "stats": {k: v for k, v in stats.items() if k != "models"},
+        "models": stats["models"],
+        "decisions": [line for line in printed.getvalue().splitlines() if line.startswith("grad sync:")],
+    },
+)
