@@ -162,6 +162,11 @@ class SyncPolicy:
 
     name: str = ""
     description: str = ""
+    needs_fsdp2: str = ""
+    """What of FSDP2's the mode sets per unit, where FSDP1 and DDP have only the root's
+    `no_sync()`; empty: the mode runs on every wrapper."""
+    needs_hsdp: bool = False
+    """True when the mode needs a mesh with a replicate dimension (HSDP)."""
 
     def __init__(self, config: GradSyncConfig) -> None:
         self.config = config.resolved()
@@ -169,13 +174,24 @@ class SyncPolicy:
     def plan(self, adapter: ModelAdapter, free_memory: FreeMemory, micro_batches: int) -> Plan:
         raise NotImplementedError
 
-    def _require_fsdp2(self, adapter: ModelAdapter, why: str) -> None:
-        if adapter.kind != "fsdp2":
-            raise ValueError(
-                f"GradSyncConfig.sync_mode='{self.name}' needs FSDP2 ({why}), but the model is wrapped in "
-                f"{adapter.kind}. Use fsdp_version: 2 in the accelerate config, or sync_mode 'deferred' / "
-                "'per_micro_batch'."
-            )
+
+def check_wrapper(mode: str, wrapper: str, hsdp: bool) -> None:
+    """Raise `ValueError`, naming what to change, when sync mode `mode` cannot run on `wrapper`
+    ("fsdp2", "fsdp1" or "ddp"), or without an HSDP mesh. Binding checks the wrapped model; a
+    launcher can check the accelerate config with it before the model is loaded."""
+    policy = POLICIES[mode]
+    if policy.needs_fsdp2 and wrapper != "fsdp2":
+        raise ValueError(
+            f"sync mode '{mode}' needs FSDP2 ({policy.needs_fsdp2}), but the model is wrapped in {wrapper}. "
+            "Use fsdp_version: 2 in the accelerate config (e.g. accelerate_configs/fsdp2.yaml), or sync mode "
+            "'deferred' or 'per_micro_batch'."
+        )
+    if policy.needs_hsdp and not hsdp:
+        raise ValueError(
+            f"sync mode '{mode}' needs an HSDP mesh with a replicate dimension, but the model is sharded over a "
+            "1-D mesh. Set parallelism_config dp_replicate_size > 1 in the accelerate config (e.g. "
+            "accelerate_configs/hsdp.yaml), or use sync mode 'deferred'."
+        )
 
 
 class PerMicroBatchSync(SyncPolicy):
@@ -218,9 +234,10 @@ class BudgetSync(SyncPolicy):
 
     name = SyncMode.BUDGET
     description = "defer (and window) only the units whose held bytes fit a memory budget"
+    needs_fsdp2 = "per-unit requires_gradient_sync"
 
     def plan(self, adapter: ModelAdapter, free_memory: FreeMemory, micro_batches: int) -> Plan:
-        self._require_fsdp2(adapter, "per-unit requires_gradient_sync; FSDP1 has only the root's no_sync()")
+        check_wrapper(self.name, adapter.kind, adapter.hsdp)
         absolute, fraction = parse_bytes(self.config.memory_budget, "GradSyncConfig.memory_budget")
         if absolute is not None:
             budget = absolute
@@ -299,15 +316,11 @@ class DeferAllReduceSync(SyncPolicy):
 
     name = SyncMode.DEFER_ALL_REDUCE
     description = "HSDP: reduce-scatter every micro-batch, all-reduce across replicas once per step"
+    needs_fsdp2 = "set_requires_all_reduce"
+    needs_hsdp = True
 
     def plan(self, adapter: ModelAdapter, free_memory: FreeMemory, micro_batches: int) -> Plan:
-        self._require_fsdp2(adapter, "set_requires_all_reduce")
-        if not adapter.hsdp:
-            raise ValueError(
-                "GradSyncConfig.sync_mode='defer_all_reduce' needs an HSDP mesh with a replicate dimension, "
-                "but the model is sharded over a 1-D mesh. Set parallelism_config dp_replicate_size > 1 "
-                "in the accelerate config, or use sync_mode 'deferred'."
-            )
+        check_wrapper(self.name, adapter.kind, adapter.hsdp)
         trainable = [u for u in adapter.units if not u.frozen]
         return Plan(
             self.name, trainable, held_sync=ALL_REDUCE, generation_bytes=generation_bytes_of(adapter, self.config)

@@ -15,7 +15,9 @@ import time
 import warnings
 from typing import NoReturn
 
+from accel_gradsync.config import SyncMode
 from accel_gradsync.cpu import fsdp_requested
+from accel_gradsync.policies import check_wrapper
 
 HELP = "python recipes/grpo.py --help"
 
@@ -98,29 +100,24 @@ def launch_setup() -> dict:
 
 
 def check_sync_mode_fits_launch(grad_sync_args) -> None:
-    """Refuse a grad sync mode the accelerate config cannot run, as `attach` would only once
-    the model is loaded and wrapped. keep_params_unsharded on FSDP1 is not refused: it does
-    not apply there, and the plugin says so once."""
+    """Refuse a grad sync mode the accelerate config cannot run, with the plugin's own check
+    (`policies.check_wrapper`), before the model is loaded rather than at `attach`.
+    keep_params_unsharded on FSDP1 is not refused: it does not apply there, and the plugin says
+    so once."""
     setup = launch_setup()
     if setup["processes"] < 2:
         return  # one process: attach() warns that there is no sync to schedule
     mode = grad_sync_args.mode
-    selected = f"--grad-sync-mode {mode}" + (
-        f" (or --grad-sync-memory-budget {grad_sync_args.memory_budget}, which selects it)" if mode == "budget" else ""
-    )
-    wrapper = f"FSDP{setup['fsdp_version']}" if setup["fsdp_version"] else "no FSDP (DDP)"
-    if mode in ("budget", "defer_all_reduce") and setup["fsdp_version"] != 2:
-        raise ValueError(
-            f"{selected}: needs FSDP2, but the accelerate config runs {wrapper}. Launch with an FSDP2 "
-            "config (fsdp_version: 2, e.g. accelerate_configs/fsdp2.yaml), or use --grad-sync-mode "
-            "deferred or per_micro_batch."
+    wrapper = f"fsdp{setup['fsdp_version']}" if setup["fsdp_version"] else "ddp"
+    try:
+        check_wrapper(mode, wrapper, hsdp=setup["replicate"] > 1)
+    except ValueError as error:
+        selected = f"--grad-sync-mode {mode}" + (
+            f" (or --grad-sync-memory-budget {grad_sync_args.memory_budget}, which selects it)"
+            if mode == SyncMode.BUDGET
+            else ""
         )
-    if mode == "defer_all_reduce" and setup["replicate"] < 2:
-        raise ValueError(
-            f"{selected}: needs an HSDP mesh (parallelism_config_dp_replicate_size > 1, e.g. "
-            "accelerate_configs/hsdp.yaml), but the accelerate config shards over one dimension. "
-            "Use --grad-sync-mode deferred, or an HSDP config."
-        )
+        raise ValueError(f"{selected}: {error}") from None
 
 
 def check_restart_settings() -> None:

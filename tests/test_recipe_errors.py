@@ -191,10 +191,10 @@ def test_a_parse_error_is_one_line_and_a_pointer_to_help(tmp_path):
         (
             {"FSDP_VERSION": "1"},
             "budget",
-            r"--grad-sync-mode budget.*needs FSDP2, but the accelerate config runs FSDP1",
+            r"--grad-sync-mode budget.*needs FSDP2 .*, but the model is wrapped in fsdp1",
         ),
-        ({"FSDP_VERSION": "1"}, "defer_all_reduce", r"needs FSDP2, but the accelerate config runs FSDP1"),
-        ({"FSDP_VERSION": "2"}, "defer_all_reduce", r"needs an HSDP mesh.*shards over one dimension"),
+        ({"FSDP_VERSION": "1"}, "defer_all_reduce", r"needs FSDP2 .*, but the model is wrapped in fsdp1"),
+        ({"FSDP_VERSION": "2"}, "defer_all_reduce", r"needs an HSDP mesh.*sharded over a 1-D mesh"),
         (
             {
                 "FSDP_VERSION": "2",

@@ -48,7 +48,7 @@ def test_modes_that_need_fsdp2_or_hsdp_say_so(modes):
     for rank in ranks:
         if wrapper == "fsdp1":
             for mode in ("budget", "defer_all_reduce"):
-                assert rank[mode].startswith("ValueError") and f"sync_mode={mode!r} needs FSDP2" in rank[mode]
+                assert rank[mode].startswith("ValueError") and f"sync mode {mode!r} needs FSDP2" in rank[mode]
                 assert "fsdp_version: 2" in rank[mode]
         else:
             assert rank["budget"] == "no error"  # FSDP2 supports budgets

@@ -22,17 +22,20 @@ CASES = {
     "budget-on-fsdp1": (
         f"{FSDP1} --grad-sync-mode budget --grad-sync-memory-budget 1GiB",
         [
-            "error: --grad-sync-mode budget (or --grad-sync-memory-budget 1GiB, which selects it): needs FSDP2, but "
-            "the accelerate config runs FSDP1."
+            "error: --grad-sync-mode budget (or --grad-sync-memory-budget 1GiB, which selects it): sync mode "
+            "'budget' needs FSDP2 (per-unit requires_gradient_sync), but the model is wrapped in fsdp1."
         ],
     ),
     "defer-all-reduce-on-fsdp1": (
         f"{FSDP1} --grad-sync-mode defer_all_reduce",
-        ["error: --grad-sync-mode defer_all_reduce: needs FSDP2, but the accelerate config runs FSDP1."],
+        [
+            "error: --grad-sync-mode defer_all_reduce: sync mode 'defer_all_reduce' needs FSDP2 "
+            "(set_requires_all_reduce), but the model is wrapped in fsdp1."
+        ],
     ),
     "defer-all-reduce-without-hsdp": (
         f"{FSDP2} --grad-sync-mode defer_all_reduce",
-        ["error: --grad-sync-mode defer_all_reduce: needs an HSDP mesh (parallelism_config_dp_replicate_size > 1"],
+        ["error: --grad-sync-mode defer_all_reduce: sync mode 'defer_all_reduce' needs an HSDP mesh"],
     ),
     "unknown-mode": (
         f"{FSDP2} --grad-sync-mode nonsense",
