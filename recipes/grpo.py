@@ -10,6 +10,13 @@ are one flag each, or a recipe YAML:
     accelerate launch --config_file accelerate_configs/fsdp2.yaml recipes/grpo.py \
         --config recipes/qwen2.5-0.5b-gsm8k.yaml --defer-grad-sync
 
+The fastest step where memory allows (FSDP2): each unit all-gathers once per GRPO step instead of
+once per generated token, at the cost of its unsharded parameters and gradients on every rank
+from generation to the step's last backward:
+
+    accelerate launch --config_file accelerate_configs/fsdp2.yaml recipes/grpo.py \
+        --defer-grad-sync --grad-sync-keep-params-unsharded
+
 Every field of the script arguments, `GRPOConfig`, `ModelConfig` and `GradSyncConfig` is a flag
 and a YAML key (`python recipes/grpo.py --help`). A checkpoint is saved every --save_steps (100)
 steps; `--resume_from_checkpoint auto` continues from the newest complete one. On a machine with
@@ -18,6 +25,7 @@ no GPU/NPU the FSDP configs run as real FSDP over gloo with the processes the co
 
 from __future__ import annotations
 
+import argparse
 import difflib
 import os
 import shutil
@@ -278,8 +286,16 @@ class RecipeParser(TrlParser):
         raise checks.ParseError(message)
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """--help: each setting's default (as HfArgumentParser shows it), the description as written."""
+
+
 def make_parser(cpu_fsdp: bool = False) -> TrlParser:
-    parser = RecipeParser((GRPOScriptArguments, GRPOConfig, ModelConfig, accel_gradsync.GradSyncConfig))
+    parser = RecipeParser(
+        (GRPOScriptArguments, GRPOConfig, ModelConfig, accel_gradsync.GradSyncConfig),
+        description=__doc__,  # the launch commands, the fastest one included, above the settings
+        formatter_class=_HelpFormatter,
+    )
     parser.set_defaults(**RECIPE_DEFAULTS)
     if not has_accelerator_device():
         # GRPOConfig's bf16 default asks for a GPU; pinned host memory needs one too.

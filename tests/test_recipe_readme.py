@@ -25,19 +25,27 @@ def fenced_commands(section: str) -> list[list[str]]:
     return [[c.strip() for c in block.replace("\\\n", " ").splitlines() if c.strip()] for block in blocks]
 
 
-def e2e_quickstart() -> list[str]:
-    """`QUICKSTART` from the e2e test, read without importing it (it needs the launcher's path)."""
+def e2e_constant(name: str):
+    """A constant of the e2e test, read without importing it (it needs the launcher's path)."""
     tree = ast.parse((REPO / "tests/distributed/test_grpo_recipe.py").read_text())
     for node in tree.body:
-        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "QUICKSTART" for t in node.targets):
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == name for t in node.targets):
             return ast.literal_eval(node.value)
-    raise AssertionError("tests/distributed/test_grpo_recipe.py defines no QUICKSTART")
+    raise AssertionError(f"tests/distributed/test_grpo_recipe.py defines no {name}")
+
+
+def e2e_quickstart() -> list[str]:
+    return e2e_constant("QUICKSTART")
 
 
 def test_quickstart_is_what_the_e2e_test_runs():
     quickstart = fenced_commands(grpo_section())[0]
     assert quickstart == e2e_quickstart()
     assert quickstart[0] == TITLE_COMMAND  # the command `make demo` runs, first
+
+
+def test_the_fastest_command_is_what_the_e2e_test_runs():
+    assert fenced_commands(grpo_section())[1] == [e2e_constant("WINDOW")]
 
 
 def test_e2e_covers_both_fsdp_versions_and_both_modes():

@@ -128,7 +128,11 @@ def test_deferring_does_not_change_the_first_step(runs, config):
     assert first_d["grad_norm"] == pytest.approx(first_p["grad_norm"], rel=1e-4)
 
 
-WINDOW = QUICKSTART[0] + " --grad-sync-keep-params-unsharded"
+# The README's fastest GRPO command (tests/test_recipe_readme.py checks that).
+WINDOW = (
+    "accelerate launch --config_file accelerate_configs/fsdp2.yaml recipes/grpo.py --defer-grad-sync "
+    "--grad-sync-keep-params-unsharded"
+)
 
 
 def test_window_mode_in_grpo_gathers_less_and_learns_the_same_first_step(runs):
