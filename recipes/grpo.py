@@ -1,4 +1,4 @@
-"""GRPO with TRL's `GRPOTrainer`, gradient sync chosen by accel_gradsync.
+r"""GRPO with TRL's `GRPOTrainer`, gradient sync chosen by accel_gradsync.
 
     accelerate launch --config_file accelerate_configs/fsdp2.yaml recipes/grpo.py --defer-grad-sync
 
