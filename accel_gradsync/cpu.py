@@ -9,7 +9,7 @@ What accelerate (checked on 1.15) does wrong there, and what this module does in
    -> build the shared state once, then make it FSDP with the launcher's FSDP plugin, exactly
    as accelerate does for `MULTI_GPU`.
 3. The plugin's `sync_module_states` (and `cpu_ram_efficient_loading`, which relies on it)
-   asks for a GPU-like device and raises. -> both off, with one warning: every rank must build
+   asks for a GPU-like device and raises. -> both off, said in one line: every rank must build
    the same weights (same seed, or the same checkpoint), which `set_seed` and
    `from_pretrained` already give.
 4. The state's device becomes `cpu:0`, which FSDP1 rejects against parameters on `cpu`.
@@ -24,14 +24,13 @@ fails here, loudly, instead of training unsharded.
 from __future__ import annotations
 
 import os
-import warnings
+import sys
 
 import torch
 from accelerate import ParallelismConfig
 from accelerate.state import AcceleratorState, PartialState
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, TorchDynamoPlugin
 
-from .errors import GradSyncWarning
 from .teardown import install_exit_guard
 
 # The environment `accelerate launch` would export for a CPU FSDP run, if it supported one.
@@ -81,14 +80,15 @@ def enable_cpu_fsdp() -> bool:
             f"distributed_type={state.distributed_type}. Move the call to the top of your script."
         )
 
+    # `accelerate launch` exports both as true unless the config says otherwise, so this is a note
+    # about accelerate's defaults, not a warning about the user's settings: one line, rank 0.
     asked = {k: os.environ.get(k) for k in ("FSDP_SYNC_MODULE_STATES", "FSDP_CPU_RAM_EFFICIENT_LOADING")}
     if any((v or "").lower() == "true" for v in asked.values()) and os.environ.get("RANK", "0") == "0":
-        warnings.warn(
-            "accel_gradsync: FSDP on CPU: accelerate's `fsdp_sync_module_states` and "
-            "`fsdp_cpu_ram_efficient_loading` need a GPU/NPU, so they are off for this run; every "
-            "rank must build identical weights (same seed or the same checkpoint).",
-            GradSyncWarning,
-            stacklevel=2,
+        print(
+            "accel_gradsync: FSDP on CPU over gloo: accelerate's fsdp_sync_module_states and "
+            "fsdp_cpu_ram_efficient_loading need a GPU/NPU and are off; every rank builds identical weights "
+            "(same seed or the same checkpoint).",
+            file=sys.stderr,
         )
     os.environ.update(_CPU_FSDP_ENV)
 

@@ -30,6 +30,7 @@ import difflib
 import os
 import shutil
 import sys
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -354,6 +355,9 @@ def _did_you_mean(name: str, valid: list[str]) -> str:
 def run(argv: list[str] | None = None) -> None:
     """The script: settings checked before anything is built (a bad one ends the launch with one
     line from the main process, exit 2), then training."""
+    # TRL 1.16's generation (`unwrap_model_for_generation`) reads transformers' deprecated
+    # `is_gradient_checkpointing` every round; nothing in the user's settings changes that.
+    warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
     try:
         checks.check_restart_settings()  # before the process group exists: a restart would not form it
         # On a machine without GPU/NPU, turn the FSDP config into real FSDP over gloo (a no-op on
