@@ -17,8 +17,14 @@ REPO = Path(__file__).resolve().parents[1]
 def quick_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.run", "--quick", "--out", str(out)],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.run", "--quick", "--out", str(out)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return out, proc.stdout, json.loads((out / "results.json").read_text())
 
