@@ -61,7 +61,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
                    "label": "hand-written window loop (PyTorch issue 124319)"},
     "stock_window_by_hand": {"loop": "accumulate_window", "gradsync": None, "reshard_after_forward": False,
                              "group": "peer",
-                             "label": "stock accelerate accumulate, window flags by hand (PyTorch issue 124319's calls)"},
+                             "label": "stock accelerate accumulate, window flags by hand (PyTorch issue 124319)"},
     "stock_no_reshard": {"loop": "accumulate", "gradsync": None, "reshard_after_forward": False, "group": "peer",
                          "label": "stock accelerate accumulate, fsdp_reshard_after_forward: false"},
     "trainer_stock": {"loop": "trainer", "gradsync": None, "group": "peer",
