@@ -191,7 +191,7 @@ def count_units(model: torch.nn.Module) -> int:
 
 
 def run_one(
-    name: str, round: int, args: argparse.Namespace, counter: CollectiveCounter, dataset, tokenizer
+    name: str, round_index: int, args: argparse.Namespace, counter: CollectiveCounter, dataset, tokenizer
 ) -> GrpoRankRun:
     """One `GRPOTrainer.train()` of `args.steps` steps for configuration `name`."""
     from trl import GRPOConfig, GRPOTrainer, ModelConfig, get_peft_config
@@ -241,7 +241,7 @@ def run_one(
     gc.collect()
     return GrpoRankRun(
         config=name,
-        round=round,
+        round=round_index,
         steps=[s for s in timer.steps if s.step > 1],  # step 1: FSDP's lazy init, first allocations
         units=units,
         logs=logs,

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import yaml
 
-from benchmarks import cluster, registry, report
+from benchmarks import cluster, cluster_report, registry, report
 from benchmarks.records import ConfigResult, RankResult, Results, Run
 
 REPO = Path(__file__).resolve().parents[1]
@@ -384,8 +384,8 @@ def main(argv=None) -> int:
         runs=runs,
     )
     (out / "results.json").write_text(json.dumps(dataclasses.asdict(results), indent=1))
-    summary = report.write_cluster_report(results, out) if p.get("cluster") else report.write_report(results, out)
-    print(summary)
+    write = cluster_report.write_cluster_report if p.get("cluster") else report.write_report
+    print(write(results, out))
     print(f"[benchmarks] wrote {out}/results.json, results.md, *.png in {results.elapsed_s} s")
     return 0
 

@@ -231,7 +231,7 @@ def prepare(bench: Bench, name: str) -> Prepared:
     return Prepared(name, spec, acc, model, optimizer, handle)
 
 
-def measure_step(bench: Bench, run: Prepared, M: int, rep: int = 0, round: int | None = None) -> StepSample:
+def measure_step(bench: Bench, run: Prepared, M: int, rep: int = 0, round_index: int | None = None) -> StepSample:
     """One optimizer step of M micro-batches: time, collectives, held gradient bytes (probed after
     every backward: a walk over a few dozen FSDPParams, microseconds against a step of
     seconds) and peak RSS."""
@@ -250,7 +250,7 @@ def measure_step(bench: Bench, run: Prepared, M: int, rep: int = 0, round: int |
     elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     bench.probing = False
     handle_held = None if run.handle is None else run.handle.stats()["last_step/held_grad_bytes"]
-    return sample(bench, elapsed, cpu, memory, handle_held_grad_bytes=handle_held, rep=rep, round=round)
+    return sample(bench, elapsed, cpu, memory, handle_held_grad_bytes=handle_held, rep=rep, round=round_index)
 
 
 def sample(bench: Bench, elapsed: float, cpu: float, memory: dict, **extra: Any) -> StepSample:
