@@ -27,9 +27,6 @@ _RING: dict[str, tuple[str, Callable[[int], float]]] = {
     "reduce_scatter_tensor": ("input", lambda n: (n - 1) / n),
     "all_reduce": ("tensor", lambda n: 2 * (n - 1) / n),
 }
-COUNTED = tuple(_RING)
-"""The `torch.distributed` functions counted: those FSDP1, FSDP2 and DDP issue their gradient and
-parameter traffic through."""
 # Report names: collectives grouped by what they do, whatever function FSDP picked.
 KIND = {
     "all_gather_single": "all_gathers",
@@ -56,14 +53,14 @@ class Traffic:
 
 class CollectiveCounter:
     """Counts real `torch.distributed` collectives, and the bytes this rank sends in them, by
-    wrapping the module's functions FSDP and DDP call (they look them up on the module at call
+    wrapping the module's functions FSDP1 and FSDP2 call (they look them up on the module at call
     time). One per process: the benchmarks' workers and the multi-rank tests' workers use it.
 
     `counts` holds the calls per function name since the last `take()`; `paused()` stops counting
     (a reference computation's collectives)."""
 
     def __init__(self) -> None:
-        self.counts: Counter = Counter()
+        self.counts: Counter[str] = Counter()
         self.bytes_sent = 0.0
         self.enabled = True
         for name, (arg, factor) in _RING.items():
