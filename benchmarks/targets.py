@@ -79,7 +79,7 @@ def format_summary(results: list[TargetResult]) -> str:
 # -- the loopback benchmark (report.py) ---------------------------------------------------------
 OVERHEAD_TOLERANCE = 0.02
 WRAPPER_OVERHEAD = Target(
-    name="within 2% of",
+    name="the plugin within 2% of the same collectives without it",
     compares="the plugin's step / the same collectives without it (a hand-written FSDP2 loop, or stock "
     "accelerate with the same flags), paired by round and pooled over M, per model",
     why="both issue the same collectives on the same bytes, so the ratio is what the wrapper costs; "
