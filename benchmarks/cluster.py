@@ -69,8 +69,23 @@ def unavailable_reason() -> str | None:
     try:
         _sh("ip", "netns", "add", probe)
         _sh("ip", "-n", probe, "link", "add", "p0", "type", "veth", "peer", "name", "p1")
-        _sh("tc", "-n", probe, "qdisc", "add", "dev", "p0", "root", "tbf", "rate", "1gbit", "burst", "1mb",
-            "latency", "50ms")  # fmt: skip
+        _sh(
+            "tc",
+            "-n",
+            probe,
+            "qdisc",
+            "add",
+            "dev",
+            "p0",
+            "root",
+            "tbf",
+            "rate",
+            "1gbit",
+            "burst",
+            "1mb",
+            "latency",
+            "50ms",
+        )
     except subprocess.CalledProcessError as e:
         return f"the simulated cluster cannot build namespaces or tbf links here: {e.stderr.strip() or e}"
     finally:
@@ -220,8 +235,16 @@ class Cluster:
     def accelerate_flags(self, host: int, port: int = 29500) -> list[str]:
         """What `accelerate launch` needs on each host, as on a real cluster
         (recipes/slurm_multi_node.sh): the namespaces have their own ports, so a fixed one works."""
-        return ["--num_machines", str(self.hosts), "--machine_rank", str(host),
-                "--main_process_ip", self.address(0), "--main_process_port", str(port)]  # fmt: skip
+        return [
+            "--num_machines",
+            str(self.hosts),
+            "--machine_rank",
+            str(host),
+            "--main_process_ip",
+            self.address(0),
+            "--main_process_port",
+            str(port),
+        ]
 
     def popen(self, host: int, argv: list[str], env: dict, **kwargs) -> subprocess.Popen:
         """Start `argv` inside host `host`'s namespace, gloo bound to its NIC, in a session of its
@@ -229,9 +252,12 @@ class Cluster:
         env = {**env, "GLOO_SOCKET_IFNAME": NIC}
         cpus = self.host_cpus(host) if self.cpus_per_host else None
         return subprocess.Popen(
-            ["ip", "netns", "exec", self.namespaces[host], *argv], env=env, start_new_session=True,
-            preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None, **kwargs,
-        )  # fmt: skip
+            ["ip", "netns", "exec", self.namespaces[host], *argv],
+            env=env,
+            start_new_session=True,
+            preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
+            **kwargs,
+        )
 
     def run(
         self,
@@ -249,8 +275,9 @@ class Cluster:
         procs, tails, readers = [], [[] for _ in argvs], []
         try:
             for h, argv in enumerate(argvs):
-                procs.append(self.popen(h, argv, env, cwd=cwd, stdout=subprocess.PIPE,
-                                        stderr=subprocess.STDOUT, text=True))  # fmt: skip
+                procs.append(
+                    self.popen(h, argv, env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                )
                 readers.append(threading.Thread(target=_drain, args=(procs[h], tails[h], h, echo), daemon=True))
                 readers[-1].start()
             deadline = time.time() + timeout

@@ -16,16 +16,14 @@ import dataclasses
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from benchmarks import cluster
+from benchmarks.records import GrpoRankResult, GrpoResults, GrpoRow, GrpoRun
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).with_name("grpo_worker.py")
@@ -98,20 +96,6 @@ def grpo_settings(size: dict) -> dict:
     )
 
 
-def unavailable_reason(name: str) -> str | None:
-    """Why this accel_gradsync cannot run configuration `name`, or None."""
-    kwargs = CONFIGS[name]["gradsync"]
-    if kwargs is None:
-        return None
-    from accel_gradsync import GradSyncConfig
-
-    fields = {f.name for f in dataclasses.fields(GradSyncConfig)}
-    missing = sorted(set(kwargs) - fields)
-    if missing:
-        return f"not available: GradSyncConfig has no field {', '.join(missing)} in this version"
-    return None
-
-
 def build_prompts():
     """The recipe's built-in `a+b=` prompts (recipes/embedded.py)."""
     sys.path.insert(0, str(REPO / "recipes"))
@@ -143,11 +127,18 @@ def build_model_dir(path: Path, size_name: str) -> dict:
     )
     tokenizer.padding_side = "left"
     config = Qwen2Config(
-        vocab_size=len(vocab), hidden_size=size["hidden"], intermediate_size=size["intermediate"],
-        num_hidden_layers=size["layers"], num_attention_heads=size["heads"], num_key_value_heads=size["kv_heads"],
-        max_position_embeddings=128, tie_word_embeddings=False, pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
-    )  # fmt: skip
+        vocab_size=len(vocab),
+        hidden_size=size["hidden"],
+        intermediate_size=size["intermediate"],
+        num_hidden_layers=size["layers"],
+        num_attention_heads=size["heads"],
+        num_key_value_heads=size["kv_heads"],
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+    )
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(config)
     model.save_pretrained(path)
@@ -164,91 +155,87 @@ def model_facts(model_dir: str) -> dict:
 
 
 def accelerate_config() -> dict:
-    fsdp = {"fsdp_version": 2, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
-            "fsdp_transformer_layer_cls_to_wrap": LAYER_CLASS, "fsdp_reshard_after_forward": True,
-            "fsdp_state_dict_type": "SHARDED_STATE_DICT"}  # fmt: skip
+    fsdp = {
+        "fsdp_version": 2,
+        "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+        "fsdp_transformer_layer_cls_to_wrap": LAYER_CLASS,
+        "fsdp_reshard_after_forward": True,
+        "fsdp_state_dict_type": "SHARDED_STATE_DICT",
+    }
     return {"distributed_type": "FSDP", "num_processes": 2, "fsdp_config": fsdp, "mixed_precision": "no"}
 
 
-def launch(p: dict, model_dir: Path, timeout: int, pin: bool, hosts: cluster.Cluster | None = None) -> list[dict]:
+def launch(
+    p: dict, model_dir: Path, timeout: int, pin: bool, hosts: cluster.Cluster | None = None
+) -> list[GrpoRankResult]:
     """One `accelerate launch` of grpo_worker.py (with `hosts`: one per simulated host)."""
     from benchmarks import run
 
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1",
-           "CUDA_VISIBLE_DEVICES": ""}  # fmt: skip
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    env.setdefault("MALLOC_MMAP_THRESHOLD_", str(2**20))  # freed buffers go back to the OS (run.py)
-    env.pop("ACCEL_GRADSYNC_DEFER", None)  # the configuration alone chooses the mode
-    with tempfile.TemporaryDirectory() as tmp:
-        cfg = Path(tmp, "accelerate.yaml")
-        config = accelerate_config()
-        if hosts is not None:
-            config["num_machines"] = hosts.hosts
-        cfg.write_text(yaml.safe_dump(config))
-        launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(cfg)]
-        worker = [str(WORKER), "--out", tmp, "--model-dir", str(model_dir), "--size", p["size"],
-                  "--configs", ",".join(p["configs"]), "--rounds", str(p["rounds"]),
-                  "--steps", str(p["steps"])]  # fmt: skip
-        if pin:
-            worker.append("--pin-cores")
-        if hosts is None:
-            cmd = [*launcher, "--main_process_port", str(run._free_port()), *worker]
-            proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-            tail, code = run.stream(proc, timeout), proc.returncode
-        else:
-            done = hosts.run([[*launcher, *hosts.accelerate_flags(h), *worker] for h in range(hosts.hosts)], env,
-                             cwd=REPO, timeout=timeout, echo=run.echo_progress)  # fmt: skip
-            code = next((c for c, _ in done if c != 0), 0)
-            tail = [f"--- host {h} ---\n" + "".join(t) for h, (_, t) in enumerate(done)]
-        files = sorted(Path(tmp).glob("rank*.json"))
-        if code != 0 or len(files) != 2:
-            raise RuntimeError(f"GRPO worker failed (exit {code}):\n" + "".join(tail))
-        return [json.loads(f.read_text()) for f in files]
+    env = {
+        "OMP_NUM_THREADS": "1",
+        "CUDA_VISIBLE_DEVICES": "",
+        "MALLOC_MMAP_THRESHOLD_": os.environ.get("MALLOC_MMAP_THRESHOLD_", str(2**20)),  # as run.launch
+    }
+    worker_args = ["--model-dir", str(model_dir), "--size", p["size"], "--configs", ",".join(p["configs"])]
+    worker_args += ["--rounds", str(p["rounds"]), "--steps", str(p["steps"])] + (["--pin-cores"] if pin else [])
+    ranks = run.launch_workers(WORKER, worker_args, accelerate_config(), env, timeout, hosts, "GRPO")
+    return [GrpoRankResult.from_dict(rank) for rank in ranks]
 
 
-def merge(ranks: list[dict]) -> dict:
+def merge(ranks: list[GrpoRankResult]) -> GrpoRun:
     """One row per configuration. A step lasts as long as its slowest rank: each step's time and
     phase split are that rank's; the row has the medians over the timed steps of every round.
     Collective counts are rank 0's (the ranks issue the same ones), memory the max over ranks."""
     first, rows = ranks[0], []
-    names = list(dict.fromkeys(r["config"] for r in first["runs"]))
-    for name in names:
-        per_rank = [[r for r in rank["runs"] if r["config"] == name] for rank in ranks]
-        steps = []
+    kinds = ("all_gathers", "reduce_scatters", "all_reduces")
+    for name in dict.fromkeys(r.config for r in first.runs):
+        per_rank = [[r for r in rank.runs if r.config == name] for rank in ranks]
+        steps, rounds = [], []
         for runs in zip(*per_rank):  # one run per round, on every rank
-            for j in range(len(runs[0]["steps"])):
-                slowest = max((run["steps"][j] for run in runs), key=lambda s: s["time_s"])
-                steps.append({**slowest, "round": runs[0]["round"]})
-        rank0 = [s for run in per_rank[0] for s in run["steps"]]
-        phases = list(rank0[0]["phases"]) if rank0 else []
-        kinds = ("all_gathers", "reduce_scatters", "all_reduces")
-        counts = {p: {k: sorted({s["phases"][p][k] for s in rank0}) for k in kinds} for p in phases}
-        all_steps = [s for runs in per_rank for run in runs for s in run["steps"]]
-        rows.append({
-            "config": name, "mode": CONFIGS[name]["mode"], "lora": CONFIGS[name]["lora"],
-            "step_time_s": statistics.median(s["time_s"] for s in steps), "step_times_s": [s["time_s"] for s in steps],
-            "step_rounds": [s["round"] for s in steps],
-            "phase_time_s": {p: statistics.median(s["phases"][p]["time_s"] for s in steps) for p in phases},
-            "counts_seen": counts,
-            "counts_per_step": {p: {k: statistics.median(s["phases"][p][k] for s in rank0)
-                                    for k in ("all_gathers", "reduce_scatters", "all_reduces", "bytes_sent")}
-                                for p in phases},
-            "held_grad_bytes": max(s["held_grad_bytes"] for s in all_steps),
-            "held_param_bytes": max(s["held_param_bytes"] for s in all_steps),
-            "handle_held_grad_bytes": max((run["handle_held_bytes"] or 0 for runs in per_rank for run in runs),
-                                          default=0) if per_rank[0][0]["handle_held_bytes"] is not None else None,
-            "rss_growth_bytes": max(s["rss_growth_bytes"] for s in all_steps),
-            # What the report compares with stock, per round: rank 0's logs and rewards (the rewards
-            # are gathered over ranks), and every rank's completion digests.
-            "logs": [run["logs"] for run in per_rank[0]],
-            "rewards": [run["outputs"].get("rewards", []) for run in per_rank[0]],
-            "completions": [[run["outputs"].get("completions", []) for run in runs] for runs in zip(*per_rank)],
-            "completion_tokens": [run["outputs"].get("completion_tokens", []) for run in per_rank[0]],
-            "units": per_rank[0][0]["units"],
-            "stats": per_rank[0][-1]["stats"],
-        })  # fmt: skip
-    return {"size": first["size"], "facts": first["facts"], "unavailable": first["unavailable"],
-            "versions": first["versions"], "pinned_cores": [r["pinned_core"] for r in ranks], "rows": rows}  # fmt: skip
+            for same_step in zip(*(run.steps for run in runs)):
+                steps.append(max(same_step, key=lambda s: s.time_s))
+                rounds.append(runs[0].round)
+        rank0 = [s for run in per_rank[0] for s in run.steps]
+        every = [s for runs in per_rank for run in runs for s in run.steps]
+        phases = list(rank0[0].phases) if rank0 else []
+        held = [
+            run.handle_held_grad_bytes for runs in per_rank for run in runs if run.handle_held_grad_bytes is not None
+        ]
+        rows.append(
+            GrpoRow(
+                config=name,
+                mode=CONFIGS[name]["mode"],
+                lora=CONFIGS[name]["lora"],
+                units=per_rank[0][0].units,
+                step_time_s=statistics.median(s.time_s for s in steps),
+                step_times_s=[s.time_s for s in steps],
+                step_rounds=rounds,
+                phase_time_s={p: statistics.median(s.phases[p].time_s for s in steps) for p in phases},
+                counts_seen={p: {k: sorted({getattr(s.phases[p], k) for s in rank0}) for k in kinds} for p in phases},
+                counts_per_step={
+                    p: {k: statistics.median(getattr(s.phases[p], k) for s in rank0) for k in (*kinds, "bytes_sent")}
+                    for p in phases
+                },
+                held_grad_bytes=max(s.held_grad_bytes for s in every),
+                held_param_bytes=max(s.held_param_bytes for s in every),
+                handle_held_grad_bytes=max(held) if held else None,
+                rss_growth_bytes=max(s.rss_growth_bytes for s in every),
+                # What the report compares with stock, per round: rank 0's logs and rewards (the
+                # rewards are gathered over ranks), and every rank's completion digests.
+                logs=[run.logs for run in per_rank[0]],
+                rewards=[run.rewards for run in per_rank[0]],
+                completions=[[run.completions for run in runs] for runs in zip(*per_rank)],
+                completion_tokens=[run.completion_tokens for run in per_rank[0]],
+                stats=per_rank[0][-1].stats,
+            )
+        )
+    return GrpoRun(
+        size=first.size,
+        facts=first.facts,
+        rows=rows,
+        versions=first.versions,
+        pinned_cores=[r.pinned_core for r in ranks],
+    )
 
 
 def plan_of(args) -> dict:
@@ -286,9 +273,11 @@ def main(args) -> int:
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
         facts = build_model_dir(Path(tmp), p["size"])
-        print(f"[benchmarks] GRPO {p['size']} model ({facts['params'] / 1e6:.2f} M params, {facts['layers']} "
-              f"layers): {len(p['configs'])} configurations, {p['rounds']} round(s) of {p['steps']} steps",
-              flush=True)  # fmt: skip
+        print(
+            f"[benchmarks] GRPO {p['size']} model ({facts['params'] / 1e6:.2f} M params, {facts['layers']} "
+            f"layers): {len(p['configs'])} configurations, {p['rounds']} round(s) of {p['steps']} steps",
+            flush=True,
+        )
         for link in [None, *links]:
             t0 = time.time()
             if link is None:
@@ -299,16 +288,18 @@ def main(args) -> int:
                     print(f"[benchmarks] GRPO on 2 simulated hosts, {link} link", flush=True)
                     sent0 = sum(hosts.link_bytes())
                     merged = merge(launch(p, Path(tmp), args.timeout, pin=False, hosts=hosts))
-                    merged["link_bytes"] = sum(hosts.link_bytes()) - sent0
-            merged.update(link=link, wall_s=round(time.time() - t0, 1))
+                    merged.link_bytes = sum(hosts.link_bytes()) - sent0
+            merged.link, merged.wall_s = link, round(time.time() - t0, 1)
             runs.append(merged)
-    results = {
-        "benchmark": "grpo",
-        "command": "python -m benchmarks.run " + " ".join(sys.argv[1:]),
-        "plan": p, "machine": run.describe_machine("cpu"), "elapsed_s": round(time.time() - start, 1),
-        "load_average": {"before": load_before, "after": os.getloadavg()}, "runs": runs,
-    }  # fmt: skip
-    (out / "results.json").write_text(json.dumps(results, indent=1))
+    results = GrpoResults(
+        command="python -m benchmarks.run " + " ".join(sys.argv[1:]),
+        plan=p,
+        machine=run.machine_facts("cpu"),
+        elapsed_s=round(time.time() - start, 1),
+        load_average={"before": list(load_before), "after": list(os.getloadavg())},
+        runs=runs,
+    )
+    (out / "results.json").write_text(json.dumps(dataclasses.asdict(results), indent=1))
     print(grpo_report.write_report(results, out))
-    print(f"[benchmarks] wrote {out}/results.json, results.md, grpo_step_split.png in {results['elapsed_s']} s")
+    print(f"[benchmarks] wrote {out}/results.json, results.md, grpo_step_split.png in {results.elapsed_s} s")
     return 0

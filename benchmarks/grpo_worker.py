@@ -9,7 +9,7 @@ and split into phases by wrapping bound methods of the trainer *instance* (never
 reference / old-policy log-prob passes), the rest of `_generate_and_score_completions`
 (rewards, advantages: "scoring") and what remains (the micro-batches' forward and backward and
 the optimizer step: "training"). Collectives are counted per phase by the wrapped
-`torch.distributed` functions of `benchmarks.measure`. Completions, rewards and the Trainer's
+`torch.distributed` functions of `benchmarks.collectives`. Completions, rewards and the Trainer's
 logs are recorded so the report can compare every configuration with stock exactly. Every rank
 writes `rank<R>.json`; `grpo.py` merges them.
 """
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import gc
 import hashlib
 import json
@@ -37,18 +38,12 @@ from transformers import AutoTokenizer, TrainerCallback  # noqa: E402
 
 import accel_gradsync  # noqa: E402
 from benchmarks import grpo  # noqa: E402
-from benchmarks.measure import (  # noqa: E402
-    CollectiveMeter,
-    handle_held_bytes,
-    held_grad_bytes,
-    held_param_bytes,
-    peak_rss_bytes,
-    reset_peak_rss,
-)
+from benchmarks.collectives import CollectiveCounter  # noqa: E402
+from benchmarks.measure import held_grad_bytes, held_param_bytes, peak_rss_bytes, reset_peak_rss  # noqa: E402
+from benchmarks.records import GrpoRankResult, GrpoRankRun, GrpoStep, PhaseTotals  # noqa: E402
 from benchmarks.worker import pin_to_core  # noqa: E402
 
 PHASES = ("generation", "logprob", "scoring", "training")
-COUNTS = ("all_gathers", "reduce_scatters", "all_reduces", "bytes_sent")
 
 
 def parse_args() -> argparse.Namespace:
@@ -75,22 +70,24 @@ class Phases:
     switches back, so generation and the log-prob passes nest inside scoring and each moment of
     the step is charged to exactly one phase."""
 
-    def __init__(self, meter: CollectiveMeter) -> None:
-        self.meter = meter
+    def __init__(self, counter: CollectiveCounter) -> None:
+        self.counter = counter
         self.current = "training"
         self.reset()
 
     def reset(self) -> None:
-        self.meter.take()
-        self.totals = {p: {"time_s": 0.0, **dict.fromkeys(COUNTS, 0)} for p in PHASES}
+        self.counter.take()
+        self.totals = {p: PhaseTotals() for p in PHASES}
         self._since = time.perf_counter()
 
     def _flush(self) -> None:
-        now, counted = time.perf_counter(), self.meter.take()
+        now, traffic = time.perf_counter(), self.counter.take_traffic()
         slot = self.totals[self.current]
-        slot["time_s"] += now - self._since
-        for k in COUNTS:
-            slot[k] += counted[k]
+        slot.time_s += now - self._since
+        slot.all_gathers += traffic.all_gathers
+        slot.reduce_scatters += traffic.reduce_scatters
+        slot.all_reduces += traffic.all_reduces
+        slot.bytes_sent += traffic.bytes_sent
         self._since = now
 
     @contextlib.contextmanager
@@ -104,10 +101,9 @@ class Phases:
             self._flush()
             self.current = outer
 
-    def take(self) -> dict:
+    def take(self) -> dict[str, PhaseTotals]:
         self._flush()
-        out, self.totals = self.totals, None
-        return out
+        return self.totals
 
 
 def wrap_phase(trainer: Any, name: str, phase: str, phases: Phases, when: Callable[[], bool] = lambda: True) -> None:
@@ -130,13 +126,13 @@ def record_outputs(trainer: Any, sink: dict) -> None:
     def generate_recorded(*args: Any, **kwargs: Any):
         out = generate(*args, **kwargs)
         completion_ids = out[1]
-        sink.setdefault("completions", []).append(hashlib.sha256(json.dumps(completion_ids).encode()).hexdigest())
-        sink.setdefault("completion_tokens", []).append(sum(len(c) for c in completion_ids))
+        sink["completions"].append(hashlib.sha256(json.dumps(completion_ids).encode()).hexdigest())
+        sink["completion_tokens"].append(sum(len(c) for c in completion_ids))
         return out
 
     def rewards_recorded(*args: Any, **kwargs: Any):
         out = rewards(*args, **kwargs)
-        sink.setdefault("rewards", []).append(out.detach().cpu().double().flatten().tolist())
+        sink["rewards"].append(out.detach().cpu().double().flatten().tolist())
         return out
 
     trainer._generate, trainer._calculate_rewards = generate_recorded, rewards_recorded
@@ -149,7 +145,7 @@ class StepTimer(TrainerCallback):
     def __init__(self, phases: Phases) -> None:
         self.phases = phases
         self.trainer: Any = None
-        self.steps: list[dict] = []
+        self.steps: list[GrpoStep] = []
         self.probes: list[tuple[int, int]] = []
 
     def on_step_begin(self, args, state, control, **kwargs):
@@ -171,13 +167,16 @@ class StepTimer(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         elapsed, cpu = time.perf_counter() - self.t0, time.process_time() - self.cpu0
-        phases = self.phases.take()
-        self.steps.append({
-            "step": state.global_step, "time_s": elapsed, "cpu_s": cpu, "phases": phases,
-            "held_grad_bytes": max((g for g, _ in self.probes), default=0),
-            "held_param_bytes": max((p for _, p in self.probes), default=0),
-            "rss_growth_bytes": max(peak_rss_bytes() - self.rss_before, 0),
-        })  # fmt: skip
+        step = GrpoStep(
+            step=state.global_step,
+            time_s=elapsed,
+            cpu_s=cpu,
+            phases=self.phases.take(),
+            held_grad_bytes=max((g for g, _ in self.probes), default=0),
+            held_param_bytes=max((p for _, p in self.probes), default=0),
+            rss_growth_bytes=max(peak_rss_bytes() - self.rss_before, 0),
+        )
+        self.steps.append(step)
 
 
 def count_units(model: torch.nn.Module) -> int:
@@ -191,7 +190,9 @@ def count_units(model: torch.nn.Module) -> int:
     return len(groups)
 
 
-def run_one(name: str, args: argparse.Namespace, meter: CollectiveMeter, dataset, tokenizer) -> dict:
+def run_one(
+    name: str, round_index: int, args: argparse.Namespace, counter: CollectiveCounter, dataset, tokenizer
+) -> GrpoRankRun:
     """One `GRPOTrainer.train()` of `args.steps` steps for configuration `name`."""
     from trl import GRPOConfig, GRPOTrainer, ModelConfig, get_peft_config
 
@@ -201,14 +202,20 @@ def run_one(name: str, args: argparse.Namespace, meter: CollectiveMeter, dataset
         if spec["lora"]
         else None
     )
-    phases = Phases(meter)
+    phases = Phases(counter)
     timer = StepTimer(phases)
-    outputs: dict = {}
+    outputs: dict[str, list] = {"completions": [], "completion_tokens": [], "rewards": []}
     with tempfile.TemporaryDirectory() as tmp:
         config = GRPOConfig(output_dir=tmp, max_steps=args.steps, seed=0, **grpo.grpo_settings(size))
-        trainer = GRPOTrainer(model=args.model_dir, reward_funcs=[parity_reward], args=config,
-                              train_dataset=dataset, processing_class=tokenizer, peft_config=peft,
-                              callbacks=[timer])  # fmt: skip
+        trainer = GRPOTrainer(
+            model=args.model_dir,
+            reward_funcs=[parity_reward],
+            args=config,
+            train_dataset=dataset,
+            processing_class=tokenizer,
+            peft_config=peft,
+            callbacks=[timer],
+        )
         timer.trainer = trainer
         handle = None
         if spec["gradsync"] is not None:
@@ -228,55 +235,66 @@ def run_one(name: str, args: argparse.Namespace, meter: CollectiveMeter, dataset
         ]
         units = count_units(trainer.model_wrapped)
         stats = handle.stats() if handle is not None else {}
-        held = handle_held_bytes(stats) if handle is not None else None
         if handle is not None:
             handle.detach()
     del trainer
     gc.collect()
-    timed = [s for s in timer.steps if s["step"] > 1]  # step 1: FSDP's lazy init, first allocations
-    return {"config": name, "steps": timed, "units": units, "logs": logs, "outputs": outputs,
-            "handle_held_bytes": held[1] if held else None,
-            "stats": {k: v for k, v in stats.items() if isinstance(v, (int, float, str))}}  # fmt: skip
+    return GrpoRankRun(
+        config=name,
+        round=round_index,
+        steps=[s for s in timer.steps if s.step > 1],  # step 1: FSDP's lazy init, first allocations
+        units=units,
+        logs=logs,
+        completions=outputs["completions"],
+        completion_tokens=outputs["completion_tokens"],
+        rewards=outputs["rewards"],
+        handle_held_grad_bytes=stats.get("last_step/held_grad_bytes"),
+        stats={k: v for k, v in stats.items() if isinstance(v, (int, float, str))},
+    )
 
 
 def main() -> None:
     args = parse_args()
     core = pin_to_core() if args.pin_cores else None
-    cpu_fsdp = accel_gradsync.enable_cpu_fsdp()
+    accel_gradsync.enable_cpu_fsdp()
     from accelerate import PartialState
 
     state = PartialState()
-    meter = CollectiveMeter()
+    counter = CollectiveCounter()
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
     dataset = grpo.build_prompts()
     names = args.configs.split(",")
-    unavailable = {n: why for n in names if (why := grpo.unavailable_reason(n))}
-    names = [n for n in names if n not in unavailable]
-    runs: list[dict] = []
+    runs: list[GrpoRankRun] = []
     for r in range(args.rounds):
         k = r % max(len(names), 1)
         for name in names[k:] + names[:k]:
             t0 = time.time()
-            rec = run_one(name, args, meter, dataset, tokenizer)
-            rec["round"] = r
+            rec = run_one(name, r, args, counter, dataset, tokenizer)
             runs.append(rec)
             if state.is_main_process:
-                ms = ", ".join(f"{s['time_s'] * 1e3:.0f}" for s in rec["steps"])
+                ms = ", ".join(f"{s.time_s * 1e3:.0f}" for s in rec.steps)
                 print(f"[bench] grpo {args.size} round {r} {name}: steps {ms} ms ({time.time() - t0:.1f}s)", flush=True)
-    result = {"size": args.size, "pinned_core": core, "cpu_fsdp": cpu_fsdp, "unavailable": unavailable,
-              "runs": runs, "facts": grpo.model_facts(args.model_dir), "versions": versions()}  # fmt: skip
-    Path(args.out, f"rank{state.process_index}.json").write_text(json.dumps(result, indent=1, default=str))
+    result = GrpoRankResult(
+        size=args.size, facts=grpo.model_facts(args.model_dir), pinned_core=core, runs=runs, versions=versions()
+    )
+    Path(args.out, f"rank{state.process_index}.json").write_text(json.dumps(dataclasses.asdict(result), indent=1))
 
 
-def versions() -> dict:
+def versions() -> dict[str, str]:
     import accelerate
     import peft
     import transformers
     import trl
 
-    return {"torch": torch.__version__, "accelerate": accelerate.__version__, "transformers": transformers.__version__,
-            "trl": trl.__version__, "peft": peft.__version__, "accel_gradsync": accel_gradsync.__version__,
-            "backend": torch.distributed.get_backend()}  # fmt: skip
+    return {
+        "torch": torch.__version__,
+        "accelerate": accelerate.__version__,
+        "transformers": transformers.__version__,
+        "trl": trl.__version__,
+        "peft": peft.__version__,
+        "accel_gradsync": accel_gradsync.__version__,
+        "backend": torch.distributed.get_backend(),
+    }
 
 
 if __name__ == "__main__":

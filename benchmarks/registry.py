@@ -15,9 +15,6 @@ Keys of an entry:
   shard 2); absent: 2 ranks, plain FSDP2.
 - `group`: where it sits in the report ("plugin", "memory-aware", "peer", "hsdp").
 - `label`: one line for the table.
-
-A mode that this version of accel_gradsync does not have (its GradSyncConfig rejects the
-arguments) is reported as "not available in this version", never a crash.
 """
 
 from __future__ import annotations
@@ -33,7 +30,6 @@ def budget(fraction: float) -> Callable[[dict], dict]:
     def build(facts: dict) -> dict:
         return {"sync_mode": "budget", "memory_budget": f"{int(fraction * facts['full_window_bytes'])}B"}
 
-    build.fraction = fraction  # read by the report to place the point on the frontier
     return build
 
 
@@ -65,7 +61,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
                    "label": "hand-written window loop (PyTorch issue 124319)"},
     "stock_window_by_hand": {"loop": "accumulate_window", "gradsync": None, "reshard_after_forward": False,
                              "group": "peer",
-                             "label": "stock accelerate accumulate, window flags by hand (issue 124319's calls)"},
+                             "label": "stock accelerate accumulate, window flags by hand (PyTorch issue 124319)"},
     "stock_no_reshard": {"loop": "accumulate", "gradsync": None, "reshard_after_forward": False, "group": "peer",
                          "label": "stock accelerate accumulate, fsdp_reshard_after_forward: false"},
     "trainer_stock": {"loop": "trainer", "gradsync": None, "group": "peer",

@@ -15,6 +15,7 @@ HSDP mesh as H hosts x 4/H ranks: one `accelerate launch` per host, as on a real
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -28,7 +29,8 @@ from pathlib import Path
 
 import yaml
 
-from benchmarks import cluster, registry, report
+from benchmarks import cluster, cluster_report, registry, report
+from benchmarks.records import ConfigResult, RankResult, Results, Run
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).with_name("worker.py")
@@ -156,41 +158,69 @@ def accelerate_config(nranks: int, device: str) -> dict:
 
 def launch(
     size: str, nranks: int, names: list[str], p: dict, device: str, timeout: int, hosts: cluster.Cluster | None = None
-) -> list[dict]:
-    """One `accelerate launch` of the worker (with `hosts`: one per simulated host); the ranks' JSON results."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+) -> list[RankResult]:
+    """One `accelerate launch` of the worker (with `hosts`: one per simulated host); what each rank wrote."""
+    env = {}
     if device == "cpu":
-        env["OMP_NUM_THREADS"] = "1"  # ranks share the cores; oversubscription would dominate
         # Tensors over 1 MiB get their own mmap, returned to the OS when freed: without it glibc
         # keeps freed buffers (its mmap threshold grows to 32 MiB), and a step's peak RSS would
         # depend on which configuration ran before it.
-        env.setdefault("MALLOC_MMAP_THRESHOLD_", str(2**20))
+        env = {"MALLOC_MMAP_THRESHOLD_": os.environ.get("MALLOC_MMAP_THRESHOLD_", str(2**20))}
+        env["OMP_NUM_THREADS"] = "1"  # ranks share the cores; oversubscription would dominate
         env["CUDA_VISIBLE_DEVICES"] = ""  # --device cpu means gloo even on a machine with GPUs
+    config = accelerate_config(nranks, device)
+    worker_args = [
+        "--size",
+        size,
+        "--configs",
+        ",".join(names),
+        "--Ms",
+        ",".join(map(str, p["Ms"])),
+        "--reps",
+        str(p["reps"]),
+        "--steps",
+        str(p["steps"] or registry.SIZES[size]["steps"]),
+    ]
+    if device == "cpu" and not p.get("no_pin"):
+        worker_args.append("--pin-cores")
+    ranks = launch_workers(WORKER, worker_args, config, env, timeout, hosts, f"{size}, {nranks} ranks")
+    return [RankResult.from_dict(rank) for rank in ranks]
+
+
+def launch_workers(
+    script: Path,
+    worker_args: list[str],
+    config: dict,
+    env: dict[str, str],
+    timeout: int,
+    hosts: cluster.Cluster | None,
+    what: str,
+) -> list[dict]:
+    """`accelerate launch` of a benchmark worker with `config` (with `hosts`: the same launch on
+    every simulated host, as a cluster job runs it), streaming its progress lines; the JSON each
+    rank wrote to `--out`, in rank order."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **env}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    env.pop("ACCEL_GRADSYNC_DEFER", None)  # the configuration alone chooses the mode
     with tempfile.TemporaryDirectory() as tmp:
         cfg = Path(tmp, "accelerate.yaml")
-        config = accelerate_config(nranks, device)
         if hosts is not None:
-            config["num_machines"] = hosts.hosts
+            config = {**config, "num_machines": hosts.hosts}
         cfg.write_text(yaml.safe_dump(config))
         launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(cfg)]
-        worker = [str(WORKER), "--out", tmp, "--size", size,
-                  "--configs", ",".join(names), "--Ms", ",".join(map(str, p["Ms"])),
-                  "--reps", str(p["reps"]), "--steps", str(p["steps"] or registry.SIZES[size]["steps"])]  # fmt: skip
-        if device == "cpu" and not p.get("no_pin"):
-            worker.append("--pin-cores")
+        worker = [str(script), "--out", tmp, *worker_args]
         if hosts is None:
-            cmd = [*launcher, "--main_process_port", str(_free_port()), *worker]
+            cmd = [*launcher, "--main_process_port", str(free_port()), *worker]
             proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             tail, code = stream(proc, timeout), proc.returncode
-        else:  # the same launch on every host, as a cluster job runs it; rank 0 (host 0) reports progress
-            done = hosts.run([[*launcher, *hosts.accelerate_flags(h), *worker] for h in range(hosts.hosts)], env,
-                             cwd=REPO, timeout=timeout, echo=echo_progress)  # fmt: skip
+        else:  # rank 0 (host 0) reports progress
+            commands = [[*launcher, *hosts.accelerate_flags(h), *worker] for h in range(hosts.hosts)]
+            done = hosts.run(commands, env, cwd=REPO, timeout=timeout, echo=echo_progress)
             code = next((c for c, _ in done if c != 0), 0)
             tail = [f"--- host {h} ---\n" + "".join(t) for h, (_, t) in enumerate(done)]
         files = sorted(Path(tmp).glob("rank*.json"))
-        if code != 0 or len(files) != nranks:
-            raise RuntimeError(f"worker failed ({size}, {nranks} ranks, exit {code}):\n" + "".join(tail))
+        if code != 0 or len(files) != config["num_processes"]:
+            raise RuntimeError(f"{script.name} failed ({what}, exit {code}):\n" + "".join(tail))
         return [json.loads(f.read_text()) for f in files]
 
 
@@ -214,77 +244,83 @@ def echo_progress(host: int, line: str) -> None:
         print(f"  host {host}: " + line, end="", flush=True)
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def merge(ranks: list[dict]) -> dict:
-    """One entry per (configuration, M) from every rank and repetition.
+def merge(ranks: list[RankResult], nranks: int) -> Run:
+    """One row per (configuration, M) from every rank and repetition.
 
     A step lasts as long as its slowest rank, so a step's time is the max over ranks; the
     median is over all timed steps of all repetitions. Collective counts and bytes are rank 0's
     (every rank issues the same collectives); memory is the max over ranks."""
     first = ranks[0]
-    groups: dict[tuple, list[list[dict]]] = {}
-    for r, rank in enumerate(ranks):
-        for rec in rank["records"]:
-            groups.setdefault((rec["config"], rec["M"]), [[] for _ in ranks])[r].append(rec)
     rows = []
-    for (name, M), per_rank in groups.items():
-        times = [
-            max(r["steps"][j]["time_s"] for r in recs) for recs in zip(*per_rank) for j in range(len(recs[0]["steps"]))
-        ]
-        rank0_steps = [s for rec in per_rank[0] for s in rec["steps"]]
-        counts = {
-            k: statistics.median(s[k] for s in rank0_steps)
-            for k in ("reduce_scatters", "all_reduces", "all_gathers", "bytes_sent")
-        }
-        exact = {k: sorted({s[k] for s in rank0_steps}) for k in ("reduce_scatters", "all_reduces", "all_gathers")}
-        all_recs = [rec for recs in per_rank for rec in recs]
-        rows.append({
-            "config": name, "M": M, "label": registry.CONFIGS[name]["label"], "group": registry.CONFIGS[name]["group"],
-            "step_time_s": statistics.median(times), "step_times_s": times,
-            # The round each of those steps ran in (None: the Trainer, which runs its own loop):
-            # the report pairs configurations that ran in the same round.
-            "step_rounds": [s.get("round") for s in rank0_steps],
-            **cpu_times(per_rank),
-            **{f"{k}_per_step": v for k, v in counts.items()},
-            "counts_seen_per_step": exact,
-            "held_grad_bytes": max(r["held_grad"]["bytes"] for r in all_recs),
-            "held_param_bytes": max(r["held_grad"].get("param_bytes", 0) for r in all_recs),
-            "held_grad_source": per_rank[0][0]["held_grad"]["source"],
-            "handle_held_grad_bytes": max((r["held_grad"].get("handle_bytes", -1) for r in all_recs), default=-1)
-            if "handle_bytes" in per_rank[0][0]["held_grad"] else None,
-            "handle_held_grad_key": per_rank[0][0]["held_grad"].get("handle_key"),
-            "peak_rss_bytes": max(r["peak_rss_bytes"] for r in all_recs),
-            "rss_growth_bytes": max(r.get("rss_growth_bytes", 0) for r in all_recs),
-            "peak_rss_scope": per_rank[0][0]["peak_rss_scope"],
-            "device_peak_bytes": max((r["device_peak_bytes"] or 0) for r in all_recs) or None,
-            "stats": per_rank[0][-1]["stats"],
-            # The slowest rank's cost of the sync choice per micro-batch (None: the Trainer).
-            "sync_control_us": max((r.get("sync_control_us") or 0) for r in all_recs) or None,
-        })  # fmt: skip
-    return {"size": first["size"], "facts": first["facts"], "device": first["device"],
-            "pinned_cores": [rank.get("pinned_core") for rank in ranks],
-            "unavailable": first["unavailable"], "versions": first["versions"], "rows": rows}  # fmt: skip
+    for j, rec in enumerate(first.records):
+        per_rank = [rank.records[j] for rank in ranks]
+        assert all((r.config, r.M) == (rec.config, rec.M) for r in per_rank), "ranks disagree on the records"
+        steps = list(zip(*(r.steps for r in per_rank)))  # each timed step, on every rank
+        times = [max(s.time_s for s in step) for step in steps]
+        cpus = [max(s.cpu_s for s in step) for step in steps]
+        every = [s for r in per_rank for s in r.steps]
+        spec = registry.CONFIGS[rec.config]
+        handle_held = [s.handle_held_grad_bytes for s in every if s.handle_held_grad_bytes is not None]
+        device_peak = max((s.device_peak_bytes or 0) for s in every)
+        rows.append(
+            ConfigResult(
+                config=rec.config,
+                M=rec.M,
+                label=spec["label"],
+                group=spec["group"],
+                step_time_s=statistics.median(times),
+                step_times_s=times,
+                step_rounds=[s.round for s in rec.steps],
+                step_cpu_s=statistics.median(cpus),
+                step_cpus_s=cpus,
+                **{f"{kind}_per_step": statistics.median(getattr(s, kind) for s in rec.steps) for kind in KINDS},
+                bytes_sent_per_step=statistics.median(s.bytes_sent for s in rec.steps),
+                counts_seen_per_step={kind: sorted({getattr(s, kind) for s in rec.steps}) for kind in KINDS},
+                held_grad_bytes=max(s.held_grad_bytes for s in every),
+                held_param_bytes=max(s.held_param_bytes for s in every),
+                handle_held_grad_bytes=max(handle_held) if handle_held else None,
+                peak_rss_bytes=max(s.peak_rss_bytes for s in every),
+                rss_growth_bytes=max(s.rss_growth_bytes for s in every),
+                peak_rss_scope=rec.steps[0].peak_rss_scope,
+                device_peak_bytes=device_peak or None,
+                stats=rec.stats,
+                # The slowest rank's cost of the sync choice per micro-batch (None: the Trainer).
+                sync_control_us=max((r.sync_control_us or 0) for r in per_rank) or None,
+            )
+        )
+    return Run(
+        size=first.size,
+        facts=first.facts,
+        device=first.device,
+        ranks=nranks,
+        rows=rows,
+        versions=first.versions,
+        pinned_cores=[rank.pinned_core for rank in ranks],
+    )
 
 
-def cpu_times(per_rank: list[list[dict]]) -> dict:
-    """Median over steps of the busiest rank's CPU seconds, where the worker recorded them."""
-    if "cpu_s" not in per_rank[0][0]["steps"][0]:
-        return {}
-    cpu = [max(r["steps"][j]["cpu_s"] for r in recs) for recs in zip(*per_rank) for j in range(len(recs[0]["steps"]))]
-    return {"step_cpu_s": statistics.median(cpu), "step_cpus_s": cpu}
+KINDS = ("reduce_scatters", "all_reduces", "all_gathers")
 
 
-def describe_machine(device: str) -> dict:
+def machine_facts(device: str) -> dict:
+    """The machine a run ran on: CPU model and count, memory, platform, device type."""
     import psutil
 
-    out = {"platform": platform.platform(), "python": platform.python_version(), "processor": platform.processor(),
-           "logical_cpus": os.cpu_count(), "physical_cpus": psutil.cpu_count(logical=False),
-           "memory_gib": round(psutil.virtual_memory().total / 2**30, 1), "device": device}  # fmt: skip
+    out = {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "processor": platform.processor(),
+        "logical_cpus": os.cpu_count(),
+        "physical_cpus": psutil.cpu_count(logical=False),
+        "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
+        "device": device,
+    }
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -295,7 +331,7 @@ def describe_machine(device: str) -> dict:
     return out
 
 
-def run_cluster(p: dict, args: argparse.Namespace) -> list[dict]:
+def run_cluster(p: dict, args: argparse.Namespace) -> list[Run]:
     """Every launch on the simulated cluster, once per link bandwidth; each run records its link,
     its hosts and the bytes that crossed the shaped links (tbf's counters)."""
     reason = cluster.unavailable_reason()
@@ -306,12 +342,16 @@ def run_cluster(p: dict, args: argparse.Namespace) -> list[dict]:
         with cluster.Cluster(p["cluster"]["hosts"], link, cpus_per_host=not p["no_pin"]) as hosts:
             for size, nranks, names in launches(p):
                 t0, sent0 = time.time(), sum(hosts.link_bytes())
-                print(f"[benchmarks] {link} link, {hosts.hosts} hosts x {nranks // hosts.hosts} ranks, {size} model: "
-                      f"{', '.join(names)}", flush=True)  # fmt: skip
-                merged = merge(launch(size, nranks, names, p, args.device, args.timeout, hosts))
-                merged.update(ranks=nranks, link=link, hosts=hosts.hosts, ranks_per_host=nranks // hosts.hosts,
-                              link_bytes=sum(hosts.link_bytes()) - sent0,
-                              wall_s=round(time.time() - t0, 1))  # fmt: skip
+                per_host = nranks // hosts.hosts
+                print(
+                    f"[benchmarks] {link} link, {hosts.hosts} hosts x {per_host} ranks, {size} model: "
+                    + ", ".join(names),
+                    flush=True,
+                )
+                merged = merge(launch(size, nranks, names, p, args.device, args.timeout, hosts), nranks)
+                merged.link, merged.hosts, merged.ranks_per_host = link, hosts.hosts, per_host
+                merged.link_bytes = sum(hosts.link_bytes()) - sent0
+                merged.wall_s = round(time.time() - t0, 1)
                 runs.append(merged)
     return runs
 
@@ -330,22 +370,23 @@ def main(argv=None) -> int:
     for size, nranks, names in [] if p.get("cluster") else launches(p):
         t0 = time.time()
         print(f"[benchmarks] {size} model, {nranks} ranks: {', '.join(names)}", flush=True)
-        merged = merge(launch(size, nranks, names, p, args.device, args.timeout))
-        merged["ranks"] = nranks
-        merged["wall_s"] = round(time.time() - t0, 1)
+        merged = merge(launch(size, nranks, names, p, args.device, args.timeout), nranks)
+        merged.wall_s = round(time.time() - t0, 1)
         runs.append(merged)
-    results = {
-        "command": "python -m benchmarks.run " + " ".join(sys.argv[1:] if argv is None else argv),
-        "plan": p, "machine": describe_machine(args.device), "elapsed_s": round(time.time() - start, 1),
+    results = Results(
+        command="python -m benchmarks.run " + " ".join(sys.argv[1:] if argv is None else argv),
+        plan=p,
+        machine=machine_facts(args.device),
+        elapsed_s=round(time.time() - start, 1),
         # Other processes on the machine slow some configurations more than others; the load
         # average says how busy it was (interleaving spreads the rest of the noise evenly).
-        "load_average": {"before": load_before, "after": os.getloadavg()},
-        "runs": runs,
-    }  # fmt: skip
-    (out / "results.json").write_text(json.dumps(results, indent=1))
-    summary = report.write_cluster_report(results, out) if p.get("cluster") else report.write_report(results, out)
-    print(summary)
-    print(f"[benchmarks] wrote {out}/results.json, results.md, *.png in {results['elapsed_s']} s")
+        load_average={"before": list(load_before), "after": list(os.getloadavg())},
+        runs=runs,
+    )
+    (out / "results.json").write_text(json.dumps(dataclasses.asdict(results), indent=1))
+    write = cluster_report.write_cluster_report if p.get("cluster") else report.write_report
+    print(write(results, out))
+    print(f"[benchmarks] wrote {out}/results.json, results.md, *.png in {results.elapsed_s} s")
     return 0
 
 

@@ -17,13 +17,16 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import dataclasses
 import gc
 import json
 import os
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # launched as a script
 
@@ -35,10 +38,9 @@ from accelerate.utils import set_seed  # noqa: E402
 
 import accel_gradsync  # noqa: E402
 from benchmarks import registry  # noqa: E402
+from benchmarks.collectives import CollectiveCounter  # noqa: E402
 from benchmarks.measure import (  # noqa: E402
-    CollectiveMeter,
     device_peak_bytes,
-    handle_held_bytes,
     held_grad_bytes,
     held_param_bytes,
     peak_rss_bytes,
@@ -46,6 +48,7 @@ from benchmarks.measure import (  # noqa: E402
     reset_peak_rss,
 )
 from benchmarks.model import Net, make_data  # noqa: E402
+from benchmarks.records import RankRecord, RankResult, StepSample  # noqa: E402
 
 LR = 1e-3
 
@@ -80,11 +83,11 @@ def pin_to_core() -> int:
 
 
 class Bench:
-    """What every configuration shares: the accelerator, the meter, the model and the data."""
+    """What every configuration shares: the accelerator, the counter, the model and the data."""
 
     def __init__(self, args: argparse.Namespace) -> None:
         accel_gradsync.enable_cpu_fsdp()  # no-op with a GPU/NPU: accelerate handles FSDP there
-        self.meter = CollectiveMeter()
+        self.counter = CollectiveCounter()
         self.accelerator = Accelerator(gradient_accumulation_steps=1)
         self.device = self.accelerator.device
         self.world, self.rank = self.accelerator.num_processes, self.accelerator.process_index
@@ -124,14 +127,32 @@ class Bench:
         return copy.deepcopy(self.template).to(self.device)
 
 
+@dataclass
+class Prepared:
+    """One configuration, prepared on its own `Accelerator`."""
+
+    name: str
+    """Name in `registry.CONFIGS`."""
+    spec: dict[str, Any]
+    """Its `registry.CONFIGS` entry."""
+    acc: Accelerator
+    """Its accelerator (accelerate shares the gradient state between instances: set per step)."""
+    model: Any
+    """The prepared FSDP2 model."""
+    optimizer: Any
+    """The prepared optimizer (`.optimizer`: the bare torch one)."""
+    handle: Any = None
+    """The plugin's handle, for configurations that attach it."""
+
+
 # -- one optimizer step, per loop -----------------------------------------------------------
-def step_accumulate(bench: Bench, run: dict, M: int, window_by_hand: bool = False) -> None:
+def step_accumulate(bench: Bench, run: Prepared, M: int, window_by_hand: bool = False) -> None:
     """What the accelerate docs show, `accumulate` around every micro-batch, stepping the
     optimizer on the micro-batch that syncs, as the Trainer does. (The docs call `step()` on every
     micro-batch and let accelerate skip it; in accelerate 1.15 that skipped call still costs two
     uncached `importlib.util.find_spec("lomo_optim")` lookups, a cost of the loop, not of the
     gradient sync this benchmark compares.)"""
-    acc, model, optimizer = run["acc"], run["model"], run["optimizer"]
+    acc, model, optimizer = run.acc, run.model, run.optimizer
     for k in range(M):
         x, y = bench.batch(k)
         if window_by_hand:
@@ -144,11 +165,11 @@ def step_accumulate(bench: Bench, run: dict, M: int, window_by_hand: bool = Fals
                 optimizer.zero_grad()
 
 
-def step_raw_window(bench: Bench, run: dict, M: int) -> None:
+def step_raw_window(bench: Bench, run: Prepared, M: int) -> None:
     """PyTorch issue 124319 by hand: params never resharded after forward (set once at prepare)
     and resharded after backward only on the last micro-batch, so each unit all-gathers once per
     step; the gradient sync deferred as in `step_raw`. The floor for the plugin's window mode."""
-    model, optimizer = run["model"], run["optimizer"].optimizer
+    model, optimizer = run.model, run.optimizer.optimizer
     for k in range(M):
         x, y = bench.batch(k)
         model.set_requires_gradient_sync(k == M - 1)
@@ -159,10 +180,10 @@ def step_raw_window(bench: Bench, run: dict, M: int) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
-def step_raw(bench: Bench, run: dict, M: int) -> None:
+def step_raw(bench: Bench, run: Prepared, M: int) -> None:
     """verl's approach: FSDP2's own switch, flipped by hand, and the bare torch optimizer.
     Nothing between the user and FSDP, so it is the lower bound for any wrapper's overhead."""
-    model, optimizer = run["model"], run["optimizer"].optimizer
+    model, optimizer = run.model, run.optimizer.optimizer
     for k in range(M):
         x, y = bench.batch(k)
         model.set_requires_gradient_sync(k == M - 1)
@@ -172,7 +193,7 @@ def step_raw(bench: Bench, run: dict, M: int) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
-def step_accumulate_window(bench: Bench, run: dict, M: int) -> None:
+def step_accumulate_window(bench: Bench, run: Prepared, M: int) -> None:
     """The window by hand inside accelerate's own loop: `fsdp_reshard_after_forward: false` (set
     at prepare), `set_reshard_after_backward` True on the last micro-batch only, and accelerate's
     `no_sync` holding the gradient sync. Against `raw_window` it prices accelerate's loop; against
@@ -180,27 +201,16 @@ def step_accumulate_window(bench: Bench, run: dict, M: int) -> None:
     step_accumulate(bench, run, M, window_by_hand=True)
 
 
-LOOPS = {"accumulate": step_accumulate, "accumulate_window": step_accumulate_window, "raw": step_raw,
-         "raw_window": step_raw_window}  # fmt: skip
+LOOPS = {
+    "accumulate": step_accumulate,
+    "accumulate_window": step_accumulate_window,
+    "raw": step_raw,
+    "raw_window": step_raw_window,
+}
 
 
 # -- one configuration ----------------------------------------------------------------------
-def check_available(name: str, facts: dict) -> str | None:
-    """Why this accel_gradsync cannot run the configuration, or None when it can."""
-    kwargs = registry.gradsync_kwargs(name, facts)
-    if kwargs is None:
-        return None
-    try:
-        config = accel_gradsync.GradSyncConfig(**kwargs)
-    except (TypeError, ValueError) as e:
-        return f"not available in this version: {e}"
-    mode = getattr(config, "sync_mode", None) or config.mode
-    if mode not in accel_gradsync.POLICIES:
-        return f"not available in this version: no policy {mode!r}"
-    return None
-
-
-def prepare(bench: Bench, name: str) -> dict:
+def prepare(bench: Bench, name: str) -> Prepared:
     """The configuration's own Accelerator (accelerate shares its state between instances),
     model, optimizer and, for plugin configurations, the attached handle."""
     spec = registry.CONFIGS[name]
@@ -218,51 +228,63 @@ def prepare(bench: Bench, name: str) -> dict:
     if kwargs is not None:
         with contextlib.redirect_stdout(open(os.devnull, "w")):  # the one-line decision
             handle = accel_gradsync.attach(acc, accel_gradsync.GradSyncConfig(**kwargs))
-    return {"name": name, "acc": acc, "model": model, "optimizer": optimizer, "handle": handle, "spec": spec}
+    return Prepared(name, spec, acc, model, optimizer, handle)
 
 
-def measure_step(bench: Bench, run: dict, M: int) -> dict:
+def measure_step(bench: Bench, run: Prepared, M: int, rep: int = 0, round_index: int | None = None) -> StepSample:
     """One optimizer step of M micro-batches: time, collectives, held gradient bytes (probed after
     every backward: a walk over a few dozen FSDPParams, microseconds against a step of
     seconds) and peak RSS."""
-    acc = run["acc"]
+    acc = run.acc
     # accelerate keeps M and sync_each_batch in state shared by all instances: set them per step.
     acc.gradient_accumulation_steps = M
     acc.step = 0
-    acc.gradient_state.plugin_kwargs["sync_each_batch"] = bool(run["spec"].get("sync_each_batch"))
+    acc.gradient_state.plugin_kwargs["sync_each_batch"] = bool(run.spec.get("sync_each_batch"))
     dist.barrier()  # every rank starts the step together; not a wrapped collective
     memory = start_memory(bench)
-    bench.meter.take()
+    bench.counter.take()
     bench.probes, bench.probing = [], True
     t0, cpu0 = time.perf_counter(), time.process_time()
-    LOOPS[run["spec"]["loop"]](bench, run, M)
+    LOOPS[run.spec["loop"]](bench, run, M)
     synchronize(bench.device)
     elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     bench.probing = False
-    # CPU time of this rank (all its threads, gloo's included): what the step itself cost, much
-    # less sensitive than wall time to other processes competing for the cores.
-    sample = {"time_s": elapsed, "cpu_s": cpu, **bench.meter.take(), **held_maxima(bench.probes)}
-    if run["handle"] is not None and (held := handle_held_bytes(run["handle"].stats())) is not None:
-        sample["handle_held_key"], sample["handle_held_bytes"] = held
-    return {**sample, **end_memory(bench, memory)}
+    handle_held = None if run.handle is None else run.handle.stats()["last_step/held_grad_bytes"]
+    return sample(bench, elapsed, cpu, memory, handle_held_grad_bytes=handle_held, rep=rep, round=round_index)
 
 
-def held_maxima(probes: list[tuple[int, int]]) -> dict:
-    """The most gradient bytes, and the most unsharded param bytes, held after any backward of a step."""
-    return {"held_grad_bytes": max((g for g, _ in probes), default=0),
-            "held_param_bytes": max((p for _, p in probes), default=0)}  # fmt: skip
+def sample(bench: Bench, elapsed: float, cpu: float, memory: dict, **extra: Any) -> StepSample:
+    """The step just timed: its collectives since the counter's last take, the most bytes held
+    after any of its backwards and its memory peaks."""
+    traffic = bench.counter.take_traffic()
+    peak = peak_rss_bytes()
+    return StepSample(
+        time_s=elapsed,
+        cpu_s=cpu,
+        reduce_scatters=traffic.reduce_scatters,
+        all_reduces=traffic.all_reduces,
+        all_gathers=traffic.all_gathers,
+        bytes_sent=traffic.bytes_sent,
+        held_grad_bytes=max((g for g, _ in bench.probes), default=0),
+        held_param_bytes=max((p for _, p in bench.probes), default=0),
+        peak_rss_bytes=peak,
+        rss_growth_bytes=max(peak - memory["rss_before"], 0),
+        peak_rss_scope="step" if memory["scoped"] else "process",
+        device_peak_bytes=device_peak_bytes(bench.device.type),
+        **extra,
+    )
 
 
-def measure_sync_control(bench: Bench, run: dict, iterations: int = 100, repeats: int = 5) -> float:
+def measure_sync_control(bench: Bench, run: Prepared, iterations: int = 100, repeats: int = 5) -> float:
     """Microseconds per micro-batch spent choosing and applying the sync mode, without forward or
     backward: a non-final and a final `accumulate` (the raw loop: its two
     `set_requires_gradient_sync` calls). This is the whole of what a wrapper can add, measured
     apart from steps whose wall time on a shared machine varies by far more. The minimum over
     repeats drops the repeats the scheduler interrupted."""
-    acc, model, loop = run["acc"], run["model"], run["spec"]["loop"]
+    acc, model, loop = run.acc, run.model, run.spec["loop"]
     acc.gradient_accumulation_steps = 2
     acc.step = 0
-    acc.gradient_state.plugin_kwargs["sync_each_batch"] = bool(run["spec"].get("sync_each_batch"))
+    acc.gradient_state.plugin_kwargs["sync_each_batch"] = bool(run.spec.get("sync_each_batch"))
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -296,34 +318,6 @@ def start_memory(bench: Bench) -> dict:
     return {"scoped": scoped, "rss_before": psutil.Process().memory_info().rss}
 
 
-def end_memory(bench: Bench, memory: dict) -> dict:
-    peak = peak_rss_bytes()
-    return {"peak_rss_bytes": peak, "rss_growth_bytes": max(peak - memory["rss_before"], 0),
-            "peak_rss_scope": "step" if memory["scoped"] else "process",
-            "device_peak_bytes": device_peak_bytes(bench.device.type)}  # fmt: skip
-
-
-def summarize(name: str, M: int, samples: list[dict], stats: dict) -> dict:
-    """The (configuration, M) record run.py merges: every sample, and the memory maxima."""
-    held = {"bytes": max(s["held_grad_bytes"] for s in samples),
-            "param_bytes": max(s.get("held_param_bytes", 0) for s in samples),
-            "source": "tensors (FSDPParam grads and unsharded param storage, max after each backward)"}  # fmt: skip
-    if any("handle_held_bytes" in s for s in samples):
-        held["handle_key"] = samples[0]["handle_held_key"]
-        held["handle_bytes"] = max(s["handle_held_bytes"] for s in samples)
-    return {
-        "config": name,
-        "M": M,
-        "steps": samples,
-        "held_grad": held,
-        "peak_rss_bytes": max(s["peak_rss_bytes"] for s in samples),
-        "rss_growth_bytes": max(s["rss_growth_bytes"] for s in samples),
-        "peak_rss_scope": samples[0]["peak_rss_scope"],
-        "device_peak_bytes": max((s["device_peak_bytes"] or 0) for s in samples) or None,
-        "stats": {k: v for k, v in stats.items() if isinstance(v, (int, float, str))},
-    }
-
-
 def synchronize(device: torch.device) -> None:
     backend = getattr(torch, device.type, None)
     if device.type in ("cuda", "npu") and backend is not None:
@@ -331,7 +325,7 @@ def synchronize(device: torch.device) -> None:
 
 
 # -- the stock Trainer peer -----------------------------------------------------------------
-def measure_trainer(bench: Bench, name: str, M: int) -> tuple[list[dict], dict]:
+def measure_trainer(bench: Bench, name: str, M: int, rep: int) -> tuple[list[StepSample], dict]:
     """A stock `transformers.Trainer` on the same model and samples, timed per optimizer step
     by a callback (from `on_step_begin` to `on_step_end`)."""
     from transformers import Trainer, TrainerCallback, TrainingArguments
@@ -340,13 +334,13 @@ def measure_trainer(bench: Bench, name: str, M: int) -> tuple[list[dict], dict]:
     rows, world = bench.size["rows"], bench.world
     n = world * rows * M * total
     data = [{"x": bench.X[i % len(bench.X)], "y": bench.Y[i % len(bench.Y)]} for i in range(n)]
-    steps: list[dict] = []
+    steps: list[StepSample] = []
 
     class Timer(TrainerCallback):
         def on_step_begin(self, args, state, control, **kw):
             dist.barrier()
             self.memory = start_memory(bench)
-            bench.meter.take()
+            bench.counter.take()
             bench.probes, bench.probing = [], True
             self.t0, self.cpu0 = time.perf_counter(), time.process_time()
 
@@ -360,18 +354,29 @@ def measure_trainer(bench: Bench, name: str, M: int) -> tuple[list[dict], dict]:
             synchronize(bench.device)
             elapsed, cpu = time.perf_counter() - self.t0, time.process_time() - self.cpu0
             bench.probing = False
-            sample = {"time_s": elapsed, "cpu_s": cpu, **bench.meter.take(), **held_maxima(bench.probes)}
+            step = sample(bench, elapsed, cpu, self.memory, rep=rep)
             if state.global_step > bench.args.warmup:
-                steps.append({**sample, **end_memory(bench, self.memory)})
+                steps.append(step)
 
     with tempfile.TemporaryDirectory() as tmp:
         args = TrainingArguments(
-            output_dir=tmp, per_device_train_batch_size=rows, gradient_accumulation_steps=M, max_steps=total,
-            learning_rate=LR, optim="sgd", lr_scheduler_type="constant", weight_decay=0.0,
+            output_dir=tmp,
+            per_device_train_batch_size=rows,
+            gradient_accumulation_steps=M,
+            max_steps=total,
+            learning_rate=LR,
+            optim="sgd",
+            lr_scheduler_type="constant",
+            weight_decay=0.0,
             max_grad_norm=0.0,  # clipping adds an all-reduce the other loops do not have
-            logging_strategy="no", save_strategy="no", report_to=[], disable_tqdm=True, seed=0,
-            dataloader_drop_last=True, accelerator_config={"use_configured_state": True},
-        )  # fmt: skip
+            logging_strategy="no",
+            save_strategy="no",
+            report_to=[],
+            disable_tqdm=True,
+            seed=0,
+            dataloader_drop_last=True,
+            accelerator_config={"use_configured_state": True},
+        )
         timer = Timer()
         trainer = Trainer(model=copy.deepcopy(bench.template), args=args, train_dataset=data, callbacks=[timer])
         timer.trainer = trainer  # the callbacks probe the model the Trainer wrapped
@@ -400,18 +405,17 @@ def pair_chains(names: list[str]) -> list[list[str]]:
     return chains
 
 
-def round_order(runs: list[dict], k: int) -> list[dict]:
+def round_order(names: list[str], k: int) -> list[str]:
     """Round k's order: the overhead pairs as adjacent blocks (as listed on even rounds, reversed
     on odd ones, so no configuration always runs first), every other configuration a block of its
     own, and the blocks rotated by k."""
-    by_name = {run["name"]: run for run in runs}
-    blocks = [[by_name[n] for n in (chain if k % 2 == 0 else chain[::-1])] for chain in pair_chains(list(by_name))]
-    done = {run["name"] for block in blocks for run in block}
-    blocks += [[run] for run in runs if run["name"] not in done]
+    blocks = [chain if k % 2 == 0 else chain[::-1] for chain in pair_chains(names)]
+    done = {name for block in blocks for name in block}
+    blocks += [[name] for name in names if name not in done]
     if not blocks:
         return []
     k %= len(blocks)
-    return [run for block in blocks[k:] + blocks[:k] for run in block]
+    return [name for block in blocks[k:] + blocks[:k] for name in block]
 
 
 # -- the run --------------------------------------------------------------------------------
@@ -420,54 +424,66 @@ def main() -> None:
     core = pin_to_core() if args.pin_cores else None  # before torch starts its threads
     bench = Bench(args)
     names = args.configs.split(",")
-    unavailable = {n: r for n in names if (r := check_available(n, bench.facts)) is not None}
-    names = [n for n in names if n not in unavailable]
     # What the budget planner assumes a reduce-scatter byte costs against an all-gather byte on
     # this backend: the report holds it against what the steps of this run paid.
     costs = accel_gradsync.policies.REDUCE_SCATTER_COST
     bench.facts["planner_reduce_scatter_cost"] = costs.get(dist.get_backend(), 1.0)
-    runs = [prepare(bench, n) for n in names if registry.CONFIGS[n]["loop"] != "trainer"]
+    runs = {n: prepare(bench, n) for n in names if registry.CONFIGS[n]["loop"] != "trainer"}
     trainers = [n for n in names if registry.CONFIGS[n]["loop"] == "trainer"]
-    for run in runs:  # FSDP's lazy init and first allocations, untimed
+    for run in runs.values():  # FSDP's lazy init and first allocations, untimed
         for _ in range(args.warmup):
             measure_step(bench, run, 1)
-    sync_control = {run["name"]: measure_sync_control(bench, run) for run in runs}
-    samples: dict[tuple[str, int], list[dict]] = {}
-    trainer_stats: dict[str, dict] = {}
+    sync_control = {name: measure_sync_control(bench, run) for name, run in runs.items()}
+    samples: dict[tuple[str, int], list[StepSample]] = {}
+    stats: dict[str, dict] = {}
     rounds = 0
     for rep in range(args.reps):
         for M in bench.Ms:
             t0 = time.time()
             for _ in range(args.steps):
-                for run in round_order(runs, rounds):
-                    samples.setdefault((run["name"], M), []).append(
-                        {**measure_step(bench, run, M), "rep": rep, "round": rounds}
-                    )
+                for name in round_order(list(runs), rounds):
+                    samples.setdefault((name, M), []).append(measure_step(bench, runs[name], M, rep, rounds))
                 rounds += 1
             for name in trainers:
-                steps, trainer_stats[name] = measure_trainer(bench, name, M)
-                samples.setdefault((name, M), []).extend({**s, "rep": rep} for s in steps)
+                steps, stats[name] = measure_trainer(bench, name, M, rep)
+                samples.setdefault((name, M), []).extend(steps)
             if bench.rank == 0:  # progress, streamed by run.py
-                print(f"[bench] {args.size} rep {rep} M={M}: "
-                      + ", ".join(f"{n} {min(s['time_s'] for s in samples[(n, M)]) * 1e3:.0f}ms" for n in names)
-                      + f" ({time.time() - t0:.1f}s)", flush=True)  # fmt: skip
-    stats = {run["name"]: run["handle"].stats() if run["handle"] is not None else {} for run in runs}
-    stats.update(trainer_stats)
-    records = [summarize(name, M, s, stats.get(name, {})) for (name, M), s in samples.items()]
-    for rec in records:
-        rec["sync_control_us"] = sync_control.get(rec["config"])
-    result = {"size": args.size, "facts": bench.facts, "device": bench.device.type, "pinned_core": core,
-              "unavailable": unavailable, "records": records, "versions": versions()}  # fmt: skip
-    Path(args.out, f"rank{bench.rank}.json").write_text(json.dumps(result, indent=1, default=str))
+                fastest = ", ".join(f"{n} {min(s.time_s for s in samples[(n, M)]) * 1e3:.0f}ms" for n in names)
+                print(f"[bench] {args.size} rep {rep} M={M}: {fastest} ({time.time() - t0:.1f}s)", flush=True)
+    for name, run in runs.items():  # the stats at the end of the run
+        stats[name] = run.handle.stats() if run.handle is not None else {}
+    records = [
+        RankRecord(
+            config=name,
+            M=M,
+            steps=steps,
+            stats={k: v for k, v in stats[name].items() if isinstance(v, (int, float, str))},
+            sync_control_us=sync_control.get(name),
+        )
+        for (name, M), steps in samples.items()
+    ]
+    result = RankResult(
+        size=args.size,
+        facts=bench.facts,
+        device=bench.device.type,
+        pinned_core=core,
+        records=records,
+        versions=versions(),
+    )
+    Path(args.out, f"rank{bench.rank}.json").write_text(json.dumps(dataclasses.asdict(result), indent=1))
 
 
-def versions() -> dict:
+def versions() -> dict[str, str]:
     import accelerate
     import transformers
 
-    return {"torch": torch.__version__, "accelerate": accelerate.__version__,
-            "transformers": transformers.__version__, "accel_gradsync": accel_gradsync.__version__,
-            "backend": dist.get_backend()}  # fmt: skip
+    return {
+        "torch": torch.__version__,
+        "accelerate": accelerate.__version__,
+        "transformers": transformers.__version__,
+        "accel_gradsync": accel_gradsync.__version__,
+        "backend": dist.get_backend(),
+    }
 
 
 if __name__ == "__main__":

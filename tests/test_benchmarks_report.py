@@ -1,19 +1,42 @@
-"""The benchmark's target checks on hand-built rows: the paired statistics behind PASS/FAIL.
+"""The benchmark's target checks on hand-built rows: the paired statistics behind PASS/FAIL/N/D.
 (The smoke test runs the real harness; these pin down what the summary concludes from numbers.)"""
 
-from benchmarks import registry, report
+import dataclasses
+import json
+
+from benchmarks import registry, report, targets
+from benchmarks.records import ConfigResult, Results, Run
 from benchmarks.worker import round_order
+
+OVERHEAD = "deferred (plugin) within 2% of the hand-written raw-API loop"
 
 
 def row(config, M, times, held=0, rounds=None):
-    return {"config": config, "M": M, "step_times_s": times, "step_cpus_s": times,
-            "step_rounds": list(range(len(times))) if rounds is None else rounds,
-            "step_time_s": sorted(times)[len(times) // 2], "held_grad_bytes": held,
-            "counts_seen_per_step": {"reduce_scatters": [], "all_reduces": []}}  # fmt: skip
+    return ConfigResult(
+        config=config,
+        M=M,
+        step_times_s=times,
+        step_cpus_s=times,
+        step_rounds=list(range(len(times))) if rounds is None else rounds,
+        step_time_s=sorted(times)[len(times) // 2],
+        held_grad_bytes=held,
+        counts_seen_per_step={"reduce_scatters": [], "all_reduces": [], "all_gathers": []},
+    )
 
 
 def run_of(rows, ranks=2):
-    return {"size": "small", "ranks": ranks, "rows": rows, "unavailable": {}, "facts": {"units": 5}}
+    return Run(size="small", facts={"units": 5}, device="cpu", ranks=ranks, rows=rows)
+
+
+def results_of(runs, Ms, quick=False):
+    plan = {"Ms": Ms, "quick": quick, **dict.fromkeys(("sizes", "configs", "reps", "steps"))}
+    return Results(command="", plan=plan, machine={}, elapsed_s=1, load_average={}, runs=runs)
+
+
+def overhead_status(ratio, times, quick):
+    rows = [row("deferred", 2, [t * ratio for t in times]), row("raw_fsdp2", 2, times)]
+    checked = {r.target: r for r in report.check_targets(results_of([run_of(rows)], [2], quick))}
+    return checked[OVERHEAD]
 
 
 def test_paired_ratios_pair_steps_by_round_not_by_position():
@@ -31,37 +54,68 @@ def test_median_ci_brackets_the_median_and_is_reproducible():
 
 def test_overhead_fails_when_the_paired_median_is_over_2_percent():
     times = [1.0, 1.5, 0.8, 1.2, 1.1]  # the machine's load moves both configurations alike
-    fast = [run_of([row("deferred", 2, [t * 1.01 for t in times]), row("raw_fsdp2", 2, times)])]
-    slow = [run_of([row("deferred", 2, [t * 1.05 for t in times]), row("raw_fsdp2", 2, times)])]
-    for runs, want in ((fast, "PASS"), (slow, "FAIL")):
-        results = {"runs": runs, "plan": {"Ms": [2], **{k: None for k in ("sizes", "configs", "reps", "steps")}},
-                   "elapsed_s": 1}  # fmt: skip
-        status = {w: s for w, s, _ in report.check_targets(results)}
-        assert status["deferred (plugin) within 2% of the hand-written raw-API loop"] == want
+    assert overhead_status(1.01, times, quick=False).status == "PASS"
+    assert overhead_status(1.05, times, quick=False).status == "FAIL"
+
+
+def test_a_quick_run_decides_a_timing_target_only_when_the_interval_is_on_one_side():
+    times = [1.0, 1.5, 0.8, 1.2, 1.1]
+    # Every round 1% or 5% slower: the intervals are one point, wholly inside or outside.
+    assert overhead_status(1.01, times, quick=True).status == "PASS"
+    assert overhead_status(1.05, times, quick=True).status == "FAIL"
+    # Rounds from 0.8x to 1.25x: the interval straddles 1.02, so a quick run cannot tell.
+    a = [t * r for t, r in zip(times, [0.8, 1.25, 0.9, 1.2, 1.0])]
+    rows = [row("deferred", 2, a), row("raw_fsdp2", 2, times)]
+    undecided = {r.target: r for r in report.check_targets(results_of([run_of(rows)], [2], quick=True))}[OVERHEAD]
+    assert undecided.status == "N/D" and undecided.measured.startswith("not decided at this size: ")
+    # The same rounds in a full run: decided on the median (1.0 <= 1.02).
+    decided = {r.target: r for r in report.check_targets(results_of([run_of(rows)], [2], quick=False))}[OVERHEAD]
+    assert decided.status == "PASS"
+
+
+def test_judge_needs_enough_values_and_respects_each_bound():
+    at_least = targets.Target("speedup", "", "", lower=4.0)
+    assert at_least.judge(5.0, 4.5, 6.0, n=8, quick=True) == "PASS"
+    assert at_least.judge(3.0, 2.5, 3.5, n=8, quick=True) == "FAIL"
+    assert at_least.judge(4.2, 3.5, 5.0, n=8, quick=True) == "N/D"
+    assert at_least.judge(5.0, 5.0, 5.0, n=1, quick=True) == "N/D"  # one ratio: no interval to speak of
+    assert at_least.judge(3.9, 3.5, 5.0, n=1, quick=False) == "FAIL"  # a full run decides on the median
+    band = targets.Target("within 1.6x", "", "", lower=1 / 1.6, upper=1.6)
+    assert band.judge(1.0, 0.5, 2.0, n=8, quick=True) == "N/D"  # straddles both bounds
+    assert band.judge(2.0, 1.7, 2.5, n=8, quick=True) == "FAIL"
 
 
 def test_frontier_compares_each_round_with_that_rounds_segment():
     def results(budget_times, held):
-        rows = [row("per_micro_batch", 8, [2.0, 4.0], held=100), row("deferred", 8, [1.0, 2.0], held=200),
-                row("window", 8, [0.5, 1.0], held=300), row("budget_50", 8, budget_times, held=held)]  # fmt: skip
-        return {"plan": {"Ms": [8]}}, [run_of(rows)]
+        rows = [
+            row("per_micro_batch", 8, [2.0, 4.0], held=100),
+            row("deferred", 8, [1.0, 2.0], held=200),
+            row("window", 8, [0.5, 1.0], held=300),
+            row("budget_50", 8, budget_times, held=held),
+        ]
+        return results_of([], [8]), [run_of(rows)]
 
     # Per-micro-batch -> deferred at 150: 1.5 s in round 0 and 3.0 s in round 1.
-    assert report.check_frontier(*results([1.5, 2.9], 150))[1] == "PASS"
-    assert report.check_frontier(*results([1.7, 3.4], 150))[1] == "FAIL"  # +13% of a step in both rounds
+    assert report.check_frontier(*results([1.5, 2.9], 150)).status == "PASS"
+    assert report.check_frontier(*results([1.7, 3.4], 150)).status == "FAIL"  # +13% of a step in both rounds
     # Deferred -> window at 250: 0.75 s and 1.5 s.
-    assert report.check_frontier(*results([0.75, 1.45], 250))[1] == "PASS"
-    assert report.check_frontier(*results([1.0, 2.0], 250))[1] == "FAIL"  # as slow as deferral, holding more
+    assert report.check_frontier(*results([0.75, 1.45], 250)).status == "PASS"
+    assert report.check_frontier(*results([1.0, 2.0], 250)).status == "FAIL"  # as slow as deferral, holding more
+
+
+def test_results_survive_the_json_round_trip():
+    results = results_of([run_of([row("deferred", 2, [1.0, 1.1]), row("raw_fsdp2", 2, [1.0, 1.0])])], [2])
+    assert Results.from_dict(json.loads(json.dumps(dataclasses.asdict(results)))) == results
 
 
 def test_round_order_keeps_pairs_adjacent_and_alternates_who_runs_first():
-    runs = [{"name": n} for n in registry.CONFIGS if registry.ranks(n) == 2]
+    names = [n for n in registry.CONFIGS if registry.ranks(n) == 2]
     first = {}
     for k in range(6):
-        names = [r["name"] for r in round_order(runs, k)]
-        assert sorted(names) == sorted(r["name"] for r in runs)
+        order = round_order(names, k)
+        assert sorted(order) == sorted(names)
         for a, b in registry.PAIRS:
-            i, j = names.index(a), names.index(b)
+            i, j = order.index(a), order.index(b)
             assert abs(i - j) == 1
             first.setdefault((a, b), i < j)
             assert (i < j) == (first[(a, b)] == (k % 2 == 0))  # flips every round

@@ -1,26 +1,20 @@
-"""Shared by the multi-rank workers: a small model, a real-collective counter, full gradients."""
+"""Shared by the multi-rank workers: a small model, the real-collective counter (the benchmarks'
+own, `benchmarks.collectives`; the launcher puts the repository root on PYTHONPATH), full gradients."""
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
-from collections import Counter
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from benchmarks.collectives import CollectiveCounter  # noqa: F401 (the workers import it from here)
+
 DIM = 16
-COUNTED = (
-    "reduce_scatter_single",
-    "reduce_scatter_tensor",
-    "all_reduce",
-    "all_gather_single",
-    "all_gather_into_tensor",
-)
 
 
 class Block(nn.Module):
@@ -53,36 +47,6 @@ class TinyNet(nn.Module):
 def make_data(n: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return torch.randn(n, DIM, generator=g), torch.randn(n, generator=g)
-
-
-class CollectiveCounter:
-    """Counts real torch.distributed collectives by wrapping the functions FSDP and DDP call."""
-
-    def __init__(self) -> None:
-        self.counts: Counter = Counter()
-        self.enabled = True
-        for name in COUNTED:
-            original = getattr(dist, name)
-
-            def wrapped(*args, __name=name, __original=original, **kwargs):
-                if self.enabled:
-                    self.counts[__name] += 1
-                return __original(*args, **kwargs)
-
-            setattr(dist, name, wrapped)
-
-    @contextlib.contextmanager
-    def paused(self):
-        self.enabled = False
-        try:
-            yield
-        finally:
-            self.enabled = True
-
-    def take(self) -> dict:
-        """Counts since the last take."""
-        out, self.counts = dict(self.counts), Counter()
-        return out
 
 
 def full_grads(model: nn.Module) -> dict[str, torch.Tensor]:
