@@ -293,7 +293,7 @@ class Cluster:
                 _stop(p)
             for r in readers:
                 r.join(timeout=5)
-        return [(p.returncode, tail) for p, tail in zip(procs, tails)]
+        return [(p.returncode, tail) for p, tail in zip(procs, tails, strict=True)]
 
 
 def _drain(proc: subprocess.Popen, tail: list[str], host: int, echo) -> None:

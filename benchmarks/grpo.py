@@ -191,8 +191,8 @@ def merge(ranks: list[GrpoRankResult]) -> GrpoRun:
     for name in dict.fromkeys(r.config for r in first.runs):
         per_rank = [[r for r in rank.runs if r.config == name] for rank in ranks]
         steps, rounds = [], []
-        for runs in zip(*per_rank):  # one run per round, on every rank
-            for same_step in zip(*(run.steps for run in runs)):
+        for runs in zip(*per_rank, strict=True):  # one run per round, on every rank
+            for same_step in zip(*(run.steps for run in runs), strict=True):
                 steps.append(max(same_step, key=lambda s: s.time_s))
                 rounds.append(runs[0].round)
         rank0 = [s for run in per_rank[0] for s in run.steps]
@@ -224,7 +224,7 @@ def merge(ranks: list[GrpoRankResult]) -> GrpoRun:
                 # rewards are gathered over ranks), and every rank's completion digests.
                 logs=[run.logs for run in per_rank[0]],
                 rewards=[run.rewards for run in per_rank[0]],
-                completions=[[run.completions for run in runs] for runs in zip(*per_rank)],
+                completions=[[run.completions for run in runs] for runs in zip(*per_rank, strict=True)],
                 completion_tokens=[run.completion_tokens for run in per_rank[0]],
                 stats=per_rank[0][-1].stats,
             )

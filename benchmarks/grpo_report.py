@@ -37,7 +37,7 @@ def rows_of(run: GrpoRun) -> dict[str, GrpoRow]:
 
 def round_medians(row: GrpoRow) -> dict[int, float]:
     by: dict[int, list[float]] = {}
-    for r, t in zip(row.step_rounds, row.step_times_s):
+    for r, t in zip(row.step_rounds, row.step_times_s, strict=True):
         by.setdefault(r, []).append(t)
     return {r: statistics.median(ts) for r, ts in by.items()}
 
@@ -115,7 +115,7 @@ def plot_step_split(results: GrpoResults, path: Path) -> None:
     """One panel per network: each configuration's median step as stacked phases."""
     runs = results.runs
     fig, axes = plt.subplots(1, len(runs), figsize=(7 * len(runs), 5.5), squeeze=False)
-    for ax, run in zip(axes[0], runs):
+    for ax, run in zip(axes[0], runs, strict=True):
         rows = rows_of(run)
         names = [n for n in grpo.CONFIGS if n in rows]
         left = [0.0] * len(names)
@@ -123,7 +123,7 @@ def plot_step_split(results: GrpoResults, path: Path) -> None:
             widths = [rows[n].phase_time_s[phase] for n in names]
             if any(widths):
                 ax.barh(names, widths, left=left, color=COLORS[phase], label=PHASE_LABELS[phase])
-            left = [a + b for a, b in zip(left, widths)]
+            left = [a + b for a, b in zip(left, widths, strict=True)]
         ax.invert_yaxis()
         ax.set_xlabel("median GRPO step (s)")
         ax.set_title(f"{network(run)}: where a GRPO step goes")
@@ -211,7 +211,9 @@ def recorded(row: GrpoRow, k: int) -> dict:
 
 
 def first_difference(got: dict, ref: dict) -> str:
-    for a, b in zip(got["logs"], ref["logs"]):
+    if len(got["logs"]) != len(ref["logs"]):
+        return f" ({len(got['logs'])} logged steps vs stock's {len(ref['logs'])})"
+    for a, b in zip(got["logs"], ref["logs"], strict=True):
         for key in ("loss", "reward"):
             if a.get(key) != b.get(key):
                 return f" (step {a.get('step')}: {key} {a.get(key)!r} vs stock {b.get(key)!r})"

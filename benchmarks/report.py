@@ -31,7 +31,7 @@ MiB = 2**20
 # cancels that load, where a ratio of medians does not. Ratios are pooled over M where the
 # claim does not depend on M (a wrapper's overhead, a mode being faster).
 def by_round(row: ConfigResult, key: str = "step_times_s") -> dict[int, float]:
-    return {r: t for r, t in zip(row.step_rounds, getattr(row, key)) if r is not None}
+    return {r: t for r, t in zip(row.step_rounds, getattr(row, key), strict=True) if r is not None}
 
 
 def paired_ratios(run: Run, a: str, b: str, Ms: list[int], key: str = "step_times_s") -> dict[int, list[float]]:
@@ -169,7 +169,7 @@ def save_figure(fig, path: Path) -> None:
 def plot_step_times(results: Results, path: Path) -> None:
     runs = results.runs
     fig, axes = plt.subplots(1, len(runs), figsize=(6 * len(runs), 4.5), squeeze=False)
-    for ax, run in zip(axes[0], runs):
+    for ax, run in zip(axes[0], runs, strict=True):
         by = index(run)
         for name in ordered_configs(run):
             Ms = sorted(m for (c, m) in by if c == name)
@@ -217,7 +217,7 @@ def plot_frontier(results: Results, path: Path) -> None:
     deferred and the window are the corners of the frontier; every other configuration is a point."""
     runs = results.runs
     fig, axes = plt.subplots(1, len(runs), figsize=(6 * len(runs), 4.5), squeeze=False)
-    for ax, run in zip(axes[0], runs):
+    for ax, run in zip(axes[0], runs, strict=True):
         by, M = index(run), max(results.plan["Ms"])
         hsdp = run.ranks == 4
         corners = [baseline_of(run), "hsdp_deferred" if hsdp else "deferred"] + ([] if hsdp else ["window"])

@@ -261,7 +261,7 @@ def merge(ranks: list[RankResult], nranks: int) -> Run:
     for j, rec in enumerate(first.records):
         per_rank = [rank.records[j] for rank in ranks]
         assert all((r.config, r.M) == (rec.config, rec.M) for r in per_rank), "ranks disagree on the records"
-        steps = list(zip(*(r.steps for r in per_rank)))  # each timed step, on every rank
+        steps = list(zip(*(r.steps for r in per_rank), strict=True))  # each timed step, on every rank
         times = [max(s.time_s for s in step) for step in steps]
         cpus = [max(s.cpu_s for s in step) for step in steps]
         every = [s for r in per_rank for s in r.steps]

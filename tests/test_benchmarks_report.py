@@ -64,7 +64,7 @@ def test_a_quick_run_decides_a_timing_target_only_when_the_interval_is_on_one_si
     assert overhead_status(1.01, times, quick=True).status == "PASS"
     assert overhead_status(1.05, times, quick=True).status == "FAIL"
     # Rounds from 0.8x to 1.25x: the interval straddles 1.02, so a quick run cannot tell.
-    a = [t * r for t, r in zip(times, [0.8, 1.25, 0.9, 1.2, 1.0])]
+    a = [t * r for t, r in zip(times, [0.8, 1.25, 0.9, 1.2, 1.0], strict=True)]
     rows = [row("deferred", 2, a), row("raw_fsdp2", 2, times)]
     undecided = {r.target: r for r in report.check_targets(results_of([run_of(rows)], [2], quick=True))}[OVERHEAD]
     assert undecided.status == "N/D" and undecided.measured.startswith("not decided at this size: ")
