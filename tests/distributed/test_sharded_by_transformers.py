@@ -17,18 +17,10 @@ M, STEPS = 4, 2
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2ForCausalLM
+    from workers.common import tiny_qwen2_config
 
-    config = Qwen2Config(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )
+    config = tiny_qwen2_config(num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=False)
     torch.manual_seed(0)
     path = tmp_path_factory.mktemp("qwen2")
     Qwen2ForCausalLM(config).save_pretrained(path)

@@ -44,6 +44,24 @@ class TinyNet(nn.Module):
         return self.head(x).squeeze(-1)
 
 
+def tiny_qwen2_config(**overrides):
+    """A Qwen2 config small enough for a CPU test (2 decoder layers of hidden size 32), random
+    weights; `overrides` changes any key (vocabulary, tied embeddings, special tokens)."""
+    from transformers import Qwen2Config
+
+    keys = dict(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        tie_word_embeddings=True,
+    )
+    return Qwen2Config(**{**keys, **overrides})
+
+
 def make_data(n: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return torch.randn(n, DIM, generator=g), torch.randn(n, generator=g)

@@ -14,9 +14,9 @@ import json
 import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
-from common import CollectiveCounter, parse_args, write_result
+from common import CollectiveCounter, parse_args, tiny_qwen2_config, write_result
 from torch.distributed.fsdp import FSDPModule
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import Qwen2ForCausalLM
 
 import accel_gradsync
 from accel_gradsync.fsdp import sync_flags
@@ -44,19 +44,7 @@ REDUCES = ("reduce_scatter_single", "reduce_scatter_tensor")
 
 def build(kind: str) -> torch.nn.Module:
     set_seed(0)
-    config = Qwen2Config(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-        tie_word_embeddings=True,
-        pad_token_id=0,
-        eos_token_id=None,
-        bos_token_id=None,
-    )
+    config = tiny_qwen2_config(vocab_size=VOCAB, pad_token_id=0, eos_token_id=None, bos_token_id=None)
     model = Qwen2ForCausalLM(config)
     if kind == "lora":
         from peft import LoraConfig, get_peft_model

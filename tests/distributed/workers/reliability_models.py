@@ -9,9 +9,9 @@ import json
 import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
-from common import CollectiveCounter, full_grads, parse_args, write_result
+from common import CollectiveCounter, full_grads, parse_args, tiny_qwen2_config, write_result
 from schedules import compare
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import Qwen2ForCausalLM
 
 import accel_gradsync
 
@@ -36,16 +36,7 @@ IDS = torch.randint(0, VOCAB, (args.batches * N * B, SEQ), generator=g)
 
 def build(kind: str) -> torch.nn.Module:
     set_seed(0)
-    config = Qwen2Config(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-        tie_word_embeddings=True,
-    )
+    config = tiny_qwen2_config(vocab_size=VOCAB)
     model = Qwen2ForCausalLM(config)
     assert model.lm_head.weight is model.model.embed_tokens.weight
     if kind == "lora":
