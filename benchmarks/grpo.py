@@ -39,7 +39,7 @@ SIZES: dict[str, dict[str, Any]] = {
     "quick": {"hidden": 64, "intermediate": 128, "layers": 2, "heads": 4, "kv_heads": 2, "vocab": 512,
               "batch": 2, "M": 2, "generations": 4, "completion": 8, "steps": 2, "rounds": 1},
     "full": {"hidden": 384, "intermediate": 1536, "layers": 4, "heads": 6, "kv_heads": 2, "vocab": 4096,
-             "batch": 1, "M": 4, "generations": 4, "completion": 16, "steps": 3, "rounds": 2},
+             "batch": 1, "M": 4, "generations": 4, "completion": 32, "steps": 3, "rounds": 2},
 }  # fmt: skip
 
 # A fixed capacity for `auto`, so its plan does not depend on the machine's free RAM at the time:
@@ -79,9 +79,9 @@ def grpo_settings(size: dict) -> dict:
         gradient_accumulation_steps=size["M"],
         num_generations=size["generations"],
         max_completion_length=size["completion"],
-        # KL to the reference policy, as in the GRPO paper: the reference log-prob passes are the
-        # step's no-grad forwards (the reference model under full fine-tuning, the adapter-free
-        # model under LoRA).
+        # TRL's default: no KL term, so no reference model. With one iteration per generation TRL
+        # then runs no separate no-grad log-prob pass either (the column shows 0); with beta > 0
+        # the reference model's passes all-gather every unit of a second model in every mode.
         beta=0.0,
         learning_rate=1e-5,
         lr_scheduler_type="constant",
