@@ -4,10 +4,9 @@ flags restored, and the unsharded params freed by the window's last backward, be
 optimizer step. `python benchmarks/device_check.py` from the repo root on a machine with a GPU;
 writes gpu_check.json to $OUT (or the current folder).
 
-Seen on one H200 (torch 2.11.0+cu130, 2026-11-30): capacity 139.8 GiB, peak 1.0 GiB after the
-1 GiB allocation, 1 MiB after the reset; memory after each backward 833, 833, 833 MiB inside the
-window and 577 MiB after its last one (the 256 MiB of unsharded fp32 params freed), the same in
-the second step; every flag restored."""
+What to read in it: the probe's peak is about 1 GiB after the allocation and near 0 after the
+reset; memory after each backward stays level inside a window and drops by the unsharded fp32
+params (`param_mib_fp32`) after its last one, in both steps; `flags_restored` is true."""
 
 import json
 import os
