@@ -21,8 +21,8 @@ from .optimizer_state import trainer_checkpoint
 from .policies import Plan
 from .state import Attachment, BoundModel
 
-NOT_READ = (-1, -1)
-"""An `auto_read_at` no window has: the next window start re-plans."""
+NOT_READ = -1
+"""An `auto_read_at` no step count has: the next window start re-plans."""
 
 
 class PlanCheckpoint:
@@ -104,4 +104,4 @@ def _restore(bound: BoundModel, record: dict) -> None:
     auto.peaks.extend(record["peaks"])
     auto.measured_steps, auto.quiet, auto.changes = record["measured_steps"], record["quiet"], record["changes"]
     # Mid-window, the window under way keeps the plan; at a boundary the next window start re-plans.
-    bound.auto_read_at = bound.window_key() if record["mid_window"] else NOT_READ
+    bound.auto_read_at = bound.account.optimizer_steps if record["mid_window"] else NOT_READ

@@ -34,8 +34,10 @@ class BoundModel:
     account: SyncAccounting
     auto: MeasuredAuto | None = None
     """`auto` over more than one micro-batch: measures step 1, re-plans at window starts."""
-    auto_read_at: tuple[int, int] = (0, 0)
-    """`window_key()` when `auto` last read a peak: it reads once per window."""
+    auto_read_at: int = 0
+    """The optimizer steps done when `auto` last read a peak: it reads once per finished step. A
+    window an exception ended is no step (no optimizer state yet after a first one): its peak
+    counts into the next window's, which auto then reads."""
 
     def stats(self) -> dict:
         """This model's `stats()`: the counters, with the plan's levels and `auto`'s record read
@@ -44,10 +46,6 @@ class BoundModel:
         if self.auto is None:
             return self.account.stats(self.plan.mode, levels)
         return self.account.stats(self.plan.mode, levels, self.auto.changes, list(self.auto.peaks))
-
-    def window_key(self) -> tuple[int, int]:
-        """Changes when a window ends (an optimizer step, or an aborted accumulation)."""
-        return self.account.optimizer_steps, self.account.aborted_steps
 
 
 @dataclass

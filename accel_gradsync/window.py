@@ -163,10 +163,11 @@ class Window:
                 hold.flags.close()
 
     def _replan(self, bound: BoundModel) -> None:
-        """At a window's first micro-batch: read the last step's peak; change the plan if auto says so."""
-        if bound.auto_read_at == bound.window_key():
+        """At the first micro-batch after an optimizer step: read that step's peak; change the
+        plan if auto says so."""
+        if bound.auto_read_at == bound.account.optimizer_steps:
             return
-        bound.auto_read_at = bound.window_key()
+        bound.auto_read_at = bound.account.optimizer_steps
         m = self.state.micro_batches_per_step
         assert bound.auto is not None  # called for auto's models only
         change = bound.auto.at_window_start(bound.adapter, bound.plan, m)

@@ -158,16 +158,18 @@ def compare(got: dict, want: dict) -> dict:
     }
 
 
-def expected_reduce_scatters(spec: dict, units: int, held: int) -> list[int]:
+def expected_reduce_scatters(spec: dict, units: int, held: int, held_after_step_1: int | None = None) -> list[int]:
     """Reduce-scatters the counter should see between two optimizer steps: a held unit skips
     its sync on every completed non-final micro-batch; a micro-batch that raises in forward
     issues none; one that raises after backward issues what its position implies, counted into
-    the next step."""
+    the next step. `held_after_step_1`: auto, whose plan holds nothing until its first optimizer
+    step (it measures), then what it planned; windows an exception ended are no step."""
     out, pending = [], 0
     for pos in positions(spec):
         if pos["raise"] == "forward":
             continue
-        pending += units if pos["final"] else units - held
+        now = held if not out or held_after_step_1 is None else held_after_step_1
+        pending += units if pos["final"] else units - now
         if pos["final"] and pos["raise"] is None:
             out.append(pending)
             pending = 0
@@ -225,12 +227,17 @@ def run_schedule(accelerator, spec: dict, counter) -> dict:
         "units": units,
         "held_collectives": held,
     }
-    result["expected_reduce_scatters"] = expected_reduce_scatters(spec, units, held)
-    from accel_gradsync.policies import collectives_per_step  # what the estimate counts with
+    from accel_gradsync.policies import POLICIES, collectives_per_step  # what the estimate counts with
 
+    first_plan = steady_plan = handle.plan()
+    if config.mode == "auto" and M > 1:  # step 1 measures; then the plan for the configured memory
+        steady_plan = POLICIES["auto"](config).plan(adapter, lambda: config.free_memory_bytes, M)
+    held_after = sum(u.collectives for u in steady_plan.held) if steady_plan is not first_plan else None
+    result["expected_reduce_scatters"] = expected_reduce_scatters(spec, units, held, held_after)
     windows = [p["c"] + 1 for p in positions(spec) if p["final"] and p["raise"] is None]
     result["estimated_reduce_scatters"] = [
-        collectives_per_step(handle.plan(), est_adapter.units, est_adapter.hsdp, m)[0] for m in windows
+        collectives_per_step(first_plan if i == 0 else steady_plan, est_adapter.units, est_adapter.hsdp, m)[0]
+        for i, m in enumerate(windows)
     ]
 
     order = positions(spec)
