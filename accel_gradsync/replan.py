@@ -94,7 +94,7 @@ class MeasuredAuto:
                 return None
             self.changes += 1
             lower = replace(lower, reason=f"auto fell back: {room}, {format_bytes(peak - limit)} over")
-            return Change(lower, f"grad sync: auto falls back one level: step peak {room}; now:")
+            return Change(lower, f"grad sync: auto falls back one level: step {room}; now:")
         self.quiet += 1
         if self.quiet < QUIET_STEPS:
             return None

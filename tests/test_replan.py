@@ -3,11 +3,14 @@ micro-batch, the plan after it, a fall-back when peaks grow, a recovery after qu
 never a change back and forth from one step to the next. Units are the GRPO recipe model's,
 found on the meta device by the estimate's adapter (FSDP2, fp32: 3 units)."""
 
+import re
+
 import pytest
 
 from accel_gradsync import GradSyncConfig
 from accel_gradsync.estimate import build_meta_model, estimated_adapter, load_model_config, read_accelerate_config
 from accel_gradsync.memory import ScriptedMemoryProbe
+from accel_gradsync.policies import format_bytes
 from accel_gradsync.replan import QUIET_STEPS, MeasuredAuto
 
 M = 4
@@ -26,8 +29,9 @@ def adapter():
     return estimated_adapter(model, read_accelerate_config(FSDP2), CONFIG)
 
 
-def play(adapter, peaks, other_rank_peaks=None):
-    """Run the planner over a scripted series of step peaks; return the plan of every step."""
+def play(adapter, peaks, other_rank_peaks=None, messages=None):
+    """Run the planner over a scripted series of step peaks; return the plan of every step (and
+    append each change's line, the one the main process prints, to `messages`)."""
     probe = ScriptedMemoryProbe(CAPACITY, peaks)
     others = iter(other_rank_peaks or [])
 
@@ -41,6 +45,8 @@ def play(adapter, peaks, other_rank_peaks=None):
         change = auto.at_window_start(adapter, plan, M)
         plan = change.plan if change else plan
         plans.append(plan)
+        if change and messages is not None:
+            messages.append(change.message)
     return plans, auto
 
 
@@ -85,3 +91,22 @@ def test_the_rank_with_the_higher_peak_decides(adapter):
 def test_a_peak_past_capacity_in_step_one_holds_nothing(adapter):
     plans, _ = play(adapter, [CAPACITY, CAPACITY])
     assert not plans[1].held and plans[1].mode == "per_micro_batch"
+
+
+def test_each_plan_change_is_one_plain_line_with_the_peak_it_read(adapter):
+    base, full = 2 * 2**20, sum(u.held_bytes + u.param_bytes for u in adapter.units)
+    grown, quiet = 9 * 2**20 + 10 * 2**10, base + full - 300 * 2**10
+    peaks = [base, base + full, grown] + [quiet] * (QUIET_STEPS + 2)
+    messages = []
+    play(adapter, peaks, messages=messages)
+
+    def room(peak):
+        return f"peak {format_bytes(peak)}/rank of {format_bytes(CAPACITY)} (margin 0.1)"
+
+    assert messages == [
+        f"grad sync: auto measured step 1: {room(base)}; from step 2 on:",
+        f"grad sync: auto falls back one level: step {room(grown)}; now:",
+        f"grad sync: auto moves back up after {QUIET_STEPS} quiet steps ({room(quiet)}):",
+    ]
+    for message in messages:
+        assert not re.search(r"\b(\w+) \1\b", message), message  # no word said twice in a row
