@@ -9,13 +9,14 @@ recipe's command line.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import enum
 import os
 import re
 import warnings
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -48,6 +49,47 @@ def dtype_name(dtype: torch.dtype) -> str:
     return next((name for name, d in DTYPES.items() if d == dtype), str(dtype).removeprefix("torch."))
 
 
+_TRUE = ("true", "yes", "on", "y", "t", "1")
+_FALSE = ("false", "no", "off", "n", "f", "0")
+BOOLEAN_SPELLINGS = "true/false, yes/no, on/off, y/n, t/f or 1/0 (any case)"
+"""What every source (environment, command line, recipe YAML) accepts for a boolean setting."""
+
+
+def parse_bool(value: Any, source: str = "", name: str = "") -> bool:
+    """A boolean setting as any source gives it: a bool, the int 0 or 1 (YAML's `1`), or one of
+    `BOOLEAN_SPELLINGS`. The error message names `source` (where the value came from) and the
+    field `name` where they are known."""
+    if isinstance(value, bool):
+        return value
+    if type(value) is int and value in (0, 1):  # other ints are more likely a slip than a choice
+        return bool(value)
+    text = value.strip().lower() if isinstance(value, str) else None
+    if text in _TRUE + _FALSE:
+        return text in _TRUE
+    raise ValueError(
+        f"{source}{'=' if source else ''}{value!r} is not a valid value{f' for `{name}`' if name else ''}; "
+        f"a boolean is one of {BOOLEAN_SPELLINGS}."
+    )
+
+
+if TYPE_CHECKING:
+    Boolean = bool
+else:
+
+    class Boolean:
+        """The annotation of the boolean settings, so that a command line and a recipe YAML read
+        them with `parse_bool` as the environment does: `HfArgumentParser` / `TrlParser` give a
+        field annotated `bool` transformers' own parser, which takes other spellings, and give
+        any other class to argparse as the type to call. `Boolean("on")` is the bool True; type
+        checkers see `bool`."""
+
+        def __new__(cls, text: str) -> bool:
+            try:
+                return parse_bool(text)
+            except ValueError as error:  # argparse prints this message after the flag's name
+                raise argparse.ArgumentTypeError(str(error)) from None
+
+
 # The single source of every default. `GradSyncConfig()` with an empty environment, the
 # recipe's `--help`, a recipe YAML without the key and the environment all resolve to these.
 DEFAULTS: dict[str, Any] = {
@@ -72,11 +114,22 @@ def _help(name: str, text: str) -> str:
     return f"{text} Default: {DEFAULTS[name]!r}. Environment: {ENV_PREFIX}{name.upper()}."
 
 
-def _flag(name: str, text: str, **argparse: Any) -> Any:
+def _flag(name: str, text: str, **argparse_kwargs: Any) -> Any:
     """A field that is unset (None) until explicit value > environment > default resolves it."""
     flag = "grad-sync-" + name.removeprefix("sync_").replace("_", "-")  # sync_mode: --grad-sync-mode
     aliases = [f"--{flag}", f"--{flag.replace('-', '_')}"]
-    return field(default=None, metadata={"help": _help(name, text), "aliases": aliases, **argparse})
+    return field(default=None, metadata={"help": _help(name, text), "aliases": aliases, **argparse_kwargs})
+
+
+class Source(NamedTuple):
+    """Where a setting's value came from: `rank` EXPLICIT or ENVIRONMENT, `name` for messages."""
+
+    rank: int
+    name: str
+
+
+EXPLICIT, ENVIRONMENT = 2, 1
+"""An explicit value outranks the environment, which outranks the default (rank 0)."""
 
 
 @dataclass(frozen=True)
@@ -104,7 +157,7 @@ class GradSyncConfig:
     `trl.TrlParser` (`--defer-grad-sync`, or `defer: true` in a recipe YAML).
     """
 
-    defer: bool | None = field(
+    defer: Boolean | None = field(
         default=None,
         metadata={
             "help": _help(
@@ -148,7 +201,7 @@ class GradSyncConfig:
         "total memory, on CPU the available RAM), and what a fractional budget is a fraction of "
         "instead of measured free memory. Empty: read it from the device.",
     )
-    keep_params_unsharded: bool | None = _flag(
+    keep_params_unsharded: Boolean | None = _flag(
         "keep_params_unsharded",
         "With deferral (FSDP2), keep each unit's parameters unsharded for the whole accumulation "
         "window: one all-gather per unit per optimizer step instead of up to 2 per micro-batch, at "
@@ -164,7 +217,7 @@ class GradSyncConfig:
         "deferred gradients in this dtype when it differs from the param dtype (fp32: 4 bytes/param).",
         choices=REDUCE_DTYPES,
     )
-    gather_for_generation: bool | None = _flag(
+    gather_for_generation: Boolean | None = _flag(
         "gather_for_generation",
         "FSDP2: forwards without gradients (generation, no-grad log-prob passes, evaluation) gather "
         "each unit once and keep it unsharded until training resumes (the next forward with "
@@ -176,7 +229,7 @@ class GradSyncConfig:
         nargs="?",
         const=True,
     )
-    log_all_counters: bool | None = _flag(
+    log_all_counters: Boolean | None = _flag(
         "log_all_counters",
         "Trainer logs (console and report_to): every grad_sync/ counter (totals since attach and the "
         "last step's), instead of the few per-step ones: reduce-scatters (HSDP/DDP: all-reduces) "
@@ -187,31 +240,40 @@ class GradSyncConfig:
     )
 
     def __post_init__(self) -> None:
-        explicit = {}
+        given: dict[str, Source] = {}
         for f in dataclasses.fields(self):
-            value, source = getattr(self, f.name), f"GradSyncConfig.{f.name}"
-            if value is None:
-                env_name = ENV_PREFIX + f.name.upper()
-                if env_name in os.environ:
-                    value, source = os.environ[env_name], env_name
+            value, env_name = getattr(self, f.name), ENV_PREFIX + f.name.upper()
             if value is not None:
-                explicit[f.name] = source
+                given[f.name] = Source(EXPLICIT, f"GradSyncConfig.{f.name}")
+            elif env_name in os.environ:
+                value, given[f.name] = os.environ[env_name], Source(ENVIRONMENT, env_name)
             else:
                 value = DEFAULTS[f.name]
-            setattr(self, f.name, _coerce(f.name, value, source))
-        self._check_combination(explicit)
+            setattr(self, f.name, _coerce(f.name, value, given[f.name].name if f.name in given else "default"))
+        self._choose_mode(given)
+        self._check_combination(given)
 
-    def _check_combination(self, explicit: dict[str, str]) -> None:
-        if "sync_mode" in explicit and self.defer and self.sync_mode != SyncMode.DEFERRED:
+    def _choose_mode(self, given: dict[str, Source]) -> None:
+        """`defer` and `sync_mode` each ask for a mode: the one given at the higher rank decides,
+        and at one rank defer=True and another sync mode contradict. A memory budget selects
+        budget mode where neither asks for a mode, at any rank."""
+        rank = {name: given[name].rank if name in given else 0 for name in ("defer", "sync_mode")}
+        if self.defer and rank["defer"] == rank["sync_mode"] and self.sync_mode != SyncMode.DEFERRED:
             raise ValueError(
-                f"{explicit['defer']}=True and {explicit['sync_mode']}={self.sync_mode!r} contradict: "
+                f"{given['defer'].name}=True and {given['sync_mode'].name}={self.sync_mode!r} contradict: "
                 "--defer-grad-sync is shorthand for --grad-sync-mode deferred. Set only one of them."
             )
-        if self.defer:
+        if self.defer and rank["defer"] > rank["sync_mode"]:
             self.sync_mode = SyncMode.DEFERRED.value
-        elif self.memory_budget and "sync_mode" not in explicit:
+        elif "defer" in given and rank["defer"] > rank["sync_mode"] and self.sync_mode == SyncMode.DEFERRED:
+            # defer=False is the switch's off position: it turns off the deferral a lower rank asks for.
+            self.sync_mode, rank["sync_mode"] = DEFAULTS["sync_mode"], 0
+        if self.memory_budget and not rank["sync_mode"] and not self.defer:
             # A budget names what to hold, as --defer-grad-sync does: asking for the mode as well is noise.
             self.sync_mode = SyncMode.BUDGET.value
+        self.defer = self.defer and self.sync_mode == SyncMode.DEFERRED  # False where outranked
+
+    def _check_combination(self, given: dict[str, Source]) -> None:
         if self.sync_mode == SyncMode.BUDGET and not self.memory_budget:
             raise ValueError(
                 "GradSyncConfig.sync_mode='budget' needs a memory budget: set --grad-sync-memory-budget "
@@ -226,9 +288,10 @@ class GradSyncConfig:
             "keep_params_unsharded": (SyncMode.DEFERRED, SyncMode.BUDGET, SyncMode.AUTO),
         }
         for name, modes in used_by.items():
-            if name in explicit and self.sync_mode not in modes:
+            # A value equal to the default changes nothing, so nothing is lost by ignoring it.
+            if name in given and getattr(self, name) != DEFAULTS[name] and self.sync_mode not in modes:
                 warnings.warn(
-                    f"accel_gradsync: {explicit[name]}={getattr(self, name)!r} is ignored in sync mode "
+                    f"accel_gradsync: {given[name].name}={getattr(self, name)!r} is ignored in sync mode "
                     f"{self.sync_mode!r}; it applies to: {', '.join(modes)}.",
                     GradSyncWarning,
                     stacklevel=4,
@@ -251,8 +314,6 @@ class GradSyncConfig:
         return self.resolved().sync_mode
 
 
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("0", "false", "no", "off")
 _UNITS = {"b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 _SIZE = re.compile(r"^\s*(-?[0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
 
@@ -286,16 +347,7 @@ def _coerce(name: str, value: Any, source: str) -> Any:
     """Validate one field, accepting the string spellings a CLI, YAML or environment gives."""
     expected = type(DEFAULTS[name])
     if expected is bool:
-        if isinstance(value, bool):
-            return value
-        if type(value) is int and value in (0, 1):  # as "0"/"1" are; other ints are more likely a slip
-            return bool(value)
-        if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
-            return value.strip().lower() in _TRUE
-        raise ValueError(
-            f"{source}={value!r} is not a valid value for `{name}`; valid choices: "
-            f"True or False, 1 or 0 (also {', '.join(_TRUE + _FALSE)} as text)."
-        )
+        return parse_bool(value, source, name)
     if name in ("sync_mode", "reduce_dtype"):
         choices = SYNC_MODES if name == "sync_mode" else REDUCE_DTYPES
         if value not in choices:

@@ -328,15 +328,19 @@ def parse_args(parser: TrlParser, args: list[str] | None = None):
                 "a divisor of it, or change one of those."
             ) from error
         raise
-    yaml_keys = sorted({a.dest for a in parser._actions} - {"help"})
-    flags = sorted({o for a in parser._actions for o in a.option_strings if o.startswith("--")} - {"--help"})
+    actions = [a for a in parser._actions if a.dest != "help"]
+    flags = {o: o for a in actions for o in a.option_strings if o.startswith("--")}
+    # A YAML key is a field's name; a key spelled as one of its flags (defer_grad_sync) points to it.
+    yaml_keys = {o.lstrip("-").replace("-", "_"): a.dest for a in actions for o in a.option_strings} | {
+        a.dest: a.dest for a in actions
+    }
     for source, remaining, valid in (
         ("the --config YAML", from_yaml, yaml_keys),
         ("the command line", from_cli, flags),
     ):
         unknown = [s.split("=")[0] for s in remaining if s.startswith("-")] or remaining
         if valid is yaml_keys:
-            unknown = [k.lstrip("-") for k in unknown]  # TrlParser hands YAML keys back as flags
+            unknown = [k.removeprefix("--") for k in unknown]  # TrlParser hands YAML keys back as flags
         if unknown:
             raise ValueError(
                 f"Unknown setting(s) in {source}: "
@@ -347,9 +351,14 @@ def parse_args(parser: TrlParser, args: list[str] | None = None):
     return parsed
 
 
-def _did_you_mean(name: str, valid: list[str]) -> str:
-    close = difflib.get_close_matches(name, valid, n=3, cutoff=0.7)
-    return f" (did you mean {', '.join(close)}?)" if close else ""
+def _did_you_mean(name: str, valid: dict[str, str]) -> str:
+    """Up to 3 suggestions for an unknown `name`: `valid` maps each spelling close to it to the
+    setting to suggest, so several spellings of one setting make one suggestion."""
+    if name.replace("-", "_") in valid:  # a YAML key written with dashes, or as a flag is spelled
+        return f" (did you mean {valid[name.replace('-', '_')]}?)"
+    close = difflib.get_close_matches(name, list(valid), n=6, cutoff=0.7)
+    suggestions = list(dict.fromkeys(valid[c] for c in close))[:3]
+    return f" (did you mean {', '.join(suggestions)}?)" if suggestions else ""
 
 
 def run(argv: list[str] | None = None) -> None:
