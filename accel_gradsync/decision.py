@@ -53,14 +53,21 @@ def describe_decision(plan: Plan, adapter: ModelAdapter, micro_batches: int) -> 
         what = "sharded partial" if plan.held_sync == ALL_REDUCE else "unsharded"
         line += f"; holds ~{format_bytes(plan.held_grad_bytes())} {what} {dtype} grads"
         if plan.windowed:
-            param_dtype = str(plan.windowed[0].compute_dtype).removeprefix("torch.")
-            line += f" + ~{format_bytes(plan.held_param_bytes())} unsharded {param_dtype} params"
+            line += " + " + _kept_params(plan)
         line += " per rank"
+    elif plan.windowed:  # one micro-batch per step: no gradient to hold, the window is that micro-batch
+        line += f"; keeps {_kept_params(plan)} per rank from each forward to its backward"
     if adapter.collective != "all_reduce":
         line += "; " + _generation_cost(plan, adapter)
     if plan.reason:
         line += f" [{plan.reason}]"
     return line
+
+
+def _kept_params(plan: Plan) -> str:
+    """The unsharded params the plan's windowed units keep, e.g. `~1.2 MiB unsharded bfloat16 params`."""
+    dtype = str(plan.windowed[0].compute_dtype).removeprefix("torch.")
+    return f"~{format_bytes(plan.held_param_bytes())} unsharded {dtype} params"
 
 
 def _generation_cost(plan: Plan, adapter: ModelAdapter) -> str:

@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -61,6 +62,10 @@ from .policies import (
 RECIPE_DEFAULT = "recipe-default"
 WINDOW_ROW = "deferred+window"
 """The row for deferral with every unit windowed (`keep_params_unsharded`), shown whatever is selected."""
+ONE_PROCESS = (
+    "one process: nothing to sync between ranks (FSDP sends nothing over one rank), so attach does nothing "
+    "and every mode runs the same"
+)
 _MIXED_PRECISION = ("no", "fp16", "bf16", "fp8")
 _WRAP_POLICIES = ("TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP")
 
@@ -350,22 +355,45 @@ def estimated_adapter(model: nn.Module, setup: FSDPSetup, config: GradSyncConfig
     if setup.hsdp and setup.fsdp_version != 2:
         raise ValueError("parallelism_config dp_replicate_size > 1 needs fsdp_version: 2 in the accelerate config.")
     plugin = accelerate_plugin(setup, config, model)
+    name, fix = type(model).__name__, _wrap_fix(model, setup)  # before fully_shard renames the classes
     with fake_world(setup.num_processes):
         try:
             wrapped = shard_like_accelerate(
                 model, plugin, setup.mixed_precision, setup.replicate_size, setup.shard_size
             )
-        except (ValueError, KeyError) as err:  # what `accelerate launch` would fail with, at prepare()
+        except (ValueError, KeyError, RuntimeError) as err:  # what `accelerate launch` would fail with, at prepare()
             first = str(err).strip().splitlines()[0]  # torch appends the whole module's repr
             raise ValueError(
-                f"accelerate cannot shard {type(model).__name__} with this config (FSDP{setup.fsdp_version}, "
+                f"accelerate cannot shard {name} with this config (FSDP{setup.fsdp_version}, "
                 f"fsdp_auto_wrap_policy={setup.auto_wrap_policy}, {setup.replicate_size} replicas x "
-                f"{setup.shard_size} shards), so a launch would fail in prepare() too: {first} Change the wrap "
-                "policy or the parallelism_config."
+                f"{setup.shard_size} shards), so a launch would fail in prepare() too: {first} {fix}"
             ) from None
         adapter = adapt_model(wrapped)
         assert adapter is not None  # wrapped by FSDP just above
         return adapter
+
+
+def _wrap_fix(model: nn.Module, setup: FSDPSetup) -> str:
+    """What to change in the accelerate config when accelerate cannot shard `model` with `setup`."""
+    if setup.auto_wrap_policy != "TRANSFORMER_BASED_WRAP" or setup.layer_cls_to_wrap is not None:
+        return "Change the wrap policy or the parallelism_config."
+    default = ",".join(sorted(getattr(model, "_no_split_modules", None) or ())) or "none"
+    layers = ",".join(layer_classes(model)) or "<the class of its transformer layer>"
+    return (
+        f"Set fsdp_transformer_layer_cls_to_wrap: {layers} in the accelerate config's fsdp_config (without it "
+        f"accelerate wraps the model's _no_split_modules: {default})."
+    )
+
+
+def layer_classes(model: nn.Module) -> list[str]:
+    """The class names of `model`'s repeated layers, the usual FSDP units: those of its
+    `_no_split_modules` that occur more than once, else the class in its longest `ModuleList`."""
+    counts = Counter(type(m).__name__ for m in model.modules())
+    named = sorted(c for c in getattr(model, "_no_split_modules", None) or () if counts[c] > 1)
+    if named:
+        return named
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 1]
+    return [type(max(lists, key=len)[0]).__name__] if lists else []
 
 
 def sharded_dtype(adapter: ModelAdapter) -> torch.dtype:
@@ -553,6 +581,8 @@ def estimate(
             # The deferred rows show deferral without and with the window, whatever the config says.
             window = {SyncMode.DEFERRED: False, WINDOW_ROW: True}.get(name)
             plan = _plan(policy_cls, config, adapter, free, micro_batches, window).over(micro_batches)
+            if setup.num_processes == 1:
+                plan = Plan(policy_cls.name, reason=ONE_PROCESS)
         except ValueError as err:
             row.applicable, row.reason = False, str(err)
             result.modes.append(row)
@@ -574,6 +604,8 @@ def estimate(
         row.all_gathers, row.all_gather_bytes = all_gathers_per_step(plan, adapter, micro_batches)
         row.generation_bytes = plan.generation_bytes
         row.generation_all_gathers = generation_all_gathers_per(adapter.units, kept=bool(plan.generation_bytes))
+        if setup.num_processes == 1:  # FSDP2 issues no collective over one rank, FSDP1 sends nothing
+            row.reduce_scatters = row.all_reduces = row.all_gathers = row.generation_all_gathers = 0
         if free is not None:
             worst = max(row.peak_bytes, row.generation_bytes + row.held_bytes)
             row.fits = worst <= int(free * (1 - config.resolved().memory_margin))
@@ -612,6 +644,12 @@ def _plan_label(plan: Plan) -> str:
 
 
 # -- output ----------------------------------------------------------------------------------------
+def _processes(est: Estimate, mesh: str) -> str:
+    if est.num_processes == 1:
+        return "1 process (nothing to sync between ranks: attach does nothing, every mode runs the same)"
+    return f"{est.num_processes} processes ({mesh})"
+
+
 def format_table(est: Estimate) -> str:
     """The human-readable table: a header line, one row per mode, then the n/a reasons."""
     mesh = (
@@ -621,7 +659,7 @@ def format_table(est: Estimate) -> str:
     )
     lines = [
         f"model {est.model}: {est.params:,} trainable params in {len(est.units)} {est.wrapper} units "
-        f"(sharded by {est.sharded_by}); {est.num_processes} processes ({mesh}); "
+        f"(sharded by {est.sharded_by}); {_processes(est, mesh)}; "
         f"mixed_precision={est.mixed_precision}, reduce_dtype={est.reduce_dtype}; "
         f"{est.micro_batches} micro-batches per optimizer step"
         + (f"; free memory {format_bytes(est.free_memory)}/rank" if est.free_memory is not None else ""),

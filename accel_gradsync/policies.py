@@ -14,7 +14,7 @@ from typing import Any
 
 from .config import GradSyncConfig, SyncMode, parse_bytes
 from .fsdp import ModelAdapter, Unit
-from .units import Level, micro_batch_all_gathers, no_grad_forward_all_gathers
+from .units import Level, no_grad_forward_all_gathers, step_all_gathers
 
 GRADIENT_SYNC = "gradient_sync"  # skip reduce-scatter (and all-reduce): set_requires_gradient_sync(False)
 ALL_REDUCE = "all_reduce"  # HSDP: reduce-scatter, skip the cross-replica all-reduce: set_requires_all_reduce(False)
@@ -47,7 +47,8 @@ class Plan:
     """What the held units skip: their whole gradient sync (`GRADIENT_SYNC`), or on HSDP only the
     cross-replica all-reduce (`ALL_REDUCE`)."""
     windowed: Sequence[Unit] = ()
-    """Held units whose params stay unsharded for the whole window (a subset of `held`; a tuple)."""
+    """Held units whose params stay unsharded for the whole window (a subset of `held`; a tuple;
+    over one micro-batch, `over(1)`, nothing is held and the window is that micro-batch)."""
     reason: str = ""
     generation_bytes: int = 0
     """Unsharded parameter bytes per rank held while generating (`gather_for_generation`: every
@@ -86,10 +87,14 @@ class Plan:
 
     def over(self, micro_batches: int) -> Plan:
         """This plan as it plays out over `micro_batches` per optimizer step: with one, every
-        micro-batch ends its step and syncs, so a deferring mode holds nothing."""
+        micro-batch ends its step and syncs, so a deferring mode holds no gradient; its windowed
+        units still keep their params from that micro-batch's forward to its backward (window.py),
+        so they stay windowed, held by nothing."""
         if micro_batches > 1 or self.mode == SyncMode.PER_MICRO_BATCH:
             return self
-        return Plan(self.mode, reason=NOTHING_TO_DEFER, generation_bytes=self.generation_bytes)
+        kept = "; the windowed units keep their params from forward to backward" if self.windowed else ""
+        reason = NOTHING_TO_DEFER + kept
+        return Plan(self.mode, windowed=self.windowed, reason=reason, generation_bytes=self.generation_bytes)
 
 
 def collectives_per_step(plan: Plan, units: Sequence[Unit], hsdp: bool, micro_batches: int) -> tuple[int, int]:
@@ -105,18 +110,13 @@ def collectives_per_step(plan: Plan, units: Sequence[Unit], hsdp: bool, micro_ba
 
 
 def unit_all_gathers(unit: Unit, level: Level, micro_batches: int, keeps_params_when_held: bool = False) -> int:
-    """Parameter all-gathers of one unit per optimizer step of `micro_batches`, from
-    `micro_batch_all_gathers`: one in each forward, another in each backward when it reshards
-    after forward; a windowed unit gathers once per step. FSDP1 SHARD_GRAD_OP under `no_sync()`
-    keeps params after a held backward: one gather per step too."""
-    count, gathered = 0, False
-    for k in range(micro_batches):
-        last = k == micro_batches - 1
-        windowed = level == Level.WINDOWED and micro_batches > 1
-        keeps = windowed or (level == Level.DEFERRED and keeps_params_when_held and micro_batches > 1)
-        n, gathered = micro_batch_all_gathers(unit, gathered, windowed, keeps and not last)
-        count += n
-    return count
+    """Parameter all-gathers of one unit per optimizer step of `micro_batches` (`step_all_gathers`):
+    one in each forward, another in each backward when it reshards after forward; a windowed unit
+    gathers once per step (with one micro-batch too: its params stay from forward to backward).
+    FSDP1 SHARD_GRAD_OP under `no_sync()` keeps params after a held backward: one gather per step too."""
+    windowed = level == Level.WINDOWED
+    keeps = windowed or (level == Level.DEFERRED and keeps_params_when_held)
+    return step_all_gathers(unit, micro_batches, windowed, keeps)
 
 
 def generation_all_gathers(units: Sequence[Unit], forwards: int, kept: bool) -> int:

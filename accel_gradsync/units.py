@@ -102,9 +102,29 @@ def micro_batch_all_gathers(
     its backward gathers again when the forward resharded them (`reshard_after_forward`, unless
     a window keeps them through this forward); after backward they stay only where a window (or
     FSDP1 SHARD_GRAD_OP under `no_sync()`) keeps them. The decision line, the estimate (through
-    `policies.unit_all_gathers`) and the live counters (accounting.py) all count with it."""
+    `step_all_gathers`) and the live counters (accounting.py) all count with it."""
     count = (0 if gathered else 1) + (1 if unit.reshards_after_forward and not kept_through_forward else 0)
     return count, kept_after_backward
+
+
+def step_all_gathers(unit: Unit, micro_batches: int, kept_through_forward: bool, kept_between: bool) -> int:
+    """Parameter all-gathers of one unit over an optimizer step of `micro_batches`, counted with
+    `micro_batch_all_gathers` in constant time, so that any M answers at once: the first
+    micro-batch starts sharded; every micro-batch between the first and the last finds the params
+    as the one before left them (`kept_between`) and leaves them so, so they all gather alike; the
+    last one's backward reshards. `kept_through_forward`: a window keeps the params through every
+    forward; `kept_between`: they stay unsharded after every backward but the last (a window, or
+    FSDP1 SHARD_GRAD_OP under `no_sync()`)."""
+
+    def one(gathered: bool, last: bool) -> tuple[int, bool]:
+        return micro_batch_all_gathers(unit, gathered, kept_through_forward, kept_between and not last)
+
+    if micro_batches == 1:
+        return one(False, True)[0]
+    first, gathered = one(False, False)
+    between, _ = one(gathered, False)  # leaves the params as it found them
+    last, _ = one(gathered, True)
+    return first + (micro_batches - 2) * between + last
 
 
 def no_grad_forward_all_gathers(unit: Unit, gathered: bool, kept: bool) -> tuple[int, bool]:

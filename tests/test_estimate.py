@@ -3,6 +3,7 @@ dtype for every case of BACKGROUND.md, counts consistent with the runtime's deci
 n/a rows, the fit column, and a 7B-class config estimated on the meta device in seconds.
 (Against real 2-rank runs: tests/distributed/test_estimate_vs_measured.py.)"""
 
+import dataclasses
 import json
 import re
 import runpy
@@ -10,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -30,7 +32,8 @@ from accel_gradsync.estimate import (
 )
 from accel_gradsync.fake_shard import fake_world
 from accel_gradsync.fsdp import FSDP1Adapter, FSDP2Adapter
-from accel_gradsync.policies import POLICIES
+from accel_gradsync.policies import POLICIES, unit_all_gathers
+from accel_gradsync.units import Level, Unit, micro_batch_all_gathers
 
 # Every row uses every setting; the config's "ignored in this sync mode" notes do not apply.
 pytestmark = pytest.mark.filterwarnings("ignore::accel_gradsync.errors.GradSyncWarning")
@@ -50,6 +53,7 @@ QWEN2_7B = dict(
     tie_word_embeddings=False,
 )
 QWEN2_7B_PARAMS = 7_615_616_512
+ACCELERATE_CONFIGS = Path(__file__).resolve().parents[1] / "accelerate_configs"
 
 
 def fsdp(version=2, mixed_precision="no", processes=2, replicate=1, **fsdp_config):
@@ -395,3 +399,108 @@ def test_a_row_names_the_windows_its_plan_keeps():
     est = estimate("recipe-default", fsdp(2), 4, GradSyncConfig(free_memory="1GiB"))
     auto = next(r for r in est.modes if r.mode.startswith("auto"))
     assert auto.mode == "auto -> deferred+window", auto.mode
+
+
+def _walked_all_gathers(unit, level, m, keeps_params_when_held):
+    """A step's all-gathers walked micro-batch by micro-batch with `micro_batch_all_gathers`, as
+    the live counters see them: every micro-batch but the last is held by a held level, a window
+    keeps the params through every forward, and a held backward keeps them where a window (or
+    FSDP1 SHARD_GRAD_OP's no_sync) does."""
+    held = level in (Level.DEFERRED, Level.WINDOWED, Level.DEFER_ALL_REDUCE)
+    windowed = level == Level.WINDOWED
+    count, gathered = 0, False
+    for k in range(m):
+        held_now = held and k < m - 1
+        n, gathered = micro_batch_all_gathers(
+            unit, gathered, windowed, held_now and (windowed or keeps_params_when_held)
+        )
+        count += n
+    return count
+
+
+@pytest.mark.parametrize("reshards", [False, True])
+@pytest.mark.parametrize("frozen", [False, True])
+def test_all_gathers_in_closed_form_equal_the_walk(reshards, frozen):
+    unit = Unit("layer", torch.nn.Linear(2, 2), 0 if frozen else 6, 0 if frozen else 1, param_numel=6)
+    unit = dataclasses.replace(unit, reshards_after_forward=reshards)
+    for level in Level:
+        # Only FSDP1 keeps params after a held backward (SHARD_GRAD_OP); it has no all-reduce hold.
+        for keeps in (False, True) if level != Level.DEFER_ALL_REDUCE else (False,):
+            for m in range(1, 7):
+                assert unit_all_gathers(unit, level, m, keeps) == _walked_all_gathers(unit, level, m, keeps), (
+                    level,
+                    keeps,
+                    m,
+                )
+
+
+def test_a_huge_number_of_micro_batches_answers_at_once():
+    """The counts are closed forms: 10^11 micro-batches answer as fast as 4 (a step-by-step count
+    would not finish; the subprocess's timeout catches that)."""
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "accel_gradsync",
+            "estimate",
+            "--micro-batches",
+            str(10**11),
+            "--accelerate-config",
+            str(ACCELERATE_CONFIGS / "fsdp2.yaml"),
+            "--grad-sync-free-memory",
+            "1GiB",
+            "--grad-sync-memory-budget",
+            "100KiB",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert out.returncode == 0, out.stderr
+    rows = {m["mode"].split(" ")[0]: m for m in json.loads(out.stdout)["modes"]}
+    m = 10**11
+    assert rows["per_micro_batch"]["all_gathers"] == 3 * m + 2 * m  # 2 layers gather again in backward
+    assert rows["per_micro_batch"]["reduce_scatters"] == 3 * m and rows["deferred"]["reduce_scatters"] == 3
+    assert rows[WINDOW_ROW]["all_gathers"] == 3
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_one_process_has_nothing_to_sync_and_no_mode_saves_anything(version, tmp_path, capsys):
+    config = GradSyncConfig(defer=True, keep_params_unsharded=True, free_memory="1GiB", memory_budget="100KiB")
+    est = estimate("recipe-default", fsdp(version, processes=1), 4, config)
+    rows = [m for m in est.modes if m.applicable]
+    assert len(rows) >= 3
+    per_mb = est.mode("per_micro_batch")
+    for row in rows:
+        assert (row.units_held, row.held_bytes, row.held_param_bytes) == (0, 0, 0), row
+        # FSDP sends nothing over one rank: FSDP2 skips its collectives (counted below).
+        assert (row.reduce_scatters, row.all_reduces, row.all_gathers, row.send_bytes) == (0, 0, 0, 0), row
+        assert row.peak_bytes == per_mb.peak_bytes and "one process" in row.reason, row
+    path = tmp_path / "one.yaml"
+    path.write_text(yaml.safe_dump(fsdp(version, processes=1)))
+    assert main(["estimate", "--accelerate-config", str(path), "--micro-batches", "4", "--defer-grad-sync"]) == 0
+    assert "1 process (nothing to sync between ranks" in capsys.readouterr().out
+
+
+def test_fsdp2_over_one_rank_issues_no_collective():
+    """What the one-process rows rest on, from a real one-rank gloo group: no collective at all."""
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoModelForCausalLM
+
+    from benchmarks.collectives import CollectiveCounter
+
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+    try:
+        counter = CollectiveCounter()
+        model = AutoModelForCausalLM.from_config(load_model_config("recipe-default"))
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        for k in range(4):
+            model.set_requires_gradient_sync(k == 3)  # deferred: three held micro-batches, then the sync
+            ids = torch.randint(0, 17, (1, 8))
+            model(input_ids=ids, labels=ids).loss.backward()
+        assert counter.take() == {}
+    finally:
+        dist.destroy_process_group()

@@ -117,3 +117,20 @@ def test_the_real_command_exits_2_with_one_line(tmp_path):
     )
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
     assert out.stderr.rstrip("\n").splitlines()[-1].startswith("accel-gradsync estimate: error: ")
+
+
+def test_a_model_accelerate_cannot_wrap_names_the_layer_class_to_set(good, tmp_path, capsys):
+    """A BERT under TRANSFORMER_BASED_WRAP without a layer class: accelerate wraps the model's
+    `_no_split_modules` (its embeddings too) and `fully_shard` refuses the overlap. The line names
+    the setting and the model's repeated layer class, and that setting then works."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    model = tmp_path / "bert"
+    config = BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
+    BertForMaskedLM(config).save_pretrained(model)  # random weights; the estimate reads config.json only
+    line = cli_error(capsys, "--accelerate-config", good, "--model", str(model))
+    assert "fsdp_transformer_layer_cls_to_wrap: BertLayer" in line, line
+    fixed = tmp_path / "fixed.yaml"
+    fixed.write_text(GOOD + "  fsdp_transformer_layer_cls_to_wrap: BertLayer\n")
+    assert main(["estimate", "--micro-batches", "2", "--accelerate-config", str(fixed), "--model", str(model)]) == 0
+    assert "2 micro-batches per optimizer step" in capsys.readouterr().out

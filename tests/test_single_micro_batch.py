@@ -1,5 +1,8 @@
-"""With one micro-batch per optimizer step every micro-batch syncs, so no mode holds
-anything: the decision line and every estimate row say so (0 held, same peak as per_micro_batch)."""
+"""With one micro-batch per optimizer step every micro-batch syncs, so no mode holds a gradient:
+the decision line and every estimate row say so (0 held). A window is then that one micro-batch:
+its units keep their params from forward to backward, which saves the backward's all-gathers and
+costs the kept params; rows and lines without windows cost what per_micro_batch costs.
+(Against a real 2-rank run: tests/distributed/test_one_micro_batch_window.py.)"""
 
 import re
 
@@ -8,13 +11,14 @@ import pytest
 from accel_gradsync import GradSyncConfig
 from accel_gradsync.decision import describe_decision
 from accel_gradsync.estimate import (
+    WINDOW_ROW,
     build_meta_model,
     estimate,
     estimated_adapter,
     load_model_config,
     read_accelerate_config,
 )
-from accel_gradsync.policies import POLICIES
+from accel_gradsync.policies import POLICIES, format_bytes
 
 pytestmark = pytest.mark.filterwarnings("ignore::accel_gradsync.errors.GradSyncWarning")
 
@@ -36,27 +40,44 @@ def test_decision_line_says_there_is_nothing_to_defer(name):
     assert plan.held  # with more micro-batches this mode would hold something
     line = describe_decision(plan, adapter, 1)
     assert line.startswith(f"grad sync: {plan.mode} over 1 micro-batch")
-    assert f"({len(adapter.units)} per-micro-batch)" in line
     assert "one micro-batch per optimizer step" in line and "nothing to defer" in line
-    assert "holds ~" not in line and "B held" not in line, line  # no bytes held, also not in the reason
-    assert re.search(rf"-> {len(adapter.units)} reduce-scatters, {len(adapter.units)} all-reduces", line), line
+    assert "grads" not in line and "B held" not in line, line  # no gradient held, also not in the reason
+    units = len(adapter.units)
+    assert re.search(rf"-> {units} reduce-scatters, {units} all-reduces", line), line
+    # Each unit gathers in its forward; one that reshards after forward gathers again in
+    # backward, unless a window keeps its params from forward to backward.
+    windowed = {id(u) for u in plan.windowed}
+    gathers = sum(1 + (u.reshards_after_forward and id(u) not in windowed) for u in adapter.units)
+    assert f" {gathers} all-gathers/step" in line, line
+    if not windowed:
+        assert f"({units} per-micro-batch)" in line and "keeps ~" not in line, line
+        return
+    assert f"{len(windowed)} windowed" in line, line
+    kept = format_bytes(sum(u.param_bytes for u in plan.windowed))
+    assert f"keeps ~{kept} unsharded float32 params per rank from each forward to its backward" in line, line
 
 
-def test_every_estimate_row_holds_nothing_with_one_micro_batch():
+def test_every_estimate_row_holds_no_gradient_with_one_micro_batch():
     est = estimate("recipe-default", FSDP2_HSDP, 1, CONFIG)
     rows = [m for m in est.modes if m.applicable]
     assert len(rows) == len(POLICIES) + 1  # and the deferred+window row
     per_mb = est.mode("per_micro_batch")
     for row in rows:
         assert (row.units_held, row.held_bytes, row.held_dtype) == (0, 0, ""), row
-        # Nothing held: each row costs exactly what syncing every micro-batch costs.
-        assert (row.peak_bytes, row.sharded_bytes, row.send_bytes) == (
-            per_mb.peak_bytes,
+        assert (row.sharded_bytes, row.send_bytes, row.reduce_scatters) == (
             per_mb.sharded_bytes,
             per_mb.send_bytes,
+            per_mb.reduce_scatters,
         ), row
-        assert row.fits is True and row.all_gathers == per_mb.all_gathers, row
-        assert "B held" not in row.reason, row
+        assert row.fits is True and "B held" not in row.reason, row
+        if row.mode != WINDOW_ROW:  # nothing kept: exactly what syncing every micro-batch costs
+            assert (row.peak_bytes, row.all_gathers, row.held_param_bytes) == (per_mb.peak_bytes, per_mb.all_gathers, 0)
+    # The window keeps every unit's params from forward to backward: one all-gather per unit
+    # (two layers reshard after forward and would gather again in backward), at their bytes.
+    window = est.mode(WINDOW_ROW)
+    assert (len(est.units), window.all_gathers, per_mb.all_gathers) == (3, 3, 5)
+    assert window.held_param_bytes == est.params * 4  # fp32, every parameter trainable
+    assert window.peak_bytes == per_mb.peak_bytes + window.held_param_bytes
 
 
 def test_cli_table_shows_zero_held_for_every_mode(tmp_path, capsys):
