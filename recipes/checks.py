@@ -62,11 +62,17 @@ _COUNTS = {
 
 
 def check_training_settings(training_args) -> None:
-    """Counts that must be positive, and a save interval that must not be silently unused."""
+    """Counts that must be positive (`--max_steps` -1 means "by epochs"), and a save interval that
+    must not be silently unused."""
     for name in _COUNTS:
         value = getattr(training_args, name)
         if value < 1:
             raise ValueError(f"--{name} {value}: must be >= 1 ({_COUNTS[name]}).")
+    if training_args.max_steps == 0:  # transformers reads 0 as a step count and still trains and saves
+        raise ValueError(
+            "--max_steps 0: must be >= 1 (optimizer steps), or -1 to train for --num_train_epochs "
+            f"({training_args.num_train_epochs:g})."
+        )
     strategy = str(getattr(training_args.save_strategy, "value", training_args.save_strategy))
     if strategy == "steps" and training_args.save_steps <= 0:
         raise ValueError(

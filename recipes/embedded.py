@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import random
 import re
+from fractions import Fraction
 from typing import Any
 
 import torch
@@ -82,7 +83,10 @@ def warm_up(model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerFast, steps: 
 
 
 # -- rewards ----------------------------------------------------------------------------------
-_INT = re.compile(r"-?\d+")
+# A number as answers write it: an optional minus sign (not one between two numbers, which is an
+# operator), digits grouped by thousands separators (`1,234,567`, as GSM8K writes them) or not,
+# and an optional decimal part. Digits right after a point belong to the number before it.
+_NUMBER = re.compile(r"(?<![\d.])(?:(?<!\w)-)?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?")
 
 
 def _text(completion: Any) -> str:
@@ -92,19 +96,20 @@ def _text(completion: Any) -> str:
     return str(completion)
 
 
-def _last_int(text: str):
-    found = _INT.findall(text.replace(",", ""))
-    return int(found[-1]) if found else None
+def last_number(text: str) -> Fraction | None:
+    """The last number in `text`, exactly (`2.5` is 5/2, `1,000` is 1000), or None."""
+    found = _NUMBER.findall(text)
+    return Fraction(found[-1].replace(",", "")) if found else None
 
 
 def accuracy_reward(completions: list, answer: list, **kwargs: Any) -> list[float]:
-    """1 for the right number (the last integer in the completion vs. in `answer`, so GSM8K's
-    `#### 72` works too), else 0. No credit for near misses: then its logged mean is the share of
-    right answers, and a run that learns shows it (partial credit kept that mean near 0.6 whatever
-    the model did)."""
+    """1 for the right number (the last number in the completion equals the last in `answer`, as
+    numbers: `5.0` is 5, `2.5` is not; GSM8K's `#### 72` works too), else 0. No credit for near
+    misses: then its logged mean is the share of right answers, and a run that learns shows it
+    (partial credit kept that mean near 0.6 whatever the model did)."""
     rewards = []
     for completion, ans in zip(completions, answer, strict=True):
-        pred, target = _last_int(_text(completion)), _last_int(str(ans))
+        pred, target = last_number(_text(completion)), last_number(str(ans))
         rewards.append(1.0 if pred is not None and pred == target else 0.0)
     return rewards
 

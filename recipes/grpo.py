@@ -94,7 +94,7 @@ class GRPOScriptArguments(ScriptArguments):
     prompt_column: str = field(default="prompt", metadata={"help": "Dataset column holding the prompt."})
     answer_column: str = field(
         default="answer",
-        metadata={"help": "Dataset column holding the reference answer (its last integer is the target)."},
+        metadata={"help": "Dataset column holding the reference answer (its last number is the target)."},
     )
     sft_warmup_steps: int = field(
         default=SFT_WARMUP_STEPS,
@@ -141,7 +141,9 @@ def prepare(script_args, training_args, model_args, grad_sync_args) -> PreparedR
     checks.check_training_settings(training_args)
     checks.check_save_steps_used(training_args, RECIPE_DEFAULTS["save_steps"])
     checks.check_sync_mode_fits_launch(grad_sync_args)
-    resume = checkpoints.resolve_resume(training_args.resume_from_checkpoint, training_args.output_dir)
+    resume = checkpoints.resolve_resume(
+        training_args.resume_from_checkpoint, training_args.output_dir, checks.launch_setup()["processes"]
+    )
     dataset = load_prompts(script_args)
     return PreparedRun(script_args, training_args, model_args, grad_sync_args, reward_funcs, dataset, resume)
 
@@ -166,6 +168,7 @@ def train(prepared: PreparedRun) -> None:
             **(training_args.model_init_kwargs or {}),
         }
 
+    save_total_limit = checkpoints.take_over_rotation(training_args)  # deleted once the new one is marked
     trainer = GRPOTrainer(
         model=model,
         reward_funcs=prepared.reward_funcs,
@@ -175,7 +178,7 @@ def train(prepared: PreparedRun) -> None:
         peft_config=get_peft_config(model_args),
         quantization_config=get_quantization_config(model_args),
     )
-    trainer.add_callback(checkpoints.MarkCheckpointComplete(trainer.accelerator))
+    trainer.add_callback(checkpoints.MarkCheckpointComplete(trainer.accelerator, save_total_limit))
     accel_gradsync.attach(trainer, prepared.grad_sync_args)
     if prepared.resume is not None:
         trainer.accelerator.print(f"Resuming from {prepared.resume}.")
@@ -237,8 +240,8 @@ def load_prompts(script_args):
         )
     if local == "save_to_disk folder":
         data = load_from_disk(name)
-    elif local is not None:  # a data file: its format's builder, the file as the train split
-        data = load_dataset(DATA_FILE_BUILDERS[local], data_files={"train": name})
+    elif local is not None:
+        data = _load_data_file(name, local)
     else:
         data = load_dataset(name, name=script_args.dataset_config)
     if isinstance(data, DatasetDict):
@@ -249,6 +252,8 @@ def load_prompts(script_args):
                 f"{', '.join(data)}."
             )
         data = data[split]
+    if len(data) == 0:
+        raise ValueError(f"--dataset_name {name}: the dataset has no rows; give one with a row per prompt.")
     needed = {"prompt": script_args.prompt_column, "answer": script_args.answer_column}
     for role, column in needed.items():
         if column not in data.column_names:
@@ -264,6 +269,34 @@ def load_prompts(script_args):
 DATA_FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 
 
+def _load_data_file(name: str, extension: str):
+    """The data file as a dataset, through its format's `datasets` builder (the file is the train
+    split), or a ValueError naming the file when there are no rows to read or datasets cannot
+    read them."""
+    from datasets import load_dataset
+    from datasets.exceptions import DatasetGenerationError
+
+    if _is_blank(name):  # datasets raises StopIteration or "corresponds to no data" for these
+        raise ValueError(
+            f"--dataset_name {name}: the file is empty; give a {extension} file with one row per prompt "
+            "(a prompt and an answer column)."
+        )
+    try:
+        return load_dataset(DATA_FILE_BUILDERS[extension], data_files={"train": name})
+    except (DatasetGenerationError, ValueError, StopIteration) as error:
+        cause = error.__cause__ or error
+        raise ValueError(
+            f"--dataset_name {name}: datasets cannot read it as a {extension} file ({type(cause).__name__}: "
+            f"{cause}). Fix the file, or give a save_to_disk folder or a hub dataset name."
+        ) from None
+
+
+def _is_blank(path: str) -> bool:
+    """True when the file holds nothing but whitespace (read until the first other byte)."""
+    with open(path, "rb") as f:
+        return not any(chunk.strip() for chunk in iter(lambda: f.read(1 << 16), b""))
+
+
 def _local_dataset_kind(name: str) -> str | None:
     """`save_to_disk folder`, a data file extension, or None for a hub name / load_dataset path."""
     if os.path.isdir(name) and any(os.path.exists(os.path.join(name, f)) for f in ("state.json", "dataset_dict.json")):
@@ -276,6 +309,11 @@ def _local_dataset_kind(name: str) -> str | None:
                 "file, a `save_to_disk` folder or a hub dataset name."
             )
         return extension
+    if extension in DATA_FILE_BUILDERS and "://" not in name:  # a local file name, of a file that is not there
+        raise ValueError(
+            f"--dataset_name {name}: no such file. Give an existing {extension} file, a `save_to_disk` folder "
+            "or a hub dataset name."
+        )
     return None
 
 
@@ -316,6 +354,8 @@ def make_parser(cpu_fsdp: bool = False) -> TrlParser:
 
 def parse_args(parser: TrlParser, args: list[str] | None = None):
     """`parse_args_and_config`, with errors that name the unknown flag or YAML key and what is close to it."""
+    args = list(sys.argv[1:] if args is None else args)
+    check_config_file(args)
     try:
         *parsed, from_yaml, from_cli = parser.parse_args_and_config(
             args, return_remaining_strings=True, separate_remaining_strings=True
@@ -349,6 +389,34 @@ def parse_args(parser: TrlParser, args: list[str] | None = None):
                 "GradSyncConfig: see `python recipes/grpo.py --help`."
             )
     return parsed
+
+
+def check_config_file(args: list[str]) -> None:
+    """Refuse a `--config` file that cannot be read or is not YAML, naming it (TrlParser would
+    raise the OSError or yaml's error from inside its parsing)."""
+    import yaml
+
+    if "--config" not in args:
+        return
+    index = args.index("--config") + 1
+    if index == len(args) or args[index].startswith("--"):
+        raise checks.ParseError("--config: expected the path of a recipe YAML file after it.")
+    path = args[index]
+    try:
+        with open(path) as f:
+            yaml.safe_load(f)
+    except OSError as error:
+        raise ValueError(f"--config {path}: cannot read it ({error.strerror}).") from None
+    except yaml.YAMLError as error:
+        raise ValueError(f"--config {path}: not valid YAML ({_yaml_problem(error)}).") from None
+
+
+def _yaml_problem(error) -> str:
+    """Where and what, in one line: `line 2, column 16: expected ',' or ']', but got ...`."""
+    mark, problem = getattr(error, "problem_mark", None), getattr(error, "problem", None)
+    if mark is None or problem is None:
+        return str(error)
+    return f"line {mark.line + 1}, column {mark.column + 1}: {problem}"
 
 
 def _did_you_mean(name: str, valid: dict[str, str]) -> str:

@@ -1,12 +1,16 @@
 """recipes/grpo.py: bad input stops with a clear error before training, naming what to change,
-and writes nothing to output_dir. Parsing runs in-process (fast); one run goes through the script."""
+and writes nothing to output_dir. Parsing runs in-process (fast); one run goes through the script.
+Also what the recipe reads from its input without refusing it: the checkpoint to resume from and
+the number in an answer, which the accuracy reward compares as a number."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+from fractions import Fraction
 from pathlib import Path
 
 import pytest
@@ -16,6 +20,7 @@ sys.path.insert(0, str(REPO / "recipes"))
 
 import checkpoints  # noqa: E402
 import checks  # noqa: E402
+import embedded  # noqa: E402
 import grpo  # noqa: E402
 
 from accel_gradsync import GradSyncConfig  # noqa: E402
@@ -135,6 +140,58 @@ def test_the_script_exits_before_writing_anything(tmp_path):
     assert not out.exists()
 
 
+def _write(path: Path, text: str) -> str:
+    path.write_text(text)
+    return str(path)
+
+
+# Input the script refuses: its arguments (files made in the test's tmp folder) and the one line it ends with.
+BAD_INPUTS = {
+    "malformed-config": (
+        lambda tmp: ["--config", _write(tmp / "recipe.yaml", "learning_rate: [1.0e-3\nnum_generations: 4\n")],
+        r"^error: --config \S+recipe\.yaml: not valid YAML \(line 2, column 16: expected ',' or ']'",
+    ),
+    "missing-config": (
+        lambda tmp: ["--config", str(tmp / "missing.yaml")],
+        r"^error: --config \S+missing\.yaml: cannot read it \(No such file or directory\)\.",
+    ),
+    "empty-jsonl": (
+        lambda tmp: ["--dataset_name", _write(tmp / "data.jsonl", "")],
+        r"^error: --dataset_name \S+data\.jsonl: the file is empty; .*one row per prompt",
+    ),
+    "blank-jsonl": (
+        lambda tmp: ["--dataset_name", _write(tmp / "data.jsonl", "\n\n")],
+        r"^error: --dataset_name \S+data\.jsonl: the file is empty",
+    ),
+    "broken-jsonl": (
+        lambda tmp: ["--dataset_name", _write(tmp / "data.jsonl", '{"prompt": "1+1=", "answer": "2"}\n{"prompt": \n')],
+        r"^error: --dataset_name \S+data\.jsonl: datasets cannot read it as a \.jsonl file \(",
+    ),
+    "missing-data-file": (
+        lambda tmp: ["--dataset_name", str(tmp / "gone.jsonl")],
+        r"^error: --dataset_name \S+gone\.jsonl: no such file\.",
+    ),
+    "no-steps": (
+        lambda tmp: ["--max_steps", "0"],
+        r"^error: --max_steps 0: must be >= 1 \(optimizer steps\), or -1 to train for --num_train_epochs",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", BAD_INPUTS)
+def test_bad_input_ends_the_script_with_one_error_line(name, tmp_path, capsys):
+    """The script's own path (`run`), in this process: exit 2 and one `error:` line, where any
+    other exception (a traceback) fails the test; nothing is written to output_dir."""
+    make_args, message = BAD_INPUTS[name]
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exit_info:
+        grpo.run([*make_args(tmp_path), "--output_dir", str(out)])
+    assert exit_info.value.code == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and re.search(message, errors[0]), errors
+    assert not out.exists()
+
+
 def test_negative_warm_up_steps_are_refused_before_anything_is_built(tmp_path):
     script_args, training_args, model_args, grad_sync_args = parse(
         "--sft_warmup_steps", "-5", "--output_dir", str(tmp_path / "out")
@@ -248,8 +305,10 @@ def _checkpoint(output_dir: Path, step: int, complete: bool, marker_step: int | 
 
 
 def test_resume_auto_takes_the_newest_complete_checkpoint(tmp_path):
-    assert checkpoints.resolve_resume("auto", str(tmp_path / "none")) is None  # no output_dir yet: start fresh
-    assert checkpoints.resolve_resume("auto", str(tmp_path)) is None  # no checkpoint: start fresh
+    assert (
+        checkpoints.resolve_resume("auto", str(tmp_path / "none"), world_size=2) is None
+    )  # no output_dir yet: start fresh
+    assert checkpoints.resolve_resume("auto", str(tmp_path), world_size=2) is None  # no checkpoint: start fresh
     _checkpoint(tmp_path, 9, complete=True)
     newest = _checkpoint(tmp_path, 10, complete=True)
     _checkpoint(tmp_path, 20, complete=False)  # killed while saving: trainer_state.json but no mark
@@ -257,7 +316,51 @@ def test_resume_auto_takes_the_newest_complete_checkpoint(tmp_path):
     (tmp_path / "checkpoint-40").mkdir()  # killed before anything was written
     (tmp_path / "checkpoint-50").mkdir()
     (tmp_path / "checkpoint-50" / checkpoints.COMPLETE_MARKER).write_text('{"global_st')  # cut short
-    assert checkpoints.resolve_resume("auto", str(tmp_path)) == str(newest)  # 10 > 9 numerically, not as text
+    assert checkpoints.resolve_resume("auto", str(tmp_path), world_size=2) == str(
+        newest
+    )  # 10 > 9 numerically, not as text
+
+
+def test_resume_on_another_number_of_processes_is_refused(tmp_path):
+    """Each rank's RNG state is saved per process and the batch of an optimizer step scales with
+    the processes: a checkpoint resumes on the number of processes that wrote it."""
+    folder = _checkpoint(tmp_path, 10, complete=True)  # written by 2 processes
+    for value in ("auto", str(folder)):
+        with pytest.raises(
+            ValueError,
+            match=rf"^--resume_from_checkpoint {re.escape(value)}: {re.escape(str(folder))} was written by 2 "
+            r"processes, this launch has 4\..*accelerate launch --num_processes 2.*another --output_dir",
+        ):
+            checkpoints.resolve_resume(value, str(tmp_path), world_size=4)
+    assert checkpoints.resolve_resume("auto", str(tmp_path), world_size=2) == str(folder)
+    unmarked = tmp_path / "elsewhere" / "checkpoint-3"  # a checkpoint from another tool: nothing to compare
+    unmarked.mkdir(parents=True)
+    assert checkpoints.resolve_resume(str(unmarked), str(tmp_path), world_size=4) == str(unmarked)
+
+
+def _names(output_dir: Path) -> list[str]:
+    return sorted((p.name for p in output_dir.glob("checkpoint-*")), key=lambda n: int(n.split("-")[1]))
+
+
+def test_rotation_keeps_the_newest_complete_checkpoints(tmp_path):
+    """What --save_total_limit keeps, counted in complete checkpoints: a folder a kill cut short is
+    no checkpoint to keep, and folders past the step just saved belong to another run's future."""
+    for step, complete in ((2, True), (3, False), (4, True), (6, True), (8, False), (10, True)):
+        _checkpoint(tmp_path, step, complete=complete)
+    checkpoints.rotate_checkpoints(str(tmp_path), save_total_limit=2, saved_step=6)
+    assert _names(tmp_path) == ["checkpoint-4", "checkpoint-6", "checkpoint-8", "checkpoint-10"]
+    checkpoints.rotate_checkpoints(str(tmp_path), save_total_limit=None, saved_step=10)  # no limit
+    assert _names(tmp_path) == ["checkpoint-4", "checkpoint-6", "checkpoint-8", "checkpoint-10"]
+    best = str(tmp_path / "checkpoint-4")  # load_best_model_at_end keeps the best one too
+    checkpoints.rotate_checkpoints(str(tmp_path), save_total_limit=1, saved_step=10, best=best)
+    assert _names(tmp_path) == ["checkpoint-4", "checkpoint-10"]
+
+
+def test_the_trainer_leaves_rotation_to_the_recipe(tmp_path):
+    """transformers would rotate inside its save, before the new checkpoint is marked complete."""
+    training_args = parse("--save_total_limit", "3", "--output_dir", str(tmp_path / "out"))[1]
+    assert checkpoints.take_over_rotation(training_args) == 3
+    assert training_args.save_total_limit is None
 
 
 def test_resume_from_a_missing_folder_is_refused_before_anything_is_built(tmp_path):
@@ -285,3 +388,54 @@ def test_warm_up_steps_with_a_model_path_get_one_warning(tmp_path):
         grpo.prepare(*args)
     assert len([w for w in record if "sft_warmup_steps" in str(w.message)]) == 1
     assert not (tmp_path / "out").exists()
+
+
+# -- the accuracy reward: a decimal is not the integer after its point, a minus sign binds to its
+# number only, and thousands separators (GSM8K writes `1,000`) group digits rather than split them.
+
+
+@pytest.mark.parametrize(
+    ("text", "number"),
+    [
+        ("2.5", Fraction(5, 2)),
+        ("so it is 0.30.", Fraction(3, 10)),
+        ("The answer is 72.", 72),
+        ("-12", -12),
+        ("x = (-4)", -4),
+        ("10-3", 3),  # a minus between two numbers is an operator, not the sign of the last
+        ("1,000", 1000),
+        ("$1,234,567.25", Fraction(123456725, 100)),
+        ("12,34", 34),  # not a thousands grouping: two numbers
+        ("1,2345", 2345),
+        ("He has 3 + 4 = 7 apples.\n#### 7", 7),
+        ("no number", None),
+        ("", None),
+    ],
+)
+def test_last_number_reads_decimals_signs_and_thousands_separators(text, number):
+    assert embedded.last_number(text) == number
+
+
+@pytest.mark.parametrize(
+    ("completion", "answer", "reward"),
+    [
+        ("2.5", "5", 0.0),  # the integer after the point is not the answer
+        ("5.0", "5", 1.0),  # equal as numbers
+        ("0.5", "#### 0.50", 1.0),
+        ("12", "12.5", 0.0),
+        ("-7", "#### -7", 1.0),
+        ("7", "#### -7", 0.0),
+        ("1,000", "so 10 x 100 = 1000\n#### 1000", 1.0),
+        ("$1,234.50", "#### 1,234.5", 1.0),
+        ("1,234.50", "#### 50", 0.0),
+        ("x", "5", 0.0),
+        ("5", "no number here", 0.0),
+    ],
+)
+def test_accuracy_reward_compares_numbers(completion, answer, reward):
+    assert embedded.accuracy_reward([completion], [answer]) == [reward]
+
+
+def test_accuracy_reward_reads_conversational_completions():
+    completion = [{"role": "assistant", "content": "It costs 2,500."}]
+    assert embedded.accuracy_reward([completion, completion], ["#### 2500", "#### 25"]) == [1.0, 0.0]

@@ -4,7 +4,8 @@ auto`, one rank killed with SIGKILL, ends with the weights of a run nobody inter
 The kill comes from outside the script (`recipe_killer/sitecustomize.py`): mid-step, inside a
 gradient reduce-scatter, or while the rank writes its part of a checkpoint (the folder then has
 the main process's trainer_state.json but not this rank's RNG state, and must not be resumed
-from). FSDP2, 2 gloo ranks on CPU, a saved tiny Qwen2 and a local GSM8K-shaped dataset.
+from), or, with --save_total_limit, the moment the main process has deleted an old checkpoint.
+FSDP2, 2 gloo ranks on CPU, a saved tiny Qwen2 and a local GSM8K-shaped dataset.
 """
 
 from __future__ import annotations
@@ -39,12 +40,14 @@ def inputs(tmp_path_factory) -> dict:
     return {"model": recipe_inputs.save_model(tmp / "model"), "folder": recipe_inputs.save_dataset_folder(tmp / "data")}
 
 
-def launch(inputs: dict, out_dir: Path, kill_at: str | None = None) -> subprocess.CompletedProcess:
-    argv = shlex.split(RESTARTING.format(**inputs))[2:] + ["--output_dir", str(out_dir)]
+def launch(
+    inputs: dict, out_dir: Path, kill_at: str | None = None, kill_rank: int = 1, extra: tuple[str, ...] = ()
+) -> subprocess.CompletedProcess:
+    argv = shlex.split(RESTARTING.format(**inputs))[2:] + ["--output_dir", str(out_dir), *extra]
     env = dict(RESTART_ENV)
     if kill_at is not None:
         env |= {
-            "RECIPE_KILL_RANK": "1",
+            "RECIPE_KILL_RANK": str(kill_rank),
             "RECIPE_KILL_AT": kill_at,
             "PYTHONPATH": os.pathsep.join(filter(None, [str(KILLER), os.environ.get("PYTHONPATH")])),
         }
@@ -63,7 +66,7 @@ def uninterrupted(inputs, tmp_path_factory) -> Path:
 
 def assert_restarted_and_equal(proc, out_dir: Path, uninterrupted: Path, resumed_from: int, inputs: dict) -> None:
     output = proc.stdout + proc.stderr
-    assert "exitcode: -9" in output, "rank 1 was not killed"  # the agent's report of the SIGKILL
+    assert "exitcode: -9" in output, "no rank was killed"  # the agent's report of the SIGKILL
     # The first attempt started fresh (auto, nothing saved yet); the restart resumed, once.
     assert output.count("Resuming from") == 1
     assert f"Resuming from {out_dir / f'checkpoint-{resumed_from}'}." in output
@@ -87,3 +90,13 @@ def test_a_checkpoint_cut_short_by_a_kill_is_not_resumed_from(inputs, uninterrup
     out_dir = tmp_path / "output"
     proc = launch(inputs, out_dir, kill_at="save:checkpoint-4/rng_state_1.pth")
     assert_restarted_and_equal(proc, out_dir, uninterrupted, resumed_from=2, inputs=inputs)
+
+
+def test_a_kill_right_after_an_old_checkpoint_is_deleted_resumes_from_the_new_one(inputs, uninterrupted, tmp_path):
+    """With --save_total_limit 1, saving checkpoint-4 deletes checkpoint-2. The main process is
+    killed the moment that deletion returns: checkpoint-4 must already be marked complete, or
+    nothing is left to resume from and the restart silently trains from step 0."""
+    out_dir = tmp_path / "output"
+    proc = launch(inputs, out_dir, kill_at="rmtree:checkpoint-2", kill_rank=0, extra=("--save_total_limit", "1"))
+    assert_restarted_and_equal(proc, out_dir, uninterrupted, resumed_from=4, inputs=inputs)
+    assert sorted(p.name for p in out_dir.glob("checkpoint-*")) == [f"checkpoint-{STEPS}"]  # the limit holds

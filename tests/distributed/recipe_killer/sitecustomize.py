@@ -3,10 +3,11 @@
 A test puts this folder on PYTHONPATH and sets, for the launch:
 
 - RECIPE_KILL_RANK: the global rank to kill;
-- RECIPE_KILL_AT: where, either `reduce_scatter:<n>` (on entering that rank's n-th gradient
-  reduce-scatter, 1-based: mid-step, inside backward) or `save:<path suffix>` (on entering the
+- RECIPE_KILL_AT: where, one of `reduce_scatter:<n>` (on entering that rank's n-th gradient
+  reduce-scatter, 1-based: mid-step, inside backward), `save:<path suffix>` (on entering the
   `torch.save` whose path ends with the suffix, after writing the first bytes of the file: a
-  checkpoint half written).
+  checkpoint half written) or `rmtree:<path suffix>` (on returning from the `shutil.rmtree` of a
+  folder whose path ends with the suffix: an old checkpoint just deleted).
 
 Only the launch's first attempt is killed (TORCHELASTIC_RESTART_COUNT 0), so a restarted group
 runs to the end. Other processes (the launcher, the elastic agent) are untouched.
@@ -57,7 +58,19 @@ if (
             return _save(obj, f, *args, **kwargs)
 
         torch.save = save
+    elif _kind == "rmtree":
+        import shutil
+
+        _rmtree = shutil.rmtree
+
+        def rmtree(path, *args, **kwargs):
+            _rmtree(path, *args, **kwargs)
+            if os.fspath(path).rstrip(os.sep).endswith(_arg):
+                _die()
+
+        shutil.rmtree = rmtree
     else:
         raise ValueError(
-            f"RECIPE_KILL_AT={os.environ['RECIPE_KILL_AT']!r}: use reduce_scatter:<n> or save:<path suffix>."
+            f"RECIPE_KILL_AT={os.environ['RECIPE_KILL_AT']!r}: use reduce_scatter:<n>, save:<path suffix> or "
+            "rmtree:<path suffix>."
         )
