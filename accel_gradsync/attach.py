@@ -4,7 +4,9 @@ Everything that can be refused is refused here, before any training step: a targ
 neither, fewer than one micro-batch per optimizer step, a second attach, an accelerate config
 that would train unsharded or sync every micro-batch anyway, a `reduce_dtype` that comes after
 the model was wrapped. `reduce_dtype` is written into the FSDP plugin's `mixed_precision_policy`
-field (the public dataclass field accelerate builds `fully_shard` from) before prepare. The
+field (the public dataclass field accelerate builds `fully_shard` from) before prepare; so is fp32
+for `auto` and `budget` under bf16 mixed precision when `reduce_dtype` is `auto`
+(config.FP32_HELD_MODES). The
 handle then binds each prepared model (bind.py) and the accelerator's subclass
 (accelerator_hook.py) routes every micro-batch to the window (window.py).
 """
@@ -20,7 +22,7 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
 from .accelerator_hook import is_hooked
-from .config import DTYPES, GradSyncConfig, SyncMode
+from .config import DTYPES, GradSyncConfig, SyncMode, dtype_name, reduce_dtype_for
 from .cpu import fsdp_requested
 from .errors import GradSyncWarning
 from .handle import GradSyncHandle
@@ -82,7 +84,7 @@ def attach(
         warnings.warn(f"accel_gradsync: {reason}; attach() does nothing.", GradSyncWarning, stacklevel=2)
         return handle
     models = list(getattr(accelerator, "_models", [])) if trainer is None else []
-    _apply_reduce_dtype(accelerator, config, already_prepared=bool(models))
+    _apply_reduce_dtype(accelerator, config, handle.policy.name, already_prepared=bool(models))
     handle._connect(models)
     return handle
 
@@ -142,26 +144,56 @@ def _check_accelerate_config(accelerator: Accelerator, policy: SyncPolicy) -> No
         )
 
 
-def _apply_reduce_dtype(accelerator: Accelerator, config: GradSyncConfig, already_prepared: bool) -> None:
-    if config.reduce_dtype == "auto":
-        return
+def _apply_reduce_dtype(accelerator: Accelerator, config: GradSyncConfig, mode: str, already_prepared: bool) -> None:
+    """Write the reduce dtype of `mode` into the FSDP plugin's policy (`reduce_dtype_policy`). One
+    the mode chose itself (fp32 for auto and budget) is said in one line; after prepare it cannot
+    be set, and the plan's warning (decision.warn_about_plan) says what bf16 sums cost."""
+    chosen = config.resolved().reduce_dtype
     plugin = getattr(accelerator.state, "fsdp_plugin", None)
     if plugin is None:
-        warnings.warn(
-            f"accel_gradsync: reduce_dtype={config.reduce_dtype!r} is ignored: it sets the FSDP "
-            "mixed-precision policy and this run does not use FSDP.",
-            GradSyncWarning,
-            stacklevel=3,
-        )
+        if chosen != "auto":
+            warnings.warn(
+                f"accel_gradsync: reduce_dtype={chosen!r} is ignored: it sets the FSDP "
+                "mixed-precision policy and this run does not use FSDP.",
+                GradSyncWarning,
+                stacklevel=3,
+            )
+        return
+    policy = reduce_dtype_policy(plugin, chosen, mode)
+    if policy is None:
         return
     if already_prepared:
+        if chosen == "auto":
+            return
         raise ValueError(
-            f"GradSyncConfig.reduce_dtype={config.reduce_dtype!r} must reach FSDP before the model "
+            f"GradSyncConfig.reduce_dtype={chosen!r} must reach FSDP before the model "
             "is wrapped: call accel_gradsync.attach(accelerator, config) before accelerator.prepare(...)."
         )
+    plugin.mixed_precision_policy = policy
+    if chosen == "auto":
+        low = dtype_name(policy.param_dtype)
+        if plugin.fsdp_version == 2:
+            effect = f"held gradients are summed in fp32 as per-micro-batch sync sums them, not in {low}"
+            keep = f"reduce_dtype=bf16 holds half the bytes, summed in {low}"
+        else:  # FSDP1's no_sync() holds the compute dtype whatever the reduce dtype
+            effect = f"each micro-batch is reduced and summed in fp32; {mode} does not defer (FSDP1 sums in {low})"
+            keep = f"reduce_dtype=bf16 lets {mode} defer, summed in {low}"
+        accelerator.print(f"grad sync: reduce_dtype set to fp32 for sync mode {mode} ({low} compute): {effect}; {keep}")
+
+
+def reduce_dtype_policy(plugin: Any, reduce_dtype: str, mode: str) -> Any:
+    """The FSDP mixed-precision policy accelerate's `plugin` is to wrap with in sync mode `mode`:
+    its own with `reduce_dtype` written in, or fp32 where `reduce_dtype` is `auto`, the mode is
+    `auto` or `budget` (`config.reduce_dtype_for`) and the policy computes in less than fp32 (it
+    is there that per-micro-batch sync sums in the fp32 params and a bf16 hold would not). None
+    where the policy stays as it is. The estimate builds its plugin with it too."""
     from torch.distributed.fsdp import MixedPrecision, MixedPrecisionPolicy
 
     policy = plugin.mixed_precision_policy
+    dtype = reduce_dtype_for(mode, reduce_dtype)
+    compute = getattr(policy, "param_dtype", None)
+    if dtype == "auto" or reduce_dtype == "auto" and (compute is None or compute.itemsize >= DTYPES[dtype].itemsize):
+        return None
     if policy is None:
         policy = MixedPrecisionPolicy() if plugin.fsdp_version == 2 else MixedPrecision()
-    plugin.mixed_precision_policy = dataclasses.replace(policy, reduce_dtype=DTYPES[config.resolved().reduce_dtype])
+    return dataclasses.replace(policy, reduce_dtype=DTYPES[dtype])

@@ -42,6 +42,19 @@ SYNC_MODES = tuple(m.value for m in SyncMode)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 """The dtype names settings and tables use, and the torch dtypes they stand for."""
 REDUCE_DTYPES = ("auto", "fp32", "bf16")
+FP32_HELD_MODES = (SyncMode.AUTO.value, SyncMode.BUDGET.value)
+"""The sync modes whose `reduce_dtype` `auto` means fp32. FSDP2 holds deferred gradients in the
+reduce dtype, so with a bf16 reduce M micro-batches are summed in bf16, where per-micro-batch
+sync sums each one's reduced shard in fp32 (measured in docs/modes.md). These modes choose what to
+hold themselves, so they hold in fp32 unless `reduce_dtype` says bf16; the others keep
+accelerate's choice, the param dtype."""
+
+
+def reduce_dtype_for(sync_mode: str, reduce_dtype: str) -> str:
+    """The reduce dtype a sync mode asks for: `reduce_dtype` itself, except that `auto` is fp32
+    in `FP32_HELD_MODES` (else `auto`: accelerate's choice stays). `attach.reduce_dtype_policy`
+    writes fp32 only where the model computes in less (bf16 mixed precision)."""
+    return "fp32" if reduce_dtype == "auto" and sync_mode in FP32_HELD_MODES else reduce_dtype
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -213,8 +226,11 @@ class GradSyncConfig:
     reduce_dtype: str | None = _flag(
         "reduce_dtype",
         "dtype gradients are reduced in, set on the FSDP mixed-precision policy before the model is "
-        "prepared: auto keeps accelerate's choice (the param dtype), fp32 or bf16. FSDP2 holds "
-        "deferred gradients in this dtype when it differs from the param dtype (fp32: 4 bytes/param).",
+        "prepared: fp32, bf16, or auto: fp32 in sync modes auto and budget under bf16 mixed "
+        "precision, else accelerate's choice (the param dtype). FSDP2 holds deferred gradients in "
+        "this dtype, so it is also the dtype micro-batches are summed in: bf16 sums differ from "
+        "per-micro-batch sync's fp32 ones (docs/modes.md), fp32 holds 4 bytes/param. bf16 keeps auto "
+        "and budget in bf16.",
         choices=REDUCE_DTYPES,
     )
     gather_for_generation: Boolean | None = _flag(

@@ -11,9 +11,10 @@ a process that already has one is refused.
 
 What is still written out here, because accelerate has no function for it: reading the
 accelerate config file into the plugin's settings (`accelerate launch` does it through
-environment variables, `FSDPSetup` / `accelerate_plugin`), and writing
-`GradSyncConfig.reduce_dtype` into the plugin's mixed-precision policy (what `attach` does to a
-live Accelerator's plugin).
+environment variables, `FSDPSetup` / `accelerate_plugin`). The reduce dtype is written into the
+plugin's mixed-precision policy by `attach.reduce_dtype_policy`, as `attach` writes it into a live
+Accelerator's plugin: per mode, since `auto` and `budget` hold fp32 where the others keep
+accelerate's bf16.
 
 Formulas, for what a run counts rather than plans (N shard ranks, R replicas on an HSDP mesh,
 M micro-batches, per unit u):
@@ -44,7 +45,7 @@ import torch
 import yaml
 from torch import nn
 
-from .config import DTYPES, GradSyncConfig, SyncMode, dtype_name
+from .config import GradSyncConfig, SyncMode, dtype_name, reduce_dtype_for
 from .fake_shard import fake_world, shard_like_accelerate, shard_like_transformers
 from .fsdp import ModelAdapter, adapt_model
 from .policies import (
@@ -289,12 +290,14 @@ def build_meta_model(config: Any, dtype: torch.dtype = torch.float32) -> nn.Modu
 
 
 # -- units, as accelerate wraps them ---------------------------------------------------------------
-def accelerate_plugin(setup: FSDPSetup, config: GradSyncConfig, model: nn.Module) -> Any:
+def accelerate_plugin(setup: FSDPSetup, config: GradSyncConfig, model: nn.Module, mode: str | None = None) -> Any:
     """accelerate's `FullyShardedDataParallelPlugin` as a launch with `setup` builds it: its wrap
-    policy resolved on `model`, the mixed precision set as `AcceleratorState` sets it, and
-    `GradSyncConfig.reduce_dtype` written into it as `attach` does before `prepare`."""
+    policy resolved on `model`, the mixed precision set as `AcceleratorState` sets it, and the
+    reduce dtype of sync mode `mode` (default: the config's) written into it as `attach` does
+    before `prepare` (`config.reduce_dtype_for`: fp32 for auto and budget when `auto`)."""
     from accelerate.utils import FullyShardedDataParallelPlugin
-    from torch.distributed.fsdp import MixedPrecision, MixedPrecisionPolicy
+
+    from .attach import reduce_dtype_policy  # what attach writes, written the same way
 
     fsdp1 = setup.fsdp_version == 1
     # A launch hands FSDP1's strategy over in FSDP_SHARDING_STRATEGY, without the deprecation
@@ -330,17 +333,19 @@ def accelerate_plugin(setup: FSDPSetup, config: GradSyncConfig, model: nn.Module
         ) from None
     if setup.mixed_precision != "no":
         plugin.set_mixed_precision(setup.mixed_precision)
-    reduce_dtype = config.resolved().reduce_dtype
-    if reduce_dtype != "auto":
-        policy = plugin.mixed_precision_policy or (MixedPrecision() if fsdp1 else MixedPrecisionPolicy())
-        plugin.mixed_precision_policy = dataclasses.replace(policy, reduce_dtype=DTYPES[reduce_dtype])
+    policy = reduce_dtype_policy(plugin, config.resolved().reduce_dtype, mode or config.mode)
+    if policy is not None:
+        plugin.mixed_precision_policy = policy
     return plugin
 
 
-def estimated_adapter(model: nn.Module, setup: FSDPSetup, config: GradSyncConfig) -> ModelAdapter:
+def estimated_adapter(
+    model: nn.Module, setup: FSDPSetup, config: GradSyncConfig, mode: str | None = None
+) -> ModelAdapter:
     """The adapter a launched run reads its units from (`fsdp.adapt_model`, the same code), over
-    `model` (meta device) sharded as accelerate would shard it for `setup`, in a fake process
-    group of `setup.num_processes` ranks (fake_shard.py). `model` is wrapped in place."""
+    `model` (meta device) sharded as accelerate would shard it for `setup` and sync mode `mode`
+    (default: the config's; it decides the reduce dtype), in a fake process group of
+    `setup.num_processes` ranks (fake_shard.py). `model` is wrapped in place."""
     if setup.distributed_config:
         if config.resolved().reduce_dtype != "auto":
             raise ValueError(
@@ -354,7 +359,7 @@ def estimated_adapter(model: nn.Module, setup: FSDPSetup, config: GradSyncConfig
             return adapter
     if setup.hsdp and setup.fsdp_version != 2:
         raise ValueError("parallelism_config dp_replicate_size > 1 needs fsdp_version: 2 in the accelerate config.")
-    plugin = accelerate_plugin(setup, config, model)
+    plugin = accelerate_plugin(setup, config, model, mode)
     name, fix = type(model).__name__, _wrap_fix(model, setup)  # before fully_shard renames the classes
     with fake_world(setup.num_processes):
         try:
@@ -417,6 +422,10 @@ class ModeEstimate:
     held_bytes: int = 0
     """Gradient bytes held per rank between micro-batches."""
     held_dtype: str = ""
+    """The dtype held gradients are summed in over the micro-batches (FSDP2: the reduce dtype)."""
+    held_bytes_compute_dtype: int = 0
+    """The same gradients in the compute dtype where they are held wider (fp32 over bf16 compute:
+    what `reduce_dtype=bf16` would hold); 0 where they are held in the compute dtype already."""
     held_param_bytes: int = 0
     """Unsharded parameter bytes the windowed units keep per rank through the window."""
     sharded_bytes: int = 0
@@ -450,6 +459,8 @@ class Estimate:
     free_memory: int | None = None
     sharded_by: str = "accelerate"
     """Who wraps the model: "accelerate" (at prepare) or "transformers" (at load, `DistributedConfig`)."""
+    compute_dtype: str = ""
+    """The dtype forward and backward run in (the mixed-precision param dtype, else the model's)."""
     modes: list[ModeEstimate] = field(default_factory=list)
 
     def to_dict(self) -> dict:
@@ -483,6 +494,14 @@ def sharded_grad_bytes(plan: Plan, adapter: ModelAdapter) -> int:
     held = {id(u) for u in plan.held}
     size = sharded_dtype(adapter).itemsize
     return sum(u.sharded_numel * size for u in adapter.units if id(u) not in held)
+
+
+def held_bytes_in_compute_dtype(plan: Plan) -> int:
+    """The held gradients' bytes in the compute dtype, where the plan holds them in a wider reduce
+    dtype (fp32 over bf16: the bf16 bytes `reduce_dtype=bf16` holds); 0 where it holds them so."""
+    if plan.held_sync == ALL_REDUCE or not any(u.held_dtype.itemsize > u.compute_dtype.itemsize for u in plan.held):
+        return 0
+    return sum(u.numel * u.compute_dtype.itemsize for u in plan.held)
 
 
 def peak_grad_bytes(plan: Plan, adapter: ModelAdapter) -> int:
@@ -556,8 +575,20 @@ def estimate(
     else:
         assert accelerate_config is not None  # one of the two, checked above
         setup = read_accelerate_config(accelerate_config, num_processes, mixed_precision)
-    model = build_meta_model(load_model_config(model_spec), model_dtype)
-    adapter = estimated_adapter(model, setup, config)
+    model_config = load_model_config(model_spec)
+    adapter = estimated_adapter(build_meta_model(model_config, model_dtype), setup, config)
+    chosen = config.resolved().reduce_dtype
+    # Units by the reduce dtype attach writes: auto and budget hold fp32 where the others keep
+    # accelerate's (config.reduce_dtype_for); nothing reaches a model transformers shards.
+    same = setup.distributed_config or setup.mixed_precision == "no"  # nothing, or nothing to widen
+    adapters = {chosen if same else reduce_dtype_for(config.mode, chosen): adapter}
+
+    def adapter_for(mode: str) -> ModelAdapter:
+        dtype = chosen if same else reduce_dtype_for(mode, chosen)
+        if dtype not in adapters:
+            adapters[dtype] = estimated_adapter(build_meta_model(model_config, model_dtype), setup, config, mode)
+        return adapters[dtype]
+
     free = config.free_memory_bytes
     result = Estimate(
         model=model_spec if isinstance(model_spec, str) else str(model_spec.get("model_type")),
@@ -572,6 +603,7 @@ def estimate(
         units=[{"name": u.name or "<root>", "numel": u.numel} for u in adapter.units],
         free_memory=free,
         sharded_by="transformers" if setup.distributed_config else "accelerate",
+        compute_dtype=dtype_name(adapter.units[0].compute_dtype),  # every unit computes in it
     )
     rows: list[tuple[str, type[SyncPolicy]]] = [*POLICIES.items(), (WINDOW_ROW, DeferredSync)]
     for name, policy_cls in rows:
@@ -580,6 +612,7 @@ def estimate(
         try:
             # The deferred rows show deferral without and with the window, whatever the config says.
             window = {SyncMode.DEFERRED: False, WINDOW_ROW: True}.get(name)
+            adapter = adapter_for(policy_cls.name)
             plan = _plan(policy_cls, config, adapter, free, micro_batches, window).over(micro_batches)
             if setup.num_processes == 1:
                 plan = Plan(policy_cls.name, reason=ONE_PROCESS)
@@ -597,6 +630,7 @@ def estimate(
         row.held_bytes = plan.held_grad_bytes()
         row.held_param_bytes = plan.held_param_bytes()
         row.held_dtype = dtype_name(plan.held[0].held_dtype) if plan.held else ""
+        row.held_bytes_compute_dtype = held_bytes_in_compute_dtype(plan)
         if plan.held_sync == ALL_REDUCE:
             row.held_dtype += " (sharded)"
         row.sharded_bytes = sharded_grad_bytes(plan, adapter)
@@ -644,6 +678,31 @@ def _plan_label(plan: Plan) -> str:
 
 
 # -- output ----------------------------------------------------------------------------------------
+def _held_dtype_notes(est: Estimate) -> list[str]:
+    """What the held dtype means, where the model computes in less than fp32: the dtype the held
+    gradients of the micro-batches are summed in, beside per_micro_batch's fp32 sums."""
+    if est.compute_dtype in ("", "fp32"):
+        return []
+    low = est.compute_dtype
+    lines = [
+        f"held dtype: what held gradients are summed in over the {est.micro_batches} micro-batches. fp32 sums "
+        f"as per_micro_batch does (it sums reduced shards in the fp32 params); {low} sums round more, so "
+        "the gradients differ (measured in docs/modes.md)."
+    ]
+    if est.wrapper == "fsdp2":
+        lines.append(
+            f"auto and budget hold fp32 where the model computes in {low} (reduce_dtype auto; in brackets the "
+            f"{low} bytes reduce_dtype=bf16 holds instead); the other modes keep accelerate's reduce dtype unless "
+            "reduce_dtype is fp32."
+        )
+    else:
+        lines.append(
+            f"{est.wrapper}'s no_sync() holds the compute dtype whatever the reduce dtype: auto defers only with "
+            "reduce_dtype=bf16; FSDP2 with reduce_dtype fp32 holds fp32."
+        )
+    return lines
+
+
 def _processes(est: Estimate, mesh: str) -> str:
     if est.num_processes == 1:
         return "1 process (nothing to sync between ranks: attach does nothing, every mode runs the same)"
@@ -693,7 +752,12 @@ def format_table(est: Estimate) -> str:
                 str(m.reduce_scatters),
                 str(m.all_reduces) if est.replicate_size > 1 else "-",
                 format_bytes(m.send_bytes),
-                format_bytes(m.held_bytes),
+                format_bytes(m.held_bytes)
+                + (
+                    f" ({est.compute_dtype}: {format_bytes(m.held_bytes_compute_dtype)})"
+                    if m.held_bytes_compute_dtype
+                    else ""
+                ),
                 m.held_dtype or "-",
                 format_bytes(m.held_param_bytes),
                 format_bytes(m.sharded_bytes),
@@ -708,5 +772,5 @@ def format_table(est: Estimate) -> str:
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     for r in [header, *rows]:
         lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
-    lines += ["", "* the mode GradSyncConfig selects", *notes]
+    lines += ["", "* the mode GradSyncConfig selects", *notes, *_held_dtype_notes(est)]
     return "\n".join(lines)

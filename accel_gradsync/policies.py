@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from .config import GradSyncConfig, SyncMode, parse_bytes
+from .config import GradSyncConfig, SyncMode, dtype_name, parse_bytes
 from .fsdp import ModelAdapter, Unit
 from .units import Level, no_grad_forward_all_gathers, step_all_gathers
 
@@ -351,6 +351,12 @@ class AutoSync(SyncPolicy):
             f"{format_bytes(full.held_bytes())}/rank, {format_bytes(usable)} usable of {format_bytes(free)} free "
             f"(margin {self.config.memory_margin:g}); the plan holds {format_bytes(choice.held_bytes())}"
         )
+        if narrower_than_reduce(adapter):
+            unit = next(u for u in adapter.units if not u.frozen)
+            reason += (
+                f"; {adapter.kind} would hold deferred gradients in {dtype_name(unit.held_dtype)}, below the "
+                f"{dtype_name(unit.reduce_dtype)} reduce dtype, so auto does not defer (reduce_dtype=bf16 lets it)"
+            )
         return replace(choice, reason=reason)
 
 
@@ -359,7 +365,8 @@ def plan_within(adapter: ModelAdapter, usable: int, micro_batches: int, generati
     (`generation_bytes`, held while generating, included). FSDP2: the levels `choose_levels`
     picks; on an HSDP mesh where not every unit fits that way, full deferral without windows if it
     fits, else only the all-reduce deferred. FSDP1/DDP: full deferral if it fits, else per
-    micro-batch."""
+    micro-batch; per micro-batch too where their `no_sync()` would hold gradients in a narrower
+    dtype than they are reduced in (`narrower_than_reduce`)."""
     g = generation_bytes
     full = Plan(SyncMode.AUTO, [u for u in adapter.units if not u.frozen], generation_bytes=g)
     if adapter.kind == "fsdp2":
@@ -369,11 +376,21 @@ def plan_within(adapter: ModelAdapter, usable: int, micro_batches: int, generati
             # whole sync, without windows, where that fits) beats holding only some units.
             all_reduce = Plan(SyncMode.AUTO, list(full.held), held_sync=ALL_REDUCE, generation_bytes=g)
             choice = full if full.held_bytes() + g <= usable else all_reduce
+    elif narrower_than_reduce(adapter):
+        choice = Plan(SyncMode.AUTO, generation_bytes=g)  # deferral would sum below the reduce dtype
     else:
         choice = full if full.held_bytes() + g <= usable else Plan(SyncMode.AUTO, generation_bytes=g)
     if choice.held_grad_bytes() + max(choice.held_param_bytes(), g) > usable:
         choice = Plan(SyncMode.AUTO, generation_bytes=g)
     return replace(choice, mode=mode_of(choice, adapter.units))
+
+
+def narrower_than_reduce(adapter: ModelAdapter) -> bool:
+    """True where deferring would sum gradients in a narrower dtype than per-micro-batch sync
+    does: FSDP1's `no_sync()` keeps them in the compute dtype (bf16) whatever the reduce dtype,
+    while syncing reduces each micro-batch in the reduce dtype (fp32) and sums the shards in fp32.
+    FSDP2 holds in the reduce dtype itself, so this is never true there."""
+    return any(u.held_dtype.itemsize < u.reduce_dtype.itemsize for u in adapter.units if not u.frozen)
 
 
 def generation_bytes_of(adapter: ModelAdapter, config: Any) -> int:
