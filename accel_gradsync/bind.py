@@ -47,7 +47,9 @@ class Binder:
         state, root = self.state, root_of(model)
         adapter = adapt_model(model)
         expects_fsdp = state.accelerator.distributed_type == DistributedType.FSDP
-        if expects_fsdp and (adapter is None or adapter.kind == "ddp"):
+        # accelerate's FSDP shards the model it prepares at its root: an FSDP2 root found inside
+        # it means the model around it is not sharded.
+        if expects_fsdp and (adapter is None or adapter.kind == "ddp" or adapter.model is not root):
             raise ValueError(
                 f"The accelerate config asks for FSDP but the prepared model ({type(model).__name__}) is "
                 f"{'only partly FSDP-wrapped' if is_fsdp_wrapped(model) else 'not FSDP-wrapped'}: it "

@@ -66,7 +66,9 @@ class GradSyncHandle:
             `dict`: `micro_batches` (and `deferred_micro_batches`), `optimizer_steps`,
             `reduce_scatters_issued` / `_skipped` and `all_reduces_issued` / `_skipped` (unit
             syncs), `all_gathers` (training) and `generation_all_gathers` (forwards without
-            gradients), `bytes_reduced`, `peak_held_grad_bytes`, the plan's `mode` and each
+            gradients), `replicated_all_reduces` (those transformers' Trainer issues itself for
+            an adapter added after load-time sharding), `bytes_reduced`, `peak_held_grad_bytes`,
+            the plan's `mode` and each
             unit's level (`unit_modes`, `units_<level>`), under `auto` its `measured_peaks` and
             `plan_changes`; the same counts for the last finished optimizer step under
             `last_step/`; with several models, each one's under `models`.

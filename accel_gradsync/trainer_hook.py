@@ -27,6 +27,25 @@ def sharded_by_transformers(trainer: Any) -> bool:
     return bool(getattr(trainer, "is_distributed_loading_by_transformers", False))
 
 
+def watch_replicated_all_reduces(trainer: Any, params: list, record: Callable[[], None]) -> list:
+    """Count the all-reduces transformers' Trainer issues itself for `params`, trainable
+    parameters FSDP2 does not manage (an adapter added after load-time sharding): its
+    `_sync_replicated_trainable_parameters` gives each a post-accumulate-grad hook that averages
+    the gradient over all ranks when the accelerator syncs gradients (the window's last backward).
+    One hook of the same kind per parameter calls `record` on the same condition; returns the
+    handles."""
+    import torch.distributed as dist
+
+    if not (sharded_by_transformers(trainer) and dist.is_initialized() and dist.get_world_size() > 1):
+        return []  # transformers issues none
+
+    def count(_param: Any) -> None:
+        if trainer.accelerator.sync_gradients:
+            record()
+
+    return [p.register_post_accumulate_grad_hook(count) for p in params]
+
+
 def hook_trainer(trainer: Any, no_sync: Callable) -> type:
     """Give `trainer` a subclass of its class whose `_defer_fsdp_gradient_reduction()` enters
     `no_sync(model, transformers_deferral)`. Returns the original class. Raises `ValueError` when

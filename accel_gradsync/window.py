@@ -28,6 +28,7 @@ from .decision import describe_decision
 from .fsdp import ModelAdapter
 from .policies import Plan
 from .state import Attachment, BoundModel, root_of
+from .trainer_hook import watch_replicated_all_reduces
 from .units import Unit
 
 
@@ -59,8 +60,13 @@ class Window:
         self._holds: dict[nn.Module, _Hold] = {}  # by model: the window's flags, until its last forward
 
     def watch(self, root: nn.Module) -> list[torch.utils.hooks.RemovableHandle]:
-        """Count `root`'s micro-batches from its forward (hooks inside DDP's wrapper)."""
-        return [root.register_forward_pre_hook(self.on_forward), root.register_forward_hook(self.after_forward)]
+        """Count `root`'s micro-batches from its forward (hooks inside DDP's wrapper), and the
+        all-reduces transformers' Trainer issues itself for parameters outside the units."""
+        bound = self.state.bound[root]
+        handles = [root.register_forward_pre_hook(self.on_forward), root.register_forward_hook(self.after_forward)]
+        trainer, replicated = self.state.trainer, bound.adapter.replicated
+        handles.extend(watch_replicated_all_reduces(trainer, replicated, bound.account.record_replicated_all_reduce))
+        return handles
 
     @contextlib.contextmanager
     def no_sync(self, model: nn.Module, accelerate_no_sync: Callable) -> Iterator[None]:

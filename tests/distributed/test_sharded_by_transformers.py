@@ -68,6 +68,19 @@ GRPO_RUNS = [
 ]
 
 
+# A LoRA adapter added after transformers sharded the model: the FSDP2 units hold the frozen base
+# weights, the adapter's weights are plain tensors transformers' Trainer all-reduces itself.
+LORA_RUNS = [
+    {"name": "per_micro_batch", "entry": "trainer", "config": {}, "lora": True},
+    {"name": "window", "entry": "trainer", "config": {"defer": True, "keep_params_unsharded": True}, "lora": True},
+]
+
+
+@pytest.fixture(scope="module")
+def lora(model_dir):
+    return launch("sharded_by_transformers", ["--model", model_dir, "--runs", json.dumps(LORA_RUNS)])
+
+
 @pytest.fixture(scope="module")
 def grpo(recipe_model_dir):
     return launch("sharded_by_transformers", ["--model", recipe_model_dir, "--runs", json.dumps(GRPO_RUNS)])
@@ -203,6 +216,25 @@ def test_the_estimate_plans_what_the_run_did(model_dir, mesh, runs, request):
         assert row.all_reduces * STEPS == run["counts"].get("all_reduce", 0), name
         assert row.all_gathers * STEPS == run["counts"]["all_gather_single"], name
     assert len(est.units) == ranks[0]["runs"]["per_micro_batch"]["stats"]["units"]
+
+
+def test_a_peft_adapter_added_after_load_time_sharding_is_governed_and_counted(lora):
+    """PEFT's wrapper is no FSDP module: the plugin finds the FSDP2 root inside it, so the window
+    keeps the frozen units' params through each window, and counts the all-reduces transformers'
+    Trainer issues for the adapter's weights (one per tensor per optimizer step) as they ran."""
+    for rank in lora:
+        runs = rank["runs"]
+        for name, run in runs.items():
+            stats, counts = run["stats"], run["counts"]
+            assert not [w for w in run["warnings"] if "not wrapped" in w], run["warnings"]
+            assert run["hooked_as"] == "GradSyncTrainer" and stats["wrapper"] == "fsdp2", name
+            assert stats["units"] > 0 and stats["optimizer_steps"] == STEPS, stats
+            assert stats["units_frozen"] + stats["units_windowed"] == stats["units"], stats  # only the adapter trains
+            assert counts["all_reduce"] == stats["replicated_all_reduces"] == run["trainable_tensors"] * STEPS, name
+            assert stats["last_step/replicated_all_reduces"] == run["trainable_tensors"], stats
+        assert runs["window"]["stats"]["units_windowed"] == runs["window"]["stats"]["units"]
+        assert runs["window"]["counts"]["all_gather_single"] < runs["per_micro_batch"]["counts"]["all_gather_single"]
+        assert runs["window"]["losses"] == pytest.approx(runs["per_micro_batch"]["losses"], abs=1e-5)
 
 
 def test_a_trl_trainer_is_governed_too(grpo):

@@ -26,7 +26,7 @@ args = parse_args(
     [
         (("--model",), {"required": True}),
         (("--replicate",), {"type": int, "default": 1}),
-        # [{"name": ..., "entry": "trainer" | "grpo" | "loop", "config": GradSyncConfig kwargs}, ...]
+        # [{"name": ..., "entry": "trainer" | "grpo" | "loop", "config": GradSyncConfig kwargs, "lora": bool}, ...]
         (("--runs",), {"type": json.loads, "required": True}),
     ]
 )
@@ -45,18 +45,26 @@ class Tokens(torch.utils.data.Dataset):
         return {"input_ids": ids, "labels": ids}
 
 
-def load_model():
+def load_model(lora: bool = False):
+    """The model transformers shards at load time; with `lora`, a PEFT LoRA adapter added after that
+    sharding (its weights plain tensors beside the FSDP2 units, which transformers' Trainer
+    broadcasts and all-reduces itself)."""
     config = DistributedConfig(fsdp_size=world // args.replicate, dp_replicate_size=args.replicate)
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_pretrained(args.model, distributed_config=config)
+    model = AutoModelForCausalLM.from_pretrained(args.model, distributed_config=config)
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    return model
 
 
 def full_weights(model) -> dict:
-    return {n: p.full_tensor().tolist() for n, p in model.named_parameters()}
+    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).tolist() for n, p in model.named_parameters()}
 
 
-def train_with_trainer(config: accel_gradsync.GradSyncConfig, out_dir: str):
-    model = load_model()
+def train_with_trainer(config: accel_gradsync.GradSyncConfig, out_dir: str, lora: bool = False):
+    model = load_model(lora)
     training = TrainingArguments(
         output_dir=out_dir,
         per_device_train_batch_size=BATCH,
@@ -144,7 +152,8 @@ for run in args.runs:
         config = accel_gradsync.GradSyncConfig(**run["config"])
         try:
             if run["entry"] == "trainer":
-                model, handle, losses, hooked_as = train_with_trainer(config, f"/tmp/sharded-{os.getpid()}")
+                out_dir = f"/tmp/sharded-{os.getpid()}"
+                model, handle, losses, hooked_as = train_with_trainer(config, out_dir, run.get("lora", False))
             elif run["entry"] == "grpo":
                 model, handle, losses, hooked_as = train_with_grpo(config, f"/tmp/sharded-{os.getpid()}")
             else:
@@ -162,6 +171,7 @@ for run in args.runs:
         "losses": losses,
         "weights": full_weights(model),
         "hooked_as": hooked_as,
+        "trainable_tensors": sum(p.requires_grad for p in model.parameters()),
         "warnings": [str(w.message) for w in caught if "accel_gradsync" in str(w.message)],
     }
 write_result(args.out, {"runs": results})
