@@ -4,12 +4,16 @@ reads, so recording a micro-batch costs a few integer additions in the hot path.
 Counts are per *unit sync*: one FSDP unit's reduce-scatter (one per param group), or for DDP
 one whole-model all-reduce pass (which DDP splits into buckets of its own choosing).
 
-All-gathers are counted per unit from what the plugin knows of each unit's flags: whether its
-params are still unsharded from before, kept through a forward (a window, `gather_for_generation`)
-or resharded after it, with the same functions (`units.micro_batch_all_gathers`,
-`no_grad_forward_all_gathers`) the decision line and the estimate count with. Training forwards
-and forwards without gradients (generation, evaluation) are counted apart. Every FSDP unit counts,
-frozen ones included; a frozen unit reduces nothing.
+A micro-batch is what `accumulate()`, the Trainer's `no_sync` or an optimizer step delimits
+(window.py), however many forwards with gradients it runs.
+
+FSDP2's all-gathers and reductions are counted as FSDP issues them, from its state at that
+moment (fsdp2_counts.py): a reshard the plan does not know of (a `state_dict()`, an evaluation)
+and a model forwarded twice per micro-batch count as they ran. FSDP1's and DDP's are counted per
+micro-batch, one sync per unit that does not hold, and FSDP1's all-gathers from each unit's flags
+with the function (`units.micro_batch_all_gathers`) the decision line and the estimate count
+with. Training all-gathers and those of forwards without gradients (generation, evaluation) are
+counted apart. Every FSDP unit counts, frozen ones included; a frozen unit reduces nothing.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from dataclasses import asdict, dataclass, field, fields
 
 import torch
 
-from .units import Level, Unit, micro_batch_all_gathers, no_grad_forward_all_gathers
+from .units import Level, Unit, micro_batch_all_gathers
 
 
 def retained_grad_dtype(
@@ -73,9 +77,6 @@ class StepCounts:
     """Parameter all-gathers of the training micro-batches (forward and backward), over every unit."""
     generation_all_gathers: int = 0
     """Parameter all-gathers of forwards without gradients (generation, log-prob passes, evaluation)."""
-    replicated_all_reduces: int = 0
-    """All-reduces transformers' Trainer issues itself, one per trainable parameter outside the
-    FSDP2 units (an adapter added after load-time sharding) at the window's last backward."""
     held_grad_bytes: int = 0
     """Unsharded gradient bytes the wrapper held after the last deferred micro-batch, measured
     before the window's last forward."""
@@ -107,9 +108,12 @@ class SyncAccounting:
     total: StepCounts = field(default_factory=StepCounts)
     current: StepCounts = field(default_factory=StepCounts)
     last_step: StepCounts = field(default_factory=StepCounts)
+    step_ending: bool = False
+    """The last micro-batch recorded ended an optimizer step and may still be running: what it
+    gathers goes to `last_step` until `close_step()` (the optimizer step, else the next micro-batch)."""
 
     gathered: set = field(default_factory=set)
-    """`id` of each unit whose params are unsharded now, as far as the plugin knows."""
+    """FSDP1: `id` of each unit whose params are unsharded now, as far as its flags say."""
 
     def record_micro_batch(
         self,
@@ -121,75 +125,90 @@ class SyncAccounting:
         keeps_params_when_held: bool = False,
     ) -> None:
         """Count one micro-batch over `units` whose backward holds the sync of `held`: all of
-        it (`gradient_sync`), or on HSDP only the cross-replica `all_reduce`. The plan's
-        `windowed` units keep their params through it (held ones also after its backward); FSDP1
-        SHARD_GRAD_OP keeps every held unit's params after backward (`keeps_params_when_held`)."""
+        it (`gradient_sync`), or on HSDP only the cross-replica `all_reduce`: one unit sync
+        skipped per held unit. What it issues: FSDP2's as it runs (fsdp2_counts.py), else one
+        sync per unit that does not hold, and FSDP1's all-gathers from its flags
+        (`_planned_all_gathers`)."""
+        self.step_ending = False
         step = StepCounts(micro_batches=1, deferred_micro_batches=int(bool(held)))
         held_ids = {id(u) for u in held}
-        window_ids = {id(u) for u in windowed}
-        for unit in units if self.collective != "all_reduce" else ():  # DDP keeps whole params: no all-gathers
-            key = id(unit)
-            kept = key in window_ids and (key in held_ids or ends_step)
-            after = key in held_ids and (key in window_ids or keeps_params_when_held)
-            gathers, still = micro_batch_all_gathers(unit, key in self.gathered, kept, after)
-            step.all_gathers += gathers
-            if still:
-                self.gathered.add(key)
-            else:
-                self.gathered.discard(key)
+        if self.wrapper == "fsdp1":
+            step.all_gathers = self._planned_all_gathers(units, held_ids, ends_step, windowed, keeps_params_when_held)
+        live = self.wrapper == "fsdp2"
         for unit in units:
-            n = unit.collectives
+            n, holds = unit.collectives, id(unit) in held_ids
             if self.collective == "all_reduce":  # DDP: one bucketed all-reduce pass per sync
-                if id(unit) in held_ids:
-                    step.all_reduces_skipped += n
-                else:
-                    step.all_reduces_issued += n
-                    step.bytes_reduced += unit.reduce_bytes
+                step.all_reduces_skipped += n if holds else 0
+                step.all_reduces_issued += 0 if holds else n
+                step.bytes_reduced += 0 if holds else unit.reduce_bytes
                 continue
-            if id(unit) in held_ids and hold != "all_reduce":
-                step.reduce_scatters_skipped += n
+            if holds:  # the whole sync, or under HSDP with `hold` "all_reduce" its all-reduce
+                step.reduce_scatters_skipped += n if hold != "all_reduce" else 0
                 step.all_reduces_skipped += n if self.hsdp else 0
+            if live or (holds and hold != "all_reduce"):
                 continue
             step.reduce_scatters_issued += n
             step.bytes_reduced += unit.reduce_bytes
-            if self.hsdp:
-                if id(unit) in held_ids:
-                    step.all_reduces_skipped += n
-                else:
-                    step.all_reduces_issued += n
+            step.all_reduces_issued += n if self.hsdp and not holds else 0
         self.current.add(step)
         self.total.add(step)
         if ends_step:
             self.optimizer_steps += 1
             self.last_step, self.current = self.current, StepCounts()
+            self.step_ending = True
 
-    def record_no_grad_forward(self, unit: Unit, kept: bool) -> None:
-        """Count one unit's forward without gradients (generation, evaluation); `kept`: its params
-        stay unsharded after it (`gather_for_generation`)."""
-        gathers, still = no_grad_forward_all_gathers(unit, id(unit) in self.gathered, kept)
-        self.current.generation_all_gathers += gathers
-        self.total.generation_all_gathers += gathers
-        if still:
-            self.gathered.add(id(unit))
-        else:
-            self.gathered.discard(id(unit))
-
-    def record_resharded(self, units: Sequence[Unit]) -> None:
-        """`units` were resharded outside a forward or backward (generation ended, an abort)."""
+    def _planned_all_gathers(
+        self,
+        units: Sequence[Unit],
+        held_ids: set[int],
+        ends_step: bool,
+        windowed: Sequence[Unit],
+        keeps_params_when_held: bool,
+    ) -> int:
+        """FSDP1's all-gathers of one micro-batch from each unit's flags: the plan's `windowed`
+        units keep their params through it (held ones also after its backward); SHARD_GRAD_OP
+        keeps every held unit's params after backward (`keeps_params_when_held`)."""
+        window_ids = {id(u) for u in windowed}
+        total = 0
         for unit in units:
-            self.gathered.discard(id(unit))
+            key = id(unit)
+            kept = key in window_ids and (key in held_ids or ends_step)
+            after = key in held_ids and (key in window_ids or keeps_params_when_held)
+            gathers, still = micro_batch_all_gathers(unit, key in self.gathered, kept, after)
+            total += gathers
+            if still:
+                self.gathered.add(key)
+            else:
+                self.gathered.discard(key)
+        return total
 
-    def record_replicated_all_reduce(self) -> None:
-        """transformers' Trainer all-reduces one replicated parameter's gradient, in the backward
-        of the micro-batch that ended the step (already counted into `last_step`)."""
-        for counts in (self.last_step, self.total):
-            counts.replicated_all_reduces += 1
+    def close_step(self) -> None:
+        """The optimizer step ran: the last micro-batch's backward is over."""
+        self.step_ending = False
+
+    def record_reduction(self, reduce_scatters: int, all_reduces: int, grad_bytes: int) -> None:
+        """What one FSDP2 post-backward is about to reduce (fsdp2_counts.py)."""
+        window = self.last_step if self.step_ending else self.current
+        for counts in (window, self.total):
+            counts.reduce_scatters_issued += reduce_scatters
+            counts.all_reduces_issued += all_reduces
+            counts.bytes_reduced += grad_bytes
+
+    def record_all_gathers(self, gathers: int, training: bool) -> None:
+        """`gathers` all-gathers FSDP2 is about to issue: for a forward with gradients or a backward
+        (`training`), else for a forward without (generation, evaluation)."""
+        window = self.last_step if self.step_ending else self.current
+        for counts in (window, self.total):
+            if training:
+                counts.all_gathers += gathers
+            else:
+                counts.generation_all_gathers += gathers
 
     def abort_step(self) -> None:
         """An exception ended the accumulation: its micro-batches stay in the totals, the next
         window starts from zero."""
         self.aborted_steps += 1
-        self.current = StepCounts()
+        self.current, self.step_ending = StepCounts(), False
         self.gathered.clear()  # the abort reshards the window's units (window.py)
 
     def record_held(self, held_grad_bytes: int) -> None:

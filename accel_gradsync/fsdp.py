@@ -6,8 +6,9 @@ can only defer everything at once, through the root's `no_sync()`, which acceler
 calls correctly; `root_only` tells the caller to reuse it.
 
 FSDP2 has setters for its per-unit flags but no getters (torch 2.13), so `_sync_flags` reads
-them back from the param groups the setters write. Those reads, the dtypes, held gradient
-tensors and owning modules of FSDP2's params and FSDP1's flat parameter are the only private torch attributes
+them back from the param groups the setters write. Those reads, whether a param group is
+unsharded now (the live all-gather counters), the dtypes and held gradient tensors of FSDP2's
+params and FSDP1's flat parameter are the only private torch attributes
 this package reads, all in this module. It writes private state in two places only, both
 where torch has no API and would otherwise give wrong gradients or crash:
 `even_out_held_grads` (FSDP2's uniform-dtype assertion) and `drop_held_grads` (gradients of
@@ -49,16 +50,11 @@ class ModelAdapter:
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         self.units: list[Unit] = self._find_units(model)
-        self.replicated: list[nn.Parameter] = []
-        """Trainable parameters the wrapper does not shard: FSDP2's root found under a wrapper
-        holds those added after sharding (a PEFT adapter on a model transformers sharded at load
-        time), which no unit reduces; transformers' Trainer all-reduces them itself."""
 
     @property
     def trainable(self) -> bool:
-        """Some unit, or a parameter outside the units, has a gradient to sync (a frozen reference
-        model has none)."""
-        return any(not u.frozen for u in self.units) or bool(self.replicated)
+        """Some unit has a gradient to sync (a frozen reference model has none)."""
+        return any(not u.frozen for u in self.units)
 
     def _find_units(self, model: nn.Module) -> list[Unit]:
         raise NotImplementedError
@@ -149,7 +145,7 @@ class FSDP2Adapter(ModelAdapter):
             everything = [p for g in groups for p in g.fsdp_params]
             if not everything:
                 continue  # a module fully_shard gave no parameter of its own: nothing to gather
-            params = [p for p in everything if _param_now(p).requires_grad]
+            params = [p for p in everything if p.sharded_param.requires_grad]
             numel = sum(p.sharded_param.numel() for p in params)  # DTensor: the global size
             policy = groups[0].mp_policy
             first = (params or everything)[0].sharded_param
@@ -162,7 +158,7 @@ class FSDP2Adapter(ModelAdapter):
             shard = mesh.size(mesh.ndim - 1)
             # The root keeps its params after forward (FSDP2's lazy init), whatever it was given.
             reshards = name != "" and all(g.post_forward_mesh_info is not None for g in groups)
-            reducing = sum(any(_param_now(p).requires_grad for p in g.fsdp_params) for g in groups)
+            reducing = sum(any(p.sharded_param.requires_grad for p in g.fsdp_params) for g in groups)
             units.append(
                 Unit(
                     name,
@@ -350,6 +346,67 @@ class FSDP2Adapter(ModelAdapter):
         # No public getter for reshard_after_forward: read it where its setter writes it.
         return all(g.post_forward_mesh_info is not None for g in _groups(_fsdp2(unit.module)._get_fsdp_state()))
 
+    def pending_all_gathers(self, unit: Unit) -> Callable[[], int]:
+        """A call that says how many all-gathers FSDP2 issues for `unit` if its forward or backward
+        runs now (fsdp2_counts.py): one per param group whose params are not unsharded (sharded,
+        resharded to a smaller mesh after forward, or prefetched and not waited for yet); none on a
+        mesh of one rank. Attribute reads only: it runs before every forward and backward."""
+        groups = self.param_groups(unit)
+        if unit.shard_size == 1:
+            return lambda: 0
+        return lambda: sum(not g.is_unsharded for g in groups)
+
+    def param_groups(self, unit: Unit) -> list:
+        """The unit's param groups: each post-backwards and reduces on its own."""
+        return _groups(_fsdp2(unit.module)._get_fsdp_state())
+
+    def pending_reduction(self, unit: Unit, group) -> tuple[int, int, int]:
+        """(reduce-scatters, all-reduces, gradient bytes) that `group`'s post-backward issues if it
+        runs now: none while its sync is held; else one of each (the all-reduce under HSDP while
+        not held) when it finds a gradient, held from earlier micro-batches or computed since."""
+        if not group.reduce_grads:
+            return 0, 0, 0
+        numel = sum(
+            p.sharded_param.numel()
+            for p in group.fsdp_params
+            if hasattr(p, "_unsharded_param")
+            and (p.unsharded_accumulated_grad is not None or p._unsharded_param.grad is not None)
+        )
+        if not numel:
+            return 0, 0, 0
+        return int(unit.shard_size > 1), int(self.hsdp and group.all_reduce_grads), numel * unit.reduce_dtype.itemsize
+
+    def fsdp_root(self) -> nn.Module:
+        """The outermost FSDP2 module: its post-forward completes the units left incomplete."""
+        return next(m for m in self.model.modules() if isinstance(m, FSDPModule))
+
+    @staticmethod
+    def forwards_left(unit: Unit) -> bool:
+        """A grouped unit (`fully_shard([a, b])`) some of whose modules did not run this forward:
+        FSDP completes its post-forward in the root's, with its pre-backward on the root's outputs."""
+        return bool(getattr(_fsdp2(unit.module)._get_fsdp_state(), "_modules_to_run_forward", ()))
+
+    @staticmethod
+    def unused_prefetch(unit: Unit, group) -> bool:
+        """At the end of a backward: `group` was all-gathered ahead of use (a backward prefetch of a
+        unit this backward does not run, e.g. the one an evaluation ran last) and nothing waited for
+        it; FSDP drops it at its end-of-backward callback."""
+        return unit.shard_size > 1 and group._all_gather_result is not None
+
+    @staticmethod
+    def ran_post_backward(group) -> bool:
+        """`group` ran its post-backward in the backward in progress (FSDP's end-of-backward
+        callback then skips it)."""
+        return group._training_state.name == "POST_BACKWARD"
+
+    @staticmethod
+    def post_backward_group(node) -> object | None:
+        """The param group whose post-backward the autograd `node` runs (FSDP2's pre-forward puts
+        one on a unit's inputs that need gradients), else None."""
+        if getattr(getattr(node, "_forward_cls", None), "__name__", "") != "RegisterPostBackwardFunction":
+            return None
+        return getattr(node, "param_group", None)
+
     def reshard_unless_kept(self, units: Sequence[Unit]) -> list[Unit]:
         done = [u for u in units if self.reshards_now(u)]
         self.reshard(done)
@@ -454,34 +511,14 @@ def dim0_shard_numel(shape: Sequence[int], shard_size: int) -> int:
 
 
 def adapt_model(model: nn.Module) -> ModelAdapter | None:
-    """The adapter for a prepared model, or None when it is not wrapped for data parallelism. A
-    module around an FSDP2 root (PEFT's `PeftModel` around a model transformers sharded at load
-    time) is adapted by that root, with its trainable parameters outside the units."""
+    """The adapter for a prepared model, or None when it is not wrapped for data parallelism."""
     if isinstance(model, FSDPModule):
         return FSDP2Adapter(model)
     if isinstance(model, FSDP1):
         return FSDP1Adapter(model)
     if isinstance(model, DistributedDataParallel):
         return DDPAdapter(model)
-    root = fsdp2_root_inside(model)
-    if root is None:
-        return None
-    from torch.distributed.tensor import DTensor
-
-    adapter = FSDP2Adapter(root)
-    adapter.replicated = [p for p in root.parameters() if p.requires_grad and not isinstance(p, DTensor)]
-    return adapter
-
-
-def fsdp2_root_inside(model: nn.Module) -> nn.Module | None:
-    """The FSDP2 root inside a module that is not one itself: its outermost `FSDPModule`, when
-    every other one is inside it; None where there is none (or several side by side)."""
-    sharded = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    if not sharded:
-        return None
-    root = sharded[0]  # modules() walks parents before children
-    inside = set(root.modules())
-    return root if all(m in inside for m in sharded) else None
+    return None
 
 
 def is_fsdp_wrapped(model: nn.Module) -> bool:
@@ -499,8 +536,11 @@ _FSDP2_INTERNALS = {
         "reshard_after_backward",
         "post_forward_mesh_info",
         "_partial_reduce_output",
+        "is_unsharded",
+        "_training_state",
+        "_all_gather_result",
     ),
-    "FSDPParam": ("sharded_param", "unsharded_accumulated_grad", "_orig_size", "_module_info"),
+    "FSDPParam": ("sharded_param", "unsharded_accumulated_grad", "_orig_size"),
 }
 
 
@@ -557,15 +597,6 @@ def _groups(state) -> list:
         return groups
     group = state._fsdp_param_group
     return [] if group is None else [group]
-
-
-def _param_now(p) -> nn.Parameter:
-    """The parameter an FSDPParam stands for, as its module holds it now. transformers' load-time
-    sharding puts the loaded weights in after `fully_shard`, and FSDP2 takes the new parameter up
-    as `sharded_param` only at its lazy init (the first forward): until then `sharded_param` is
-    the replaced one, whose `requires_grad` PEFT's freezing never reached."""
-    info = p._module_info
-    return getattr(info.module, info.param_name)
 
 
 def _fsdp_params(module: FSDPModule) -> list:

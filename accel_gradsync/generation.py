@@ -1,6 +1,6 @@
-"""Forwards without gradients (generation, no-grad log-prob passes, evaluation): count their
-all-gathers, and with `gather_for_generation` gather each FSDP2 unit once and keep it unsharded
-until training resumes.
+"""Forwards without gradients (generation, no-grad log-prob passes, evaluation): with
+`gather_for_generation` gather each FSDP2 unit once and keep it unsharded until training resumes
+(their all-gathers are counted where FSDP issues them: fsdp2_counts.py).
 
 Under FSDP2 with `reshard_after_forward` every forward all-gathers every unit and frees it again,
 so generating T tokens costs about T x U all-gathers. TRL's `unwrap_model_for_generation` gathers
@@ -15,7 +15,8 @@ every flag goes back to what it was and the units that reshard after forward are
 
 The hooks sit on every FSDP unit's module, not on the root: PEFT's `generate` and TRL's
 unwrapped model run the inner model without the root's forward. Each pre-hook is prepended, so it
-runs before FSDP's own pre-forward (which gathers). Where the model is not FSDP2 (FSDP1, DDP) the
+runs before FSDP's own pre-forward (which gathers) and before the counting hook (which reads
+what a release left). Where the model is not FSDP2 (FSDP1, DDP) the
 setting does not apply and says so once.
 """
 
@@ -100,8 +101,6 @@ class GenerationGather:
             if keep and id(unit) not in self._kept.setdefault(key, set()):
                 self._kept[key].add(id(unit))
                 self._restores.setdefault(key, []).append(bound.adapter.keep_params_through_forward([unit]))
-            # A window may keep the unit through this forward too: count what its flags say now.
-            bound.account.record_no_grad_forward(unit, kept=not bound.adapter.reshards_now(unit))
 
         return hook
 
@@ -132,12 +131,10 @@ class GenerationGather:
                 restore()
             if bound is None:
                 continue
-            adapter, account = bound.adapter, bound.account
+            adapter = bound.adapter
             if raised and adapter.held_grad_bytes() == 0 and adapter.reset_after_exception():
-                account.record_resharded(adapter.units)  # FSDP's own recovery resharded every unit
-                continue
-            units = [u for u in adapter.units if id(u) in kept]
-            account.record_resharded(adapter.reshard_unless_kept(units))
+                continue  # FSDP's own recovery resharded every unit
+            adapter.reshard_unless_kept([u for u in adapter.units if id(u) in kept])
 
     @contextlib.contextmanager
     def gathered(self, model: nn.Module | None = None) -> Iterator[None]:

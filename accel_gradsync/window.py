@@ -4,7 +4,11 @@ exception ends it.
 
 Both `Accelerator.accumulate()` and the Trainer enter `no_sync(model)` on every micro-batch but
 the last, so `Window.no_sync` sees each held micro-batch; a forward pre-hook on each bound model
-sees every micro-batch that runs with gradients, the last one included. The units' flags are set
+sees every micro-batch that runs with gradients, the last one included. A micro-batch is what
+those delimit, not a forward: it starts at its first forward with gradients after a boundary
+(`no_sync` entered or left, `accumulate()` entering the micro-batch that syncs, an optimizer
+step), and further forwards before the next boundary (siamese towers, a query and a document
+pass, a policy and its own no-KL pass) belong to it. The units' flags are set
 once, at the window's first held micro-batch, and put back once: when `accumulate()` enters the
 micro-batch that syncs, else (the Trainer) when a forward runs outside a held micro-batch, on an
 exception, or at detach. Flipping them around every micro-batch cost more than the rest of this
@@ -22,13 +26,14 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .config import SyncMode
 from .decision import describe_decision
 from .fsdp import ModelAdapter
+from .fsdp2_counts import watch_fsdp2
 from .policies import Plan
 from .state import Attachment, BoundModel, root_of
-from .trainer_hook import watch_replicated_all_reduces
 from .units import Unit
 
 
@@ -58,15 +63,26 @@ class Window:
         self._held: dict[nn.Module, tuple[Sequence[Unit], str]] = {}  # by model: (units held, how) in no_sync
         self._restore_forward: Callable[[], None] | None = None  # flags to put back after the last forward
         self._holds: dict[nn.Module, _Hold] = {}  # by model: the window's flags, until its last forward
+        self._open: dict[nn.Module, bool] = {}  # by model: a micro-batch in progress, and whether it ends the step
+        self._step_hook: torch.utils.hooks.RemovableHandle | None = None
 
     def watch(self, root: nn.Module) -> list[torch.utils.hooks.RemovableHandle]:
-        """Count `root`'s micro-batches from its forward (hooks inside DDP's wrapper), and the
-        all-reduces transformers' Trainer issues itself for parameters outside the units."""
+        """Count `root`'s micro-batches from its forward (hooks inside DDP's wrapper), FSDP2's
+        collectives from its units' state (fsdp2_counts.py), and end every micro-batch at an
+        optimizer step."""
         bound = self.state.bound[root]
         handles = [root.register_forward_pre_hook(self.on_forward), root.register_forward_hook(self.after_forward)]
-        trainer, replicated = self.state.trainer, bound.adapter.replicated
-        handles.extend(watch_replicated_all_reduces(trainer, replicated, bound.account.record_replicated_all_reduce))
+        handles.extend(watch_fsdp2(bound.adapter, bound.account))
+        if self._step_hook is None:
+            self._step_hook = register_optimizer_step_post_hook(self._after_optimizer_step)
+            handles.append(self._step_hook)
         return handles
+
+    def _after_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        """Global optimizer post-step hook: the micro-batch that ended the window is over."""
+        self._open.clear()
+        for bound in self.state.bound.values():
+            bound.account.close_step()
 
     @contextlib.contextmanager
     def no_sync(self, model: nn.Module, accelerate_no_sync: Callable) -> Iterator[None]:
@@ -82,6 +98,19 @@ class Window:
         if bound is None:  # nothing trainable: no gradient to hold
             yield
             return
+        self._open.pop(root, None)  # a micro-batch starts here and ends when the block does
+        try:
+            with self._held_micro_batch(model, adapter, bound, accelerate_no_sync):
+                yield
+        finally:
+            self._open.pop(root, None)
+
+    @contextlib.contextmanager
+    def _held_micro_batch(
+        self, model: nn.Module, adapter: ModelAdapter, bound: BoundModel, accelerate_no_sync: Callable
+    ) -> Iterator[None]:
+        """`no_sync` of a bound model: its plan's held units hold through the block."""
+        root = root_of(model)
         # accumulate() and the Trainer enter no_sync only on micro-batches that do not end an
         # optimizer step (sync_gradients False); with it True, the user called no_sync directly, as
         # accelerate documents for a loop without accumulate(), and that micro-batch holds too.
@@ -161,7 +190,11 @@ class Window:
         self._holds[key] = _Hold(plan, ids, flags)
 
     def end_hold(self, key: nn.Module | None = None) -> None:
-        """Put back the flags the window of model `key` (of every model: None) set."""
+        """Put back the flags the window of model `key` (of every model: None) set. With None
+        (`accumulate()` entering the micro-batch that syncs, an abort, detach) every model's
+        micro-batch in progress is over too."""
+        if key is None:
+            self._open.clear()
         for k in list(self._holds) if key is None else [key]:
             hold = self._holds.pop(k, None)
             if hold is not None:
@@ -183,11 +216,17 @@ class Window:
             self.state.accelerator.print(describe_decision(change.plan, bound.adapter, m))
 
     def on_forward(self, module: nn.Module, args: Any) -> None:
-        """Forward pre-hook: count the micro-batch; before a window's last forward, read the held
-        bytes and keep the windowed params through it."""
+        """Forward pre-hook: count the micro-batch at its first forward; before each forward of a
+        window's last micro-batch, keep the windowed params through it (the first one reads the
+        held bytes)."""
         if not torch.is_grad_enabled():
             # Generation, evaluation, log-prob passes. A forward with gradients counts whatever the
             # module's train/eval mode: its backward reduces (or holds) all the same.
+            return
+        in_progress = self._open.get(module)
+        if in_progress is not None:  # another forward of the micro-batch in progress
+            if in_progress:  # it ends the step
+                self._keep_windowed(self.state.bound[module])
             return
         state = self.state
         # Inside no_sync a micro-batch never ends the step, even outside accumulate() (sync_gradients True).
@@ -213,11 +252,9 @@ class Window:
             # Held gradients only grow through a window: their bytes before its last forward are
             # its peak, read once per window instead of after every held backward.
             bound.account.record_held(bound.adapter.held_grad_bytes())
-        if ends_step and bound.plan.windowed:
-            # The window's last forward keeps its params too, so its backward gathers nothing;
-            # the backward then reshards (reshard_after_backward is back to what it was).
-            self.after_forward()
-            self._restore_forward = bound.adapter.keep_params_through_forward(bound.plan.windowed)
+        if ends_step:
+            self._keep_windowed(bound)
+        self._open[module] = ends_step
         bound.account.record_micro_batch(
             bound.adapter.units,
             held,
@@ -226,6 +263,13 @@ class Window:
             windowed=bound.plan.windowed,
             keeps_params_when_held=bound.adapter.keeps_params_when_held,
         )
+
+    def _keep_windowed(self, bound: BoundModel) -> None:
+        """A forward of the window's last micro-batch keeps the windowed params too, so its backward
+        gathers nothing; the backward then reshards (reshard_after_backward is back to what it was)."""
+        if bound.plan.windowed:
+            self.after_forward()
+            self._restore_forward = bound.adapter.keep_params_through_forward(bound.plan.windowed)
 
     def after_forward(self, *_: Any) -> None:
         """Forward hook: the last forward is done; its windowed params reshard after backward again."""

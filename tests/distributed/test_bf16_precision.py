@@ -83,6 +83,23 @@ def test_auto_and_budget_hold_fp32_by_default_and_count_its_bytes(run):
             assert not [w for w in cases[case]["warnings"] if "wider" in w], cases[case]["warnings"]
 
 
+def _set_lines(case: dict) -> list[str]:
+    return [line for line in case["attach_printed"] if line.startswith("grad sync: reduce_dtype set")]
+
+
+def test_attach_says_it_set_fp32_and_why(run):
+    name, cases = run
+    for case in ("auto", "budget"):
+        if case in cases:
+            (line,) = _set_lines(cases[case])
+            assert line.startswith(f"grad sync: reduce_dtype set to fp32 for sync mode {case} (bf16 compute): "), line
+            assert ("summed in fp32 as per-micro-batch sync sums them" if name == "fsdp2" else "does not defer") in line
+            assert "reduce_dtype=bf16" in line, line
+    for chosen in ("deferred", "deferred_fp32", "auto_bf16", "budget_after_prepare"):
+        if chosen in cases:  # accelerate's dtype, the user's own, or too late to change: nothing set
+            assert _set_lines(cases[chosen]) == [], cases[chosen]["attach_printed"]
+
+
 def test_the_decision_line_names_the_dtype_held_gradients_are_summed_in(run):
     name, cases = run
     line = cases["deferred"]["decision"]

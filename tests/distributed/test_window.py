@@ -18,6 +18,11 @@ RUNS = [
     {"name": "deferred", "config": {"defer": True}},
     {"name": "window", "config": WINDOW},
     {"name": "window_after_abort", "config": WINDOW, "abort_after": 2},
+    # Something outside the plan reshards the window's params: a state_dict() in the middle of a
+    # window (save_state takes one), an evaluation after every optimizer step.
+    {"name": "window_state_dict", "config": WINDOW, "state_dict_after": 1},
+    {"name": "window_eval_between", "config": WINDOW, "eval_between": True},
+    {"name": "window_two_forwards", "config": WINDOW, "forwards": 2},
     # Per unit, fp32: a Block holds 1088 B of gradient and 1088 B of params, the root's head 68 + 68 B.
     # On 2 gloo ranks deferring a unit saves 3 reduce-scatters of 1.4 all-gather bytes each
     # (policies.REDUCE_SCATTER_COST) per half a gradient byte it adds (the sharded half is not kept):
@@ -74,12 +79,32 @@ def test_window_gathers_each_unit_once_per_step_and_matches_the_reference(fp32):
         assert sorted(modes["window"]["windowed"]) == ["", "blocks.0", "blocks.1"]
 
 
+def test_live_counters_equal_the_collectives_that_ran(fp32):
+    """Counted from what FSDP does, not from what the plan expects: a state_dict() in the middle of a
+    window reshards its units and the next forward gathers them again; an evaluation between steps
+    gathers too."""
+    for rank in fp32:
+        for name, res in rank["modes"].items():
+            counted, ran = res["counted"], res["ran"]
+            assert counted["all_gathers"] + counted["generation_all_gathers"] == ran.get("all_gathers", 0), (
+                name,
+                counted,
+                ran,
+            )
+            assert counted["reduce_scatters_issued"] == ran.get("reduce_scatters", 0), (name, counted, ran)
+            assert counted["micro_batches"] == BATCHES and counted["optimizer_steps"] == len(WINDOWS), name
+            assert all(step["max_diff"] <= 1e-5 for step in res["steps"]), name
+
+
 def test_window_restores_every_flag_and_reshards_before_the_optimizer_step(fp32):
     for rank in fp32:
-        for name in ("window", "window_after_abort", "budget_3340B", "budget_ample"):
+        names = ("window", "window_after_abort", "window_state_dict", "window_two_forwards")
+        for name in (*names, "window_eval_between", "budget_3340B", "budget_ample"):
             res = rank["modes"][name]
             assert res["flags_restored"], name  # requires_gradient_sync, reshard_after_{forward,backward}
-            assert res["sharded_after_step"], name  # ZeRO-1 memory only inside the window
+            # ZeRO-1 memory only inside the window (an evaluation after the last step leaves FSDP2's
+            # root gathered, as any forward does).
+            assert res["sharded_after_step"] or name == "window_eval_between", name
 
 
 def test_an_aborted_window_reshards_and_the_next_window_is_exact(fp32):
@@ -109,6 +134,51 @@ def test_budget_picks_levels_per_unit_and_holds_what_it_planned(fp32):
         assert "3 windowed" in ample["decision"] and f"{UNITS} all-gathers/step" in ample["decision"]
 
 
+# A model transformers shards at load time, an evaluation forward after every optimizer step.
+SHARDED_RUNS = [
+    {"name": "per_micro_batch", "config": {}},
+    {"name": "deferred", "config": {"defer": True}},
+    {"name": "window", "config": WINDOW},
+]
+SHARDED_M, SHARDED_STEPS = 2, 3
+
+
+@pytest.fixture(scope="module")
+def sharded_evaluation(tmp_path_factory):
+    import torch
+    from transformers import Qwen2ForCausalLM
+    from workers.common import tiny_qwen2_config
+
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("qwen2")
+    Qwen2ForCausalLM(tiny_qwen2_config(tie_word_embeddings=False)).save_pretrained(path)
+    args = [
+        "--model",
+        str(path),
+        "--runs",
+        json.dumps(SHARDED_RUNS),
+        "--M",
+        str(SHARDED_M),
+        "--steps",
+        str(SHARDED_STEPS),
+    ]
+    return launch("sharded_evaluation", args)
+
+
+def test_live_counters_of_a_transformers_sharded_model_evaluated_between_steps(sharded_evaluation):
+    for rank in sharded_evaluation:
+        for name, res in rank["runs"].items():
+            counted, ran = res["counted"], res["ran"]
+            assert counted["all_gathers"] + counted["generation_all_gathers"] == ran.get("all_gathers", 0), (
+                name,
+                counted,
+                ran,
+            )
+            assert counted["reduce_scatters_issued"] == ran.get("reduce_scatters", 0), (name, counted, ran)
+            assert counted["micro_batches"] == SHARDED_M * SHARDED_STEPS, (name, counted)
+            assert counted["optimizer_steps"] == SHARDED_STEPS, (name, counted)
+
+
 @pytest.mark.parametrize("variant", ["bf16_fp32_reduce", "activation_checkpointing"])
 def test_window_with_bf16_fp32_reduce_and_activation_checkpointing(variants, variant):
     for rank in variants[variant]:
@@ -118,3 +188,6 @@ def test_window_with_bf16_fp32_reduce_and_activation_checkpointing(variants, var
         # Recomputing a checkpointed Block in backward must not gather it again.
         assert _gathers(res)[1:] == [UNITS] * (len(WINDOWS) - 1) and _gathers(res)[0] <= UNITS, variant
         assert res["flags_restored"] and res["sharded_after_step"]
+        # A recomputed Block's forward runs with gradients inside backward: counted as what it gathers.
+        counted = res["counted"]
+        assert counted["all_gathers"] + counted["generation_all_gathers"] == res["ran"].get("all_gathers", 0), variant

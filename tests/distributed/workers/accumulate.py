@@ -1,13 +1,17 @@
 """Train TinyNet with `accelerator.accumulate` in each sync mode, under whatever wrapper the
 accelerate config gives (FSDP2, FSDP1 or DDP). Reports, per optimizer step, the real collectives
 counted, the handle's stats and the largest gradient difference to a single-process,
-unsharded reference over the same global batch. With FSDP2 it also checks that every unit's
-sync flags come back as they were, after a normal micro-batch and after one that raises."""
+unsharded reference over the same global batch, and what the handle counted against what ran
+over the whole loop. A run can forward the model twice per micro-batch (siamese towers, a query
+and a document pass), take a `state_dict()` in the middle of a window, or evaluate after every
+optimizer step. With FSDP2 it also checks that every unit's sync flags come back as they were,
+after a normal micro-batch and after one that raises."""
 
 import contextlib
 import copy
 import json
 import warnings
+from collections import Counter
 
 import torch
 import torch.nn.functional as F
@@ -21,14 +25,26 @@ from torch.utils.data import DataLoader, TensorDataset
 import accel_gradsync
 from accel_gradsync.fsdp import sync_flags
 from accel_gradsync.memory import ScriptedMemoryProbe
+from benchmarks.collectives import KIND
 
 LR = 0.1
 
+# stats() keys compared with the collectives counted from outside over the training loop.
+COUNTED = (
+    "micro_batches",
+    "optimizer_steps",
+    "reduce_scatters_issued",
+    "all_reduces_issued",
+    "all_gathers",
+    "generation_all_gathers",
+)
 DEFAULT_RUNS = [{"name": "per_micro_batch", "config": {}}, {"name": "deferred", "config": {"defer": True}}]
 
 args = parse_args(
     [
-        # [{"name": ..., "config": GradSyncConfig kwargs, "free_memory_by_rank": [...]}, ...]
+        # [{"name": ..., "config": GradSyncConfig kwargs, "free_memory_by_rank": [...]}, ...]; optional per
+        # run: "loop": "no_sync", "forwards": N per micro-batch, "state_dict_after": micro-batch index,
+        # "eval_between": true, "abort_after", "probe", "attach_before_prepare"
         (("--runs",), {"type": json.loads, "default": DEFAULT_RUNS}),
         (("--M",), {"type": int, "default": 4}),
         (("--batches",), {"type": int, "default": 6}),
@@ -42,14 +58,28 @@ N, b = accelerator.num_processes, args.batch_size
 X, Y = make_data(args.batches * b * N)
 
 
-def reference_grads(model: torch.nn.Module) -> list[dict]:
+def by_kind(counts: dict[str, int]) -> Counter:
+    """Collective calls by what they do (all_gathers, reduce_scatters, all_reduces), whatever function ran."""
+    out: Counter = Counter()
+    for name, calls in counts.items():
+        out[KIND[name]] += calls
+    return out
+
+
+def micro_batch_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, forwards: int) -> torch.Tensor:
+    """The loss of one micro-batch from `forwards` forwards of the model with gradients: one
+    backward over all of them, as a siamese or query/document model runs."""
+    return sum(F.mse_loss(model(x if i % 2 == 0 else -x), y) for i in range(forwards)) / forwards
+
+
+def reference_grads(model: torch.nn.Module, forwards: int = 1) -> list[dict]:
     """Single process, unsharded: global micro-batch k is what all ranks see at step k."""
     ref = copy.deepcopy(model)
     opt = torch.optim.SGD(ref.parameters(), lr=LR)
     out = []
     for k in range(args.batches):
         sl = slice(k * N * b, (k + 1) * N * b)
-        (F.mse_loss(ref(X[sl]), Y[sl]) / args.M).backward()
+        (micro_batch_loss(ref, X[sl], Y[sl], forwards) / args.M).backward()
         if (k + 1) % args.M == 0 or k + 1 == args.batches:
             out.append({n: p.grad.clone() for n, p in ref.named_parameters()})
             opt.step()
@@ -116,7 +146,8 @@ for run in args.runs:
         probe = ScriptedMemoryProbe(capacity, spec["peaks_by_rank"][r] if "peaks_by_rank" in spec else [0])
     set_seed(0)
     model = TinyNet()
-    expected = reference_grads(model)
+    forwards = run.get("forwards", 1)
+    expected = reference_grads(model, forwards)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     loader = DataLoader(TensorDataset(X, Y), batch_size=b, shuffle=False)
     caught = warnings.catch_warnings(record=True)
@@ -137,24 +168,39 @@ for run in args.runs:
     flags_before = (sync_flags(model), reshard_after_forward(model)) if fsdp2 else None
     aborted = abort_a_window(model, optimizer, run["abort_after"]) if "abort_after" in run else {}
     counter.take()
+    stats_before = handle.stats()
+    ran = Counter()
     steps = []
     for k, (x, y) in enumerate(loader):
         ends_step = (k + 1) % args.M == 0 or k + 1 == args.batches
         with micro_batch(model, run.get("loop") == "no_sync", ends_step):
-            accelerator.backward(F.mse_loss(model(x), y))
+            accelerator.backward(micro_batch_loss(model, x, y, forwards))
+            if k == run.get("state_dict_after"):
+                model.state_dict()  # what save_state does in the middle of a window
             if ends_step:
                 counts = counter.take()
+                ran.update(by_kind(counts))
                 with counter.paused():
                     grads = full_grads(model)
                 levels = {k: v for k, v in handle.stats().items() if k.startswith("units_")}
-                steps.append({"counts": counts, "max_diff": max_diff(grads, expected[len(steps)]), "levels": levels})
+                step = {"counts": counts, "ran": by_kind(counts), "levels": levels}
+                steps.append({**step, "max_diff": max_diff(grads, expected[len(steps)])})
                 optimizer.step()
                 optimizer.zero_grad()
+        if ends_step and run.get("eval_between"):
+            with torch.no_grad():  # an evaluation between optimizer steps
+                model(X[:b])
+    ran.update(by_kind(counter.take()))
     caught.__exit__(None, None, None)
+    stats_after = handle.stats()
     plan = handle.plan()
     result["modes"][run["name"]] = {
         "steps": steps,
-        "stats": handle.stats(),
+        "forwards": forwards,
+        "stats": stats_after,
+        # Over the whole loop: the collectives that ran, by kind, and what the handle counted.
+        "ran": dict(ran),
+        "counted": {k: v - stats_before[k] for k, v in stats_after.items() if k in COUNTED},
         "plan": {
             "mode": plan.mode,
             "held": [u.name for u in plan.held],

@@ -10,6 +10,8 @@ unstepped) and compares the second's: by then every FSDP2 unit has run once, so 
 and `auto` has measured its first window (on a scripted device with room for everything) and
 plans the second."""
 
+import contextlib
+import io
 import json
 import warnings
 
@@ -50,7 +52,9 @@ def train(config: dict, after_prepare: bool) -> dict:
         warnings.simplefilter("always", accel_gradsync.GradSyncWarning)
         if after_prepare:
             model, optimizer = accelerator.prepare(model, optimizer)
-        handle = accel_gradsync.attach(accelerator, accel_gradsync.GradSyncConfig(**config), memory_probe=probe)
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):  # what attach says on the main process
+            handle = accel_gradsync.attach(accelerator, accel_gradsync.GradSyncConfig(**config), memory_probe=probe)
         if not after_prepare:
             model, optimizer = accelerator.prepare(model, optimizer)
         r = accelerator.process_index
@@ -71,6 +75,7 @@ def train(config: dict, after_prepare: bool) -> dict:
         "params": sum(u.numel for u in handle.units()),
         "compute_dtype": str(handle.units()[0].compute_dtype).removeprefix("torch."),
         "decision": handle.describe(),
+        "attach_printed": printed.getvalue().splitlines(),
         "warnings": [str(w.message) for w in caught if issubclass(w.category, accel_gradsync.GradSyncWarning)],
     }
     handle.detach()

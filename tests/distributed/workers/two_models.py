@@ -1,7 +1,8 @@
 """Two trained models on one accelerator (a policy and a value model, each prepared with its own
 optimizer as accelerate's FSDP2 requires) and a frozen reference model, one `attach`, deferred
-sync: what the handle counts against the collectives counted from outside, and the decision
-lines it printed."""
+sync: what the handle counts against the collectives counted from outside, the gradient bytes of
+each model's trainable parameters (what a deferred model holds unsharded), and the decision lines
+it printed."""
 
 import contextlib
 import io
@@ -20,6 +21,8 @@ accelerator = Accelerator(gradient_accumulation_steps=args.M)
 set_seed(0)
 policy, value, reference = TinyNet(), TinyNet(), TinyNet()
 reference.requires_grad_(False)
+# Read before wrapping, from the parameters themselves: each deferred model holds this unsharded.
+grad_bytes = [sum(p.numel() * p.element_size() for p in m.parameters() if p.requires_grad) for m in (policy, value)]
 policy_opt = torch.optim.SGD(policy.parameters(), lr=0.1)
 value_opt = torch.optim.SGD(value.parameters(), lr=0.1)
 policy, policy_opt = accelerator.prepare(policy, policy_opt)
@@ -49,6 +52,7 @@ write_result(
         "counts": counts,
         "stats": {k: v for k, v in stats.items() if k != "models"},
         "models": stats["models"],
+        "grad_bytes": grad_bytes,
         "decisions": [line for line in printed.getvalue().splitlines() if line.startswith("grad sync:")],
     },
 )
