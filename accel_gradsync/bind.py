@@ -14,8 +14,9 @@ import warnings
 import torch
 import torch.distributed as dist
 from accelerate import Accelerator
-from accelerate.utils import DistributedType
+from accelerate.utils import DistributedType, is_compiled_module
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from .accounting import SyncAccounting
 from .config import SyncMode
@@ -51,14 +52,14 @@ class Binder:
         # it means the model around it is not sharded.
         if expects_fsdp and (adapter is None or adapter.kind == "ddp" or adapter.model is not root):
             raise ValueError(
-                f"The accelerate config asks for FSDP but the prepared model ({type(model).__name__}) is "
+                f"The accelerate config asks for FSDP but the prepared model ({model_name(model)}) is "
                 f"{'only partly FSDP-wrapped' if is_fsdp_wrapped(model) else 'not FSDP-wrapped'}: it "
                 "would train unsharded. Pass the model through `accelerator.prepare` (the Trainer does), "
                 "and check the fsdp auto-wrap policy in the accelerate config."
             )
         if adapter is None:
             warnings.warn(
-                f"accel_gradsync: the prepared model ({type(model).__name__}) is not wrapped in FSDP or "
+                f"accel_gradsync: the prepared model ({model_name(model)}) is not wrapped in FSDP or "
                 "DDP, so it has no gradient sync to schedule; accelerate's own no_sync() applies.",
                 GradSyncWarning,
                 stacklevel=3,  # the code that called GradSyncHandle.bind
@@ -103,8 +104,14 @@ class Binder:
 
 
 def model_name(root: nn.Module) -> str:
-    """The user's class name of a wrapped model (not FSDP1's wrapper or FSDP2's `FSDP<cls>`)."""
+    """The user's class name of a wrapped model (not FSDP1's wrapper, FSDP2's `FSDP<cls>` or
+    torch.compile's `OptimizedModule`, which accelerate's dynamo_backend puts inside FSDP2 and
+    around FSDP1 and DDP)."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
 
-    model = root.module if isinstance(root, FSDP1) else root
+    model: nn.Module = root
+    while isinstance(model, (FSDP1, DistributedDataParallel)) or is_compiled_module(model):
+        inner = model._orig_mod if is_compiled_module(model) else model.module
+        assert isinstance(inner, nn.Module)  # what each wrapper wraps
+        model = inner
     return next(c.__name__ for c in type(model).__mro__ if not c.__module__.startswith("torch.distributed"))

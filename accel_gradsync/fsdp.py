@@ -6,10 +6,10 @@ can only defer everything at once, through the root's `no_sync()`, which acceler
 calls correctly; `root_only` tells the caller to reuse it.
 
 FSDP2 has setters for its per-unit flags but no getters (torch 2.13), so `_sync_flags` reads
-them back from the param groups the setters write. Those reads, whether a param group is
-unsharded now (the live all-gather counters), the dtypes and held gradient tensors of FSDP2's
-params and FSDP1's flat parameter are the only private torch attributes
-this package reads, all in this module. It writes private state in two places only, both
+them back from the param groups the setters write. Those reads, a param group's sharded and
+training state and pending all-gather (the live counters, fsdp2_counts.py), the dtypes and held
+gradient tensors of FSDP2's params and FSDP1's flat parameter are the only private torch
+attributes this package reads, all in this module. It writes private state in two places only, both
 where torch has no API and would otherwise give wrong gradients or crash:
 `even_out_held_grads` (FSDP2's uniform-dtype assertion) and `drop_held_grads` (gradients of
 an aborted accumulation that `zero_grad` cannot reach).

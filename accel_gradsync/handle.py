@@ -24,7 +24,7 @@ from .optimizer_state import OptimizerStateFix
 from .plan_checkpoint import PlanCheckpoint
 from .policies import Plan, SyncPolicy, resolve_policy
 from .state import Attachment, root_of
-from .trainer_hook import hook_trainer, sharded_by_transformers, unhook_trainer
+from .trainer_hook import discarding_on_exception, hook_trainer, sharded_by_transformers, unhook_trainer
 from .window import Window
 
 
@@ -143,7 +143,8 @@ class GradSyncHandle:
         return adapter
 
     def gathered(self, model: nn.Module | None = None) -> contextlib.AbstractContextManager:
-        """Keep FSDP2 units unsharded through the forwards without gradients inside the block:
+        """Keep the FSDP2 units of `model` unsharded through its forwards without gradients
+        inside the block (another model's forwards gather and reshard as without it):
         `with grad_sync.gathered(model): model.generate(...)`. Each unit all-gathers once instead
         of once per forward (per generated token); all are resharded when the block ends, also on
         an exception. What `gather_for_generation` does by itself; it costs the unsharded
@@ -195,6 +196,7 @@ class GradSyncHandle:
         """Bind the models prepared before attach, and put the policy behind the accelerator's
         `no_sync` / `accumulate` / `prepare`, its checkpoints and the Trainer's events."""
         accelerator, trainer = self.accelerator, self._state.trainer
+        no_sync = self._window.no_sync
         try:
             for model in models:
                 if wants_binding(accelerator, model):
@@ -212,15 +214,22 @@ class GradSyncHandle:
             from .trainer import GradSyncCallback  # imports transformers: only for a Trainer
 
             self._callback = GradSyncCallback(
-                trainer, self.bind, self.stats, self.config, self._after_trainer_load, self._plans.on_trainer_save
+                trainer,
+                self.bind,
+                self.stats,
+                self.config,
+                self._after_trainer_load,
+                self._plans.on_trainer_save,
+                self._generation.release,
             )
             # First in line, so the reporting callbacks (TensorBoard, W&B, ...) see our keys.
             trainer.callback_handler.callbacks.insert(0, self._callback)
+            no_sync = discarding_on_exception(no_sync, self._window.abort)
             if sharded_by_transformers(trainer):
-                self._original_trainer_class = hook_trainer(trainer, self._window.no_sync)
+                self._original_trainer_class = hook_trainer(trainer, no_sync)
         self._original_class = hook_accelerator(
             accelerator,
-            no_sync=self._window.no_sync,
+            no_sync=no_sync,
             abort=self._window.abort,
             window_ends=self._window.end_hold,
             bind=self.bind,

@@ -1,5 +1,7 @@
-"""The Trainer side of `attach`: bind the prepared model before the first step, and put the
-counters into every log so they reach TensorBoard/W&B through `report_to`."""
+"""The Trainer side of `attach`: bind the prepared model before the first step, put the counters
+into every log so they reach TensorBoard/W&B through `report_to`, and reshard what forwards
+without gradients kept (`gather_for_generation`) when an evaluation, a prediction or training ends:
+otherwise only the next training step releases them, and after the last step none comes."""
 
 from __future__ import annotations
 
@@ -45,7 +47,9 @@ def log_counters(stats: dict, everything: bool = False) -> dict:
 
 
 class GradSyncCallback(TrainerCallback):
-    """Binds `trainer`'s wrapped model at train start and logs `stats()` under `grad_sync/`."""
+    """Binds `trainer`'s wrapped model at train start, logs `stats()` under `grad_sync/`, and
+    releases the units kept for forwards without gradients at the end of evaluation, prediction
+    and training."""
 
     def __init__(
         self,
@@ -55,12 +59,15 @@ class GradSyncCallback(TrainerCallback):
         config: GradSyncConfig,
         after_load: Callable[[], None] = lambda: None,
         on_checkpoint: Callable[[str], None] = lambda path: None,
+        release: Callable[[], None] = lambda: None,
     ) -> None:
         self.trainer = trainer
         self.after_load = after_load
         """What a resume needs besides the Trainer's own loading (optimizer_state.py, plan_checkpoint.py)."""
         self.on_checkpoint = on_checkpoint
         """What a checkpoint needs besides what the Trainer saves (plan_checkpoint.py)."""
+        self.release = release
+        """Reshards the units kept unsharded by forwards without gradients (generation.py)."""
         self.bind = bind
         self.stats = stats
         self.config = config
@@ -70,6 +77,15 @@ class GradSyncCallback(TrainerCallback):
         # the Trainer passes to `accelerator.no_sync` on every micro-batch.
         self.bind(self.trainer.model_wrapped)
         self.after_load()  # the Trainer has loaded its checkpoint, and the model is bound
+
+    def on_evaluate(self, args, state, control, **kwargs: Any):
+        self.release()
+
+    def on_predict(self, args, state, control, metrics=None, **kwargs: Any):
+        self.release()
+
+    def on_train_end(self, args, state, control, **kwargs: Any):
+        self.release()
 
     def on_save(self, args, state, control, **kwargs: Any):
         self.on_checkpoint(os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"))

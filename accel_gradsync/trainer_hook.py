@@ -74,6 +74,25 @@ def hook_trainer(trainer: Any, no_sync: Callable) -> type:
     return base
 
 
+def discarding_on_exception(no_sync: Callable, abort: Callable[[], None]) -> Callable:
+    """The `no_sync` a Trainer enters (accelerate's, or through `hook_trainer` transformers' own
+    deferral): as `no_sync`, and an exception leaving it discards the window with `abort()`. The
+    Trainer has no `accumulate()` to do that, and the window's held gradients live where the
+    next `zero_grad` does not reach (FSDP2 keeps them outside `.grad`): a Trainer that retries
+    (`auto_find_batch_size` after an out-of-memory error) would add them into the next window."""
+
+    @contextlib.contextmanager
+    def trainer_no_sync(model: nn.Module, inner: Callable) -> Iterator[None]:
+        try:
+            with no_sync(model, inner):
+                yield
+        except BaseException:
+            abort()
+            raise
+
+    return trainer_no_sync
+
+
 def unhook_trainer(trainer: Any, original: type) -> None:
     """Give `trainer` its own class back: transformers' deferral again."""
     trainer.__class__ = original

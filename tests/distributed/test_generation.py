@@ -9,7 +9,13 @@ step and trains on them (workers/generation.py).
   outside (CollectiveCounter), frozen units included: a PEFT LoRA model (embeddings, head and the
   root frozen) and a model whose root unit is frozen.
 - An exception inside generation (in a forward, after the forwards, inside `accumulate()`) leaves
-  every unit resharded, and the next step is exact.
+  every unit resharded, and the next step is exact; generation retried inside a caller's `except`
+  block is no forward that raised. After every step, frozen and LoRA models included, the units
+  are resharded, the flags are back and the parameters equal the run without the setting.
+- `gathered(model)` keeps that model only; a compiled model is named by the model inside.
+- Under transformers' `Trainer` (accelerate's model, or one transformers sharded at load time)
+  evaluation between steps and after the last leaves every unit resharded, and an exception
+  inside the Trainer's `no_sync` discards the window's held gradients.
 """
 
 import json
@@ -55,8 +61,15 @@ RUNS += [
         "compare_to": "window_inside",
     },
 ]
+# Each frozen model's runs compare to its deferred run without the setting: the window and
+# generation change when units gather, never what trains.
 FROZEN_RUNS = [
-    {"name": f"{model}_{mode}{'+gen' * gen}", "model": model, "config": {**MODES[mode], **(GEN if gen else {})}}
+    {
+        "name": f"{model}_{mode}{'+gen' * gen}",
+        "model": model,
+        "config": {**MODES[mode], **(GEN if gen else {})},
+        **({"compare_to": f"{model}_deferred"} if (mode, gen) != ("deferred", False) else {}),
+    }
     for model in ("lora", "frozen_root")
     for mode in ("deferred", "window")
     for gen in (False, True)
@@ -65,8 +78,17 @@ ONE = [
     {"name": "m1", "config": {"defer": True}},
     {"name": "m1+gen", "config": {"defer": True, **GEN}, "compare_to": "m1"},
 ]
-COMPARE = {r["name"]: r["compare_to"] for r in RUNS + ONE if "compare_to" in r}
-GATHERED = {"gathered", "raise_in_gathered"}
+HOSTILE_RUNS = [
+    {"name": "per_micro_batch", "config": {}},
+    # A retry after a failed attempt: every round generates inside the caller's `except` block.
+    {"name": "in_except+gen", "config": GEN, "in_except": True, "compare_to": "per_micro_batch"},
+    # gathered(model) beside a second bound model that generates in the same block.
+    {"name": "gathered_beside_other", "config": {}, "gathered": True, "other": True, "compare_to": "per_micro_batch"},
+    # torch.compile before fully_shard, as accelerate's dynamo_backend does.
+    {"name": "compiled", "config": {"defer": True}, "compiled": True, "compare_to": "per_micro_batch"},
+]
+COMPARE = {r["name"]: r["compare_to"] for r in RUNS + ONE + FROZEN_RUNS + HOSTILE_RUNS if "compare_to" in r}
+GATHERED = {"gathered", "raise_in_gathered", "gathered_beside_other"}
 
 
 def _args(runs, m=M):
@@ -89,12 +111,17 @@ def single():
     return launch("generation", _args(ONE, m=1), CONFIG, timeout=900)
 
 
+@pytest.fixture(scope="module")
+def hostile():
+    return launch("generation", _args(HOSTILE_RUNS), CONFIG, timeout=900)
+
+
 def _gathers_once(run) -> bool:
     return "+gen" in run or run in GATHERED or run.startswith("raise_in")
 
 
-def test_generation_gathers_each_unit_once_per_round_not_per_token(runs, single):
-    for rank in runs + single:
+def test_generation_gathers_each_unit_once_per_round_not_per_token(runs, single, hostile):
+    for rank in runs + single + hostile:
         for name, out in rank["runs"].items():
             for step in out["steps"]:
                 if _gathers_once(name):
@@ -107,8 +134,8 @@ def test_generation_gathers_each_unit_once_per_round_not_per_token(runs, single)
                 assert "all-gathers per token" in out["decision"], out["decision"]
 
 
-def test_stats_count_what_was_counted_from_outside(runs, single, frozen):
-    for rank in runs + single + frozen:
+def test_stats_count_what_was_counted_from_outside(runs, single, frozen, hostile):
+    for rank in runs + single + frozen + hostile:
         for name, out in rank["runs"].items():
             for step in out["steps"]:
                 assert step["gen_stats"] == step["gen_outside"], (name, step)
@@ -117,8 +144,8 @@ def test_stats_count_what_was_counted_from_outside(runs, single, frozen):
                 assert step["gen_stats_in_train"] == 0, (name, step)
 
 
-def test_completions_losses_and_parameters_equal_the_run_without_it(runs, single):
-    for rank in runs + single:
+def test_completions_losses_and_parameters_equal_the_run_without_it(runs, single, frozen, hostile):
+    for rank in runs + single + frozen + hostile:
         outs = rank["runs"]
         for name, out in outs.items():
             if name not in COMPARE:
@@ -130,8 +157,8 @@ def test_completions_losses_and_parameters_equal_the_run_without_it(runs, single
             assert out["param_diff"] <= 1e-6, (name, out["param_diff"])
 
 
-def test_units_are_sharded_after_every_step_and_after_an_exception(runs, single):
-    for rank in runs + single:
+def test_units_are_sharded_after_every_step_and_after_an_exception(runs, single, frozen, hostile):
+    for rank in runs + single + frozen + hostile:
         for name, out in rank["runs"].items():
             # Generation's flags sit on top of the window's: each set goes back exactly.
             assert out["flags_restored"], name
@@ -156,6 +183,101 @@ def test_frozen_units_count_and_window(frozen):
             # A frozen unit reduces nothing: one reduce-scatter per trainable unit per step.
             trainable = out["units"] - out["frozen_units"]
             assert all(s["reduce_scatters_outside"] == trainable for s in out["steps"]), (name, out["steps"])
+
+
+def test_a_no_grad_forward_inside_an_except_block_is_no_forward_that_raised(hostile):
+    """Generation retried inside the caller's `except` block keeps its units through the round
+    (the exception being handled is not one from the forward)."""
+    for rank in hostile:
+        out = rank["runs"]["in_except+gen"]
+        assert all(0 < step["gen_outside"] <= out["units"] for step in out["steps"]), out["steps"]
+
+
+def test_gathered_keeps_only_the_model_it_names(hostile):
+    """A second bound model generating inside `gathered(model)` all-gathers every resharding
+    unit per token and reshards it after each forward, as without the block."""
+    for rank in hostile:
+        out = rank["runs"]["gathered_beside_other"]
+        assert len(out["other_gathers"]) == STEPS
+        assert all(gathers >= (out["units"] - 1) * T for gathers in out["other_gathers"]), out["other_gathers"]
+        assert all(out["other_sharded"]), out["other_sharded"]
+
+
+def test_a_compiled_model_is_named_by_the_model_inside(hostile):
+    for rank in hostile:
+        out = rank["runs"]["compiled"]
+        assert out["model_names"] == ["Qwen2ForCausalLM"], out["model_names"]
+        assert "OptimizedModule" not in json.dumps(out["stats"]), out["stats"]
+
+
+# -- transformers' Trainer: evaluation between steps and after the last, an exception in no_sync ----
+TRAINER_RUNS = [
+    {"name": "trainer", "entry": "trainer", "config": {}},
+    {"name": "trainer+gen", "entry": "trainer", "config": GEN, "compare_to": "trainer"},
+    {"name": "trainer_raise", "entry": "trainer", "config": {"defer": True}, "raise": True},
+]
+SHARDED_TRAINER_RUNS = [
+    {"name": "trainer+gen", "entry": "trainer", "load": "transformers", "config": GEN},
+    {"name": "trainer_raise", "entry": "trainer", "load": "transformers", "config": {"defer": True}, "raise": True},
+]
+
+
+@pytest.fixture(scope="module")
+def trainer():
+    """The Trainer on a model accelerate prepares."""
+    return launch("generation", _args(TRAINER_RUNS), CONFIG, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def trainer_sharded(tmp_path_factory):
+    """The Trainer on a model transformers shards at load time (torchrun, no accelerate config)."""
+    import torch
+    from transformers import Qwen2ForCausalLM
+    from workers.common import tiny_qwen2_config
+
+    config = tiny_qwen2_config(
+        vocab_size=32,
+        pad_token_id=0,
+        eos_token_id=None,
+        bos_token_id=None,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("qwen2")
+    Qwen2ForCausalLM(config).save_pretrained(path)
+    return launch("generation", [*_args(SHARDED_TRAINER_RUNS), "--model", str(path)], timeout=900)
+
+
+def test_the_trainer_reshards_generation_units_after_each_evaluation_and_training(trainer, trainer_sharded):
+    """Evaluation runs without gradients: with `gather_for_generation` it keeps its units through
+    the evaluation, and they are resharded when it ends, between steps and after the last one."""
+    for rank in trainer + trainer_sharded:
+        for name, out in rank["runs"].items():
+            if name == "trainer_raise":
+                continue
+            assert out["sharded_after_evaluate"] == [True] * STEPS, (name, out["sharded_after_evaluate"])
+            assert out["sharded_after_train"], name
+            assert out["flags_restored"] and out["sync_flags_restored"], name
+    for rank in trainer:
+        out, ref = rank["runs"]["trainer+gen"], rank["runs"]["trainer"]
+        assert out["eval_losses"] == pytest.approx(ref["eval_losses"], rel=1e-6)
+        assert len(out["eval_losses"]) == STEPS
+        assert out["param_diff"] <= 1e-6, out["param_diff"]
+        assert out["stats"]["generation_all_gathers"] < ref["stats"]["generation_all_gathers"], (out, ref)
+
+
+def test_an_exception_inside_the_trainers_no_sync_discards_the_window(trainer, trainer_sharded):
+    """The first micro-batch fails after its backward, inside the Trainer's `no_sync` (accelerate's,
+    or transformers' own deferral for a model it sharded): its held gradients are discarded and
+    every flag is back, as when an exception leaves `accumulate()`."""
+    for rank in trainer + trainer_sharded:
+        out = rank["runs"]["trainer_raise"]
+        assert out["held_before_raise"] > 0, out
+        assert out["held_after_raise"] == 0, out
+        assert out["sync_flags_restored"], out
+        assert out["stats"]["aborted_steps"] == 1, out["stats"]
 
 
 @pytest.mark.parametrize("kind", ["fsdp1", "ddp"])
