@@ -77,6 +77,9 @@ class StepCounts:
     """Parameter all-gathers of the training micro-batches (forward and backward), over every unit."""
     generation_all_gathers: int = 0
     """Parameter all-gathers of forwards without gradients (generation, log-prob passes, evaluation)."""
+    replicated_all_reduces: int = 0
+    """All-reduces transformers' Trainer issues itself, one per trainable parameter outside the
+    FSDP2 units (an adapter added after load-time sharding) at the window's last backward."""
     held_grad_bytes: int = 0
     """Unsharded gradient bytes the wrapper held after the last deferred micro-batch, measured
     before the window's last forward."""
@@ -203,6 +206,12 @@ class SyncAccounting:
                 counts.all_gathers += gathers
             else:
                 counts.generation_all_gathers += gathers
+
+    def record_replicated_all_reduce(self) -> None:
+        """transformers' Trainer all-reduces one replicated parameter's gradient, in the backward
+        of the micro-batch that ended the step (already counted into `last_step`)."""
+        for counts in (self.last_step, self.total):
+            counts.replicated_all_reduces += 1
 
     def abort_step(self) -> None:
         """An exception ended the accumulation: its micro-batches stay in the totals, the next

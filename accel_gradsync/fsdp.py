@@ -7,10 +7,10 @@ calls correctly; `root_only` tells the caller to reuse it.
 
 FSDP2 has setters for its per-unit flags but no getters (torch 2.13), so `_sync_flags` reads
 them back from the param groups the setters write. Those reads, a param group's sharded and
-training state and pending all-gather (the live counters, fsdp2_counts.py), the dtypes and held
-gradient tensors of FSDP2's params and FSDP1's flat parameter are the only private torch
-attributes this package reads, all in this module. It writes private state in two places only, both
-where torch has no API and would otherwise give wrong gradients or crash:
+training state and pending all-gather (the live counters, fsdp2_counts.py), the dtypes, held
+gradient tensors and owning modules of FSDP2's params and FSDP1's flat parameter are the only
+private torch attributes this package reads, all in this module. It writes private state in two
+places only, both where torch has no API and would otherwise give wrong gradients or crash:
 `even_out_held_grads` (FSDP2's uniform-dtype assertion) and `drop_held_grads` (gradients of
 an aborted accumulation that `zero_grad` cannot reach).
 """
@@ -50,11 +50,16 @@ class ModelAdapter:
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         self.units: list[Unit] = self._find_units(model)
+        self.replicated: list[nn.Parameter] = []
+        """Trainable parameters the wrapper does not shard: FSDP2's root found under a wrapper
+        holds those added after sharding (a PEFT adapter on a model transformers sharded at load
+        time), which no unit reduces; transformers' Trainer all-reduces them itself."""
 
     @property
     def trainable(self) -> bool:
-        """Some unit has a gradient to sync (a frozen reference model has none)."""
-        return any(not u.frozen for u in self.units)
+        """Some unit, or a parameter outside the units, has a gradient to sync (a frozen reference
+        model has none)."""
+        return any(not u.frozen for u in self.units) or bool(self.replicated)
 
     def _find_units(self, model: nn.Module) -> list[Unit]:
         raise NotImplementedError
@@ -145,7 +150,7 @@ class FSDP2Adapter(ModelAdapter):
             everything = [p for g in groups for p in g.fsdp_params]
             if not everything:
                 continue  # a module fully_shard gave no parameter of its own: nothing to gather
-            params = [p for p in everything if p.sharded_param.requires_grad]
+            params = [p for p in everything if _param_now(p).requires_grad]
             numel = sum(p.sharded_param.numel() for p in params)  # DTensor: the global size
             policy = groups[0].mp_policy
             first = (params or everything)[0].sharded_param
@@ -158,7 +163,7 @@ class FSDP2Adapter(ModelAdapter):
             shard = mesh.size(mesh.ndim - 1)
             # The root keeps its params after forward (FSDP2's lazy init), whatever it was given.
             reshards = name != "" and all(g.post_forward_mesh_info is not None for g in groups)
-            reducing = sum(any(p.sharded_param.requires_grad for p in g.fsdp_params) for g in groups)
+            reducing = sum(any(_param_now(p).requires_grad for p in g.fsdp_params) for g in groups)
             units.append(
                 Unit(
                     name,
@@ -511,14 +516,34 @@ def dim0_shard_numel(shape: Sequence[int], shard_size: int) -> int:
 
 
 def adapt_model(model: nn.Module) -> ModelAdapter | None:
-    """The adapter for a prepared model, or None when it is not wrapped for data parallelism."""
+    """The adapter for a prepared model, or None when it is not wrapped for data parallelism. A
+    module around an FSDP2 root (PEFT's `PeftModel` around a model transformers sharded at load
+    time) is adapted by that root, with its trainable parameters outside the units."""
     if isinstance(model, FSDPModule):
         return FSDP2Adapter(model)
     if isinstance(model, FSDP1):
         return FSDP1Adapter(model)
     if isinstance(model, DistributedDataParallel):
         return DDPAdapter(model)
-    return None
+    root = fsdp2_root_inside(model)
+    if root is None:
+        return None
+    from torch.distributed.tensor import DTensor
+
+    adapter = FSDP2Adapter(root)
+    adapter.replicated = [p for p in root.parameters() if p.requires_grad and not isinstance(p, DTensor)]
+    return adapter
+
+
+def fsdp2_root_inside(model: nn.Module) -> nn.Module | None:
+    """The FSDP2 root inside a module that is not one itself: its outermost `FSDPModule`, when
+    every other one is inside it; None where there is none (or several side by side)."""
+    sharded = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if not sharded:
+        return None
+    root = sharded[0]  # modules() walks parents before children
+    inside = set(root.modules())
+    return root if all(m in inside for m in sharded) else None
 
 
 def is_fsdp_wrapped(model: nn.Module) -> bool:
@@ -540,7 +565,7 @@ _FSDP2_INTERNALS = {
         "_training_state",
         "_all_gather_result",
     ),
-    "FSDPParam": ("sharded_param", "unsharded_accumulated_grad", "_orig_size"),
+    "FSDPParam": ("sharded_param", "unsharded_accumulated_grad", "_orig_size", "_module_info"),
 }
 
 
@@ -597,6 +622,15 @@ def _groups(state) -> list:
         return groups
     group = state._fsdp_param_group
     return [] if group is None else [group]
+
+
+def _param_now(p) -> nn.Parameter:
+    """The parameter an FSDPParam stands for, as its module holds it now. transformers' load-time
+    sharding puts the loaded weights in after `fully_shard`, and FSDP2 takes the new parameter up
+    as `sharded_param` only at its lazy init (the first forward): until then `sharded_param` is
+    the replaced one, whose `requires_grad` PEFT's freezing never reached."""
+    info = p._module_info
+    return getattr(info.module, info.param_name)
 
 
 def _fsdp_params(module: FSDPModule) -> list:

@@ -34,6 +34,7 @@ from .fsdp import ModelAdapter
 from .fsdp2_counts import watch_fsdp2
 from .policies import Plan
 from .state import Attachment, BoundModel, root_of
+from .trainer_hook import watch_replicated_all_reduces
 from .units import Unit
 
 
@@ -73,6 +74,8 @@ class Window:
         bound = self.state.bound[root]
         handles = [root.register_forward_pre_hook(self.on_forward), root.register_forward_hook(self.after_forward)]
         handles.extend(watch_fsdp2(bound.adapter, bound.account))
+        trainer, replicated = self.state.trainer, bound.adapter.replicated
+        handles.extend(watch_replicated_all_reduces(trainer, replicated, bound.account.record_replicated_all_reduce))
         if self._step_hook is None:
             self._step_hook = register_optimizer_step_post_hook(self._after_optimizer_step)
             handles.append(self._step_hook)
