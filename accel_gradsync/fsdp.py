@@ -361,6 +361,11 @@ class FSDP2Adapter(ModelAdapter):
             return lambda: 0
         return lambda: sum(not g.is_unsharded for g in groups)
 
+    @staticmethod
+    def unsharded(group) -> bool:
+        """`group`'s params are unsharded now (a prefetch not waited for yet does not count)."""
+        return bool(group.is_unsharded)
+
     def param_groups(self, unit: Unit) -> list:
         """The unit's param groups: each post-backwards and reduces on its own."""
         return _groups(_fsdp2(unit.module)._get_fsdp_state())

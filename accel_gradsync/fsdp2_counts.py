@@ -19,6 +19,12 @@ gradient of the last micro-batch. So the counters read FSDP2's state at the mome
 A unit FSDP prefetched counts once: its params stay sharded until it waits for that all-gather,
 or, when nothing does (FSDP's backward prefetch follows the order of the forwards before it, an
 evaluation's included), at the end of the backward.
+
+FSDP also runs a pre-forward where no module hook runs: a method registered with
+`register_fsdp_forward_method` (transformers' Trainer registers the root's `generate`) gathers the
+unit before the method and no forward of that module follows. Such an all-gather leaves a param
+group unsharded that no count accounted for; the next unit's pre-forward finds it so and counts it
+(`_Residency`). What FSDP reshards after a backward is seen after its end-of-backward callback.
 The reads are attribute reads (fsdp.py); the hooks are registered where FSDP registers its own.
 FSDP1 and DDP models get none: their collectives are counted per micro-batch (accounting.py).
 """
@@ -42,17 +48,53 @@ def watch_fsdp2(adapter: ModelAdapter, account: SyncAccounting) -> list[torch.ut
     all-gathers, reduce-scatters and all-reduces FSDP2 issues for it. None for other wrappers."""
     if not isinstance(adapter, FSDP2Adapter):
         return []
-    end_of_backward = _EndOfBackward(adapter, account)
+    residency = _Residency(adapter, account)
+    end_of_backward = _EndOfBackward(adapter, account, residency)
     handles = []
     for module, unit in adapter.unit_modules():
-        pending = adapter.pending_all_gathers(unit)
-        handles.append(module.register_forward_pre_hook(_before_forward(pending, account), prepend=True))
+        gather = residency.gatherer(unit)
+        handles.append(module.register_forward_pre_hook(_before_forward(gather, residency), prepend=True))
         handles.append(module.register_forward_pre_hook(_on_inputs(adapter, unit, account), with_kwargs=True))
-        handles.append(module.register_forward_hook(_on_outputs(pending, account, end_of_backward), prepend=True))
+        handles.append(module.register_forward_hook(_on_outputs(gather, end_of_backward), prepend=True))
     handles.append(
-        adapter.fsdp_root().register_forward_hook(_on_root_outputs(adapter, account, end_of_backward), prepend=True)
+        adapter.fsdp_root().register_forward_hook(_on_root_outputs(adapter, residency, end_of_backward), prepend=True)
     )
     return handles
+
+
+class _Residency:
+    """The param groups whose unsharded params an all-gather counted here accounts for: the ones
+    found unsharded without one were gathered where no module hook runs, and count when found."""
+
+    def __init__(self, adapter: FSDP2Adapter, account: SyncAccounting) -> None:
+        self.adapter = adapter
+        self.account = account
+        self.groups = [g for unit in adapter.units if unit.shard_size > 1 for g in adapter.param_groups(unit)]
+        # Gathered before the hooks were there: not this run's to count.
+        self.counted = {id(g) for g in self.groups if adapter.unsharded(g)}
+
+    def gatherer(self, unit: Unit) -> Callable[[bool], None]:
+        """Count the all-gathers FSDP issues for `unit` when it acts on it now (`training`: with
+        gradients); its groups are accounted for from then on."""
+        pending = self.adapter.pending_all_gathers(unit)
+        groups = self.adapter.param_groups(unit) if unit.shard_size > 1 else []
+
+        def gather(training: bool) -> None:
+            gathers = pending()
+            if gathers:
+                self.account.record_all_gathers(gathers, training=training)
+            self.counted.update(id(g) for g in groups)
+
+        return gather
+
+    def sweep(self) -> None:
+        """Count the groups unsharded since the last look without a count; forget the resharded."""
+        for group in self.groups:
+            if not self.adapter.unsharded(group):
+                self.counted.discard(id(group))
+            elif id(group) not in self.counted:
+                self.counted.add(id(group))
+                self.account.record_all_gathers(1, training=torch.is_grad_enabled())
 
 
 class _EndOfBackward:
@@ -60,9 +102,10 @@ class _EndOfBackward:
     did not run one through its inputs: the root, a first layer, a unit this backward skipped) and
     the prefetched all-gathers it drops unused."""
 
-    def __init__(self, adapter: FSDP2Adapter, account: SyncAccounting) -> None:
+    def __init__(self, adapter: FSDP2Adapter, account: SyncAccounting, residency: _Residency) -> None:
         self.adapter = adapter
         self.account = account
+        self.residency = residency
         self.queued = False
 
     def queue(self) -> None:
@@ -79,13 +122,14 @@ class _EndOfBackward:
                     self.account.record_reduction(*self.adapter.pending_reduction(unit, group))
                 if self.adapter.unused_prefetch(unit, group):
                     self.account.record_all_gathers(1, training=True)
+        # Queued from a callback, it runs after FSDP's, which reshards after the backward.
+        torch.autograd.Variable._execution_engine.queue_callback(self.residency.sweep)
 
 
-def _before_forward(pending: Callable[[], int], account: SyncAccounting) -> Callable:
+def _before_forward(gather: Callable[[bool], None], residency: _Residency) -> Callable:
     def hook(module: nn.Module, args: Any) -> None:
-        gathers = pending()
-        if gathers:
-            account.record_all_gathers(gathers, training=torch.is_grad_enabled())
+        residency.sweep()
+        gather(torch.is_grad_enabled())
 
     return hook
 
@@ -116,15 +160,13 @@ def _before_post_backward(adapter: FSDP2Adapter, unit: Unit, group: Any, account
     return prehook
 
 
-def _on_outputs(pending: Callable[[], int], account: SyncAccounting, end_of_backward: _EndOfBackward) -> Callable:
+def _on_outputs(gather: Callable[[bool], None], end_of_backward: _EndOfBackward) -> Callable:
     def before_pre_backward(grad: torch.Tensor) -> None:
         # Several outputs, or several forwards' outputs: the first finds the unit sharded and FSDP
         # gathers it right after; the others find it unsharded, unless a post-backward in between
         # resharded it and FSDP gathers it again.
         end_of_backward.queue()
-        gathers = pending()
-        if gathers:
-            account.record_all_gathers(gathers, training=True)
+        gather(True)
 
     def hook(module: nn.Module, args: Any, output: Any) -> None:
         if torch.is_grad_enabled():
@@ -134,13 +176,11 @@ def _on_outputs(pending: Callable[[], int], account: SyncAccounting, end_of_back
     return hook
 
 
-def _on_root_outputs(adapter: FSDP2Adapter, account: SyncAccounting, end_of_backward: _EndOfBackward) -> Callable:
+def _on_root_outputs(adapter: FSDP2Adapter, residency: _Residency, end_of_backward: _EndOfBackward) -> Callable:
     """Before the root's post-forward: the backward reaches the root's outputs first, so the
     end-of-backward count is queued there, ahead of FSDP's; the grouped units the root's
     post-forward completes get their pre-backward there, so their count goes there too."""
-    completions = [
-        (unit, _on_outputs(adapter.pending_all_gathers(unit), account, end_of_backward)) for unit in adapter.units
-    ]
+    completions = [(unit, _on_outputs(residency.gatherer(unit), end_of_backward)) for unit in adapter.units]
 
     def queue(grad: torch.Tensor) -> None:
         end_of_backward.queue()
