@@ -200,7 +200,8 @@ class GradSyncConfig:
         "memory_budget",
         "Budget mode: gradient bytes each rank may hold unsharded, e.g. 12GiB, 512MiB, 1048576B "
         "(units B, KiB, MiB, GiB), or a fraction of free device memory such as 0.25. Given without "
-        "--grad-sync-mode or --defer-grad-sync, it selects budget mode.",
+        "--grad-sync-mode or --defer-grad-sync (an explicit budget: without an explicit mode), it selects "
+        "budget mode.",
     )
     memory_margin: float | None = _flag(
         "memory_margin",
@@ -273,7 +274,7 @@ class GradSyncConfig:
     def _choose_mode(self, given: dict[str, Source]) -> None:
         """`defer` and `sync_mode` each ask for a mode: the one given at the higher rank decides,
         and at one rank defer=True and another sync mode contradict. A memory budget selects
-        budget mode where neither asks for a mode, at any rank."""
+        budget mode where no mode is asked for at its rank or above."""
         rank = {name: given[name].rank if name in given else 0 for name in ("defer", "sync_mode")}
         if self.defer and rank["defer"] == rank["sync_mode"] and self.sync_mode != SyncMode.DEFERRED:
             raise ValueError(
@@ -285,8 +286,10 @@ class GradSyncConfig:
         elif "defer" in given and rank["defer"] > rank["sync_mode"] and self.sync_mode == SyncMode.DEFERRED:
             # defer=False is the switch's off position: it turns off the deferral a lower rank asks for.
             self.sync_mode, rank["sync_mode"] = DEFAULTS["sync_mode"], 0
-        if self.memory_budget and not rank["sync_mode"] and not self.defer:
-            # A budget names what to hold, as --defer-grad-sync does: asking for the mode as well is noise.
+        # A budget names what to hold, as --defer-grad-sync does: it asks for budget mode at its own
+        # rank, so it outranks a mode from a lower one and gives way (with a warning) at the same.
+        asked = max(rank["sync_mode"], rank["defer"] if self.defer else 0)
+        if self.memory_budget and given["memory_budget"].rank > asked:
             self.sync_mode = SyncMode.BUDGET.value
         self.defer = self.defer and self.sync_mode == SyncMode.DEFERRED  # False where outranked
 

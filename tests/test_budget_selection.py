@@ -72,10 +72,21 @@ def test_an_explicit_mode_keeps_the_budget_ignored_with_one_warning(explicit, mo
     assert len([w for w in record if "memory_budget" in str(w.message)]) == 1
 
 
-def test_an_explicit_mode_from_the_environment_also_wins(monkeypatch):
-    monkeypatch.setenv("ACCEL_GRADSYNC_SYNC_MODE", "deferred")
-    with pytest.warns(GradSyncWarning, match="memory_budget"):
-        assert GradSyncConfig(memory_budget="200KiB").mode == "deferred"
+@pytest.mark.parametrize("variable", ["ACCEL_GRADSYNC_SYNC_MODE=deferred", "ACCEL_GRADSYNC_DEFER=1"])
+def test_an_explicit_budget_outranks_a_mode_from_the_environment(monkeypatch, variable):
+    name, value = variable.split("=")
+    monkeypatch.setenv(name, value)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GradSyncWarning)
+        assert GradSyncConfig(memory_budget="200KiB").mode == "budget"
+
+
+def test_a_budget_from_the_environment_gives_way_to_an_explicit_mode(monkeypatch):
+    monkeypatch.setenv("ACCEL_GRADSYNC_MEMORY_BUDGET", "200KiB")
+    with pytest.warns(GradSyncWarning, match="MEMORY_BUDGET"):
+        assert GradSyncConfig(sync_mode="deferred").mode == "deferred"
+    with pytest.warns(GradSyncWarning, match="MEMORY_BUDGET"):
+        assert GradSyncConfig(defer=True).mode == "deferred"
 
 
 def test_help_says_a_budget_alone_selects_budget_mode():

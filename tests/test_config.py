@@ -149,9 +149,9 @@ PRECEDENCE = [
     ({"SYNC_MODE": "budget"}, {"defer": True}, "deferred"),
     ({"SYNC_MODE": "auto"}, {"defer": True}, "deferred"),
     ({"SYNC_MODE": "deferred"}, {"defer": False}, "per_micro_batch"),
-    # A budget is no mode: it selects budget mode only where no mode is asked for, at any rank.
-    ({"SYNC_MODE": "auto"}, {"memory_budget": "1GiB"}, "auto"),
-    ({"DEFER": "1"}, {"memory_budget": "1GiB"}, "deferred"),
+    # A budget asks for budget mode at its own rank: above a mode from the environment, below one beside it.
+    ({"SYNC_MODE": "auto"}, {"memory_budget": "1GiB"}, "budget"),
+    ({"DEFER": "1"}, {"memory_budget": "1GiB"}, "budget"),
     ({"SYNC_MODE": "deferred"}, {"defer": False, "memory_budget": "1GiB"}, "budget"),
     ({"MEMORY_BUDGET": "1GiB"}, {"sync_mode": "auto"}, "auto"),
     ({"MEMORY_BUDGET": "1GiB"}, {"defer": True}, "deferred"),
