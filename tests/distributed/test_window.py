@@ -79,19 +79,23 @@ def test_window_gathers_each_unit_once_per_step_and_matches_the_reference(fp32):
         assert sorted(modes["window"]["windowed"]) == ["", "blocks.0", "blocks.1"]
 
 
+def assert_collectives_counted_as_ran(name: str, res: dict) -> dict:
+    """stats()' all-gathers (training and no-grad) and reduce-scatters equal the ones counted
+    from outside; returns stats()."""
+    counted, ran = res["counted"], res["ran"]
+    gathers = counted["all_gathers"] + counted["generation_all_gathers"]
+    assert gathers == ran.get("all_gathers", 0), (name, counted, ran)
+    assert counted["reduce_scatters_issued"] == ran.get("reduce_scatters", 0), (name, counted, ran)
+    return counted
+
+
 def test_live_counters_equal_the_collectives_that_ran(fp32):
     """Counted from what FSDP does, not from what the plan expects: a state_dict() in the middle of a
     window reshards its units and the next forward gathers them again; an evaluation between steps
     gathers too."""
     for rank in fp32:
         for name, res in rank["modes"].items():
-            counted, ran = res["counted"], res["ran"]
-            assert counted["all_gathers"] + counted["generation_all_gathers"] == ran.get("all_gathers", 0), (
-                name,
-                counted,
-                ran,
-            )
-            assert counted["reduce_scatters_issued"] == ran.get("reduce_scatters", 0), (name, counted, ran)
+            counted = assert_collectives_counted_as_ran(name, res)
             assert counted["micro_batches"] == BATCHES and counted["optimizer_steps"] == len(WINDOWS), name
             assert all(step["max_diff"] <= 1e-5 for step in res["steps"]), name
 
@@ -168,13 +172,7 @@ def sharded_evaluation(tmp_path_factory):
 def test_live_counters_of_a_transformers_sharded_model_evaluated_between_steps(sharded_evaluation):
     for rank in sharded_evaluation:
         for name, res in rank["runs"].items():
-            counted, ran = res["counted"], res["ran"]
-            assert counted["all_gathers"] + counted["generation_all_gathers"] == ran.get("all_gathers", 0), (
-                name,
-                counted,
-                ran,
-            )
-            assert counted["reduce_scatters_issued"] == ran.get("reduce_scatters", 0), (name, counted, ran)
+            counted = assert_collectives_counted_as_ran(name, res)
             assert counted["micro_batches"] == SHARDED_M * SHARDED_STEPS, (name, counted)
             assert counted["optimizer_steps"] == SHARDED_STEPS, (name, counted)
 
