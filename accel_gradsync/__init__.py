@@ -1,21 +1,28 @@
 """accel_gradsync: choose, per FSDP unit, between per-micro-batch and deferred gradient sync
-during gradient accumulation, inside Hugging Face Accelerate and the transformers Trainer."""
+during gradient accumulation, inside Hugging Face Accelerate and the transformers Trainer.
 
-from .attach import attach
-from .config import DEFAULTS, ENV_PREFIX, GradSyncConfig
-from .cpu import enable_cpu_fsdp
-from .errors import GradSyncWarning
-from .handle import GradSyncHandle
-from .policies import POLICIES
+Layers, each importing only those before it: `config` < `compat` (shims for other libraries) <
+`planning` (units, costs, policies) < `runtime` (binding, the window, counters, hooks) <
+`estimator`; `attach` composes them.
+"""
+
+from accel_gradsync.attach import attach
+from accel_gradsync.compat.cpu import enable_cpu_fsdp
+from accel_gradsync.config.errors import GradSyncWarning
+from accel_gradsync.config.settings import GradSyncConfig
+from accel_gradsync.estimator.core import estimate
+from accel_gradsync.planning.units import Level, Plan, Unit
+from accel_gradsync.runtime.handle import GradSyncHandle
 
 __all__ = [
-    "DEFAULTS",
-    "ENV_PREFIX",
-    "POLICIES",
     "GradSyncConfig",
     "GradSyncHandle",
     "GradSyncWarning",
+    "Level",
+    "Plan",
+    "Unit",
     "attach",
     "enable_cpu_fsdp",
+    "estimate",
 ]
 __version__ = "0.1.0"

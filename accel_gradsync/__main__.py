@@ -1,5 +1,5 @@
 """`python -m accel_gradsync estimate ...`: the same as the `accel-gradsync` console script."""
 
-from .cli import main
+from accel_gradsync.estimator.cli import main
 
 raise SystemExit(main())

@@ -13,7 +13,6 @@ handle then binds each prepared model (bind.py) and the accelerator's subclass
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import warnings
 from typing import Any
@@ -21,15 +20,16 @@ from typing import Any
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
-from .accelerator_hook import is_hooked
-from .config import DTYPES, GradSyncConfig, SyncMode, dtype_name, reduce_dtype_for
-from .cpu import fsdp_requested
-from .errors import GradSyncWarning
-from .handle import GradSyncHandle
-from .memory import MemoryProbe
-from .policies import SyncPolicy
-from .teardown import install_exit_guard
-from .versions import warn_if_untested_torch
+from accel_gradsync.compat.cpu import fsdp_requested
+from accel_gradsync.compat.teardown import install_exit_guard
+from accel_gradsync.compat.versions import warn_if_untested_torch
+from accel_gradsync.config.errors import GradSyncWarning
+from accel_gradsync.config.settings import GradSyncConfig, SyncMode, dtype_name
+from accel_gradsync.planning.costs import reduce_dtype_policy
+from accel_gradsync.planning.memory import MemoryProbe
+from accel_gradsync.planning.policies import SyncPolicy
+from accel_gradsync.runtime.handle import GradSyncHandle
+from accel_gradsync.runtime.hooks import is_hooked
 
 
 def attach(
@@ -50,9 +50,9 @@ def attach(
             transformers sharded at load time (`DistributedConfig`).
         config (`GradSyncConfig`, *optional*):
             The sync settings; defaults to `GradSyncConfig()` (environment, then defaults).
-        memory_probe (`accel_gradsync.memory.MemoryProbe`, *optional*):
+        memory_probe (`accel_gradsync.planning.memory.MemoryProbe`, *optional*):
             Replaces the device memory readings `auto` plans from (tests, dry runs:
-            `accel_gradsync.memory.ScriptedMemoryProbe`).
+            `accel_gradsync.planning.memory.ScriptedMemoryProbe`).
 
     Returns:
         `GradSyncHandle`: `stats()`, `plan()`, `units()`, `describe()` and `detach()`; also a
@@ -179,21 +179,3 @@ def _apply_reduce_dtype(accelerator: Accelerator, config: GradSyncConfig, mode: 
             effect = f"each micro-batch is reduced and summed in fp32; {mode} does not defer (FSDP1 sums in {low})"
             keep = f"reduce_dtype=bf16 lets {mode} defer, summed in {low}"
         accelerator.print(f"grad sync: reduce_dtype set to fp32 for sync mode {mode} ({low} compute): {effect}; {keep}")
-
-
-def reduce_dtype_policy(plugin: Any, reduce_dtype: str, mode: str) -> Any:
-    """The FSDP mixed-precision policy accelerate's `plugin` is to wrap with in sync mode `mode`:
-    its own with `reduce_dtype` written in, or fp32 where `reduce_dtype` is `auto`, the mode is
-    `auto` or `budget` (`config.reduce_dtype_for`) and the policy computes in less than fp32 (it
-    is there that per-micro-batch sync sums in the fp32 params and a bf16 hold would not). None
-    where the policy stays as it is. The estimate builds its plugin with it too."""
-    from torch.distributed.fsdp import MixedPrecision, MixedPrecisionPolicy
-
-    policy = plugin.mixed_precision_policy
-    dtype = reduce_dtype_for(mode, reduce_dtype)
-    compute = getattr(policy, "param_dtype", None)
-    if dtype == "auto" or reduce_dtype == "auto" and (compute is None or compute.itemsize >= DTYPES[dtype].itemsize):
-        return None
-    if policy is None:
-        policy = MixedPrecisionPolicy() if plugin.fsdp_version == 2 else MixedPrecision()
-    return dataclasses.replace(policy, reduce_dtype=DTYPES[dtype])

@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.getcwd())
-from accel_gradsync.fsdp import FSDP2Adapter, sync_flags
-from accel_gradsync.memory import DeviceMemoryProbe
+from accel_gradsync.planning.memory import DeviceMemoryProbe
+from accel_gradsync.runtime.fsdp import FSDP2Adapter, sync_flags
 
 out = {"torch": torch.__version__, "device": torch.cuda.get_device_name()}
 dev = torch.device("cuda", 0)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from accel_gradsync.memory import peak_rss_bytes, reset_peak_rss  # noqa: F401 (the worker's memory readings)
+from accel_gradsync.planning.memory import peak_rss_bytes, reset_peak_rss  # noqa: F401 (the worker's memory readings)
 
 
 def fsdp2_params(model: nn.Module) -> list:

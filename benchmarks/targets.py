@@ -96,7 +96,7 @@ SYNC_CONTROL = Target(
 PLANNER_COST = Target(
     name="the planner's reduce-scatter weight within a factor 1.6 of what the steps paid",
     compares="(time deferral saved per reduce-scatter byte) / (time the window saved per all-gather byte) "
-    "at the largest M, over `accel_gradsync.policies.REDUCE_SCATTER_COST` for the backend",
+    "at the largest M, over `accel_gradsync.planning.costs.REDUCE_SCATTER_COST` for the backend",
     why="on gloo the steps pay 1.0x (large model) to 2.1x (small) across runs; one figure serves both within 1.6x",
     lower=1 / 1.6,
     upper=1.6,

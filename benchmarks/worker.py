@@ -426,7 +426,7 @@ def main() -> None:
     names = args.configs.split(",")
     # What the budget planner assumes a reduce-scatter byte costs against an all-gather byte on
     # this backend: the report holds it against what the steps of this run paid.
-    costs = accel_gradsync.policies.REDUCE_SCATTER_COST
+    costs = accel_gradsync.planning.costs.REDUCE_SCATTER_COST
     bench.facts["planner_reduce_scatter_cost"] = costs.get(dist.get_backend(), 1.0)
     runs = {n: prepare(bench, n) for n in names if registry.CONFIGS[n]["loop"] != "trainer"}
     trainers = [n for n in names if registry.CONFIGS[n]["loop"] == "trainer"]

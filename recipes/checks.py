@@ -15,9 +15,9 @@ import time
 import warnings
 from typing import NoReturn
 
-from accel_gradsync.config import SyncMode
-from accel_gradsync.cpu import fsdp_requested
-from accel_gradsync.policies import check_wrapper
+from accel_gradsync.compat.cpu import fsdp_requested
+from accel_gradsync.config.settings import SyncMode
+from accel_gradsync.planning.policies import check_wrapper
 
 HELP = "python recipes/grpo.py --help"
 

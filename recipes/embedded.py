@@ -24,7 +24,7 @@ from datasets import Dataset
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from accel_gradsync.estimate import RECIPE_DEFAULT_MODEL
+from accel_gradsync.estimator.core import RECIPE_DEFAULT_MODEL
 
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
 CHARS = "0123456789+-= "
@@ -43,7 +43,7 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
 
 def build_model(tokenizer: PreTrainedTokenizerFast) -> Qwen2ForCausalLM:
     """Random init; every rank gets the same weights because the caller seeds first (CPU FSDP
-    cannot broadcast rank 0's weights, see accel_gradsync/cpu.py)."""
+    cannot broadcast rank 0's weights, see accel_gradsync/compat/cpu.py)."""
     config = Qwen2Config(**{k: v for k, v in RECIPE_DEFAULT_MODEL.items() if k != "model_type"})
     ids = (len(tokenizer), tokenizer.pad_token_id, tokenizer.eos_token_id)
     assert ids == (config.vocab_size, config.pad_token_id, config.eos_token_id), ids  # one character set

@@ -45,7 +45,7 @@ from trl import (
 )
 
 import accel_gradsync
-from accel_gradsync.cpu import has_accelerator_device
+from accel_gradsync.compat.cpu import has_accelerator_device
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the recipe's modules sit next to this file
 import checkpoints  # noqa: E402

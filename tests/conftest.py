@@ -18,13 +18,11 @@ collect_ignore = []
 if _missing("trl", "datasets", "peft", "tokenizers"):
     collect_ignore += [
         "distributed",
-        "test_accelerate_configs.py",
-        "test_config.py",
-        "test_recipe_errors.py",
-        "test_recipe_learning.py",
+        "recipes",
+        "unit/config/test_settings.py",
     ]
 if _missing("matplotlib"):
-    collect_ignore += ["test_benchmarks_report.py", "test_benchmarks_smoke.py"]
+    collect_ignore += ["benchmarks/test_report.py", "benchmarks/test_smoke.py"]
 
 
 def pytest_addoption(parser):

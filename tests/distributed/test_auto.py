@@ -10,7 +10,7 @@ import pytest
 from launcher import accelerate_config, launch
 from workers.common import TinyNet
 
-from accel_gradsync.replan import QUIET_STEPS
+from accel_gradsync.planning.replan import QUIET_STEPS
 
 M = 4
 WINDOWS = QUIET_STEPS + 4  # step 1, two steps windowed, the step that grows, the quiet steps, the move up

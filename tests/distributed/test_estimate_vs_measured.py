@@ -1,4 +1,4 @@
-"""`accel_gradsync.estimate` against real 2-rank gloo runs: for the
+"""`accel_gradsync.estimator.core` against real 2-rank gloo runs: for the
 recipe's default model and a ~10M-parameter Qwen2, FSDP1 and FSDP2, without and with bf16
 mixed precision (FSDP2 also with an fp32 reduce, the 4-bytes-per-param case), the estimated
 held bytes are within 2% of the bytes FSDP really holds between micro-batches, in the
@@ -14,7 +14,7 @@ import pytest
 from launcher import accelerate_config, launch
 
 from accel_gradsync import GradSyncConfig
-from accel_gradsync.estimate import estimate
+from accel_gradsync.estimator.core import estimate
 
 M = 2
 # ~10M parameters, untied embeddings: FSDP2 then carves the input embedding into its own unit.

@@ -2,7 +2,7 @@
 
 - A finished run exits 0, never SIGABRT at interpreter exit ("terminate called without an
   active exception": gloo's worker threads against interpreter finalization, see
-  accel_gradsync/teardown.py). The stress test (slow) runs it 30 times with two busy loops
+  accel_gradsync/compat/teardown.py). The stress test (slow) runs it 30 times with two busy loops
   competing for the cores.
 - A rank killed mid-step ends the launch within seconds, non-zero, naming the rank.
 - Ctrl-C (SIGINT to the launcher) stops every rank promptly and leaves no model in output_dir.

@@ -18,7 +18,7 @@ from launcher import REPO, recipe_launch
 
 COUNTER = Path(__file__).parent / "recipe_counter"
 
-# Exactly the commands the README's "GRPO recipe" quick-start shows (tests/test_recipe_readme.py
+# Exactly the commands the README's "GRPO recipe" quick-start shows (tests/recipes/test_recipe_readme.py
 # checks that), in the order shown.
 QUICKSTART = [
     "accelerate launch --config_file accelerate_configs/fsdp2.yaml recipes/grpo.py --defer-grad-sync",
@@ -128,7 +128,7 @@ def test_deferring_does_not_change_the_first_step(runs, config):
     assert first_d["grad_norm"] == pytest.approx(first_p["grad_norm"], rel=1e-4)
 
 
-# The README's fastest GRPO command (tests/test_recipe_readme.py checks that).
+# The README's fastest GRPO command (tests/recipes/test_recipe_readme.py checks that).
 WINDOW = (
     "accelerate launch --config_file accelerate_configs/fsdp2.yaml recipes/grpo.py --defer-grad-sync "
     "--grad-sync-keep-params-unsharded"

@@ -105,7 +105,7 @@ def test_budget_holds_at_most_the_budget_and_saves_more_as_it_grows(fsdp2):
         held = {name: sorted(res["plan"]["held"]) for name, res in rank["modes"].items()}
         assert held["deferred"] == ["", "blocks.0", "blocks.1"]
         # The full-deferral bytes buy full deferral: on 2 gloo ranks deferring a unit saves more per
-        # byte it adds than its window would (tests/test_levels.py, policies.REDUCE_SCATTER_COST).
+        # byte it adds than its window would (test_policies_levels.py, costs.REDUCE_SCATTER_COST).
         assert held[f"budget_{FULL}B"] == held["deferred"] and rank["modes"][f"budget_{FULL}B"]["windowed"] == []
         # A fraction of free memory: 0.5 x 2400 B = 1200 B, the same units as the 1200 B budget.
         assert held["budget_fraction"] == held["budget_1200B"] == ["", "blocks.0"]

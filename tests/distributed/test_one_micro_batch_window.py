@@ -10,10 +10,10 @@ import pytest
 from launcher import accelerate_config, launch
 
 from accel_gradsync import GradSyncConfig
-from accel_gradsync.estimate import estimate
-from accel_gradsync.policies import format_bytes
+from accel_gradsync.estimator.core import estimate
+from accel_gradsync.planning.costs import format_bytes
 
-pytestmark = pytest.mark.filterwarnings("ignore::accel_gradsync.errors.GradSyncWarning")
+pytestmark = pytest.mark.filterwarnings("ignore::accel_gradsync.config.errors.GradSyncWarning")
 CONFIG = accelerate_config("fsdp2", fsdp_transformer_layer_cls_to_wrap="Qwen2DecoderLayer")
 SETTINGS = {
     "per_micro_batch": GradSyncConfig(sync_mode="per_micro_batch"),

@@ -5,7 +5,7 @@ A plain `accumulate` loop (workers/resume.py) saves with `accelerator.save_state
 boundary or in the middle of a window and resumes with `load_state`, in each sync mode, on FSDP2
 and FSDP1 with `SHARDED_STATE_DICT`; the GRPO recipe (a Trainer) saves with `--save_strategy
 steps` and resumes with `--resume_from_checkpoint` on FSDP1, the config where accelerate's own
-loader comes back with an empty optimizer (accel_gradsync/optimizer_state.py).
+loader comes back with an empty optimizer (accel_gradsync/compat/optimizer_state.py).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import pytest
 import torch
 from launcher import REPO, accelerate_config, launch, recipe_launch
 
-from accel_gradsync.optimizer_state import trainer_checkpoint
+from accel_gradsync.compat.optimizer_state import trainer_checkpoint
 
 M, L = 3, 9  # three windows of three micro-batches
 BOUNDARY, MIDDLE = 2, 4  # save after micro-batch 2 (ends window 1) or after 4 (inside window 2)

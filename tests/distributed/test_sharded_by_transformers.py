@@ -197,7 +197,7 @@ MESHES = [({"fsdp_size": 2}, "fsdp"), ({"fsdp_size": 2, "dp_replicate_size": 2},
 def test_the_estimate_plans_what_the_run_did(model_dir, mesh, runs, request):
     """`accel-gradsync estimate --distributed-config` shards the meta model with transformers' own
     code: its rows give the collectives each mode's run counted from outside."""
-    from accel_gradsync.estimate import estimate
+    from accel_gradsync.estimator.core import estimate
 
     ranks = request.getfixturevalue(runs)
     est = estimate(model_dir, None, M, distributed_config=mesh)

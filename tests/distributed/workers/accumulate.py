@@ -23,8 +23,8 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, TensorDataset
 
 import accel_gradsync
-from accel_gradsync.fsdp import sync_flags
-from accel_gradsync.memory import ScriptedMemoryProbe
+from accel_gradsync.planning.memory import ScriptedMemoryProbe
+from accel_gradsync.runtime.fsdp import sync_flags
 from benchmarks.collectives import KIND
 
 LR = 0.1

@@ -24,7 +24,7 @@ from common import TinyNet, make_data, parse_args, write_result
 from torch.distributed.tensor import DTensor
 
 import accel_gradsync
-from accel_gradsync.memory import ScriptedMemoryProbe
+from accel_gradsync.planning.memory import ScriptedMemoryProbe
 
 args = parse_args(
     [

@@ -101,7 +101,7 @@ def parse_args(extra=None) -> argparse.Namespace:
 
 def write_result(out: str, result: dict) -> None:
     """Write this rank's result, then leave the process group together. (The abort at exit,
-    "terminate called without an active exception", is prevented by accel_gradsync.teardown,
+    "terminate called without an active exception", is prevented by accel_gradsync.compat.teardown,
     which enable_cpu_fsdp() and attach() install.)"""
     rank = int(os.environ.get("RANK", "0"))
     Path(out, f"rank{rank}.json").write_text(json.dumps(result, indent=1, default=str))

@@ -1,4 +1,4 @@
-"""Measure what `accel_gradsync.estimate` predicts: for each model (a spec `estimate` understands)
+"""Measure what `accel_gradsync.estimator.core` predicts: for each model (a spec `estimate` understands)
 and sync mode, one optimizer step of M micro-batches, after a warm-up step, under the launched
 accelerate config; reports the real reduce-scatters/all-reduces counted, and the unsharded gradient bytes the
 wrapper holds after each deferred micro-batch, read from the tensors FSDP keeps (each tensor
@@ -18,7 +18,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
 from transformers import AutoModelForCausalLM
 
 import accel_gradsync
-from accel_gradsync.estimate import load_model_config
+from accel_gradsync.estimator.core import load_model_config
 
 args = parse_args(
     [

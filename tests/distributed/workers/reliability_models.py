@@ -117,7 +117,7 @@ if args.trainer_window:
     # once, held between its micro-batches, and back before the optimizer step.
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
-    from accel_gradsync.fsdp import sync_flags
+    from accel_gradsync.runtime.fsdp import sync_flags
 
     class Watch(TrainerCallback):
         def __init__(self) -> None:

@@ -16,7 +16,7 @@ from common import TinyNet, parse_args, write_result
 from torch.nn import functional as F
 
 import accel_gradsync
-from accel_gradsync.fsdp import adapt_model, sync_flags
+from accel_gradsync.runtime.fsdp import adapt_model, sync_flags
 
 args = parse_args(
     [

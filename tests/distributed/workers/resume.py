@@ -29,7 +29,7 @@ from common import TinyNet, make_data, parse_args, write_result
 from torch.utils.data import DataLoader, TensorDataset
 
 import accel_gradsync
-from accel_gradsync.memory import MemoryProbe
+from accel_gradsync.planning.memory import MemoryProbe
 
 B, LR = 2, 1e-2
 

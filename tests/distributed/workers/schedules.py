@@ -29,7 +29,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import accel_gradsync
-from accel_gradsync.fsdp import adapt_model, sync_flags
+from accel_gradsync.runtime.fsdp import adapt_model, sync_flags
 
 LR = 0.1
 BATCH = 2
@@ -227,7 +227,8 @@ def run_schedule(accelerator, spec: dict, counter) -> dict:
         "units": units,
         "held_collectives": held,
     }
-    from accel_gradsync.policies import POLICIES, collectives_per_step  # what the estimate counts with
+    from accel_gradsync.planning.costs import collectives_per_step
+    from accel_gradsync.planning.policies import POLICIES
 
     first_plan = steady_plan = handle.plan()
     if config.mode == "auto" and M > 1:  # step 1 measures; then the plan for the configured memory

@@ -1,0 +1,390 @@
+"""`GradSyncConfig`: the one place every accel_gradsync default lives.
+
+Every field follows accelerate's plugin convention: an explicit value wins, then the
+environment variable `ACCEL_GRADSYNC_<FIELD>` (upper case), then the default in `DEFAULTS`.
+Fields therefore default to `None` ("not set"), which is also what `HfArgumentParser` /
+`TrlParser` hand over when a flag is absent, so the environment still applies under a
+recipe's command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import enum
+import os
+import re
+import warnings
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import torch
+
+from accel_gradsync.config.errors import GradSyncWarning
+
+ENV_PREFIX = "ACCEL_GRADSYNC_"
+
+
+class SyncMode(str, enum.Enum):
+    """The sync modes: one policy class each in `accel_gradsync.planning.policies.POLICIES`."""
+
+    PER_MICRO_BATCH = "per_micro_batch"
+    DEFERRED = "deferred"
+    AUTO = "auto"
+    BUDGET = "budget"
+    DEFER_ALL_REDUCE = "defer_all_reduce"
+
+    def __str__(self) -> str:  # the name itself in messages, logs and JSON (`enum.StrEnum` from 3.11)
+        return self.value
+
+
+SYNC_MODES = tuple(m.value for m in SyncMode)
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+"""The dtype names settings and tables use, and the torch dtypes they stand for."""
+REDUCE_DTYPES = ("auto", "fp32", "bf16")
+FP32_HELD_MODES = (SyncMode.AUTO.value, SyncMode.BUDGET.value)
+"""The sync modes whose `reduce_dtype` `auto` means fp32. FSDP2 holds deferred gradients in the
+reduce dtype, so with a bf16 reduce M micro-batches are summed in bf16, where per-micro-batch
+sync sums each one's reduced shard in fp32 (measured in docs/modes.md). These modes choose what to
+hold themselves, so they hold in fp32 unless `reduce_dtype` says bf16; the others keep
+accelerate's choice, the param dtype."""
+
+
+def reduce_dtype_for(sync_mode: str, reduce_dtype: str) -> str:
+    """The reduce dtype a sync mode asks for: `reduce_dtype` itself, except that `auto` is fp32
+    in `FP32_HELD_MODES` (else `auto`: accelerate's choice stays). `attach.reduce_dtype_policy`
+    writes fp32 only where the model computes in less (bf16 mixed precision)."""
+    return "fp32" if reduce_dtype == "auto" and sync_mode in FP32_HELD_MODES else reduce_dtype
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """`fp32`, `bf16` or `fp16` (`DTYPES`' names); torch's own name for any other dtype."""
+    return next((name for name, d in DTYPES.items() if d == dtype), str(dtype).removeprefix("torch."))
+
+
+_TRUE = ("true", "yes", "on", "y", "t", "1")
+_FALSE = ("false", "no", "off", "n", "f", "0")
+BOOLEAN_SPELLINGS = "true/false, yes/no, on/off, y/n, t/f or 1/0 (any case)"
+"""What every source (environment, command line, recipe YAML) accepts for a boolean setting."""
+
+
+def parse_bool(value: Any, source: str = "", name: str = "") -> bool:
+    """A boolean setting as any source gives it: a bool, the int 0 or 1 (YAML's `1`), or one of
+    `BOOLEAN_SPELLINGS`. The error message names `source` (where the value came from) and the
+    field `name` where they are known."""
+    if isinstance(value, bool):
+        return value
+    if type(value) is int and value in (0, 1):  # other ints are more likely a slip than a choice
+        return bool(value)
+    text = value.strip().lower() if isinstance(value, str) else None
+    if text in _TRUE + _FALSE:
+        return text in _TRUE
+    raise ValueError(
+        f"{source}{'=' if source else ''}{value!r} is not a valid value{f' for `{name}`' if name else ''}; "
+        f"a boolean is one of {BOOLEAN_SPELLINGS}."
+    )
+
+
+if TYPE_CHECKING:
+    Boolean = bool
+else:
+
+    class Boolean:
+        """The annotation of the boolean settings, so that a command line and a recipe YAML read
+        them with `parse_bool` as the environment does: `HfArgumentParser` / `TrlParser` give a
+        field annotated `bool` transformers' own parser, which takes other spellings, and give
+        any other class to argparse as the type to call. `Boolean("on")` is the bool True; type
+        checkers see `bool`."""
+
+        def __new__(cls, text: str) -> bool:
+            try:
+                return parse_bool(text)
+            except ValueError as error:  # argparse prints this message after the flag's name
+                raise argparse.ArgumentTypeError(str(error)) from None
+
+
+# The single source of every default. `GradSyncConfig()` with an empty environment, the
+# recipe's `--help`, a recipe YAML without the key and the environment all resolve to these.
+DEFAULTS: dict[str, Any] = {
+    # Per-micro-batch sync is the memory-safe choice: deferral holds the whole unsharded
+    # gradient on every rank, which is the OOM users hit when it is on by default.
+    "defer": False,
+    "sync_mode": SyncMode.PER_MICRO_BATCH.value,
+    "memory_budget": "",
+    "memory_margin": 0.1,
+    "free_memory": "",
+    "keep_params_unsharded": False,
+    "reduce_dtype": "auto",
+    # Memory first: keeping every unit unsharded while generating costs the whole unsharded model
+    # (compute dtype) on every rank; off, generation all-gathers every unit for every token.
+    "gather_for_generation": False,
+    # A Trainer log line carries the few per-step counters; the ~20 others stay in stats().
+    "log_all_counters": False,
+}
+
+
+def _help(name: str, text: str) -> str:
+    return f"{text} Default: {DEFAULTS[name]!r}. Environment: {ENV_PREFIX}{name.upper()}."
+
+
+def _flag(name: str, text: str, **argparse_kwargs: Any) -> Any:
+    """A field that is unset (None) until explicit value > environment > default resolves it."""
+    flag = "grad-sync-" + name.removeprefix("sync_").replace("_", "-")  # sync_mode: --grad-sync-mode
+    aliases = [f"--{flag}", f"--{flag.replace('-', '_')}"]
+    return field(default=None, metadata={"help": _help(name, text), "aliases": aliases, **argparse_kwargs})
+
+
+class Source(NamedTuple):
+    """Where a setting's value came from: `rank` EXPLICIT or ENVIRONMENT, `name` for messages."""
+
+    rank: int
+    name: str
+
+
+EXPLICIT, ENVIRONMENT = 2, 1
+"""An explicit value outranks the environment, which outranks the default (rank 0)."""
+
+
+@dataclass(frozen=True)
+class ResolvedConfig:
+    """A `GradSyncConfig` once explicit value > environment > default has been applied: every
+    setting has its value (`""`: no budget, measure free memory), so the code that reads it
+    needs no None checks. `GradSyncConfig.resolved()` makes it."""
+
+    sync_mode: str
+    memory_budget: str
+    memory_margin: float
+    free_memory: str
+    keep_params_unsharded: bool
+    reduce_dtype: str
+    gather_for_generation: bool
+    log_all_counters: bool
+
+
+@dataclass
+class GradSyncConfig:
+    """How gradients are synchronised during gradient accumulation.
+
+    Usable directly (`GradSyncConfig(defer=True)`), from the environment
+    (`ACCEL_GRADSYNC_DEFER=1`), and as a dataclass for `transformers.HfArgumentParser` or
+    `trl.TrlParser` (`--defer-grad-sync`, or `defer: true` in a recipe YAML).
+    """
+
+    defer: Boolean | None = field(
+        default=None,
+        metadata={
+            "help": _help(
+                "defer",
+                "Defer the gradient reduce-scatter (FSDP) / all-reduce (DDP) of every micro-batch but "
+                "the last one of each optimizer step: M times fewer collectives, but every rank holds "
+                "the whole unsharded gradient between micro-batches. Off: sync after every micro-batch "
+                "(sharded gradients, lowest memory). Shorthand for --grad-sync-mode deferred.",
+            ),
+            "aliases": ["--defer-grad-sync", "--defer_grad_sync"],
+            # A bare `--defer-grad-sync` means True, as for transformers' own bool flags.
+            "nargs": "?",
+            "const": True,
+        },
+    )
+    sync_mode: str | None = _flag(
+        "sync_mode",
+        "Sync mode: per_micro_batch (sync every micro-batch), deferred (sync once per optimizer "
+        "step), auto (step 1 syncs every micro-batch and measures its peak memory; then each unit "
+        "windowed, deferred or per micro-batch as what is left allows, on an HSDP mesh else "
+        "defer_all_reduce; falls back when peaks grow), budget (FSDP2: per unit, what fits "
+        "--grad-sync-memory-budget; the default when a budget is given), defer_all_reduce (HSDP: "
+        "reduce-scatter every micro-batch, all-reduce across replicas once per step).",
+        choices=SYNC_MODES,
+    )
+    memory_budget: str | None = _flag(
+        "memory_budget",
+        "Budget mode: gradient bytes each rank may hold unsharded, e.g. 12GiB, 512MiB, 1048576B "
+        "(units B, KiB, MiB, GiB), or a fraction of free device memory such as 0.25. Given without "
+        "--grad-sync-mode or --defer-grad-sync (an explicit budget: without an explicit mode), it selects "
+        "budget mode.",
+    )
+    memory_margin: float | None = _flag(
+        "memory_margin",
+        "auto mode: fraction of the device's capacity kept back as a safety margin above the "
+        "measured peak (0 <= margin < 1).",
+        type=float,
+    )
+    free_memory: str | None = _flag(
+        "free_memory",
+        "Memory per rank to plan with, e.g. 40GiB: auto's capacity instead of the device's (CUDA/NPU "
+        "total memory, on CPU the available RAM), and what a fractional budget is a fraction of "
+        "instead of measured free memory. Empty: read it from the device.",
+    )
+    keep_params_unsharded: Boolean | None = _flag(
+        "keep_params_unsharded",
+        "With deferral (FSDP2), keep each unit's parameters unsharded for the whole accumulation "
+        "window: one all-gather per unit per optimizer step instead of up to 2 per micro-batch, at "
+        "the cost of the unsharded parameters (compute dtype) beside the held gradients on every "
+        "rank until the window's last backward.",
+        nargs="?",
+        const=True,
+    )
+    reduce_dtype: str | None = _flag(
+        "reduce_dtype",
+        "dtype gradients are reduced in, set on the FSDP mixed-precision policy before the model is "
+        "prepared: fp32, bf16, or auto: fp32 in sync modes auto and budget under bf16 mixed "
+        "precision, else accelerate's choice (the param dtype). FSDP2 holds deferred gradients in "
+        "this dtype, so it is also the dtype micro-batches are summed in: bf16 sums differ from "
+        "per-micro-batch sync's fp32 ones (docs/modes.md), fp32 holds 4 bytes/param. bf16 keeps auto "
+        "and budget in bf16.",
+        choices=REDUCE_DTYPES,
+    )
+    gather_for_generation: Boolean | None = _flag(
+        "gather_for_generation",
+        "FSDP2: forwards without gradients (generation, no-grad log-prob passes, evaluation) gather "
+        "each unit once and keep it unsharded until training resumes (the next forward with "
+        "gradients, an optimizer step, an exception, or the end of a Trainer's evaluation, "
+        "prediction or training), instead of all-gathering "
+        "every unit for every generated token. Costs the whole model's unsharded parameters "
+        "(compute dtype) on every rank while generating, as DeepSpeed ZeRO-3's "
+        "ds3_gather_for_generation does; budget and auto plan with those bytes. Applies in every "
+        "sync mode.",
+        nargs="?",
+        const=True,
+    )
+    log_all_counters: Boolean | None = _flag(
+        "log_all_counters",
+        "Trainer logs (console and report_to): every grad_sync/ counter (totals since attach and the "
+        "last step's), instead of the few per-step ones: reduce-scatters (HSDP/DDP: all-reduces) "
+        "issued and skipped in the step, held gradient bytes, units at each level (auto: plan "
+        "changes and the measured peak). stats() always has everything.",
+        nargs="?",
+        const=True,
+    )
+
+    def __post_init__(self) -> None:
+        given: dict[str, Source] = {}
+        for f in dataclasses.fields(self):
+            value, env_name = getattr(self, f.name), ENV_PREFIX + f.name.upper()
+            if value is not None:
+                given[f.name] = Source(EXPLICIT, f"GradSyncConfig.{f.name}")
+            elif env_name in os.environ:
+                value, given[f.name] = os.environ[env_name], Source(ENVIRONMENT, env_name)
+            else:
+                value = DEFAULTS[f.name]
+            setattr(self, f.name, _coerce(f.name, value, given[f.name].name if f.name in given else "default"))
+        self._choose_mode(given)
+        self._check_combination(given)
+
+    def _choose_mode(self, given: dict[str, Source]) -> None:
+        """`defer` and `sync_mode` each ask for a mode: the one given at the higher rank decides,
+        and at one rank defer=True and another sync mode contradict. A memory budget selects
+        budget mode where no mode is asked for at its rank or above."""
+        rank = {name: given[name].rank if name in given else 0 for name in ("defer", "sync_mode")}
+        if self.defer and rank["defer"] == rank["sync_mode"] and self.sync_mode != SyncMode.DEFERRED:
+            raise ValueError(
+                f"{given['defer'].name}=True and {given['sync_mode'].name}={self.sync_mode!r} contradict: "
+                "--defer-grad-sync is shorthand for --grad-sync-mode deferred. Set only one of them."
+            )
+        if self.defer and rank["defer"] > rank["sync_mode"]:
+            self.sync_mode = SyncMode.DEFERRED.value
+        elif "defer" in given and rank["defer"] > rank["sync_mode"] and self.sync_mode == SyncMode.DEFERRED:
+            # defer=False is the switch's off position: it turns off the deferral a lower rank asks for.
+            self.sync_mode, rank["sync_mode"] = DEFAULTS["sync_mode"], 0
+        # A budget names what to hold, as --defer-grad-sync does: it asks for budget mode at its own
+        # rank, so it outranks a mode from a lower one and gives way (with a warning) at the same.
+        asked = max(rank["sync_mode"], rank["defer"] if self.defer else 0)
+        if self.memory_budget and given["memory_budget"].rank > asked:
+            self.sync_mode = SyncMode.BUDGET.value
+        self.defer = self.defer and self.sync_mode == SyncMode.DEFERRED  # False where outranked
+
+    def _check_combination(self, given: dict[str, Source]) -> None:
+        if self.sync_mode == SyncMode.BUDGET and not self.memory_budget:
+            raise ValueError(
+                "GradSyncConfig.sync_mode='budget' needs a memory budget: set --grad-sync-memory-budget "
+                "(e.g. 12GiB, 512MiB or a fraction of free memory such as 0.5)."
+            )
+
+        # Settings only some modes read: say once that they are ignored, never drop them silently.
+        used_by = {
+            "memory_budget": (SyncMode.BUDGET,),
+            "memory_margin": (SyncMode.AUTO,),
+            "free_memory": (SyncMode.AUTO, SyncMode.BUDGET),
+            "keep_params_unsharded": (SyncMode.DEFERRED, SyncMode.BUDGET, SyncMode.AUTO),
+        }
+        for name, modes in used_by.items():
+            # A value equal to the default changes nothing, so nothing is lost by ignoring it.
+            if name in given and getattr(self, name) != DEFAULTS[name] and self.sync_mode not in modes:
+                warnings.warn(
+                    f"accel_gradsync: {given[name].name}={getattr(self, name)!r} is ignored in sync mode "
+                    f"{self.sync_mode!r}; it applies to: {', '.join(modes)}.",
+                    GradSyncWarning,
+                    stacklevel=4,
+                )
+
+    def resolved(self) -> ResolvedConfig:
+        """The settings as resolved in `__post_init__`, typed as such."""
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(ResolvedConfig)}
+        assert all(v is not None for v in values.values()), values  # __post_init__ sets every field
+        return ResolvedConfig(**values)
+
+    @property
+    def free_memory_bytes(self) -> int | None:
+        """`free_memory` in bytes, or None when it is to be measured."""
+        return parse_bytes(self.free_memory)[0] if self.free_memory else None
+
+    @property
+    def mode(self) -> str:
+        """Name of the sync policy this config selects (see `accel_gradsync.planning.policies.POLICIES`)."""
+        return self.resolved().sync_mode
+
+
+_UNITS = {"b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+_SIZE = re.compile(r"^\s*(-?[0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_bytes(text: str, source: str = "memory size", fraction_ok: bool = True) -> tuple[int | None, float | None]:
+    """`12GiB` -> (bytes, None); `0.25` -> (None, fraction). Raises ValueError otherwise."""
+    match = _SIZE.match(str(text))
+    unit = match.group(2).lower() if match else ""
+    number = float(match.group(1)) if match else 0.0
+    if not match or unit not in _UNITS and unit != "" or number < 0:
+        raise ValueError(
+            f"{source}={text!r} is not a memory size{': it must be >= 0' if number < 0 else ''}; use a number "
+            "with a unit B, KiB, MiB or GiB "
+            + (
+                "(e.g. 12GiB) or a fraction of free memory between 0 and 1 (e.g. 0.5)."
+                if fraction_ok
+                else "(e.g. 40GiB)."
+            )
+        )
+    if unit:
+        return int(number * _UNITS[unit]), None
+    if not 0 <= number <= 1:
+        raise ValueError(
+            f"{source}={text!r}: a number without a unit is a fraction of free memory and must lie "
+            "between 0 and 1; add a unit (B, KiB, MiB, GiB) for an absolute size."
+        )
+    return None, number
+
+
+def _coerce(name: str, value: Any, source: str) -> Any:
+    """Validate one field, accepting the string spellings a CLI, YAML or environment gives."""
+    expected = type(DEFAULTS[name])
+    if expected is bool:
+        return parse_bool(value, source, name)
+    if name in ("sync_mode", "reduce_dtype"):
+        choices = SYNC_MODES if name == "sync_mode" else REDUCE_DTYPES
+        if value not in choices:
+            raise ValueError(f"{source}={value!r} is not a valid `{name}`; valid choices: {', '.join(choices)}.")
+        return value
+    if name in ("memory_budget", "free_memory"):
+        value = "" if value is None else str(value).strip()
+        fraction_ok = name != "free_memory"  # a fraction of free memory cannot describe free memory
+        if value and parse_bytes(value, source, fraction_ok)[1] is not None and not fraction_ok:
+            raise ValueError(f"{source}={value!r} must be an absolute size with a unit (B, KiB, MiB, GiB), e.g. 40GiB.")
+        return value
+    if name == "memory_margin":
+        try:
+            margin = float(value)
+        except (TypeError, ValueError):
+            margin = -1.0
+        if not 0 <= margin < 1:
+            raise ValueError(f"{source}={value!r} is not a valid `memory_margin`; use a fraction 0 <= margin < 1.")
+        return margin
+    raise AssertionError(f"no validator for field {name!r}")  # invariant: DEFAULTS covers all fields

@@ -1,0 +1,130 @@
+"""`accel-gradsync` (also `python -m accel_gradsync`): commands run before launch.
+
+`estimate` takes its sync settings from `GradSyncConfig` through `HfArgumentParser`, so its flags,
+defaults and environment variables are exactly the recipe's and `attach`'s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from transformers import HfArgumentParser
+
+from accel_gradsync.config.errors import GradSyncWarning
+from accel_gradsync.config.settings import DTYPES, GradSyncConfig
+from accel_gradsync.estimator.core import RECIPE_DEFAULT, estimate, format_table
+
+
+@dataclass
+class EstimateArguments:
+    """What `accel-gradsync estimate` reads besides the sync settings."""
+
+    micro_batches: int = field(metadata={"help": "Micro-batches per optimizer step (gradient_accumulation_steps)."})
+    accelerate_config: str | None = field(
+        default=None,
+        metadata={
+            "help": "The accelerate config file the run will be launched with (FSDP version, wrap policy, "
+            "mixed_precision, num_processes, parallelism_config replicate/shard sizes)."
+        },
+    )
+    distributed_config: str | None = field(
+        default=None,
+        metadata={
+            "help": "Instead of --accelerate-config, for a model transformers shards at load time: the keys "
+            'of its DistributedConfig as JSON or a JSON/YAML file, e.g. \'{"fsdp_size": 8, '
+            '"dp_replicate_size": 2}\' (fsdp_size, dp_replicate_size, fsdp_mixed_precision, '
+            "fsdp_cpu_offload, fsdp_plan)."
+        },
+    )
+    model: str = field(
+        default=RECIPE_DEFAULT,
+        metadata={
+            "help": f"A transformers config: a local directory with config.json, a hub name (online only), "
+            f"or {RECIPE_DEFAULT!r} for the GRPO recipe's embedded tiny Qwen2. Built on the meta device: "
+            "no weights are loaded and no memory is spent."
+        },
+    )
+    num_processes: int | None = field(
+        default=None,
+        metadata={"help": "Override the config's num_processes, as accelerate launch --num_processes does."},
+    )
+    mixed_precision: str | None = field(
+        default=None,
+        metadata={
+            "help": "Override the config's mixed_precision, as accelerate launch --mixed_precision does.",
+            "choices": ("no", "fp16", "bf16", "fp8"),
+        },
+    )
+    model_dtype: str = field(
+        default="fp32",
+        metadata={
+            "help": "dtype the model's parameters are loaded in. With mixed_precision on, accelerate upcasts "
+            "trainable parameters to fp32 anyway.",
+            "choices": tuple(DTYPES),
+        },
+    )
+    json: bool = field(default=False, metadata={"help": "Print the estimate as JSON instead of a table."})
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, HfArgumentParser]:
+    """The top-level parser and the `estimate` sub-parser."""
+    parser = argparse.ArgumentParser(
+        prog="accel-gradsync",
+        description="Plan gradient sync under FSDP before launch. See docs/estimate.md.",
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=HfArgumentParser)
+    estimate_parser = commands.add_parser(
+        "estimate",
+        dataclass_types=[EstimateArguments, GradSyncConfig],
+        help="per sync mode: collectives and bytes sent per optimizer step, gradient memory held per rank",
+        description="One row per sync mode: reduce-scatters (and HSDP all-reduces) per optimizer step, bytes "
+        "each rank sends per step, gradient bytes held per rank between micro-batches and their dtype, the peak "
+        "gradient bytes in the first deferred backward, and whether that fits --grad-sync-free-memory. The "
+        "model is built on the meta device and sharded as accelerate shards it, in a fake process group inside this "
+        "process: nothing is allocated and no other process is started.",
+    )
+    return parser, estimate_parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = _join_negative_values(list(sys.argv[1:] if argv is None else argv))
+    parser, estimate_parser = build_parser()
+    parser.parse_args(argv)  # --help, a missing or unknown command, bad flags: argparse's own messages
+    with warnings.catch_warnings():
+        # Every row uses every setting, so "ignored in sync mode X" does not apply here.
+        warnings.simplefilter("ignore", GradSyncWarning)
+        try:
+            args, config = estimate_parser.parse_args_into_dataclasses(argv[1:], look_for_args_file=False)
+            result = estimate(
+                args.model,
+                args.accelerate_config,
+                args.micro_batches,
+                config,
+                args.num_processes,
+                model_dtype=DTYPES[args.model_dtype],
+                mixed_precision=args.mixed_precision,
+                distributed_config=args.distributed_config,
+            )
+        except ValueError as err:
+            estimate_parser.error(str(err))  # exits 2 with the usage line
+    print(json.dumps(result.to_dict(), indent=1) if args.json else format_table(result))
+    return 0
+
+
+def _join_negative_values(argv: list[str]) -> list[str]:
+    """`--flag -1GiB` as `--flag=-1GiB`. argparse passes only plain numbers such as -1 as values
+    and takes -1GiB for an unknown option, so the user would read "expected one argument"
+    instead of what is wrong with the value."""
+    joined: list[str] = []
+    for arg in argv:
+        if joined and joined[-1].startswith("--") and "=" not in joined[-1] and re.match(r"-\.?\d", arg):
+            joined[-1] += "=" + arg
+        else:
+            joined.append(arg)
+    return joined

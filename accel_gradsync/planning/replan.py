@@ -1,0 +1,151 @@
+"""`auto` from measured memory: measure step 1, then plan; fall back when peaks grow, move back
+up after quiet steps.
+
+Free memory read before the first step overstates what a step leaves: Adam allocates its states
+at the first `step()`, activations exist only inside a step, GRPO's completions grow over
+training. So `auto` runs the first optimizer step per micro-batch while the probe measures its
+peak on every rank, and from the second step on uses the most communication-saving plan
+(`policies.plan_within`: windowed, deferred, per micro-batch per unit; on HSDP also all-reduce
+deferral) whose held bytes fit `capacity x (1 - margin) - peak`, the poorest rank deciding.
+
+Every later window start reads the last step's peak (one number per step, kept in `peaks`).
+When it came within the margin of capacity, the next window falls back one level, largest
+units first (windowed to deferred, deferred to per micro-batch) until the overshoot is freed.
+After `QUIET_STEPS` steps in a row with room, it moves back up to what fits with half the
+margin to spare: it never changes plan from one step to the next both ways. Plans change only
+between windows.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+from accel_gradsync.config.settings import ResolvedConfig, SyncMode
+from accel_gradsync.planning.costs import format_bytes, generation_bytes_of
+from accel_gradsync.planning.memory import MemoryProbe
+from accel_gradsync.planning.policies import mode_of, plan_within
+from accel_gradsync.planning.units import ALL_REDUCE, Level, Plan, Wrapped
+
+QUIET_STEPS = 10
+"""Steps in a row with room before a plan moves back up."""
+KEPT_PEAKS = 32
+
+Agree = Callable[[int, int], tuple[int, int]]
+"""(this rank's peak, capacity) -> (the largest peak, the smallest capacity) over all ranks."""
+
+
+@dataclass
+class Change:
+    """A plan decided at a window start, and the one line that says why (main process prints it)."""
+
+    plan: Plan
+    message: str
+
+
+@dataclass
+class MeasuredAuto:
+    """The state of one model's measured `auto` plan."""
+
+    config: ResolvedConfig
+    probe: MemoryProbe
+    agree: Agree
+    peaks: deque = field(default_factory=lambda: deque(maxlen=KEPT_PEAKS))
+    """The agreed peak of each of the last steps, bytes per rank."""
+    measured_steps: int = 0
+    quiet: int = 0
+    changes: int = 0
+    """Plan changes after the first plan (fall-backs and recoveries)."""
+
+    def first_plan(self, adapter: Wrapped | None = None) -> Plan:
+        """Step 1: sync every micro-batch while the probe measures the step's peak (generation's
+        gathered params included, `adapter` given)."""
+        self.probe.reset_peak()
+        generation = 0 if adapter is None else generation_bytes_of(adapter, self.config)
+        return Plan(
+            SyncMode.AUTO,
+            reason="step 1 syncs every micro-batch and measures its peak memory",
+            generation_bytes=generation,
+        )
+
+    def at_window_start(self, adapter: Wrapped, plan: Plan, micro_batches: int) -> Change | None:
+        """Read the step that just ended; return the next window's plan when it changes."""
+        peak, capacity = self.agree(self.probe.peak(), self.probe.capacity())
+        self.probe.reset_peak()
+        self.peaks.append(peak)
+        self.measured_steps += 1
+        limit = int(capacity * (1 - self.config.memory_margin))
+        room = f"peak {format_bytes(peak)}/rank of {format_bytes(capacity)} (margin {self.config.memory_margin:g})"
+        if self.measured_steps == 1:
+            # The measured peak already holds what generation gathered (gather_for_generation):
+            # generation ran in step 1, so it is not taken off a second time.
+            chosen = plan_within(adapter, limit - peak, micro_batches)
+            chosen = replace(
+                chosen,
+                generation_bytes=generation_bytes_of(adapter, self.config),
+                reason=f"auto measured step 1: {room}; holds {format_bytes(chosen.held_bytes())}",
+            )
+            return Change(chosen, f"grad sync: auto measured step 1: {room}; from step 2 on:")
+        if peak > limit and plan.held:
+            self.quiet = 0
+            lower = fall_back(plan, adapter, peak - limit)
+            if lower is None:
+                return None
+            self.changes += 1
+            lower = replace(lower, reason=f"auto fell back: {room}, {format_bytes(peak - limit)} over")
+            return Change(lower, f"grad sync: auto falls back one level: step {room}; now:")
+        self.quiet += 1
+        if self.quiet < QUIET_STEPS:
+            return None
+        self.quiet = 0
+        # What the step needs besides what this plan holds, and room for a better plan with half
+        # the margin to spare, so a plan that only just fits is not taken.
+        needs = max(peak - plan.held_bytes(), 0)
+        spare = int(capacity * self.config.memory_margin / 2)
+        higher = replace(
+            plan_within(adapter, limit - needs - spare, micro_batches), generation_bytes=plan.generation_bytes
+        )
+        if _saves_more(higher, plan, adapter):
+            self.changes += 1
+            higher = replace(higher, reason=f"auto moved up after {QUIET_STEPS} quiet steps: {room}")
+            return Change(higher, f"grad sync: auto moves back up after {QUIET_STEPS} quiet steps ({room}):")
+        return None
+
+
+def fall_back(plan: Plan, adapter: Wrapped, overshoot: int) -> Plan | None:
+    """`plan` with units one level lower, largest first, until `overshoot` bytes are freed (or
+    every unit went one level down); None when nothing can go lower."""
+    if plan.held_sync == ALL_REDUCE:
+        return Plan(SyncMode.PER_MICRO_BATCH, generation_bytes=plan.generation_bytes)  # the only level below
+    held, windowed = list(plan.held), list(plan.windowed)
+    freed = 0
+    for unit in sorted(adapter.units, key=lambda u: u.param_numel, reverse=True):
+        if freed >= overshoot:
+            break
+        if any(u is unit for u in windowed):
+            windowed = [u for u in windowed if u is not unit]
+            freed += unit.param_bytes
+        elif any(u is unit for u in held):
+            held = [u for u in held if u is not unit]
+            freed += unit.held_bytes
+    if freed == 0:
+        return None
+    mode = mode_of(Plan("", held, windowed=windowed), adapter.units)
+    return Plan(mode, held, windowed=windowed, generation_bytes=plan.generation_bytes)
+
+
+def _saves_more(a: Plan, b: Plan, adapter: Wrapped) -> bool:
+    """True when plan `a` puts units at higher levels than `b` overall."""
+    return _score(a, adapter) > _score(b, adapter)
+
+
+def _score(plan: Plan, adapter: Wrapped) -> float:
+    levels = {
+        Level.FROZEN: 0.0,
+        Level.PER_MICRO_BATCH: 0.0,
+        Level.DEFER_ALL_REDUCE: 0.5,
+        Level.DEFERRED: 1.0,
+        Level.WINDOWED: 2.0,
+    }
+    return sum(levels[plan.level(u)] * u.param_numel for u in adapter.units)

@@ -1,0 +1,195 @@
+"""What a plan is told as: the one decision line printed per model at bind and at every plan
+change, and the warnings a plan earns once, when it is made.
+
+The line states the costs the plan implies (collectives per optimizer step, bytes held) with
+policies.py's counting functions, which `accel-gradsync estimate` uses too, so the two agree.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from accel_gradsync.config.errors import GradSyncWarning
+from accel_gradsync.config.settings import FP32_HELD_MODES, GradSyncConfig, SyncMode
+from accel_gradsync.planning.costs import (
+    all_gathers_per_step,
+    collectives_per_step,
+    format_bytes,
+    generation_all_gathers_per,
+    narrower_than_reduce,
+)
+from accel_gradsync.planning.units import ALL_REDUCE, GRADIENT_SYNC, Level, Plan
+from accel_gradsync.runtime.fsdp import ModelAdapter
+
+
+def describe_decision(plan: Plan, adapter: ModelAdapter, micro_batches: int) -> str:
+    """One line: the mode, each unit's level, the collectives per optimizer step it implies and
+    what it holds, gradients and params apart; then what forwards without gradients
+    (generation) all-gather, and hold with `gather_for_generation`. Frozen units count in the
+    all-gathers (they reduce nothing)."""
+    m = micro_batches
+    plan = plan.over(m)
+    rs, ar = collectives_per_step(plan, adapter.units, adapter.hsdp, m)
+    every = sum(u.collectives for u in adapter.units) * m
+    if adapter.collective == "all_reduce":
+        cost = f"{rs} all-reduces/step instead of {every}"  # DDP: whole-model passes, bucketed
+    else:
+        ag, _ = all_gathers_per_step(plan, adapter, m)
+        every_ag, _ = all_gathers_per_step(Plan(SyncMode.PER_MICRO_BATCH), adapter, m)
+        if adapter.hsdp:
+            cost = (
+                f"{rs} reduce-scatters, {ar} all-reduces and {ag} all-gathers/step "
+                f"instead of {every}, {every} and {every_ag}"
+            )
+        else:
+            cost = f"{rs} reduce-scatters and {ag} all-gathers/step instead of {every} and {every_ag}"
+    levels = [plan.level(u) for u in adapter.units]
+    counts = ", ".join(f"{levels.count(lv)} {lv.replace('_', '-')}" for lv in _LEVELS[plan.held_sync] if lv in levels)
+    line = f"grad sync: {plan.mode} over {m} micro-batch{'es' if m != 1 else ''} on {adapter.kind} ({counts}) -> {cost}"
+    if plan.held:
+        dtype = str(plan.held[0].held_dtype).removeprefix("torch.")
+        what = "sharded partial" if plan.held_sync == ALL_REDUCE else "unsharded"
+        line += f"; holds ~{format_bytes(plan.held_grad_bytes())} {what} {dtype} grads"
+        if plan.windowed:
+            line += " + " + _kept_params(plan)
+        line += " per rank" + _summed_in(plan, adapter)
+    elif m > 1 and narrower_than_reduce(adapter):
+        unit = next(u for u in adapter.units if not u.frozen)
+        line += (
+            f"; deferring would sum gradients in {_name(unit.held_dtype)} ({adapter.kind}'s no_sync() holds the "
+            f"compute dtype), below the {_name(unit.reduce_dtype)} each micro-batch is reduced in here"
+        )
+    elif plan.windowed:  # one micro-batch per step: no gradient to hold, the window is that micro-batch
+        line += f"; keeps {_kept_params(plan)} per rank from each forward to its backward"
+    if adapter.collective != "all_reduce":
+        line += "; " + _generation_cost(plan, adapter)
+    if plan.reason:
+        line += f" [{plan.reason}]"
+    return line
+
+
+def _summed_in(plan: Plan, adapter: ModelAdapter) -> str:
+    """The dtype the held gradients are summed in over the window, and what it means beside
+    per-micro-batch sync, which sums each micro-batch's reduced shard in the sharded params' dtype
+    (fp32 under mixed precision; DDP: the param dtype, as deferral does)."""
+    unit = next((u for u in plan.held if not u.frozen), None)
+    if unit is None:
+        return ""
+    held, compute = unit.held_dtype, unit.compute_dtype
+    if adapter.kind == "ddp" or held.itemsize >= 4:
+        over = f" (the reduce dtype, over {_name(compute)} compute)" if compute.itemsize < held.itemsize else ""
+        return f", summed in {_name(held)}{over} as per micro-batch sums them"
+    fix = (
+        "reduce_dtype=fp32 sums them in float32"
+        if adapter.kind == "fsdp2"
+        else f"{adapter.kind}'s no_sync() holds the compute dtype whatever the reduce dtype: per_micro_batch, "
+        "or FSDP2 with reduce_dtype=fp32, sums in float32"
+    )
+    return (
+        f", summed in {_name(held)}: it rounds more than per micro-batch, which sums reduced shards in the "
+        f"params' float32 under mixed precision, so the gradients differ; {fix}"
+    )
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _kept_params(plan: Plan) -> str:
+    """The unsharded params the plan's windowed units keep, e.g. `~1.2 MiB unsharded bfloat16 params`."""
+    dtype = str(plan.windowed[0].compute_dtype).removeprefix("torch.")
+    return f"~{format_bytes(plan.held_param_bytes())} unsharded {dtype} params"
+
+
+def _generation_cost(plan: Plan, adapter: ModelAdapter) -> str:
+    """What generation all-gathers apart from training: once per unit per round when its units
+    are kept unsharded (`gather_for_generation`), else every resharding unit on every token."""
+    units = adapter.units
+    if plan.generation_bytes:
+        dtype = str(units[0].compute_dtype).removeprefix("torch.")
+        return (
+            f"generation {generation_all_gathers_per(units, kept=True)} all-gathers per round "
+            f"(gather_for_generation: ~{format_bytes(plan.generation_bytes)} unsharded {dtype} params per rank "
+            "while generating)"
+        )
+    return f"generation {generation_all_gathers_per(units, kept=False)} all-gathers per token"
+
+
+_LEVELS = {
+    GRADIENT_SYNC: (Level.WINDOWED, Level.DEFERRED, Level.PER_MICRO_BATCH, Level.FROZEN),
+    ALL_REDUCE: (Level.WINDOWED, Level.DEFER_ALL_REDUCE, Level.PER_MICRO_BATCH, Level.FROZEN),
+}
+
+
+def warn_about_plan(plan: Plan, adapter: ModelAdapter, config: GradSyncConfig, micro_batches: int) -> None:
+    """Warn about what a first plan costs or ignores on this wrapper. The warnings point at the
+    code that called `bind` (`prepare`, the first `no_sync`, or attach)."""
+    if config.keep_params_unsharded and adapter.kind != "fsdp2" and plan.held:
+        instead = {
+            "fsdp1": "FSDP1's nearest equivalent is sharding_strategy SHARD_GRAD_OP",
+            "ddp": "DDP never shards parameters",
+        }[adapter.kind]
+        warnings.warn(
+            f"accel_gradsync: keep_params_unsharded does not apply on {adapter.kind}: it keeps FSDP2 units' "
+            f"parameters unsharded through the accumulation window ({instead}).",
+            GradSyncWarning,
+            stacklevel=4,
+        )
+    if adapter.root_only and plan.held and any(not u.frozen and u not in plan.held for u in adapter.units):
+        raise AssertionError(f"{adapter.kind} can only defer every unit at once")  # policies ensure it
+    wide = [u for u in plan.held if u.held_dtype.itemsize > u.compute_dtype.itemsize]
+    # auto and budget chose fp32 themselves, and attach and the decision line say so: not a surprise.
+    chosen_by_mode = config.mode in FP32_HELD_MODES and config.resolved().reduce_dtype == "auto"
+    if plan.held_sync != ALL_REDUCE and wide and micro_batches > 1 and not chosen_by_mode:
+        extra = sum(u.numel * (u.held_dtype.itemsize - u.compute_dtype.itemsize) for u in wide)
+        warnings.warn(
+            f"accel_gradsync: deferral holds gradients in {wide[0].held_dtype} (the reduce dtype), wider "
+            f"than the {wide[0].compute_dtype} compute dtype: {format_bytes(extra)} more per rank than "
+            f"{wide[0].compute_dtype} would hold. reduce_dtype=bf16 halves it, at the cost of summing the "
+            "micro-batches in bf16 (the gradients then differ from per_micro_batch's).",
+            GradSyncWarning,
+            stacklevel=4,
+        )
+    _warn_low_precision_sums(plan, adapter, config, micro_batches)
+
+
+def _warn_low_precision_sums(plan: Plan, adapter: ModelAdapter, config: GradSyncConfig, micro_batches: int) -> None:
+    """Once per model: a plan that holds gradients (or `auto`, which may hold from step 2 on) on
+    FSDP in a dtype narrower than fp32 sums the micro-batches in it, where per-micro-batch sync
+    sums reduced shards in the params' dtype (fp32 under mixed precision). An explicit
+    `reduce_dtype=bf16` is that choice made knowingly: the decision line says it, no warning."""
+    if micro_batches < 2 or adapter.kind == "ddp" or config.resolved().reduce_dtype == "bf16":
+        return
+    if plan.held:
+        units, what = plan.held, "deferral"
+    elif config.mode == SyncMode.AUTO and not narrower_than_reduce(adapter):
+        units, what = adapter.units, "auto, from step 2 on where it defers,"
+    else:
+        return
+    unit = next((u for u in units if not u.frozen and u.held_dtype.itemsize < 4), None)
+    if unit is None:
+        return
+    low = str(unit.held_dtype).removeprefix("torch.")
+    setting = "reduce_dtype: fp32 (--grad-sync-reduce-dtype fp32, ACCEL_GRADSYNC_REDUCE_DTYPE=fp32)"
+    if adapter.kind != "fsdp2":
+        fix = (
+            f"{adapter.kind}'s no_sync() holds the compute dtype whatever the reduce dtype: use sync mode "
+            f"per_micro_batch, or FSDP2 (fsdp_version: 2) with {setting}"
+        )
+    elif config.mode in FP32_HELD_MODES and config.resolved().reduce_dtype == "auto":
+        fix = (
+            f"{config.mode} holds them in float32 by default, but the reduce dtype must reach FSDP before "
+            "the model is wrapped: call accel_gradsync.attach() before accelerator.prepare()"
+        )
+    else:
+        fix = f"set {setting} before accelerator.prepare() to sum them in float32, at twice the held bytes"
+    warnings.warn(
+        f"accel_gradsync: {what} sums the held gradients of {micro_batches} micro-batches in {low}, where "
+        "per_micro_batch sums each one's reduced shard in the params' dtype (float32 under mixed precision): "
+        f"the gradients differ (docs/modes.md measures it). To fix it, {fix}; reduce_dtype: bf16 keeps "
+        f"{low} sums without this warning.",
+        GradSyncWarning,
+        stacklevel=5,
+    )

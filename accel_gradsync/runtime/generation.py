@@ -1,0 +1,200 @@
+"""Forwards without gradients (generation, no-grad log-prob passes, evaluation): with
+`gather_for_generation` gather each FSDP2 unit once and keep it unsharded until training resumes
+(their all-gathers are counted where FSDP issues them: fsdp2_counts.py).
+
+Under FSDP2 with `reshard_after_forward` every forward all-gathers every unit and frees it again,
+so generating T tokens costs about T x U all-gathers. TRL's `unwrap_model_for_generation` gathers
+once only under DeepSpeed ZeRO-3; under FSDP2 it does nothing. Here each unit's first forward
+without gradients sets its `reshard_after_forward` to False (the public setter, the flags saved
+exactly as `FSDP2Adapter.keep_params_through_forward` saves them), so FSDP gathers it once and
+keeps it; later forwards find it unsharded. Training resumes at the next forward with gradients
+(in train or eval mode), an optimizer step, a change of the window's flags, an exception, the end
+of a Trainer's evaluation, prediction or training (trainer.py), or detach: every flag goes back to
+what it was and the units that reshard after forward are resharded (`FSDPModule.reshard()`). In a
+plain accelerate loop nothing comes after an evaluation that follows the last step: the units stay
+gathered until `detach()`, unless that evaluation runs inside `gathered(model)`, which reshards at
+the end of its block. An exception inside a forward leaves FSDP mid-forward; torch's
+`reset_iter_state()` is its documented recovery, used where no deferred gradient would be lost.
+
+The hooks sit on every FSDP unit's module, not on the root: PEFT's `generate` and TRL's
+unwrapped model run the inner model without the root's forward. Each pre-hook is prepended, so it
+runs before FSDP's own pre-forward (which gathers) and before the counting hook (which reads
+what a release left). Where the model is not FSDP2 (FSDP1, DDP) the
+setting does not apply and says so once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from accel_gradsync.planning.units import Unit
+from accel_gradsync.runtime.state import Attachment, BoundModel, root_of
+
+
+class GenerationGather:
+    """The units kept unsharded for generation, of every model bound to one `attach()`."""
+
+    def __init__(self, state: Attachment) -> None:
+        self.state = state
+        self._restores: dict[nn.Module, list[Callable[[], None]]] = {}
+        """By bound model: the calls that put back each kept unit's flags, in keeping order."""
+        self._kept: dict[nn.Module, set[int]] = {}
+        """By bound model: `id` of each unit kept unsharded."""
+        self._forced: Counter[nn.Module | None] = Counter()
+        """`gathered()` blocks open, by the bound model each names (None: every model): they keep
+        that model's units whatever the setting says."""
+        self._optimizer_hook: torch.utils.hooks.RemovableHandle | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.state.config.resolved().gather_for_generation)
+
+    # -- hooks --------------------------------------------------------------------------------
+    def watch(self, root: nn.Module) -> list[torch.utils.hooks.RemovableHandle]:
+        """Hooks on each unit module of the bound model `root`: count forwards without gradients,
+        keep their units where the setting (or `gathered()`) asks, release when training resumes."""
+        bound = self.state.bound[root]
+        if bound.adapter.kind != "fsdp2" and self.enabled:
+            instead = {
+                "fsdp1": "under FSDP1 wrap generation in FSDP.summon_full_params(model) yourself, or use "
+                "fsdp_version: 2",
+                "ddp": "DDP never shards parameters",
+            }[bound.adapter.kind]
+            self.state.warn_once(
+                "generation_not_fsdp2",
+                f"accel_gradsync: gather_for_generation is ignored on {bound.adapter.kind}: it keeps FSDP2 units "
+                f"unsharded while generating ({instead}).",
+            )
+        if bound.adapter.kind != "fsdp2":
+            return []
+        handles = []
+        for module, unit in bound.adapter.unit_modules():
+            handles.append(module.register_forward_pre_hook(self._pre_hook(root, bound, unit), prepend=True))
+            if self.enabled:  # gathered() sees its own exceptions
+                handles.extend(self._watch_for_raise(module))
+        # The root too, unit or not: training resumes before the window counts the micro-batch
+        # (its hook on the root runs next), and an exception from a later hook of a unit passes
+        # only through the root.
+        handles.append(root.register_forward_pre_hook(self._resume_hook, prepend=True))
+        if self.enabled:
+            handles.extend(self._watch_for_raise(root))
+        if self.enabled and self._optimizer_hook is None:
+            self._optimizer_hook = register_optimizer_step_pre_hook(self._before_step)
+            handles.append(self._optimizer_hook)
+        return handles
+
+    def _resume_hook(self, module: nn.Module, args: Any) -> None:
+        """A forward with gradients (in train or eval mode, as the window counts it): training
+        resumes, generation's units go back."""
+        if self._kept and torch.is_grad_enabled():
+            self.release()
+
+    def _pre_hook(self, key: nn.Module, bound: BoundModel, unit: Unit) -> Callable:
+        def hook(module: nn.Module, args: Any) -> None:
+            if torch.is_grad_enabled():
+                self._resume_hook(module, args)  # before FSDP's own pre-forward runs
+                return
+            keep = self.enabled or self._forced[None] > 0 or self._forced[key] > 0
+            if keep and id(unit) not in self._kept.setdefault(key, set()):
+                self._kept[key].add(id(unit))
+                self._restores.setdefault(key, []).append(bound.adapter.keep_params_through_forward([unit]))
+
+        return hook
+
+    def _watch_for_raise(self, module: nn.Module) -> list[torch.utils.hooks.RemovableHandle]:
+        """Release everything kept when a forward of `module` raises (FSDP is left mid-forward).
+
+        Two forward hooks, one after the other: the first runs only when the forward (and the
+        hooks before it) returned; the second always runs (`always_call`), also while the
+        exception propagates, and finds the first one's mark missing. The ambient exception state
+        cannot tell: inside a caller's `except` block (a retry after a timeout) it holds the
+        exception being handled, not one from this forward."""
+        returned: list[bool] = []
+
+        def mark_returned(module: nn.Module, args: Any, output: Any) -> None:
+            returned.append(True)
+
+        def after_forward(module: nn.Module, args: Any, output: Any) -> None:
+            if returned:
+                returned.pop()
+            elif self._kept and not torch.is_grad_enabled():
+                self.release(raised=True)
+
+        return [
+            module.register_forward_hook(mark_returned),
+            module.register_forward_hook(after_forward, always_call=True),
+        ]
+
+    def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        """Global optimizer pre-step hook: nothing gathered for generation survives into a step."""
+        if self._kept:
+            self.release()
+
+    # -- keeping and releasing -----------------------------------------------------------------
+    def release(self, raised: bool = False, models: Iterable[nn.Module] | None = None) -> None:
+        """Put every flag generation changed back and reshard the kept units that reshard after
+        forward, of the bound `models` (default: all). Units that do not (FSDP2's root) stay as
+        FSDP leaves them after any forward without gradients: PEFT's `generate` runs the inner
+        model without the root's forward and relies on that."""
+        for key in list(self._kept) if models is None else [k for k in models if k in self._kept]:
+            bound = self.state.bound.get(key)
+            restores = self._restores.pop(key, [])
+            kept = self._kept.pop(key)
+            for restore in reversed(restores):
+                restore()
+            if bound is None:
+                continue
+            adapter = bound.adapter
+            if raised and adapter.held_grad_bytes() == 0 and adapter.reset_after_exception():
+                continue  # FSDP's own recovery resharded every unit
+            adapter.reshard_unless_kept([u for u in adapter.units if id(u) in kept])
+
+    @contextlib.contextmanager
+    def gathered(self, model: nn.Module | None = None) -> Iterator[None]:
+        """Keep each unit of `model` (default: of every bound model) that runs a forward without
+        gradients inside the block unsharded from its first such forward to the end of the block;
+        then reshard them. Other models' units gather and reshard as without the block. Any
+        setting."""
+        key = None if model is None else root_of(model)
+        if key is not None and key not in self.state.bound:
+            raise ValueError(
+                "grad_sync.gathered(model): the model is not bound to this attach() (pass the model "
+                "accelerator.prepare returned, with FSDP2)."
+            )
+        kinds = (
+            {b.adapter.kind for b in self.state.bound.values()}
+            if model is None
+            else {self.state.bound[root_of(model)].adapter.kind}
+        )
+        others = ", ".join(sorted(kinds - {"fsdp2"}))
+        if others:
+            self.state.warn_once(
+                "gathered_not_fsdp2",
+                f"accel_gradsync: gathered() keeps FSDP2 units unsharded; it does nothing for {others} "
+                "models (FSDP1: FSDP.summon_full_params(model); DDP keeps whole parameters anyway).",
+            )
+        self._forced[key] += 1
+        try:
+            yield
+        except BaseException:
+            self._forced[key] -= 1
+            self.release(raised=True)  # the exception may have left any model mid-forward
+            raise
+        self._forced[key] -= 1
+        if self._forced[None] == 0:  # a block over every model still open keeps them all
+            ended = list(self._kept) if key is None else [key]
+            self.release(models=[k for k in ended if self._forced[k] == 0])
+
+    def close(self) -> None:
+        """Detach: put everything back."""
+        self.release()
+        if self._optimizer_hook is not None:
+            self._optimizer_hook.remove()
+            self._optimizer_hook = None

@@ -1,0 +1,243 @@
+"""`GradSyncHandle`: what `attach` returns. A facade over one attach's parts: binding (bind.py),
+the hot path (window.py), mid-window checkpoints (checkpoint.py), the accelerator's subclass
+(accelerator_hook.py) and the Trainer callback (trainer.py); it owns what `detach` undoes."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from torch import nn
+
+from accel_gradsync.compat.optimizer_state import OptimizerStateFix
+from accel_gradsync.config.settings import GradSyncConfig
+from accel_gradsync.planning.memory import MemoryProbe
+from accel_gradsync.planning.policies import SyncPolicy, resolve_policy
+from accel_gradsync.planning.units import Plan
+from accel_gradsync.runtime.accounting import combined_stats
+from accel_gradsync.runtime.bind import Binder, wants_binding
+from accel_gradsync.runtime.checkpoint import GradCheckpoint
+from accel_gradsync.runtime.decision import describe_decision
+from accel_gradsync.runtime.fsdp import ModelAdapter
+from accel_gradsync.runtime.generation import GenerationGather
+from accel_gradsync.runtime.hooks import (
+    discarding_on_exception,
+    hook_accelerator,
+    hook_trainer,
+    sharded_by_transformers,
+    unhook_accelerator,
+    unhook_trainer,
+)
+from accel_gradsync.runtime.plan_checkpoint import PlanCheckpoint
+from accel_gradsync.runtime.state import Attachment, root_of
+from accel_gradsync.runtime.window import Window
+
+
+class GradSyncHandle:
+    """What `attach` returns: live counters (`stats()`), the plan, and `detach()`."""
+
+    def __init__(
+        self,
+        accelerator: Accelerator,
+        config: GradSyncConfig,
+        trainer: Any = None,
+        memory_probe: MemoryProbe | None = None,
+    ) -> None:
+        self.accelerator = accelerator
+        self.config = config
+        self.policy: SyncPolicy = resolve_policy(config)
+        self._state = Attachment(accelerator, config, self.policy, trainer)
+        self._binder = Binder(self._state, memory_probe)
+        self._checkpoint = GradCheckpoint(self._state)
+        self._optimizer_state = OptimizerStateFix(accelerator, trainer)  # FSDP1 sharded optimizer resume
+        self._plans = PlanCheckpoint(self._state)  # auto's plan across a resume
+        self._generation = GenerationGather(self._state)
+        self._window = Window(self._state, self.bind, self._generation.release)
+        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
+        self._callback: Any = None  # trainer.GradSyncCallback, with a Trainer
+        self._original_class: type | None = None
+        self._original_trainer_class: type | None = None  # a model transformers sharded (hooks.py)
+
+    # -- public ---------------------------------------------------------------------------
+    @property
+    def micro_batches_per_step(self) -> int:
+        """M: micro-batches per optimizer step (the Trainer keeps it outside accelerate)."""
+        return self._state.micro_batches_per_step
+
+    def stats(self) -> dict:
+        """What ran since `attach`, counted by the plugin from each unit's flags.
+
+        Returns:
+            `dict`: `micro_batches` (and `deferred_micro_batches`), `optimizer_steps`,
+            `reduce_scatters_issued` / `_skipped` and `all_reduces_issued` / `_skipped` (unit
+            syncs), `all_gathers` (training) and `generation_all_gathers` (forwards without
+            gradients), `replicated_all_reduces` (those transformers' Trainer issues itself for
+            an adapter added after load-time sharding), `bytes_reduced`, `peak_held_grad_bytes`,
+            the plan's `mode` and each
+            unit's level (`unit_modes`, `units_<level>`), under `auto` its `measured_peaks` and
+            `plan_changes`; the same counts for the last finished optimizer step under
+            `last_step/`; with several models, each one's under `models`.
+        """
+        return combined_stats({b.name: b.stats() for b in self._state.bound.values()}, self.policy.name)
+
+    def plan(self, model: nn.Module | None = None) -> Plan | None:
+        """The plan in force for one model.
+
+        Args:
+            model (`torch.nn.Module`, *optional*): a bound model; default: the first one bound.
+
+        Returns:
+            `Plan` or `None`: its mode, held and windowed units and why; `None` while the model
+            is not bound (not prepared yet, not wrapped, or nothing to train).
+        """
+        bound = self._state.bound
+        if model is not None:
+            return bound[root_of(model)].plan if root_of(model) in bound else None
+        return next((b.plan for b in bound.values()), None)
+
+    def units(self, model: nn.Module | None = None) -> list:
+        """The FSDP units (DDP: the whole model) the plugin plans over.
+
+        Args:
+            model (`torch.nn.Module`, *optional*): a bound model; default: the first one bound.
+
+        Returns:
+            `list[accel_gradsync.planning.units.Unit]`: name, sizes and dtypes of each unit, frozen ones
+            included; empty while the model is not bound.
+        """
+        key = root_of(model) if model is not None else next(iter(self._state.bound), None)
+        adapter = self._state.adapters.get(key) if key is not None else None
+        return list(adapter.units) if adapter is not None else []
+
+    def describe(self) -> str:
+        """The decision line of the first bound model, as printed at bind.
+
+        Returns:
+            `str`: e.g. `grad sync: deferred over 4 micro-batches on fsdp2 (3 deferred) -> ...`.
+        """
+        bound = next(iter(self._state.bound.values()), None)
+        if bound is None:
+            return f"grad sync: {self.policy.name} (no FSDP/DDP model bound yet)"
+        return describe_decision(bound.plan, bound.adapter, self.micro_batches_per_step)
+
+    def bind(self, model: nn.Module) -> ModelAdapter | None:
+        """Inspect a model once: its wrapper and units, its plan and counters; prints the
+        decision line. Models accelerate prepares, the Trainer's, and a model at its first
+        `no_sync` are bound without this call; call it for a model accelerate did not prepare
+        (one transformers sharded at load time) before its first step.
+
+        Args:
+            model (`torch.nn.Module`): a model wrapped in FSDP2, FSDP1 or DDP.
+
+        Returns:
+            `ModelAdapter` or `None`: `None` where the model is not wrapped (accelerate's own
+            `no_sync` then applies, with one warning).
+
+        Raises:
+            `ValueError`: the accelerate config asks for FSDP and the model is not FSDP-wrapped,
+                or the sync mode cannot run on its wrapper (`budget` and `defer_all_reduce` need
+                FSDP2, `defer_all_reduce` an HSDP mesh).
+        """
+        root = root_of(model)
+        if root in self._state.adapters:
+            return self._state.adapters[root]
+        adapter = self._binder.bind(model)
+        if root in self._state.bound:
+            self._hooks.extend(self._window.watch(root))
+            self._hooks.extend(self._generation.watch(root))
+        return adapter
+
+    def gathered(self, model: nn.Module | None = None) -> contextlib.AbstractContextManager:
+        """Keep the FSDP2 units of `model` unsharded through its forwards without gradients
+        inside the block (another model's forwards gather and reshard as without it):
+        `with grad_sync.gathered(model): model.generate(...)`. Each unit all-gathers once instead
+        of once per forward (per generated token); all are resharded when the block ends, also on
+        an exception. What `gather_for_generation` does by itself; it costs the unsharded
+        parameters (compute dtype) on every rank while the block runs.
+
+        Args:
+            model (`torch.nn.Module`, *optional*): a bound model; default: every bound model.
+
+        Returns:
+            A context manager.
+
+        Raises:
+            `ValueError`: `model` is not bound to this `attach()`.
+        """
+        return self._generation.gathered(model)
+
+    def detach(self) -> None:
+        """Undo `attach`: every unit's flags as they were, units kept for generation resharded,
+        the accelerator's (and a Trainer's) own class, hooks and callback removed. The counters
+        stay readable."""
+        self._generation.close()  # units kept for generation: flags back, resharded
+        self._window.end_hold()  # a window left mid-way: its flags back
+        if self._original_class is not None:
+            unhook_accelerator(self.accelerator, self._original_class)
+            self._original_class = None
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+        if self._callback is not None:
+            self._state.trainer.remove_callback(self._callback)
+            self._callback = None
+        if self._original_trainer_class is not None:
+            unhook_trainer(self._state.trainer, self._original_trainer_class)
+            self._original_trainer_class = None
+
+    def __enter__(self) -> GradSyncHandle:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.detach()
+
+    def _after_trainer_load(self) -> None:
+        """What accelerate's load_state pre-hooks do, for a Trainer, which loads without it."""
+        self._optimizer_state.after_trainer_load()
+        self._plans.after_trainer_load()
+
+    # -- set-up (attach.py) -------------------------------------------------------------------
+    def _connect(self, models: list) -> None:
+        """Bind the models prepared before attach, and put the policy behind the accelerator's
+        `no_sync` / `accumulate` / `prepare`, its checkpoints and the Trainer's events."""
+        accelerator, trainer = self.accelerator, self._state.trainer
+        no_sync = self._window.no_sync
+        try:
+            for model in models:
+                if wants_binding(accelerator, model):
+                    self.bind(model)
+        except Exception:
+            self.detach()
+            raise
+        # accelerate's checkpoints hold no gradients: a mid-window one gets them from us.
+        self._hooks.append(accelerator.register_save_state_pre_hook(self._checkpoint.on_save_state))
+        self._hooks.append(accelerator.register_load_state_pre_hook(self._checkpoint.on_load_state))
+        self._hooks.append(accelerator.register_load_state_pre_hook(self._optimizer_state.on_load_state))
+        self._hooks.append(accelerator.register_save_state_pre_hook(self._plans.on_save_state))
+        self._hooks.append(accelerator.register_load_state_pre_hook(self._plans.on_load_state))
+        if trainer is not None:
+            from accel_gradsync.runtime.callback import GradSyncCallback  # imports transformers: only for a Trainer
+
+            self._callback = GradSyncCallback(
+                trainer,
+                self.bind,
+                self.stats,
+                self.config,
+                self._after_trainer_load,
+                self._plans.on_trainer_save,
+                self._generation.release,
+            )
+            # First in line, so the reporting callbacks (TensorBoard, W&B, ...) see our keys.
+            trainer.callback_handler.callbacks.insert(0, self._callback)
+            no_sync = discarding_on_exception(no_sync, self._window.abort)
+            if sharded_by_transformers(trainer):
+                self._original_trainer_class = hook_trainer(trainer, no_sync)
+        self._original_class = hook_accelerator(
+            accelerator,
+            no_sync=no_sync,
+            abort=self._window.abort,
+            window_ends=self._window.end_hold,
+            bind=self.bind,
+        )

@@ -1,0 +1,298 @@
+"""The hot path: hold the sync of a window's non-final micro-batches as planned, keep a window's
+params through its last forward, count every micro-batch, and drop the window's gradients when an
+exception ends it.
+
+Both `Accelerator.accumulate()` and the Trainer enter `no_sync(model)` on every micro-batch but
+the last, so `Window.no_sync` sees each held micro-batch; a forward pre-hook on each bound model
+sees every micro-batch that runs with gradients, the last one included. A micro-batch is what
+those delimit, not a forward: it starts at its first forward with gradients after a boundary
+(`no_sync` entered or left, `accumulate()` entering the micro-batch that syncs, an optimizer
+step), and further forwards before the next boundary (siamese towers, a query and a document
+pass, a policy and its own no-KL pass) belong to it. The units' flags are set
+once, at the window's first held micro-batch, and put back once: when `accumulate()` enters the
+micro-batch that syncs, else (the Trainer) when a forward runs outside a held micro-batch, on an
+exception, or at detach. Flipping them around every micro-batch cost more than the rest of this
+module together (1-2% of a short step). This runs once per micro-batch,
+so it keeps to dict lookups and integer additions; its only collective is `auto`'s one all-reduce
+per window (replan.py), and held bytes are read from tensor sizes once per window.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from accel_gradsync.config.settings import SyncMode
+from accel_gradsync.planning.units import Plan, Unit
+from accel_gradsync.runtime.decision import describe_decision
+from accel_gradsync.runtime.fsdp import ModelAdapter
+from accel_gradsync.runtime.fsdp2_counts import watch_fsdp2
+from accel_gradsync.runtime.hooks import watch_replicated_all_reduces
+from accel_gradsync.runtime.state import Attachment, BoundModel, root_of
+
+
+@dataclass
+class _Hold:
+    """The flags one model's window holds, set at its first held micro-batch."""
+
+    plan: Plan
+    held: tuple[int, ...]
+    """`id` of each held unit: fewer than the plan's while some cannot hold yet (`holdable`)."""
+    flags: contextlib.ExitStack
+    """Closing it puts every flag back (`ModelAdapter.hold`)."""
+
+
+class Window:
+    """The accumulation window in progress of every model bound to one `attach()`."""
+
+    def __init__(
+        self,
+        state: Attachment,
+        bind: Callable[[nn.Module], ModelAdapter | None],
+        release_generation: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.state = state
+        self._release_generation = release_generation  # generation.py: its flags sit on top of ours
+        self._bind = bind
+        self._held: dict[nn.Module, tuple[Sequence[Unit], str]] = {}  # by model: (units held, how) in no_sync
+        self._restore_forward: Callable[[], None] | None = None  # flags to put back after the last forward
+        self._holds: dict[nn.Module, _Hold] = {}  # by model: the window's flags, until its last forward
+        self._open: dict[nn.Module, bool] = {}  # by model: a micro-batch in progress, and whether it ends the step
+        self._step_hook: torch.utils.hooks.RemovableHandle | None = None
+
+    def watch(self, root: nn.Module) -> list[torch.utils.hooks.RemovableHandle]:
+        """Count `root`'s micro-batches from its forward (hooks inside DDP's wrapper), FSDP2's
+        collectives from its units' state (fsdp2_counts.py), and end every micro-batch at an
+        optimizer step."""
+        bound = self.state.bound[root]
+        handles = [root.register_forward_pre_hook(self.on_forward), root.register_forward_hook(self.after_forward)]
+        handles.extend(watch_fsdp2(bound.adapter, bound.account))
+        trainer, replicated = self.state.trainer, bound.adapter.replicated
+        handles.extend(watch_replicated_all_reduces(trainer, replicated, bound.account.record_replicated_all_reduce))
+        if self._step_hook is None:
+            self._step_hook = register_optimizer_step_post_hook(self._after_optimizer_step)
+            handles.append(self._step_hook)
+        return handles
+
+    def _after_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        """Global optimizer post-step hook: the micro-batch that ended the window is over."""
+        self._open.clear()
+        for bound in self.state.bound.values():
+            bound.account.close_step()
+
+    @contextlib.contextmanager
+    def no_sync(self, model: nn.Module, accelerate_no_sync: Callable) -> Iterator[None]:
+        """Hold what the plan holds through one non-final micro-batch's forward and backward; the
+        flags, set at the window's first such micro-batch, stay until its last forward."""
+        adapter = self._bind(model)
+        if adapter is None:
+            with accelerate_no_sync(model):
+                yield
+            return
+        root = root_of(model)
+        bound = self.state.bound.get(root)
+        if bound is None:  # nothing trainable: no gradient to hold
+            yield
+            return
+        self._open.pop(root, None)  # a micro-batch starts here and ends when the block does
+        try:
+            with self._held_micro_batch(model, adapter, bound, accelerate_no_sync):
+                yield
+        finally:
+            self._open.pop(root, None)
+
+    @contextlib.contextmanager
+    def _held_micro_batch(
+        self, model: nn.Module, adapter: ModelAdapter, bound: BoundModel, accelerate_no_sync: Callable
+    ) -> Iterator[None]:
+        """`no_sync` of a bound model: its plan's held units hold through the block."""
+        root = root_of(model)
+        # accumulate() and the Trainer enter no_sync only on micro-batches that do not end an
+        # optimizer step (sync_gradients False); with it True, the user called no_sync directly, as
+        # accelerate documents for a loop without accumulate(), and that micro-batch holds too.
+        if self.state.accelerator.sync_gradients:
+            self._check_explicit_no_sync()
+        if bound.auto is not None:
+            self._replan(bound)
+        plan = bound.plan
+        if not plan.held:
+            self._held[root] = ([], plan.held_sync)  # inside no_sync: this micro-batch does not end the step
+            try:
+                yield
+            finally:
+                self._held.pop(root, None)
+            return
+        held = plan.held
+        if adapter.root_only:
+            context = accelerate_no_sync(model)
+        else:
+            held = adapter.holdable(plan.held)
+            if len(held) != len(plan.held):
+                self.state.warn_once(
+                    "fallback",
+                    f"accel_gradsync: {len(plan.held) - len(held)} unit(s) sync this micro-batch instead of "
+                    "holding: torch's FSDP2 cannot hold a gradient that must be cast to reduce_dtype for a "
+                    "unit that has not run yet. They hold once they have run; gradients stay exact.",
+                )
+            self._start_hold(root, adapter, plan, held)
+            context = contextlib.nullcontext()
+        self._held[root] = (held, plan.held_sync)
+        try:
+            with context:
+                yield
+            if adapter.even_out_held_grads(held):
+                self.state.warn_once(
+                    "even_out",
+                    "accel_gradsync: some parameters got no gradient in a held micro-batch while others in "
+                    "their unit did; they now hold a zero gradient in the reduce dtype so that a later "
+                    "first gradient reduces correctly (torch's FSDP2 needs one dtype per unit).",
+                )
+        except BaseException:
+            self.end_hold(root)  # flags back at once; accumulate()'s abort drops the gradients
+            raise
+        finally:
+            self._held.pop(root, None)
+
+    def _check_explicit_no_sync(self) -> None:
+        """A `no_sync` the user entered outside `accumulate()`: say once that `per_micro_batch`
+        overrides it; refuse the modes that plan per unit for M micro-batches when M is unknown."""
+        state, mode = self.state, self.state.policy.name
+        if mode == SyncMode.PER_MICRO_BATCH:
+            state.warn_once(
+                "explicit_no_sync",
+                "accel_gradsync: accelerator.no_sync(model) is overridden by sync mode 'per_micro_batch': every "
+                "micro-batch reduce-scatters its gradients (sharded, lowest memory). Use sync mode 'deferred' "
+                "(GradSyncConfig(defer=True), --defer-grad-sync) to hold them inside no_sync.",
+            )
+        elif mode in (SyncMode.BUDGET, SyncMode.AUTO) and state.micro_batches_per_step == 1:
+            raise ValueError(
+                f"accelerator.no_sync(model) holds gradients over several micro-batches, but sync mode '{mode}' "
+                "plans each unit for the M micro-batches of one optimizer step and the Accelerator has "
+                "gradient_accumulation_steps=1. Build it with Accelerator(gradient_accumulation_steps=M) (M-1 "
+                "micro-batches inside no_sync, then the one that syncs), or use sync mode 'deferred'."
+            )
+
+    def _start_hold(self, key: nn.Module, adapter: ModelAdapter, plan: Plan, held: Sequence[Unit]) -> None:
+        """Set the flags `plan` holds, unless this window already holds exactly those."""
+        ids = tuple(id(u) for u in held)
+        current = self._holds.get(key)
+        if current is not None and current.plan == plan and current.held == ids:
+            return
+        self.end_hold(key)  # a new plan (auto), or units that could not hold before now can
+        self._release_generation()
+        windowed = [u for u in plan.windowed if id(u) in ids]
+        flags = contextlib.ExitStack()
+        flags.enter_context(adapter.hold(held, plan.held_sync, windowed))
+        self._holds[key] = _Hold(plan, ids, flags)
+
+    def end_hold(self, key: nn.Module | None = None) -> None:
+        """Put back the flags the window of model `key` (of every model: None) set. With None
+        (`accumulate()` entering the micro-batch that syncs, an abort, detach) every model's
+        micro-batch in progress is over too."""
+        if key is None:
+            self._open.clear()
+        for k in list(self._holds) if key is None else [key]:
+            hold = self._holds.pop(k, None)
+            if hold is not None:
+                self._release_generation()  # units kept for generation put their flags back first
+                hold.flags.close()
+
+    def _replan(self, bound: BoundModel) -> None:
+        """At the first micro-batch after an optimizer step: read that step's peak; change the
+        plan if auto says so."""
+        if bound.auto_read_at == bound.account.optimizer_steps:
+            return
+        bound.auto_read_at = bound.account.optimizer_steps
+        m = self.state.micro_batches_per_step
+        assert bound.auto is not None  # called for auto's models only
+        change = bound.auto.at_window_start(bound.adapter, bound.plan, m)
+        if change is not None:
+            bound.plan = change.plan
+            self.state.accelerator.print(change.message)
+            self.state.accelerator.print(describe_decision(change.plan, bound.adapter, m))
+
+    def on_forward(self, module: nn.Module, args: Any) -> None:
+        """Forward pre-hook: count the micro-batch at its first forward; before each forward of a
+        window's last micro-batch, keep the windowed params through it (the first one reads the
+        held bytes)."""
+        if not torch.is_grad_enabled():
+            # Generation, evaluation, log-prob passes. A forward with gradients counts whatever the
+            # module's train/eval mode: its backward reduces (or holds) all the same.
+            return
+        in_progress = self._open.get(module)
+        if in_progress is not None:  # another forward of the micro-batch in progress
+            if in_progress:  # it ends the step
+                self._keep_windowed(self.state.bound[module])
+            return
+        state = self.state
+        # Inside no_sync a micro-batch never ends the step, even outside accumulate() (sync_gradients True).
+        ends_step = state.accelerator.sync_gradients and module not in self._held
+        skipped_no_sync = module not in self._held and not ends_step and state.policy.name != SyncMode.PER_MICRO_BATCH
+        # A non-final micro-batch that skipped no_sync: accelerate's shared sync_each_batch was
+        # switched on after attach (by another Accelerator or Trainer in this process).
+        if skipped_no_sync and state.accelerator.gradient_state.plugin_kwargs.get("sync_each_batch", False):
+            state.warn_once(
+                "sync_each_batch",
+                f"accel_gradsync: sync mode '{state.policy.name}' is not applied: accelerate's "
+                "sync_each_batch=True was set after attach() and makes every micro-batch sync.",
+            )
+        if module not in self._held:
+            self.end_hold(module)  # the window's last micro-batch (or one accelerate syncs): it syncs
+        held, hold = self._held.get(module, ((), ""))
+        bound = state.bound[module]
+        if ends_step and bound.account.current.micro_batches and state.micro_batches_per_step == 1:
+            # A loop holding micro-batches with no_sync outside accumulate(): its first window tells M.
+            state.window_seen = bound.account.current.micro_batches + 1
+            state.accelerator.print(describe_decision(bound.plan, bound.adapter, state.window_seen))
+        if ends_step and bound.account.current.deferred_micro_batches:
+            # Held gradients only grow through a window: their bytes before its last forward are
+            # its peak, read once per window instead of after every held backward.
+            bound.account.record_held(bound.adapter.held_grad_bytes())
+        if ends_step:
+            self._keep_windowed(bound)
+        self._open[module] = ends_step
+        bound.account.record_micro_batch(
+            bound.adapter.units,
+            held,
+            hold,
+            ends_step=ends_step,
+            windowed=bound.plan.windowed,
+            keeps_params_when_held=bound.adapter.keeps_params_when_held,
+        )
+
+    def _keep_windowed(self, bound: BoundModel) -> None:
+        """A forward of the window's last micro-batch keeps the windowed params too, so its backward
+        gathers nothing; the backward then reshards (reshard_after_backward is back to what it was)."""
+        if bound.plan.windowed:
+            self.after_forward()
+            self._restore_forward = bound.adapter.keep_params_through_forward(bound.plan.windowed)
+
+    def after_forward(self, *_: Any) -> None:
+        """Forward hook: the last forward is done; its windowed params reshard after backward again."""
+        if self._restore_forward is not None:
+            self._restore_forward()
+            self._restore_forward = None
+
+    def abort(self) -> None:
+        """An exception (KeyboardInterrupt included) left `accumulate()`: discard the window's
+        gradients, held or not, so none leaks into the next one, and put every flag back."""
+        self.after_forward()
+        self.end_hold()
+        for key, adapter in self.state.adapters.items():
+            if adapter is not None:
+                adapter.drop_held_grads()
+                if key in self.state.bound:
+                    adapter.reshard(self.state.bound[key].plan.windowed)  # a window's params, gathered for nothing now
+        for bound in self.state.bound.values():
+            bound.account.abort_step()
+        self.state.warn_once(
+            "abort",
+            "accel_gradsync: an exception ended an accumulation window; its gradients were discarded "
+            "and the next accumulate() starts a fresh window of M micro-batches.",
+        )

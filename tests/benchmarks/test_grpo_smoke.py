@@ -1,0 +1,97 @@
+"""Smoke test of the GRPO benchmark: `python -m benchmarks.run --grpo --quick` end to end (TRL's
+real GRPOTrainer, 2 gloo ranks, FSDP2, every configuration; under a minute). It checks the
+outputs, the exact collective counts and that every configuration reproduces stock's
+completions, rewards and losses; it never asserts on timings."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks import grpo
+from benchmarks.records import GrpoResults
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("grpo_bench")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.run", "--grpo", "--quick", "--out", str(out)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    results = GrpoResults.from_dict(json.loads((out / "results.json").read_text()))
+    (run,) = results.runs
+    return out, proc.stdout, {r.config: r for r in run.rows}, run
+
+
+def test_writes_json_markdown_and_the_step_split_plot(quick_run):
+    out, _, rows, _ = quick_run
+    assert (out / "grpo_step_split.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    md = (out / "results.md").read_text()
+    assert "| full/window |" in md and "| lora/stock |" in md
+    assert set(rows) == set(grpo.CONFIGS)  # every configuration ran
+
+
+def test_every_step_is_split_into_phases_that_add_up(quick_run):
+    _, _, rows, _ = quick_run
+    for name, row in rows.items():
+        assert row.phase_time_s["generation"] > 0 and row.phase_time_s["training"] > 0, name
+        # The phases partition the step: their medians add up to about the median step.
+        assert sum(row.phase_time_s.values()) == pytest.approx(row.step_time_s, rel=0.25), name
+
+
+def test_gradient_sync_counts_follow_the_mode(quick_run):
+    _, _, rows, run = quick_run
+    M = run.facts["M"]
+    for tuning in grpo.TUNINGS:
+        stock = rows[f"{tuning}/stock"].counts_seen["training"]["reduce_scatters"]
+        (units_reducing,) = stock  # stock accelerate defers: one reduce-scatter per reducing unit
+        for mode in ("deferred", "window", "auto"):
+            assert rows[f"{tuning}/{mode}"].counts_seen["training"]["reduce_scatters"] == stock, (tuning, mode)
+        pmb = rows[f"{tuning}/per_micro_batch"].counts_seen["training"]["reduce_scatters"]
+        assert pmb == [M * units_reducing], tuning
+        for row in (r for n, r in rows.items() if n.startswith(tuning)):
+            # Generation never reduces gradients.
+            assert row.counts_seen["generation"]["reduce_scatters"] == [0], row.config
+
+
+def test_the_window_gathers_each_unit_once_per_step_under_full_fine_tuning(quick_run):
+    _, stdout, rows, _ = quick_run
+    window, stock = rows["full/window"], rows["full/stock"]
+    U = window.units
+    seen = window.counts_seen
+    assert seen["generation"]["all_gathers"] == [U] and seen["training"]["all_gathers"] == [0]
+    # Stock re-gathers the units at every decode step and every micro-batch.
+    assert stock.counts_seen["generation"]["all_gathers"][0] > 2 * U
+    assert window.held_param_bytes > 0 and stock.held_param_bytes == 0
+    assert "[PASS] [loopback] full/window: the trained model's all-gathers per optimizer step = U exactly" in stdout
+
+
+def test_every_configuration_reproduces_stock_exactly(quick_run):
+    _, stdout, rows, _ = quick_run
+    for tuning in grpo.TUNINGS:
+        stock = rows[f"{tuning}/stock"]
+        assert len(stock.logs[0]) == 1 + 1  # the untimed warm-up step and the timed one
+        for name in (n for n in rows if n.startswith(tuning + "/")):
+            for key in ("logs", "rewards", "completions"):
+                assert getattr(rows[name], key) == getattr(stock, key), (name, key)
+        assert f"[PASS] [loopback] {tuning}: completions, rewards and losses identical to stock" in stdout
+
+
+def test_timing_targets_are_not_decided_in_quick_mode(quick_run):
+    _, stdout, _, _ = quick_run
+    lines = [line for line in stdout.splitlines() if "faster per GRPO step" in line]
+    assert len(lines) == 2, lines  # full and LoRA, over loopback
+    # One round gives one ratio per configuration: no interval, so no PASS or FAIL either.
+    assert all(line.strip().startswith("[N/D]") and "not decided at this size" in line for line in lines)

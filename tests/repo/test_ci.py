@@ -1,0 +1,108 @@
+"""CI runs what the README tells a user to run: its quick start is `make demo` / `make test`,
+the Makefile's set-up is the README's Install commands, `make test` runs the README's test
+command, and `.ci/run` is `make quality` then `make test`. The ranges start at the versions CI pins, and torch's is
+the release the plugin checks at attach. The Makefile is read through `make -n`
+(what make would run), not by parsing its text."""
+
+import configparser
+import re
+import subprocess
+from pathlib import Path
+
+from packaging.requirements import Requirement
+from packaging.version import Version
+
+from accel_gradsync.compat.versions import TESTED_TORCH, is_tested_torch
+
+ROOT = Path(__file__).resolve().parents[2]
+TITLE_COMMAND = "accelerate launch --config_file accelerate_configs/fsdp2.yaml recipes/grpo.py --defer-grad-sync"
+
+
+def _bash_blocks(section: str) -> list[str]:
+    readme = (ROOT / "README.md").read_text()
+    body = readme.split(f"## {section}\n", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```bash\n(.*?)```", body, re.S)
+    return [line.strip() for block in blocks for line in block.splitlines() if line.strip()]
+
+
+def _make_would_run(target: str, *args: str) -> list[str]:
+    """The commands `make TARGET` runs from scratch (-B: as if nothing were built yet)."""
+    command = ["make", "-n", "-B", "-s", target, *args]
+    out = subprocess.run(command, cwd=ROOT, check=True, capture_output=True, text=True)
+    return [line.strip() for line in out.stdout.splitlines() if line.strip() and not line.startswith("make")]
+
+
+def _pins(name: str) -> dict[str, Version]:
+    lines = (ROOT / name).read_text().splitlines()
+    pins = [line.split("==") for line in lines if line.strip() and not line.startswith("#")]
+    return {package.lower(): Version(version) for package, version in pins}
+
+
+def _requirements() -> list[Requirement]:
+    """setup.cfg's install_requires and the test and bench extras (quality tools are not ranged)."""
+    cfg = configparser.ConfigParser()
+    cfg.read(ROOT / "setup.cfg")
+    lines = cfg["options"]["install_requires"].splitlines()
+    lines += cfg["options.extras_require"]["test"].splitlines() + cfg["options.extras_require"]["bench"].splitlines()
+    return [Requirement(line) for line in lines if line.strip()]
+
+
+def test_quick_start_is_make_demo_and_make_test():
+    assert _bash_blocks("Quick start") == ["make demo", "make test"]
+
+
+def test_ci_checks_quality_then_is_make_test():
+    ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
+    commands = [line for line in ci if line and not line.startswith("#")]
+    assert commands[-2:] == ["make quality", "make test"]
+
+
+def test_make_sets_up_with_the_readme_install_commands():
+    install = _bash_blocks("Install")
+    assert install == _make_would_run("setup")[1:-1]  # between creating the venv and marking it done
+    # torch first and pinned: anything else would let pip pull a multi-GB CUDA build.
+    assert install[0] == f"python -m pip install torch=={TESTED_TORCH}.0"
+    assert "-c constraints.txt" in install[1]
+
+
+def test_make_test_and_demo_run_the_readme_commands_after_the_set_up():
+    setup = _make_would_run("setup")
+    (readme_test,) = _bash_blocks("Tests")
+    assert _make_would_run("test") == setup + [readme_test]
+    demo = _make_would_run("demo")
+    assert demo[:-1] == setup and demo[-1].endswith(TITLE_COMMAND)
+    assert _bash_blocks("GRPO recipe")[0] == TITLE_COMMAND
+
+
+def test_make_runs_its_commands_inside_the_venv():
+    """`python`, `accelerate` and `pytest` in a recipe are the venv's, not whatever is on PATH."""
+    out = subprocess.run(
+        ["make", "-s", "--eval", "show-path: ; @echo $$PATH", "show-path"],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    assert out.stdout.split(":")[0] == str(ROOT / ".venv" / "bin")
+
+
+def test_make_quality_runs_ruff_and_mypy_pinned():
+    assert _make_would_run("quality")[-3:] == ["ruff check .", "ruff format --check .", "mypy"]
+    assert {"ruff", "mypy"} <= set(_pins("constraints.txt"))
+
+
+def test_the_ranges_start_at_the_tested_pins():
+    """A lower bound is a version CI tested (to the precision it is written), never an older one."""
+    pinned = _pins("constraints.txt")
+    for requirement in _requirements():
+        pin = pinned[requirement.name.lower()]
+        assert requirement.specifier.contains(pin), (requirement, pin)
+        (lower,) = [Version(s.version) for s in requirement.specifier if s.operator == ">="]
+        assert lower.release == pin.release[: len(lower.release)], (requirement, pin)
+
+
+def test_torch_is_the_release_the_plugin_checks_at_attach():
+    (torch,) = [r for r in _requirements() if r.name == "torch"]
+    major, minor = map(int, TESTED_TORCH.split("."))
+    assert str(torch.specifier) == f"<{major}.{minor + 1},>={TESTED_TORCH}"
+    assert is_tested_torch(str(_pins("constraints.txt")["torch"]))

@@ -1,0 +1,507 @@
+"""`accel_gradsync.estimator.core` and the `accel-gradsync estimate` CLI, without processes: the held
+dtype for every case of BACKGROUND.md, counts consistent with the runtime's decision line, the
+n/a rows, the fit column, and a 7B-class config estimated on the meta device in seconds.
+(Against real 2-rank runs: tests/distributed/test_estimate_vs_measured.py.)"""
+
+import dataclasses
+import json
+import re
+import runpy
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import yaml
+from torch._subclasses.fake_tensor import FakeTensor
+
+from accel_gradsync import GradSyncConfig
+from accel_gradsync.estimator.cli import main
+from accel_gradsync.estimator.core import (
+    WINDOW_ROW,
+    build_meta_model,
+    estimate,
+    estimated_adapter,
+    load_model_config,
+    read_accelerate_config,
+)
+from accel_gradsync.estimator.fake_shard import fake_world
+from accel_gradsync.planning.costs import micro_batch_all_gathers, unit_all_gathers
+from accel_gradsync.planning.policies import POLICIES
+from accel_gradsync.planning.units import Level, Unit
+from accel_gradsync.runtime.decision import describe_decision
+from accel_gradsync.runtime.fsdp import FSDP1Adapter, FSDP2Adapter
+
+# Every row uses every setting; the config's "ignored in this sync mode" notes do not apply.
+pytestmark = pytest.mark.filterwarnings("ignore::accel_gradsync.config.errors.GradSyncWarning")
+
+# Qwen2-7B's config.json, written out so no hub is needed.
+QWEN2_7B = dict(
+    model_type="qwen2",
+    vocab_size=152064,
+    hidden_size=3584,
+    intermediate_size=18944,
+    num_hidden_layers=28,
+    num_attention_heads=28,
+    num_key_value_heads=4,
+    max_position_embeddings=131072,
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+)
+QWEN2_7B_PARAMS = 7_615_616_512
+ACCELERATE_CONFIGS = Path(__file__).resolve().parents[3] / "accelerate_configs"
+
+
+def fsdp(version=2, mixed_precision="no", processes=2, replicate=1, **fsdp_config):
+    config = {
+        "distributed_type": "FSDP",
+        "num_processes": processes,
+        "mixed_precision": mixed_precision,
+        "fsdp_config": {"fsdp_version": version, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP", **fsdp_config},
+    }
+    if replicate > 1:
+        config["parallelism_config"] = {
+            "parallelism_config_dp_replicate_size": replicate,
+            "parallelism_config_dp_shard_size": processes // replicate,
+        }
+    return config
+
+
+@pytest.fixture(scope="module")
+def seven_b():
+    """The 7B-class estimate, once: FSDP2, bf16, fp32 reduce, 2 replicas x 8 shards, M=8, 30 GiB free."""
+    began = time.perf_counter()
+    est = estimate(
+        QWEN2_7B,
+        fsdp(2, "bf16", processes=16, replicate=2),
+        8,
+        GradSyncConfig(reduce_dtype="fp32", free_memory="30GiB", memory_budget="10GiB", sync_mode="budget"),
+    )
+    return est, time.perf_counter() - began
+
+
+def test_7b_class_config_is_estimated_in_seconds_on_the_meta_device(seven_b):
+    est, seconds = seven_b
+    assert seconds < 60  # seconds on an idle machine; generous for a loaded 2-core CI runner
+    assert est.params == QWEN2_7B_PARAMS
+    assert len(est.units) == 28 + 2  # decoder layers, the untied input embedding, [norm, lm_head]
+    model = build_meta_model(load_model_config(QWEN2_7B))
+    assert all(p.is_meta for p in model.parameters()) and all(b.is_meta for b in model.buffers())
+
+
+def test_7b_deferral_holds_4_bytes_per_param_with_fp32_reduce_and_does_not_fit_30gib(seven_b):
+    est, _ = seven_b
+    deferred = est.mode("deferred")
+    assert (deferred.held_bytes, deferred.held_dtype) == (QWEN2_7B_PARAMS * 4, "fp32")  # 28.4 GiB
+    assert deferred.peak_bytes > deferred.held_bytes and deferred.fits is False  # 27 GiB usable
+    budget = est.mode("budget")
+    assert budget.selected and 0 < budget.held_bytes <= 10 * 2**30 and budget.fits
+    per_mb = est.mode("per_micro_batch")
+    assert per_mb.fits is True and per_mb.held_bytes == 0
+    # HSDP: only the all-reduce is deferred, so the held partial sums are sharded over 8 ranks.
+    dar = est.mode("defer_all_reduce")
+    assert dar.held_bytes == pytest.approx(QWEN2_7B_PARAMS * 4 / 8, rel=1e-3)  # padding: dim 0 to 8 ranks
+    assert (dar.reduce_scatters, dar.all_reduces) == (30 * 8, 30)
+    auto = est.mode("auto -> defer_all_reduce")
+    assert auto.held_bytes == dar.held_bytes
+
+
+@pytest.mark.parametrize(
+    "version, mixed_precision, reduce_dtype, model_dtype, expected",
+    [
+        # FSDP2: the reduce dtype when it differs from the param dtype, else the param dtype.
+        (2, "no", "auto", torch.float32, "fp32"),
+        (2, "bf16", "auto", torch.float32, "bf16"),  # accelerate: param = reduce = bf16
+        (2, "bf16", "fp32", torch.float32, "fp32"),  # verl's policy: 4 bytes/param
+        (2, "no", "bf16", torch.float32, "bf16"),
+        (2, "no", "auto", torch.bfloat16, "bf16"),  # a bf16 model without mixed precision
+        # FSDP1: always the compute dtype.
+        (1, "no", "auto", torch.float32, "fp32"),
+        (1, "bf16", "auto", torch.float32, "bf16"),
+        (1, "bf16", "fp32", torch.float32, "bf16"),
+        (1, "no", "bf16", torch.float32, "fp32"),
+    ],
+)
+def test_held_dtype_follows_the_wrapper_and_mixed_precision(
+    version, mixed_precision, reduce_dtype, model_dtype, expected
+):
+    est = estimate(
+        "recipe-default",
+        fsdp(version, mixed_precision),
+        4,
+        GradSyncConfig(reduce_dtype=reduce_dtype),
+        model_dtype=model_dtype,
+    )
+    deferred = est.mode("deferred")
+    assert deferred.held_dtype == expected
+    assert deferred.held_bytes == est.params * {"fp32": 4, "bf16": 2}[expected]
+
+
+def test_recipe_default_is_the_recipes_model():
+    pytest.importorskip("datasets", reason="the recipe's model needs the `recipes` extra")
+    from recipes.embedded import build_model, build_tokenizer
+
+    real = build_model(build_tokenizer())
+    est = estimate("recipe-default", fsdp(2), 4)
+    assert est.params == sum(p.numel() for p in real.parameters())  # tied embedding counted once
+    # accelerate's tied tail group [model.norm, model.embed_tokens, lm_head] is one unit, named as a
+    # run names it (by its first module) and holding the shared embedding once, with the norm.
+    embedding, norm = real.model.embed_tokens.weight.numel(), real.model.norm.weight.numel()
+    assert est.units[0] == {"name": "model.embed_tokens", "numel": embedding + norm}
+
+
+def test_wrap_policies_give_the_units_accelerate_gives():
+    small = dict(
+        QWEN2_7B,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=100,
+    )
+    layer = 4 * 64 * 64 // 2 + 64 + 2 * 32 + 64 * 64 + 3 * 64 * 128 + 2 * 64  # q,k,v(+bias),o, mlp, norms
+    no_wrap = estimate(small, fsdp(1, fsdp_auto_wrap_policy="NO_WRAP"), 2)
+    assert [u["name"] for u in no_wrap.units] == ["<root>"]
+    fsdp1 = estimate(small, fsdp(1), 2)  # _no_split_modules: Qwen2DecoderLayer
+    layers = [f"_fsdp_wrapped_module.model.layers.{i}" for i in range(3)]  # FSDP1's module names
+    assert [u["name"] for u in fsdp1.units] == ["<root>", *layers]
+    assert fsdp1.units[1]["numel"] == layer
+    fsdp2 = estimate(small, fsdp(2), 2)
+    # The untied input embedding, the layers, and [model.norm, lm_head] (named by its first module).
+    assert [u["name"] for u in fsdp2.units] == [
+        "model.embed_tokens",
+        "model.layers.0",
+        "model.layers.1",
+        "model.layers.2",
+        "model.norm",
+    ]
+    assert fsdp2.units[-1]["numel"] == 64 + 100 * 64
+    size = estimate(small, fsdp(1, fsdp_auto_wrap_policy="SIZE_BASED_WRAP", fsdp_min_num_params=layer - 1), 2)
+    assert len(size.units) >= 4
+    assert no_wrap.params == fsdp1.params == fsdp2.params == size.params
+
+
+def test_units_are_read_by_the_runtime_adapters_from_a_model_sharded_without_memory():
+    """FSDP2 shards stay on the meta device; FSDP1's flat parameters are fake tensors (no storage)."""
+    config = GradSyncConfig()
+    fsdp2 = estimated_adapter(
+        build_meta_model(load_model_config("recipe-default")),
+        read_accelerate_config(fsdp(2, processes=4, replicate=2)),
+        config,
+    )
+    assert type(fsdp2) is FSDP2Adapter and fsdp2.hsdp
+    assert all(p.is_meta for p in fsdp2.model.parameters())
+    assert {u.shard_size for u in fsdp2.units} == {2}  # 2 replicas x 2 shards: sharded over 2
+    fsdp1 = estimated_adapter(
+        build_meta_model(load_model_config("recipe-default")), read_accelerate_config(fsdp(1, processes=4)), config
+    )
+    assert type(fsdp1) is FSDP1Adapter and fsdp1.root_only
+    assert all(isinstance(p, FakeTensor) for p in fsdp1.model.parameters())
+    assert {u.shard_size for u in fsdp1.units} == {4}
+    assert sum(u.numel for u in fsdp1.units) == sum(u.numel for u in fsdp2.units)
+
+
+def test_no_process_group_is_left_behind_and_a_real_one_can_follow():
+    estimate("recipe-default", fsdp(2, processes=4, replicate=2), 2)
+    estimate("recipe-default", fsdp(1, processes=8), 2)
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        total = torch.ones(3)
+        dist.all_reduce(total)
+        assert (dist.get_backend(), dist.get_world_size(), total.tolist()) == ("gloo", 1, [1.0, 1.0, 1.0])
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_process_that_has_a_process_group_is_refused_and_keeps_it():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with pytest.raises(ValueError, match="already has a torch.distributed process group.*its own process"):
+            estimate("recipe-default", fsdp(2), 2)
+        assert (dist.get_backend(), dist.get_world_size()) == ("gloo", 1)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_fake_process_group_is_removed_when_sharding_fails():
+    with pytest.raises(RuntimeError, match="while sharded"), fake_world(8):
+        assert (dist.get_backend(), dist.get_world_size(), dist.get_rank()) == ("fake", 8, 0)
+        raise RuntimeError("while sharded")
+    assert not dist.is_initialized()
+
+
+def test_counts_agree_with_the_runtime_decision_line():
+    """Same plans (the runtime's policies), same counts as `describe_decision` prints."""
+    config = GradSyncConfig(free_memory="1GiB", memory_budget="64KiB")
+    for accelerate_config in (fsdp(2), fsdp(1), fsdp(2, processes=4, replicate=2)):
+        setup = read_accelerate_config(accelerate_config)
+        adapter = estimated_adapter(build_meta_model(load_model_config("recipe-default")), setup, config)
+        est = estimate("recipe-default", accelerate_config, 4, config)
+        for name, policy in POLICIES.items():
+            row = next(m for m in est.modes if m.mode.split(" ")[0] == name)
+            if not row.applicable:
+                continue
+            line = describe_decision(policy(config).plan(adapter, lambda: 2**30, 4), adapter, 4)
+            numbers = [int(n) for n in re.findall(r"(\d+) (?:reduce-scatters|all-reduces)", line)]
+            gathers = re.search(r"(\d+) all-gathers/step", line)
+            assert gathers is None or int(gathers.group(1)) == row.all_gathers, line
+            if "all-reduces" in line:  # defer_all_reduce: "<rs> reduce-scatters and <ar> all-reduces/step"
+                assert numbers[:2] == [row.reduce_scatters, row.all_reduces], line
+            else:
+                assert numbers[0] == row.reduce_scatters, line
+
+
+def test_modes_that_do_not_apply_are_rows_with_the_reason():
+    est = estimate("recipe-default", fsdp(1), 4)
+    rows = {m.mode: m for m in est.modes}
+    assert list(rows) == [*POLICIES, WINDOW_ROW]  # one row per mode the project offers, and the window
+    assert not rows[WINDOW_ROW].applicable and "SHARD_GRAD_OP" in rows[WINDOW_ROW].reason
+    assert not rows["budget"].applicable and "--grad-sync-memory-budget" in rows["budget"].reason
+    assert not rows["defer_all_reduce"].applicable and "needs FSDP2" in rows["defer_all_reduce"].reason
+    assert not rows["auto"].applicable and "--grad-sync-free-memory" in rows["auto"].reason
+    with_budget = estimate("recipe-default", fsdp(1), 4, GradSyncConfig(memory_budget="1GiB"))
+    assert "needs FSDP2" in with_budget.mode("budget").reason
+    hsdp_less = estimate("recipe-default", fsdp(2), 4)
+    assert "HSDP" in hsdp_less.mode("defer_all_reduce").reason
+
+
+def test_bytes_sent_follow_the_ring_formulas():
+    n, m = 4, 3
+    est = estimate("recipe-default", fsdp(2, processes=n), m)
+    p = est.params * 4  # fp32
+    assert est.mode("per_micro_batch").send_bytes == pytest.approx(m * p * (n - 1) / n, abs=len(est.units))
+    assert est.mode("deferred").send_bytes == pytest.approx(p * (n - 1) / n, abs=len(est.units))
+    hsdp = estimate("recipe-default", fsdp(2, processes=4, replicate=2), m)  # 2 replicas x 2 shards
+    shard_rs = p * (2 - 1) / 2
+    shard_ar = 2 * (2 - 1) / 2 * p / 2
+    assert hsdp.mode("per_micro_batch").send_bytes == pytest.approx(m * (shard_rs + shard_ar), abs=8)
+    assert hsdp.mode("defer_all_reduce").send_bytes == pytest.approx(m * shard_rs + shard_ar, abs=8)
+
+
+def test_sharded_gradients_are_what_per_micro_batch_keeps_between_micro_batches():
+    n = 4
+    est = estimate("recipe-default", fsdp(2, processes=n), 4)
+    sharded = est.mode("per_micro_batch").sharded_bytes
+    # About P/N x 4 bytes: each rank's padded shard of every unit, in the fp32 sharded dtype.
+    assert est.params * 4 / n <= sharded <= est.params * 4 / n + len(est.units) * 4 * 1024
+    assert est.mode("deferred").sharded_bytes == 0  # nothing is reduced before the last micro-batch
+    assert est.mode("per_micro_batch").held_bytes == 0
+
+
+def test_all_gathers_follow_resharding_and_kept_params():
+    m = 3
+    fsdp2 = estimate("recipe-default", fsdp(2), m, GradSyncConfig(defer=True, keep_params_unsharded=True))
+    # 2 layers reshard after forward (forward + backward all-gather); accelerate's tail group does not.
+    assert fsdp2.mode("per_micro_batch").all_gathers == 3 * m + 2 * m
+    assert fsdp2.mode("deferred").all_gathers == 3 * m + 2 * m  # deferral alone gathers as often
+    window = fsdp2.mode(WINDOW_ROW)
+    assert window.selected and window.all_gathers == 3  # params unsharded for the window: one gather per unit
+    assert window.held_param_bytes == window.held_bytes == fsdp2.params * 4  # fp32 params, fp32 grads
+    fsdp2_no_reshard = estimate("recipe-default", fsdp(2, fsdp_reshard_after_forward=False), m)
+    assert fsdp2_no_reshard.mode("per_micro_batch").all_gathers == 3 * m
+    grad_op = estimate("recipe-default", fsdp(1, fsdp_sharding_strategy="SHARD_GRAD_OP"), m)
+    assert grad_op.mode("deferred").all_gathers == 3  # no_sync keeps SHARD_GRAD_OP params unsharded
+    assert grad_op.mode("per_micro_batch").all_gathers == 3 * m
+    p = grad_op.params * 4
+    assert grad_op.mode("per_micro_batch").all_gather_bytes == pytest.approx(m * p / 2, abs=8)
+
+
+def test_fits_compares_the_peak_with_free_memory_less_the_margin():
+    est = estimate("recipe-default", fsdp(2), 4, GradSyncConfig(free_memory="200KiB", memory_margin=0.0))
+    assert est.mode("deferred").peak_bytes > 200 * 1024 and est.mode("deferred").fits is False
+    assert est.mode("per_micro_batch").fits is None or est.mode("per_micro_batch").peak_bytes > 0
+    assert estimate("recipe-default", fsdp(2), 4).mode("deferred").fits is None  # no free memory given
+    auto = next(m for m in est.modes if m.mode.startswith("auto"))
+    # auto plans held bytes within free memory (peak adds the transients: docs/estimate.md)
+    assert auto.applicable and 0 < auto.held_bytes + auto.held_param_bytes <= 200 * 1024
+
+
+def test_bad_settings_name_the_setting_value_and_fix(tmp_path):
+    with pytest.raises(ValueError, match="distributed_type"):
+        estimate("recipe-default", {"distributed_type": "MULTI_GPU", "num_processes": 2}, 4)
+    with pytest.raises(ValueError, match="fsdp_transformer_layer_cls_to_wrap=LlamaDecoderLayer"):
+        estimate("recipe-default", fsdp(2, fsdp_transformer_layer_cls_to_wrap="LlamaDecoderLayer"), 4)
+    # accelerate's own preparation fails here, as a launch would: the size policy picks the ModuleList.
+    with pytest.raises(ValueError, match=r"accelerate cannot shard .*SIZE_BASED_WRAP.*does not support containers"):
+        estimate("recipe-default", fsdp(2, fsdp_auto_wrap_policy="SIZE_BASED_WRAP", fsdp_min_num_params=40000), 4)
+    with pytest.raises(ValueError, match="micro_batches=0"):
+        estimate("recipe-default", fsdp(2), 0)
+    with pytest.raises(ValueError, match="no transformers config found"):
+        estimate(str(tmp_path / "missing"), fsdp(2), 4)
+    with pytest.raises(ValueError, match=r"2 x 3 != num_processes=4"):
+        read_accelerate_config(
+            {
+                **fsdp(2, processes=4),
+                "parallelism_config": {
+                    "parallelism_config_dp_replicate_size": 2,
+                    "parallelism_config_dp_shard_size": 3,
+                },
+            }
+        )
+
+
+def test_cli_prints_a_table_and_json(tmp_path, capsys):
+    path = tmp_path / "fsdp2.yaml"
+    path.write_text(yaml.safe_dump(fsdp(2, "bf16")))
+    assert (
+        main(
+            [
+                "estimate",
+                "--accelerate-config",
+                str(path),
+                "--micro-batches",
+                "4",
+                "--grad-sync-reduce-dtype",
+                "fp32",
+                "--defer-grad-sync",
+            ]
+        )
+        == 0
+    )
+    table = capsys.readouterr().out
+    assert re.search(r"^deferred \*\s+3\s", table, re.M)  # the selected mode is starred
+    assert "fp32" in table and "n/a" in table
+    assert main(["estimate", "--accelerate-config", str(path), "--micro-batches", "4", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert [m["mode"] for m in data["modes"]][:2] == ["per_micro_batch", "deferred"]
+    assert data["modes"][1]["held_dtype"] == "bf16"  # accelerate's bf16: reduce = param dtype
+
+
+def test_cli_errors_exit_2_with_the_message(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["estimate", "--accelerate-config", str(tmp_path / "none.yaml"), "--micro-batches", "4"])
+    assert exit_info.value.code == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_console_script_and_module_help(monkeypatch, capsys):
+    script = shutil.which("accel-gradsync")
+    if script is None:
+        pytest.skip("console script not installed (pip install -e .)")
+    out = subprocess.run([script, "estimate", "--help"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0
+    for flag in ("--accelerate-config", "--micro-batches", "--grad-sync-free-memory", "--json", "--defer-grad-sync"):
+        assert flag in out.stdout
+    monkeypatch.setattr(sys, "argv", ["python -m accel_gradsync", "--help"])
+    with pytest.raises(SystemExit) as exit_info:
+        runpy.run_module("accel_gradsync", run_name="__main__")
+    assert exit_info.value.code == 0 and "estimate" in capsys.readouterr().out
+
+
+def test_a_row_names_the_windows_its_plan_keeps():
+    """With room for everything, auto windows every unit: the row says so, not plain deferral."""
+    est = estimate("recipe-default", fsdp(2), 4, GradSyncConfig(free_memory="1GiB"))
+    auto = next(r for r in est.modes if r.mode.startswith("auto"))
+    assert auto.mode == "auto -> deferred+window", auto.mode
+
+
+def _walked_all_gathers(unit, level, m, keeps_params_when_held):
+    """A step's all-gathers walked micro-batch by micro-batch with `micro_batch_all_gathers`, as
+    the live counters see them: every micro-batch but the last is held by a held level, a window
+    keeps the params through every forward, and a held backward keeps them where a window (or
+    FSDP1 SHARD_GRAD_OP's no_sync) does."""
+    held = level in (Level.DEFERRED, Level.WINDOWED, Level.DEFER_ALL_REDUCE)
+    windowed = level == Level.WINDOWED
+    count, gathered = 0, False
+    for k in range(m):
+        held_now = held and k < m - 1
+        n, gathered = micro_batch_all_gathers(
+            unit, gathered, windowed, held_now and (windowed or keeps_params_when_held)
+        )
+        count += n
+    return count
+
+
+@pytest.mark.parametrize("reshards", [False, True])
+@pytest.mark.parametrize("frozen", [False, True])
+def test_all_gathers_in_closed_form_equal_the_walk(reshards, frozen):
+    unit = Unit("layer", torch.nn.Linear(2, 2), 0 if frozen else 6, 0 if frozen else 1, param_numel=6)
+    unit = dataclasses.replace(unit, reshards_after_forward=reshards)
+    for level in Level:
+        # Only FSDP1 keeps params after a held backward (SHARD_GRAD_OP); it has no all-reduce hold.
+        for keeps in (False, True) if level != Level.DEFER_ALL_REDUCE else (False,):
+            for m in range(1, 7):
+                assert unit_all_gathers(unit, level, m, keeps) == _walked_all_gathers(unit, level, m, keeps), (
+                    level,
+                    keeps,
+                    m,
+                )
+
+
+def test_a_huge_number_of_micro_batches_answers_at_once():
+    """The counts are closed forms: 10^11 micro-batches answer as fast as 4 (a step-by-step count
+    would not finish; the subprocess's timeout catches that)."""
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "accel_gradsync",
+            "estimate",
+            "--micro-batches",
+            str(10**11),
+            "--accelerate-config",
+            str(ACCELERATE_CONFIGS / "fsdp2.yaml"),
+            "--grad-sync-free-memory",
+            "1GiB",
+            "--grad-sync-memory-budget",
+            "100KiB",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert out.returncode == 0, out.stderr
+    rows = {m["mode"].split(" ")[0]: m for m in json.loads(out.stdout)["modes"]}
+    m = 10**11
+    assert rows["per_micro_batch"]["all_gathers"] == 3 * m + 2 * m  # 2 layers gather again in backward
+    assert rows["per_micro_batch"]["reduce_scatters"] == 3 * m and rows["deferred"]["reduce_scatters"] == 3
+    assert rows[WINDOW_ROW]["all_gathers"] == 3
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_one_process_has_nothing_to_sync_and_no_mode_saves_anything(version, tmp_path, capsys):
+    config = GradSyncConfig(defer=True, keep_params_unsharded=True, free_memory="1GiB", memory_budget="100KiB")
+    est = estimate("recipe-default", fsdp(version, processes=1), 4, config)
+    rows = [m for m in est.modes if m.applicable]
+    assert len(rows) >= 3
+    per_mb = est.mode("per_micro_batch")
+    for row in rows:
+        assert (row.units_held, row.held_bytes, row.held_param_bytes) == (0, 0, 0), row
+        # FSDP sends nothing over one rank: FSDP2 skips its collectives (counted below).
+        assert (row.reduce_scatters, row.all_reduces, row.all_gathers, row.send_bytes) == (0, 0, 0, 0), row
+        assert row.peak_bytes == per_mb.peak_bytes and "one process" in row.reason, row
+    path = tmp_path / "one.yaml"
+    path.write_text(yaml.safe_dump(fsdp(version, processes=1)))
+    assert main(["estimate", "--accelerate-config", str(path), "--micro-batches", "4", "--defer-grad-sync"]) == 0
+    assert "1 process (nothing to sync between ranks" in capsys.readouterr().out
+
+
+def test_fsdp2_over_one_rank_issues_no_collective():
+    """What the one-process rows rest on, from a real one-rank gloo group: no collective at all."""
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoModelForCausalLM
+
+    from benchmarks.collectives import CollectiveCounter
+
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+    try:
+        counter = CollectiveCounter()
+        model = AutoModelForCausalLM.from_config(load_model_config("recipe-default"))
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        for k in range(4):
+            model.set_requires_gradient_sync(k == 3)  # deferred: three held micro-batches, then the sync
+            ids = torch.randint(0, 17, (1, 8))
+            model(input_ids=ids, labels=ids).loss.backward()
+        assert counter.take() == {}
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,57 @@
+"""How `budget` and `auto` rank the levels of a unit, per byte each adds over
+per-micro-batch. Deferral saves reduce-scatter bytes and adds the unsharded gradient less the
+sharded one (half of it on 2 ranks); a window saves all-gather bytes and adds the params. On gloo
+a reduce-scatter byte takes about 1.4x an all-gather byte, so the same budget buys deferral of more
+units there and a window with NCCL."""
+
+import pytest
+from torch import nn
+
+from accel_gradsync.planning.costs import REDUCE_SCATTER_COST, reduce_scatter_cost_of
+from accel_gradsync.planning.policies import choose_levels
+from accel_gradsync.runtime.fsdp import ModelAdapter, Unit
+
+BLOCK = 1000  # elements: 4000 B of fp32 gradient and 4000 B of fp32 params per unit
+
+
+def _units(n=3):
+    return [Unit(f"blocks.{i}", nn.Identity(), BLOCK, 1, shard_size=2, reshards_after_forward=True) for i in range(n)]
+
+
+def test_bytes_alone_window_one_unit_before_deferring_another():
+    units = _units()
+    # NCCL/HCCL weigh both alike: a window saves 15 gathers per param byte, deferral 7 reduce-scatters
+    # per half a gradient byte, so windowing the unit (22 per 1.5 bytes) comes first.
+    plan = choose_levels("budget", units, budget=8000, micro_batches=8)
+    assert [u.name for u in plan.windowed] == ["blocks.0"] and len(plan.held) == 1
+
+
+def test_on_gloo_the_same_budget_defers_two_units():
+    units = _units()
+    plan = choose_levels(
+        "budget", units, budget=8000, micro_batches=8, reduce_scatter_cost=REDUCE_SCATTER_COST["gloo"]
+    )  # 19.6 per byte
+    assert plan.windowed == () and [u.name for u in plan.held] == ["blocks.0", "blocks.1"]
+    # Room for every deferral and one window: deferral first, then the window.
+    plan = choose_levels("budget", units, budget=16000, micro_batches=8, reduce_scatter_cost=1.4)
+    assert len(plan.held) == 3 and [u.name for u in plan.windowed] == ["blocks.0"]
+
+
+def test_the_weight_is_the_adapters_backend():
+    adapter = ModelAdapter.__new__(ModelAdapter)  # only the backend is read
+    for backend, weight in (("gloo", 1.4), ("nccl", 1.0), ("hccl", 1.0), ("", 1.0)):
+        adapter.backend = backend
+        assert reduce_scatter_cost_of(adapter) == weight
+
+
+def test_a_plan_is_immutable_and_compared_by_value():
+    """A change of plan is a new Plan; two plans with the same fields are the same plan."""
+    import dataclasses
+
+    units = _units()
+    first = choose_levels("budget", units, 10**9, 4)
+    again = choose_levels("budget", units, 10**9, 4)
+    assert first == again and first is not again
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        first.reason = "changed"  # type: ignore[misc]
+    assert dataclasses.replace(first, reason="changed") != first

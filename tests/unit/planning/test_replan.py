@@ -1,0 +1,112 @@
+"""`auto` from measured memory, played on a scripted device (no GPU): step 1 per
+micro-batch, the plan after it, a fall-back when peaks grow, a recovery after quiet steps and
+never a change back and forth from one step to the next. Units are the GRPO recipe model's,
+found on the meta device by the estimate's adapter (FSDP2, fp32: 3 units)."""
+
+import re
+
+import pytest
+
+from accel_gradsync import GradSyncConfig
+from accel_gradsync.estimator.core import build_meta_model, estimated_adapter, load_model_config, read_accelerate_config
+from accel_gradsync.planning.costs import format_bytes
+from accel_gradsync.planning.memory import ScriptedMemoryProbe
+from accel_gradsync.planning.replan import QUIET_STEPS, MeasuredAuto
+
+M = 4
+FSDP2 = {
+    "distributed_type": "FSDP",
+    "num_processes": 2,
+    "fsdp_config": {"fsdp_version": 2, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP"},
+}
+CONFIG = GradSyncConfig(sync_mode="auto", memory_margin=0.1)
+CAPACITY = 10 * 2**20  # a 10 MiB "device": limit 9 MiB with the 10% margin
+
+
+@pytest.fixture(scope="module")
+def adapter():
+    model = build_meta_model(load_model_config("recipe-default"))
+    return estimated_adapter(model, read_accelerate_config(FSDP2), CONFIG)
+
+
+def play(adapter, peaks, other_rank_peaks=None, messages=None):
+    """Run the planner over a scripted series of step peaks; return the plan of every step (and
+    append each change's line, the one the main process prints, to `messages`)."""
+    probe = ScriptedMemoryProbe(CAPACITY, peaks)
+    others = iter(other_rank_peaks or [])
+
+    def agree(peak, capacity):  # a second rank, scripted too: the largest peak decides
+        return max(peak, next(others, 0)), capacity
+
+    auto = MeasuredAuto(CONFIG, probe, agree)
+    plan = auto.first_plan()
+    plans = [plan]
+    for _ in peaks[1:]:
+        change = auto.at_window_start(adapter, plan, M)
+        plan = change.plan if change else plan
+        plans.append(plan)
+        if change and messages is not None:
+            messages.append(change.message)
+    return plans, auto
+
+
+def levels(plan, adapter):
+    return [plan.level(u) for u in adapter.units]
+
+
+def test_step_one_syncs_every_micro_batch_then_the_plan_fits_what_is_left(adapter):
+    full = sum(u.held_bytes + u.param_bytes for u in adapter.units)  # every unit windowed
+    plans, auto = play(adapter, [2 * 2**20, 2 * 2**20 + full])
+    assert not plans[0].held and "step 1" in plans[0].reason
+    assert levels(plans[1], adapter) == ["windowed"] * len(adapter.units)  # 7 MiB of room: all fits
+    assert list(auto.peaks) == [2 * 2**20]
+    # Little room after step 1: only what fits is held.
+    plans, _ = play(adapter, [9 * 2**20 - 200 * 2**10, 0])
+    assert 0 < plans[1].held_bytes() <= 200 * 2**10
+
+
+def test_a_growing_peak_falls_back_one_level_largest_units_first_and_recovers_after_quiet_steps(adapter):
+    base, full = 2 * 2**20, sum(u.held_bytes + u.param_bytes for u in adapter.units)
+    grown = 9 * 2**20 + 10 * 2**10  # 10 KiB over the limit
+    peaks = [base, base + full, grown] + [base + full - 300 * 2**10] * (QUIET_STEPS + 2)
+    plans, auto = play(adapter, peaks)
+    largest = max(adapter.units, key=lambda u: u.numel)
+    after = plans[3]  # the window after the step that grew
+    assert after.level(largest) == "deferred" and after.held_bytes() < plans[2].held_bytes()
+    assert all(after.level(u) == "windowed" for u in adapter.units if u is not largest)  # one unit was enough
+    # No change back and forth: the plan holds until QUIET_STEPS quiet steps, then moves up.
+    assert all(p is after for p in plans[3 : 3 + QUIET_STEPS])
+    assert levels(plans[3 + QUIET_STEPS], adapter) == ["windowed"] * len(adapter.units)
+    assert auto.changes == 2
+
+
+def test_the_rank_with_the_higher_peak_decides(adapter):
+    base = 2 * 2**20
+    full = sum(u.held_bytes + u.param_bytes for u in adapter.units)
+    # This rank stays quiet; the other one grows past the limit in step 3.
+    plans, _ = play(adapter, [base, base + full, base + full], other_rank_peaks=[0, 9 * 2**20 + 2**20])
+    assert plans[2].held_bytes() < plans[1].held_bytes()
+
+
+def test_a_peak_past_capacity_in_step_one_holds_nothing(adapter):
+    plans, _ = play(adapter, [CAPACITY, CAPACITY])
+    assert not plans[1].held and plans[1].mode == "per_micro_batch"
+
+
+def test_each_plan_change_is_one_plain_line_with_the_peak_it_read(adapter):
+    base, full = 2 * 2**20, sum(u.held_bytes + u.param_bytes for u in adapter.units)
+    grown, quiet = 9 * 2**20 + 10 * 2**10, base + full - 300 * 2**10
+    peaks = [base, base + full, grown] + [quiet] * (QUIET_STEPS + 2)
+    messages = []
+    play(adapter, peaks, messages=messages)
+
+    def room(peak):
+        return f"peak {format_bytes(peak)}/rank of {format_bytes(CAPACITY)} (margin 0.1)"
+
+    assert messages == [
+        f"grad sync: auto measured step 1: {room(base)}; from step 2 on:",
+        f"grad sync: auto falls back one level: step {room(grown)}; now:",
+        f"grad sync: auto moves back up after {QUIET_STEPS} quiet steps ({room(quiet)}):",
+    ]
+    for message in messages:
+        assert not re.search(r"\b(\w+) \1\b", message), message  # no word said twice in a row

@@ -1,0 +1,101 @@
+"""Frozen FSDP units and `gather_for_generation` in the planning code, without processes: a Qwen2
+config sharded by accelerate's and torch's own code on the meta device in a fake process group
+(as `accel-gradsync estimate` does), its root's parameters (embeddings, norm, tied head) frozen.
+
+A frozen unit reduces nothing and holds no gradient but all-gathers in every forward: the
+decision line, the estimate and the budget count it. (Against real gloo ranks, with counts
+taken from outside: tests/distributed/test_generation.py.)"""
+
+import pytest
+
+from accel_gradsync import GradSyncConfig
+from accel_gradsync.estimator.core import build_meta_model, estimated_adapter, load_model_config, read_accelerate_config
+from accel_gradsync.planning.costs import (
+    all_gathers_per_step,
+    collectives_per_step,
+    generation_all_gathers_per,
+    unit_all_gathers,
+)
+from accel_gradsync.planning.policies import BudgetSync, DeferredSync, PerMicroBatchSync, choose_levels
+from accel_gradsync.runtime.decision import describe_decision
+
+pytestmark = pytest.mark.filterwarnings("ignore::accel_gradsync.config.errors.GradSyncWarning")
+
+ACCELERATE = {
+    "distributed_type": "FSDP",
+    "num_processes": 2,
+    "fsdp_config": {
+        "fsdp_version": 2,
+        "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+        "fsdp_transformer_layer_cls_to_wrap": "Qwen2DecoderLayer",
+    },
+}
+M = 4
+
+
+def adapter_with_frozen_root(config=None):
+    model = build_meta_model(load_model_config("recipe-default"))
+    model.model.embed_tokens.requires_grad_(False)  # the head is tied to it
+    model.model.norm.requires_grad_(False)
+    return estimated_adapter(model, read_accelerate_config(ACCELERATE), config or GradSyncConfig())
+
+
+@pytest.fixture(scope="module")
+def adapter():
+    return adapter_with_frozen_root()
+
+
+def test_a_frozen_root_is_a_unit_that_gathers_and_reduces_nothing(adapter):
+    # accelerate shards embeddings, tied head and final norm as one unit (`fully_shard([...])`).
+    frozen = [u for u in adapter.units if u.frozen]
+    assert [u.name for u in frozen] == ["model.embed_tokens"] and len(adapter.units) == 3
+    root = frozen[0]
+    assert root.collectives == 0 and root.held_bytes == 0 and root.reduce_bytes == 0
+    assert root.param_numel > 0 and root.param_bytes == root.param_numel * 4
+    # Trainable units count their frozen parameters in what they gather too.
+    assert all(u.param_numel >= u.numel > 0 for u in adapter.units if not u.frozen)
+
+
+def test_decision_line_counts_the_frozen_units_all_gathers(adapter):
+    plan = DeferredSync(GradSyncConfig(defer=True)).plan(adapter, lambda: 0, M)
+    rs, _ = collectives_per_step(plan, adapter.units, adapter.hsdp, M)
+    gathers, _ = all_gathers_per_step(plan, adapter, M)
+    assert rs == 2  # the two decoder layers; the frozen root reduces nothing
+    # Each layer twice per micro-batch (forward, and backward after its reshard), the frozen unit
+    # (kept through backward, like a root) once.
+    assert gathers == 2 * 2 * M + M == sum(unit_all_gathers(u, "deferred", M) for u in adapter.units)
+    line = describe_decision(plan, adapter, M)
+    assert f"2 reduce-scatters and {gathers} all-gathers/step" in line, line
+    assert "2 deferred, 1 frozen" in line, line
+
+
+def test_the_window_keeps_frozen_units_too_within_the_budget(adapter):
+    window = DeferredSync(GradSyncConfig(defer=True, keep_params_unsharded=True)).plan(adapter, lambda: 0, M)
+    assert len(window.windowed) == 3 and all_gathers_per_step(window, adapter, M)[0] == 3
+    assert window.held_param_bytes() == sum(u.param_bytes for u in adapter.units)
+    root = next(u for u in adapter.units if u.frozen)
+    # Exactly what the frozen unit's window costs: its parameter bytes; taken (it saves M - 1 gathers).
+    only_root = choose_levels("budget", adapter.units, root.param_bytes, M)
+    assert only_root.windowed == (root,) and only_root.level(root) == "windowed"
+    less = choose_levels("budget", adapter.units, root.param_bytes - 1, M)
+    assert less.level(root) == "frozen" and not less.windowed
+
+
+def test_gather_for_generation_bytes_enter_budget_and_the_decision_line():
+    config = GradSyncConfig(sync_mode="budget", memory_budget="1GiB", gather_for_generation=True)
+    adapter = adapter_with_frozen_root(config)
+    generation = sum(u.param_bytes for u in adapter.units)
+    plan = BudgetSync(config).plan(adapter, lambda: 0, M)
+    assert plan.generation_bytes == generation
+    # Generation holds every unit's params already: every unit is windowed at no extra cost.
+    assert len(plan.windowed) == 3
+    line = describe_decision(plan, adapter, M)
+    assert f"generation {len(adapter.units)} all-gathers per round" in line, line
+    # A budget that generation alone fills leaves nothing to defer; windows cost nothing more.
+    tight = GradSyncConfig(sync_mode="budget", memory_budget=f"{generation}B", gather_for_generation=True)
+    tight_plan = BudgetSync(tight).plan(adapter, lambda: 0, M)
+    assert [u for u in tight_plan.held if not u.frozen] == [] and tight_plan.held_grad_bytes() == 0
+    off = PerMicroBatchSync(GradSyncConfig()).plan(adapter, lambda: 0, M)
+    assert off.generation_bytes == 0
+    per_token = generation_all_gathers_per(adapter.units, kept=False)
+    assert per_token == 2 and f"generation {per_token} all-gathers per token" in describe_decision(off, adapter, M)
