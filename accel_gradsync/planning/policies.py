@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
-from accel_gradsync.config.settings import GradSyncConfig, SyncMode, dtype_name, parse_bytes
+from accel_gradsync.config.settings import GradSyncConfig, ResolvedConfig, SyncMode, dtype_name, parse_bytes
 from accel_gradsync.planning.costs import (
     format_bytes,
     generation_bytes_of,
@@ -36,8 +36,8 @@ class SyncPolicy:
     needs_hsdp: bool = False
     """True when the mode needs a mesh with a replicate dimension (HSDP)."""
 
-    def __init__(self, config: GradSyncConfig) -> None:
-        self.config = config.resolved()
+    def __init__(self, config: GradSyncConfig | ResolvedConfig) -> None:
+        self.config = config if isinstance(config, ResolvedConfig) else config.resolved()
 
     def plan(self, adapter: Wrapped, free_memory: FreeMemory, micro_batches: int) -> Plan:
         raise NotImplementedError
@@ -283,11 +283,11 @@ POLICIES: dict[str, type[SyncPolicy]] = {
 }
 
 
-def resolve_policy(config: GradSyncConfig) -> SyncPolicy:
-    """The policy a config selects."""
+def resolve_policy(settings: ResolvedConfig) -> SyncPolicy:
+    """The policy resolved settings select."""
     try:
-        return POLICIES[config.mode](config)
+        return POLICIES[settings.sync_mode](settings)
     except KeyError:
         raise ValueError(
-            f"GradSyncConfig selects sync mode {config.mode!r}; valid choices: {', '.join(POLICIES)}."
+            f"GradSyncConfig selects sync mode {settings.sync_mode!r}; valid choices: {', '.join(POLICIES)}."
         ) from None

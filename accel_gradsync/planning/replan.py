@@ -69,6 +69,26 @@ class MeasuredAuto:
             generation_bytes=generation,
         )
 
+    def record(self) -> dict:
+        """What a checkpoint keeps of this planner (`restore` takes it back)."""
+        return {
+            "peaks": list(self.peaks),
+            # The main process's: a checkpoint may be saved without the other ranks (DDP), so no
+            # collective agrees it; the resumed run's first reading agrees it with theirs.
+            "unread_peak": self.probe.peak(),
+            "measured_steps": self.measured_steps,
+            "quiet": self.quiet,
+            "changes": self.changes,
+        }
+
+    def restore(self, record: dict) -> None:
+        """Go on from a checkpoint's `record()`: the peak measured since its last reading counts
+        into this run's first one."""
+        self.peaks.clear()
+        self.peaks.extend(record["peaks"])
+        self.measured_steps, self.quiet, self.changes = record["measured_steps"], record["quiet"], record["changes"]
+        self.probe = CarriedPeak(self.probe, record["unread_peak"])
+
     def at_window_start(self, adapter: Wrapped, plan: Plan, micro_batches: int) -> Change | None:
         """Read the step that just ended; return the next window's plan when it changes."""
         peak, capacity = self.agree(self.probe.peak(), self.probe.capacity())
@@ -149,3 +169,22 @@ def _score(plan: Plan, adapter: Wrapped) -> float:
         Level.WINDOWED: 2.0,
     }
     return sum(levels[plan.level(u)] * u.param_numel for u in adapter.units)
+
+
+class CarriedPeak(MemoryProbe):
+    """A resumed run's probe until its first reading: the peak the saving run had measured since
+    its last reading (the step that ended before a boundary checkpoint, the first micro-batches of
+    a window) counts, as it did in the uninterrupted run; then `probe` alone."""
+
+    def __init__(self, probe: MemoryProbe, carried: int) -> None:
+        self.probe, self.carried = probe, carried
+
+    def capacity(self) -> int:
+        return self.probe.capacity()
+
+    def reset_peak(self) -> None:
+        self.carried = 0
+        self.probe.reset_peak()
+
+    def peak(self) -> int:
+        return max(self.carried, self.probe.peak())

@@ -1,10 +1,9 @@
-"""`bind`: inspect a prepared model once, the first time it is seen (at `prepare`, the Trainer's
-train start, or its first `no_sync`): its wrapper and units (fsdp.py), its first plan
-(policies.py; replan.py under `auto`), its counters, and the decision line.
-
-Binding happens after `prepare` because only the wrapped model says what its units, dtypes and
-mesh are. A model accelerate did not wrap is remembered as such, so accelerate's own `no_sync`
-keeps applying to it.
+"""`Binder.bind`: inspect a prepared model once, the first time it is seen (at `prepare`, the
+Trainer's train start, or its first `no_sync`): its wrapper and units (fsdp.py), its first plan
+(planning/policies.py; planning/replan.py under `auto`), its counters, the decision line, and the
+window's and generation's hooks on it. Binding waits for `prepare` because only the wrapped model
+says what its units, dtypes and mesh are; a model accelerate did not wrap is remembered as such,
+so accelerate's own `no_sync` keeps applying to it.
 """
 
 from __future__ import annotations
@@ -25,7 +24,9 @@ from accel_gradsync.planning.replan import MeasuredAuto
 from accel_gradsync.runtime.accounting import SyncAccounting
 from accel_gradsync.runtime.decision import describe_decision, warn_about_plan
 from accel_gradsync.runtime.fsdp import ModelAdapter, adapt_model, is_fsdp_wrapped
+from accel_gradsync.runtime.generation import GenerationGather
 from accel_gradsync.runtime.state import Attachment, BoundModel, root_of
+from accel_gradsync.runtime.window import Window
 
 
 def wants_binding(accelerator: Accelerator, model: nn.Module) -> bool:
@@ -35,16 +36,38 @@ def wants_binding(accelerator: Accelerator, model: nn.Module) -> bool:
 
 
 class Binder:
-    """Binds models into one `Attachment`; keeps what planning reads once per run (free memory,
-    the memory probe)."""
+    """Binds models into one `Attachment` and watches them (the window's and generation's hooks);
+    keeps what planning reads once per run (free memory, the memory probe)."""
 
-    def __init__(self, state: Attachment, probe: MemoryProbe | None = None) -> None:
+    def __init__(
+        self, state: Attachment, window: Window, generation: GenerationGather, probe: MemoryProbe | None = None
+    ) -> None:
         self.state = state
+        self.window = window
+        self.generation = generation
         self._probe = probe
         self._free_memory: int | None = None
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
 
     def bind(self, model: nn.Module) -> ModelAdapter | None:
-        """Adapt, plan and count `model` (not bound before); None where it is not wrapped."""
+        """Adapt, plan, count and watch `model` the first time it is seen; its adapter (None where
+        it is not wrapped)."""
+        root = root_of(model)
+        if root in self.state.adapters:
+            return self.state.adapters[root]
+        adapter = self._bind(model)
+        if root in self.state.bound:
+            self._handles += self.window.watch(root)
+            self._handles += self.generation.watch(root)
+        return adapter
+
+    def close(self) -> None:
+        """Detach: remove every hook binding put on the models."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _bind(self, model: nn.Module) -> ModelAdapter | None:
         state, root = self.state, root_of(model)
         adapter = adapt_model(model)
         expects_fsdp = state.accelerator.distributed_type == DistributedType.FSDP
@@ -62,7 +85,7 @@ class Binder:
                 f"accel_gradsync: the prepared model ({model_name(model)}) is not wrapped in FSDP or "
                 "DDP, so it has no gradient sync to schedule; accelerate's own no_sync() applies.",
                 GradSyncWarning,
-                stacklevel=3,  # the code that called GradSyncHandle.bind
+                stacklevel=4,  # the code that called GradSyncHandle.bind
             )
             state.adapters[root] = None
             return None
@@ -74,11 +97,11 @@ class Binder:
             # auto measures step 1 and plans from step 2 on (replan.py).
             if self._probe is None:
                 self._probe = memory_probe(state.accelerator.device, state.config)
-            auto = MeasuredAuto(state.config.resolved(), self._probe, self._agree_peak)
+            auto = MeasuredAuto(state.settings, self._probe, self._agree_peak)
             plan = auto.first_plan(adapter)
         else:
             plan = state.policy.plan(adapter, self._agreed_free_memory, m)
-        warn_about_plan(plan, adapter, state.config, m)
+        warn_about_plan(plan, adapter, state.settings, m)
         name, taken = model_name(root), {b.name for b in state.bound.values()}
         name = name if name not in taken else f"{name}#{len(taken) + 1}"
         account = SyncAccounting(

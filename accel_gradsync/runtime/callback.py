@@ -6,14 +6,16 @@ otherwise only the next training step releases them, and after the last step non
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from typing import Any
 
-from torch import nn
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from accel_gradsync.config.settings import GradSyncConfig, SyncMode
+from accel_gradsync.config.settings import SyncMode
+from accel_gradsync.runtime.bind import Binder
+from accel_gradsync.runtime.checkpoint import CheckpointHooks
+from accel_gradsync.runtime.generation import GenerationGather
+from accel_gradsync.runtime.state import Attachment
 
 LOG_PREFIX = "grad_sync/"
 # The per-step counters a log line carries by default: log key -> stats() key.
@@ -47,53 +49,41 @@ def log_counters(stats: dict, everything: bool = False) -> dict:
 
 
 class GradSyncCallback(TrainerCallback):
-    """Binds `trainer`'s wrapped model at train start, logs `stats()` under `grad_sync/`, and
-    releases the units kept for forwards without gradients at the end of evaluation, prediction
-    and training."""
+    """Binds the Trainer's wrapped model at train start, logs `stats()` under `grad_sync/`,
+    saves and loads what a checkpoint needs besides the Trainer's files, and releases the units
+    kept for forwards without gradients at the end of evaluation, prediction and training."""
 
     def __init__(
-        self,
-        trainer: Any,
-        bind: Callable[[nn.Module], object],
-        stats: Callable[[], dict],
-        config: GradSyncConfig,
-        after_load: Callable[[], None] = lambda: None,
-        on_checkpoint: Callable[[str], None] = lambda path: None,
-        release: Callable[[], None] = lambda: None,
+        self, state: Attachment, binder: Binder, generation: GenerationGather, checkpoints: CheckpointHooks
     ) -> None:
-        self.trainer = trainer
-        self.after_load = after_load
-        """What a resume needs besides the Trainer's own loading (optimizer_state.py, plan_checkpoint.py)."""
-        self.on_checkpoint = on_checkpoint
-        """What a checkpoint needs besides what the Trainer saves (plan_checkpoint.py)."""
-        self.release = release
-        """Reshards the units kept unsharded by forwards without gradients (generation.py)."""
-        self.bind = bind
-        self.stats = stats
-        self.config = config
+        self.state = state
+        self.trainer = state.trainer
+        self.binder = binder
+        self.generation = generation
+        self.checkpoints = checkpoints
 
     def on_train_begin(self, args, state, control, **kwargs: Any):
         # `accelerator.prepare` ran just before this event; `model_wrapped` is what
         # the Trainer passes to `accelerator.no_sync` on every micro-batch.
-        self.bind(self.trainer.model_wrapped)
-        self.after_load()  # the Trainer has loaded its checkpoint, and the model is bound
+        self.binder.bind(self.trainer.model_wrapped)
+        self.checkpoints.after_trainer_load()  # the Trainer has loaded its checkpoint, and the model is bound
 
     def on_evaluate(self, args, state, control, **kwargs: Any):
-        self.release()
+        self.generation.release()
 
     def on_predict(self, args, state, control, metrics=None, **kwargs: Any):
-        self.release()
+        self.generation.release()
 
     def on_train_end(self, args, state, control, **kwargs: Any):
-        self.release()
+        self.generation.release()
 
     def on_save(self, args, state, control, **kwargs: Any):
-        self.on_checkpoint(os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"))
+        self.checkpoints.on_trainer_save(os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"))
 
     def on_log(self, args, state, control, logs=None, **kwargs: Any):
         if logs is None:
             return
-        counters = log_counters(self.stats(), self.config.resolved().log_all_counters)
+        counters = log_counters(self.state.stats(), self.state.settings.log_all_counters)
         logs.update(counters)  # what the reporting callbacks after us send to report_to
         if state.log_history:
             state.log_history[-1].update(counters)  # the Trainer recorded this entry just before

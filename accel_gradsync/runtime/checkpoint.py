@@ -1,19 +1,11 @@
-"""Gradients of a window in progress, saved with and restored from accelerate's checkpoints.
+"""Everything accel_gradsync adds to a checkpoint, and the hooks that save and load it:
+`CheckpointHooks` registers accelerate's save/load pre-hooks and serves the Trainer's callback.
 
-accelerate's `save_state` holds no gradients, which is right at an optimizer step but loses the
-micro-batches of a window saved mid-way, held ones included. Its save/load pre-hooks let each
-rank write its gradients (wherever the wrapper keeps them) next to the checkpoint and put them
-back when it is loaded, so a resumed run finishes the window exactly. accelerate runs the load
-hooks once FSDP's models and optimizers are loaded; loading parameters leaves gradients alone
-either way.
-
-Whether the checkpoint holds a window, and for how many processes, is one note the main process
-writes (`accel_gradsync_window.json`): every rank reads the same note, so every rank takes the
-same decision. Each rank's gradients are its shards, so a window saved by another number of
-processes is refused on every rank (a rank that loaded its shards while another found none would
-then issue different collectives and hang the run). Where the wrapper cannot give them back
-(FSDP1), the save warns and the note makes `load_state` refuse the checkpoint rather than resume
-without those micro-batches.
+`GradCheckpoint` keeps a window saved mid-way: accelerate's checkpoints hold no gradients, so each
+rank writes its own (held or sharded) next to the checkpoint and the load pre-hook puts them back,
+after FSDP loaded models and optimizers. The main process writes one note (`WINDOW_NOTE`) that
+every rank reads, so all ranks decide alike: a window saved by another number of processes, or by
+FSDP1 (whose gradients cannot be put back), is refused on every rank.
 """
 
 from __future__ import annotations
@@ -22,23 +14,14 @@ import json
 import os
 
 import torch
+import torch.utils.hooks
 
+from accel_gradsync.compat.optimizer_state import OptimizerStateFix
+from accel_gradsync.runtime.plan_checkpoint import PlanCheckpoint
 from accel_gradsync.runtime.state import Attachment
 
 WINDOW_NOTE = "accel_gradsync_window.json"
 """The main process's note of a mid-window checkpoint: the window, the processes, the gradients."""
-
-
-def writes_shared_files(state: Attachment) -> bool:
-    """This process writes a checkpoint's shared files: the main process, or each node's first one
-    where checkpoints are saved on each node (accelerate's `save_on_each_node`, the Trainer's
-    `should_save`), as accelerate and the Trainer write their own."""
-    if state.trainer is not None:
-        return bool(state.trainer.args.should_save)
-    accelerator = state.accelerator
-    if accelerator.project_configuration.save_on_each_node:
-        return accelerator.is_local_main_process
-    return accelerator.is_main_process
 
 
 class GradCheckpoint:
@@ -54,7 +37,7 @@ class GradCheckpoint:
         done = max((b.account.current.micro_batches for b in state.bound.values()), default=0)
         grads = [a.grad_state() for a in state.adapters.values() if a is not None] if done else []
         saved = all(g is not None for g in grads)
-        writes = writes_shared_files(state)
+        writes = state.writes_shared_files()
         for stale in (path, note) if writes else (path,):
             if os.path.exists(stale):
                 os.remove(stale)  # a checkpoint over an older mid-window one
@@ -118,3 +101,39 @@ class GradCheckpoint:
 
     def _path(self, directory: str) -> str:
         return os.path.join(directory, f"accel_gradsync_grads_rank{self.state.accelerator.process_index}.pt")
+
+
+class CheckpointHooks:
+    """What one `attach()` saves and loads with a checkpoint: a window's gradients, `auto`'s plans
+    (plan_checkpoint.py) and, for FSDP1, the sharded optimizer state (compat/optimizer_state.py)."""
+
+    def __init__(self, state: Attachment) -> None:
+        self.gradients = GradCheckpoint(state)
+        self.plans = PlanCheckpoint(state)
+        self.optimizer_state = OptimizerStateFix(state.accelerator, state.trainer)
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+
+    def register(self) -> None:
+        """accelerate's `save_state`/`load_state` pre-hooks, in the order they must run."""
+        accelerator = self.gradients.state.accelerator
+        self._handles += [
+            accelerator.register_save_state_pre_hook(self.gradients.on_save_state),
+            accelerator.register_load_state_pre_hook(self.gradients.on_load_state),
+            accelerator.register_load_state_pre_hook(self.optimizer_state.on_load_state),
+            accelerator.register_save_state_pre_hook(self.plans.on_save_state),
+            accelerator.register_load_state_pre_hook(self.plans.on_load_state),
+        ]
+
+    def on_trainer_save(self, checkpoint: str) -> None:
+        """A Trainer wrote `checkpoint` (it saves without `save_state`)."""
+        self.plans.on_trainer_save(checkpoint)
+
+    def after_trainer_load(self) -> None:
+        """What the load pre-hooks do, for a Trainer, which loads without `load_state`."""
+        self.optimizer_state.after_trainer_load()
+        self.plans.after_trainer_load()
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()

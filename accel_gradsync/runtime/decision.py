@@ -12,7 +12,7 @@ import warnings
 import torch
 
 from accel_gradsync.config.errors import GradSyncWarning
-from accel_gradsync.config.settings import FP32_HELD_MODES, GradSyncConfig, SyncMode
+from accel_gradsync.config.settings import FP32_HELD_MODES, ResolvedConfig, SyncMode
 from accel_gradsync.planning.costs import (
     all_gathers_per_step,
     collectives_per_step,
@@ -123,10 +123,10 @@ _LEVELS = {
 }
 
 
-def warn_about_plan(plan: Plan, adapter: ModelAdapter, config: GradSyncConfig, micro_batches: int) -> None:
+def warn_about_plan(plan: Plan, adapter: ModelAdapter, settings: ResolvedConfig, micro_batches: int) -> None:
     """Warn about what a first plan costs or ignores on this wrapper. The warnings point at the
     code that called `bind` (`prepare`, the first `no_sync`, or attach)."""
-    if config.keep_params_unsharded and adapter.kind != "fsdp2" and plan.held:
+    if settings.keep_params_unsharded and adapter.kind != "fsdp2" and plan.held:
         instead = {
             "fsdp1": "FSDP1's nearest equivalent is sharding_strategy SHARD_GRAD_OP",
             "ddp": "DDP never shards parameters",
@@ -141,7 +141,7 @@ def warn_about_plan(plan: Plan, adapter: ModelAdapter, config: GradSyncConfig, m
         raise AssertionError(f"{adapter.kind} can only defer every unit at once")  # policies ensure it
     wide = [u for u in plan.held if u.held_dtype.itemsize > u.compute_dtype.itemsize]
     # auto and budget chose fp32 themselves, and attach and the decision line say so: not a surprise.
-    chosen_by_mode = config.mode in FP32_HELD_MODES and config.resolved().reduce_dtype == "auto"
+    chosen_by_mode = settings.sync_mode in FP32_HELD_MODES and settings.reduce_dtype == "auto"
     if plan.held_sync != ALL_REDUCE and wide and micro_batches > 1 and not chosen_by_mode:
         extra = sum(u.numel * (u.held_dtype.itemsize - u.compute_dtype.itemsize) for u in wide)
         warnings.warn(
@@ -152,19 +152,19 @@ def warn_about_plan(plan: Plan, adapter: ModelAdapter, config: GradSyncConfig, m
             GradSyncWarning,
             stacklevel=4,
         )
-    _warn_low_precision_sums(plan, adapter, config, micro_batches)
+    _warn_low_precision_sums(plan, adapter, settings, micro_batches)
 
 
-def _warn_low_precision_sums(plan: Plan, adapter: ModelAdapter, config: GradSyncConfig, micro_batches: int) -> None:
+def _warn_low_precision_sums(plan: Plan, adapter: ModelAdapter, settings: ResolvedConfig, micro_batches: int) -> None:
     """Once per model: a plan that holds gradients (or `auto`, which may hold from step 2 on) on
     FSDP in a dtype narrower than fp32 sums the micro-batches in it, where per-micro-batch sync
     sums reduced shards in the params' dtype (fp32 under mixed precision). An explicit
     `reduce_dtype=bf16` is that choice made knowingly: the decision line says it, no warning."""
-    if micro_batches < 2 or adapter.kind == "ddp" or config.resolved().reduce_dtype == "bf16":
+    if micro_batches < 2 or adapter.kind == "ddp" or settings.reduce_dtype == "bf16":
         return
     if plan.held:
         units, what = plan.held, "deferral"
-    elif config.mode == SyncMode.AUTO and not narrower_than_reduce(adapter):
+    elif settings.sync_mode == SyncMode.AUTO and not narrower_than_reduce(adapter):
         units, what = adapter.units, "auto, from step 2 on where it defers,"
     else:
         return
@@ -178,9 +178,9 @@ def _warn_low_precision_sums(plan: Plan, adapter: ModelAdapter, config: GradSync
             f"{adapter.kind}'s no_sync() holds the compute dtype whatever the reduce dtype: use sync mode "
             f"per_micro_batch, or FSDP2 (fsdp_version: 2) with {setting}"
         )
-    elif config.mode in FP32_HELD_MODES and config.resolved().reduce_dtype == "auto":
+    elif settings.sync_mode in FP32_HELD_MODES and settings.reduce_dtype == "auto":
         fix = (
-            f"{config.mode} holds them in float32 by default, but the reduce dtype must reach FSDP before "
+            f"{settings.sync_mode} holds them in float32 by default, but the reduce dtype must reach FSDP before "
             "the model is wrapped: call accel_gradsync.attach() before accelerator.prepare()"
         )
     else:

@@ -40,7 +40,7 @@ from torch import nn
 
 from accel_gradsync.planning.units import Unit
 from accel_gradsync.runtime.accounting import SyncAccounting
-from accel_gradsync.runtime.fsdp import FSDP2Adapter, ModelAdapter
+from accel_gradsync.runtime.fsdp import FSDP2Adapter, ModelAdapter, sharded_by_transformers
 
 
 def watch_fsdp2(adapter: ModelAdapter, account: SyncAccounting) -> list[torch.utils.hooks.RemovableHandle]:
@@ -212,3 +212,22 @@ def _grad_tensors(value: Any) -> Iterator[torch.Tensor]:
     elif dataclasses.is_dataclass(value) and not isinstance(value, type):
         for f in dataclasses.fields(value):
             yield from _grad_tensors(getattr(value, f.name))
+
+
+def watch_replicated_all_reduces(trainer: Any, params: list, record: Callable[[], None]) -> list:
+    """Count the all-reduces transformers' Trainer issues itself for `params`, trainable
+    parameters FSDP2 does not manage (an adapter added after load-time sharding): its
+    `_sync_replicated_trainable_parameters` gives each a post-accumulate-grad hook that averages
+    the gradient over all ranks when the accelerator syncs gradients (the window's last backward).
+    One hook of the same kind per parameter calls `record` on the same condition; returns the
+    handles."""
+    import torch.distributed as dist
+
+    if not (sharded_by_transformers(trainer) and dist.is_initialized() and dist.get_world_size() > 1):
+        return []  # transformers issues none
+
+    def count(_param: Any) -> None:
+        if trainer.accelerator.sync_gradients:
+            record()
+
+    return [p.register_post_accumulate_grad_hook(count) for p in params]

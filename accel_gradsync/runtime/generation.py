@@ -1,26 +1,14 @@
 """Forwards without gradients (generation, no-grad log-prob passes, evaluation): with
-`gather_for_generation` gather each FSDP2 unit once and keep it unsharded until training resumes
-(their all-gathers are counted where FSDP issues them: fsdp2_counts.py).
+`gather_for_generation` (or inside `gathered()`) each FSDP2 unit all-gathers once and stays
+unsharded until training resumes, instead of once per forward (per generated token).
 
-Under FSDP2 with `reshard_after_forward` every forward all-gathers every unit and frees it again,
-so generating T tokens costs about T x U all-gathers. TRL's `unwrap_model_for_generation` gathers
-once only under DeepSpeed ZeRO-3; under FSDP2 it does nothing. Here each unit's first forward
-without gradients sets its `reshard_after_forward` to False (the public setter, the flags saved
-exactly as `FSDP2Adapter.keep_params_through_forward` saves them), so FSDP gathers it once and
-keeps it; later forwards find it unsharded. Training resumes at the next forward with gradients
-(in train or eval mode), an optimizer step, a change of the window's flags, an exception, the end
-of a Trainer's evaluation, prediction or training (trainer.py), or detach: every flag goes back to
-what it was and the units that reshard after forward are resharded (`FSDPModule.reshard()`). In a
-plain accelerate loop nothing comes after an evaluation that follows the last step: the units stay
-gathered until `detach()`, unless that evaluation runs inside `gathered(model)`, which reshards at
-the end of its block. An exception inside a forward leaves FSDP mid-forward; torch's
-`reset_iter_state()` is its documented recovery, used where no deferred gradient would be lost.
-
-The hooks sit on every FSDP unit's module, not on the root: PEFT's `generate` and TRL's
-unwrapped model run the inner model without the root's forward. Each pre-hook is prepended, so it
-runs before FSDP's own pre-forward (which gathers) and before the counting hook (which reads
-what a release left). Where the model is not FSDP2 (FSDP1, DDP) the
-setting does not apply and says so once.
+A unit's first forward without gradients sets its `reshard_after_forward` to False (the public
+setter); training resuming puts every flag back and reshards: a forward with gradients, an
+optimizer step, a change of the window's flags, an exception, the end of a Trainer's evaluation,
+prediction or training (callback.py), or detach. The pre-hooks sit on every unit's module, not
+only the root (PEFT's `generate` runs the inner model without the root's forward), and are
+prepended so they run before FSDP's own pre-forward. FSDP1 and DDP: the setting does not apply
+(one warning).
 """
 
 from __future__ import annotations
@@ -54,7 +42,7 @@ class GenerationGather:
 
     @property
     def enabled(self) -> bool:
-        return bool(self.state.config.resolved().gather_for_generation)
+        return self.state.settings.gather_for_generation
 
     # -- hooks --------------------------------------------------------------------------------
     def watch(self, root: nn.Module) -> list[torch.utils.hooks.RemovableHandle]:

@@ -1,36 +1,27 @@
-"""`GradSyncHandle`: what `attach` returns. A facade over one attach's parts: binding (bind.py),
-the hot path (window.py), mid-window checkpoints (checkpoint.py), the accelerator's subclass
-(accelerator_hook.py) and the Trainer callback (trainer.py); it owns what `detach` undoes."""
+"""`GradSyncHandle`: what `attach` returns. It builds one attach's owners (state.py's `Attachment`
+and bound models, bind.py's `Binder`, window.py's `Window`, generation.py's `GenerationGather`,
+checkpoint.py's `CheckpointHooks`), connects them to the Accelerator and Trainer (hooks.py,
+callback.py), and answers for them: `stats()`, `plan()`, `units()`, `gathered()`, `detach()`.
+"""
 
 from __future__ import annotations
 
 import contextlib
 from typing import Any
 
-import torch
 from accelerate import Accelerator
 from torch import nn
 
-from accel_gradsync.compat.optimizer_state import OptimizerStateFix
 from accel_gradsync.config.settings import GradSyncConfig
 from accel_gradsync.planning.memory import MemoryProbe
-from accel_gradsync.planning.policies import SyncPolicy, resolve_policy
+from accel_gradsync.planning.policies import SyncPolicy
 from accel_gradsync.planning.units import Plan
-from accel_gradsync.runtime.accounting import combined_stats
 from accel_gradsync.runtime.bind import Binder, wants_binding
-from accel_gradsync.runtime.checkpoint import GradCheckpoint
+from accel_gradsync.runtime.checkpoint import CheckpointHooks
 from accel_gradsync.runtime.decision import describe_decision
-from accel_gradsync.runtime.fsdp import ModelAdapter
+from accel_gradsync.runtime.fsdp import ModelAdapter, sharded_by_transformers
 from accel_gradsync.runtime.generation import GenerationGather
-from accel_gradsync.runtime.hooks import (
-    discarding_on_exception,
-    hook_accelerator,
-    hook_trainer,
-    sharded_by_transformers,
-    unhook_accelerator,
-    unhook_trainer,
-)
-from accel_gradsync.runtime.plan_checkpoint import PlanCheckpoint
+from accel_gradsync.runtime.hooks import hook_accelerator, hook_trainer, unhook_accelerator, unhook_trainer
 from accel_gradsync.runtime.state import Attachment, root_of
 from accel_gradsync.runtime.window import Window
 
@@ -47,16 +38,13 @@ class GradSyncHandle:
     ) -> None:
         self.accelerator = accelerator
         self.config = config
-        self.policy: SyncPolicy = resolve_policy(config)
-        self._state = Attachment(accelerator, config, self.policy, trainer)
-        self._binder = Binder(self._state, memory_probe)
-        self._checkpoint = GradCheckpoint(self._state)
-        self._optimizer_state = OptimizerStateFix(accelerator, trainer)  # FSDP1 sharded optimizer resume
-        self._plans = PlanCheckpoint(self._state)  # auto's plan across a resume
+        self._state = Attachment(accelerator, config, trainer)
+        self.policy: SyncPolicy = self._state.policy
         self._generation = GenerationGather(self._state)
-        self._window = Window(self._state, self.bind, self._generation.release)
-        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
-        self._callback: Any = None  # trainer.GradSyncCallback, with a Trainer
+        self._window = Window(self._state, self._generation)
+        self._binder = Binder(self._state, self._window, self._generation, memory_probe)
+        self._checkpoints = CheckpointHooks(self._state)
+        self._callback: Any = None  # callback.GradSyncCallback, with a Trainer
         self._original_class: type | None = None
         self._original_trainer_class: type | None = None  # a model transformers sharded (hooks.py)
 
@@ -80,7 +68,7 @@ class GradSyncHandle:
             `plan_changes`; the same counts for the last finished optimizer step under
             `last_step/`; with several models, each one's under `models`.
         """
-        return combined_stats({b.name: b.stats() for b in self._state.bound.values()}, self.policy.name)
+        return self._state.stats()
 
     def plan(self, model: nn.Module | None = None) -> Plan | None:
         """The plan in force for one model.
@@ -140,14 +128,7 @@ class GradSyncHandle:
                 or the sync mode cannot run on its wrapper (`budget` and `defer_all_reduce` need
                 FSDP2, `defer_all_reduce` an HSDP mesh).
         """
-        root = root_of(model)
-        if root in self._state.adapters:
-            return self._state.adapters[root]
-        adapter = self._binder.bind(model)
-        if root in self._state.bound:
-            self._hooks.extend(self._window.watch(root))
-            self._hooks.extend(self._generation.watch(root))
-        return adapter
+        return self._binder.bind(model)
 
     def gathered(self, model: nn.Module | None = None) -> contextlib.AbstractContextManager:
         """Keep the FSDP2 units of `model` unsharded through its forwards without gradients
@@ -177,9 +158,8 @@ class GradSyncHandle:
         if self._original_class is not None:
             unhook_accelerator(self.accelerator, self._original_class)
             self._original_class = None
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks.clear()
+        self._binder.close()
+        self._checkpoints.close()
         if self._callback is not None:
             self._state.trainer.remove_callback(self._callback)
             self._callback = None
@@ -193,17 +173,11 @@ class GradSyncHandle:
     def __exit__(self, *exc: Any) -> None:
         self.detach()
 
-    def _after_trainer_load(self) -> None:
-        """What accelerate's load_state pre-hooks do, for a Trainer, which loads without it."""
-        self._optimizer_state.after_trainer_load()
-        self._plans.after_trainer_load()
-
     # -- set-up (attach.py) -------------------------------------------------------------------
     def _connect(self, models: list) -> None:
         """Bind the models prepared before attach, and put the policy behind the accelerator's
         `no_sync` / `accumulate` / `prepare`, its checkpoints and the Trainer's events."""
         accelerator, trainer = self.accelerator, self._state.trainer
-        no_sync = self._window.no_sync
         try:
             for model in models:
                 if wants_binding(accelerator, model):
@@ -212,32 +186,15 @@ class GradSyncHandle:
             self.detach()
             raise
         # accelerate's checkpoints hold no gradients: a mid-window one gets them from us.
-        self._hooks.append(accelerator.register_save_state_pre_hook(self._checkpoint.on_save_state))
-        self._hooks.append(accelerator.register_load_state_pre_hook(self._checkpoint.on_load_state))
-        self._hooks.append(accelerator.register_load_state_pre_hook(self._optimizer_state.on_load_state))
-        self._hooks.append(accelerator.register_save_state_pre_hook(self._plans.on_save_state))
-        self._hooks.append(accelerator.register_load_state_pre_hook(self._plans.on_load_state))
+        self._checkpoints.register()
         if trainer is not None:
             from accel_gradsync.runtime.callback import GradSyncCallback  # imports transformers: only for a Trainer
 
-            self._callback = GradSyncCallback(
-                trainer,
-                self.bind,
-                self.stats,
-                self.config,
-                self._after_trainer_load,
-                self._plans.on_trainer_save,
-                self._generation.release,
-            )
+            self._callback = GradSyncCallback(self._state, self._binder, self._generation, self._checkpoints)
             # First in line, so the reporting callbacks (TensorBoard, W&B, ...) see our keys.
             trainer.callback_handler.callbacks.insert(0, self._callback)
-            no_sync = discarding_on_exception(no_sync, self._window.abort)
             if sharded_by_transformers(trainer):
-                self._original_trainer_class = hook_trainer(trainer, no_sync)
+                self._original_trainer_class = hook_trainer(trainer, self._binder, self._window)
         self._original_class = hook_accelerator(
-            accelerator,
-            no_sync=no_sync,
-            abort=self._window.abort,
-            window_ends=self._window.end_hold,
-            bind=self.bind,
+            accelerator, self._binder, self._window, discard_on_exception=trainer is not None
         )

@@ -14,15 +14,17 @@ enters the window's `no_sync` there instead.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 from accelerate import Accelerator
 from torch import nn
 
-from accel_gradsync.runtime.bind import wants_binding
+from accel_gradsync.runtime.bind import Binder, wants_binding
+from accel_gradsync.runtime.window import Window
 
 _HOOKED_ATTR = "_accel_gradsync_hooked"  # marks the per-instance subclass; it refers to nothing
+_DEFER = "_defer_fsdp_gradient_reduction"  # transformers 5.x, Trainer
 
 
 def is_hooked(accelerator: Accelerator) -> bool:
@@ -30,35 +32,30 @@ def is_hooked(accelerator: Accelerator) -> bool:
     return getattr(type(accelerator), _HOOKED_ATTR, False)
 
 
-def hook_accelerator(
-    accelerator: Accelerator,
-    *,
-    no_sync: Callable,
-    abort: Callable[[], None],
-    window_ends: Callable[[], None],
-    bind: Callable[[nn.Module], Any],
-) -> type:
-    """Give `accelerator` a subclass of its class whose `no_sync` enters `no_sync(model,
-    accelerate_no_sync)`, whose `accumulate` calls `window_ends()` on entering a micro-batch that
-    syncs and `abort()` when an exception leaves it, and whose `prepare` binds the models it
-    wraps. Returns the original class."""
+def hook_accelerator(accelerator: Accelerator, binder: Binder, window: Window, discard_on_exception: bool) -> type:
+    """Give `accelerator` a subclass of its class whose `no_sync` binds the model and enters the
+    window's, whose `accumulate` ends the window's hold on entering a micro-batch that syncs and
+    aborts the window when an exception leaves it, and whose `prepare` binds the models it wraps.
+    `discard_on_exception`: a Trainer's `no_sync` aborts the window itself (`Window.no_sync`).
+    Returns the original class."""
     base = type(accelerator)
 
     class GradSyncAccelerator(base):  # type: ignore[misc, valid-type]
         @contextlib.contextmanager
         def no_sync(self, model):  # accelerate's signature
-            with no_sync(model, super().no_sync):
+            binder.bind(model)
+            with window.no_sync(model, super().no_sync, discard_on_exception):
                 yield
 
         @contextlib.contextmanager
         def accumulate(self, *models):
             with super().accumulate(*models):
                 if self.sync_gradients:
-                    window_ends()  # before the last forward: the flags the window held come back
+                    window.end_hold()  # before the last forward: the flags the window held come back
                 try:
                     yield
                 except BaseException:
-                    abort()
+                    window.abort()
                     self.step = 0  # accelerate's window counter: the next window starts fresh
                     raise
 
@@ -67,7 +64,7 @@ def hook_accelerator(
             # One object comes back alone; several as a tuple (a list under FSDP2).
             for obj in result if isinstance(result, (tuple, list)) else (result,):
                 if isinstance(obj, nn.Module) and wants_binding(self, obj):
-                    bind(obj)
+                    binder.bind(obj)
             return result
 
     GradSyncAccelerator.__name__ = GradSyncAccelerator.__qualname__ = f"GradSync{base.__name__}"
@@ -81,37 +78,11 @@ def unhook_accelerator(accelerator: Accelerator, original: type) -> None:
     accelerator.__class__ = original
 
 
-_DEFER = "_defer_fsdp_gradient_reduction"  # transformers 5.x, Trainer
-
-
-def sharded_by_transformers(trainer: Any) -> bool:
-    """True when `trainer`'s model was sharded at load time by transformers (`DistributedConfig`)."""
-    return bool(getattr(trainer, "is_distributed_loading_by_transformers", False))
-
-
-def watch_replicated_all_reduces(trainer: Any, params: list, record: Callable[[], None]) -> list:
-    """Count the all-reduces transformers' Trainer issues itself for `params`, trainable
-    parameters FSDP2 does not manage (an adapter added after load-time sharding): its
-    `_sync_replicated_trainable_parameters` gives each a post-accumulate-grad hook that averages
-    the gradient over all ranks when the accelerator syncs gradients (the window's last backward).
-    One hook of the same kind per parameter calls `record` on the same condition; returns the
-    handles."""
-    import torch.distributed as dist
-
-    if not (sharded_by_transformers(trainer) and dist.is_initialized() and dist.get_world_size() > 1):
-        return []  # transformers issues none
-
-    def count(_param: Any) -> None:
-        if trainer.accelerator.sync_gradients:
-            record()
-
-    return [p.register_post_accumulate_grad_hook(count) for p in params]
-
-
-def hook_trainer(trainer: Any, no_sync: Callable) -> type:
-    """Give `trainer` a subclass of its class whose `_defer_fsdp_gradient_reduction()` enters
-    `no_sync(model, transformers_deferral)`. Returns the original class. Raises `ValueError` when
-    this transformers release defers through another method, so nothing runs ungoverned."""
+def hook_trainer(trainer: Any, binder: Binder, window: Window) -> type:
+    """Give `trainer` (whose model transformers sharded at load time) a subclass of its class whose
+    `_defer_fsdp_gradient_reduction()` enters the window's `no_sync` instead of deferring every
+    unit. Returns the original class. Raises `ValueError` when this transformers release defers
+    through another method, so nothing runs ungoverned."""
     base = type(trainer)
     if not callable(getattr(base, _DEFER, None)):
         import transformers
@@ -128,31 +99,14 @@ def hook_trainer(trainer: Any, no_sync: Callable) -> type:
         @contextlib.contextmanager
         def _defer_fsdp_gradient_reduction(self) -> Iterator[None]:  # transformers' signature
             model: nn.Module = self.model
-            with no_sync(model, lambda _model: super(GradSyncTrainer, self)._defer_fsdp_gradient_reduction()):
+            binder.bind(model)
+            deferral = super()._defer_fsdp_gradient_reduction
+            with window.no_sync(model, lambda _model: deferral(), discard_on_exception=True):
                 yield
 
     GradSyncTrainer.__name__ = GradSyncTrainer.__qualname__ = f"GradSync{base.__name__}"
     trainer.__class__ = GradSyncTrainer
     return base
-
-
-def discarding_on_exception(no_sync: Callable, abort: Callable[[], None]) -> Callable:
-    """The `no_sync` a Trainer enters (accelerate's, or through `hook_trainer` transformers' own
-    deferral): as `no_sync`, and an exception leaving it discards the window with `abort()`. The
-    Trainer has no `accumulate()` to do that, and the window's held gradients live where the
-    next `zero_grad` does not reach (FSDP2 keeps them outside `.grad`): a Trainer that retries
-    (`auto_find_batch_size` after an out-of-memory error) would add them into the next window."""
-
-    @contextlib.contextmanager
-    def trainer_no_sync(model: nn.Module, inner: Callable) -> Iterator[None]:
-        try:
-            with no_sync(model, inner):
-                yield
-        except BaseException:
-            abort()
-            raise
-
-    return trainer_no_sync
 
 
 def unhook_trainer(trainer: Any, original: type) -> None:

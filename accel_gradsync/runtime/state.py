@@ -1,13 +1,14 @@
-"""What one `attach()` keeps: the accelerator, the config and, per bound model, its adapter, plan
-and counters.
-
-The modules that act on it (bind.py, window.py, checkpoint.py) share this state rather than the
-handle, so none of them imports the handle and the handle stays a facade over them.
+"""What one `attach()` keeps, and its owners: `Attachment` (the accelerator, the settings resolved
+once, every model seen) and, per bound model, `BoundModel`, which owns the model's plan, its `auto`
+planner, its counters and the flags its window holds, and changes them only through its methods.
+The runtime parts (bind.py, window.py, generation.py, the checkpoints) receive these objects.
 """
 
 from __future__ import annotations
 
+import contextlib
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,12 +17,26 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from accel_gradsync.config.errors import GradSyncWarning
-from accel_gradsync.config.settings import GradSyncConfig
-from accel_gradsync.planning.policies import SyncPolicy
-from accel_gradsync.planning.replan import MeasuredAuto
-from accel_gradsync.planning.units import Plan
-from accel_gradsync.runtime.accounting import SyncAccounting
+from accel_gradsync.config.settings import GradSyncConfig, ResolvedConfig
+from accel_gradsync.planning.policies import SyncPolicy, resolve_policy
+from accel_gradsync.planning.replan import Change, MeasuredAuto
+from accel_gradsync.planning.units import Plan, Unit
+from accel_gradsync.runtime.accounting import SyncAccounting, combined_stats
 from accel_gradsync.runtime.fsdp import ModelAdapter
+
+NOT_READ = -1
+"""An `auto_read_at` no step count has: the next window start re-plans."""
+
+
+@dataclass
+class _Hold:
+    """The flags one model's window holds, set at its first held micro-batch."""
+
+    plan: Plan
+    held: tuple[int, ...]
+    """`id` of each held unit: fewer than the plan's while some cannot hold yet (`holdable`)."""
+    flags: contextlib.ExitStack
+    """Closing it puts every flag back (`ModelAdapter.hold`)."""
 
 
 @dataclass
@@ -39,24 +54,68 @@ class BoundModel:
     """The optimizer steps done when `auto` last read a peak: it reads once per finished step. A
     window an exception ended is no step (no optimizer state yet after a first one): its peak
     counts into the next window's, which auto then reads."""
+    hold: _Hold | None = None
+    """The flags this model's window set, until its last forward."""
 
     def stats(self) -> dict:
-        """This model's `stats()`: the counters, with the plan's levels and `auto`'s record read
-        from their owners (the plan, `auto`) at the time of asking."""
+        """This model's `stats()`: the counters, with the plan's levels and `auto`'s record."""
         levels = {u.name: self.plan.level(u) for u in self.adapter.units}
         if self.auto is None:
             return self.account.stats(self.plan.mode, levels)
         return self.account.stats(self.plan.mode, levels, self.auto.changes, list(self.auto.peaks))
 
+    def replan(self, micro_batches: int) -> Change | None:
+        """At a window's first held micro-batch: under `auto`, read the last finished step's peak
+        once and take the plan it gives."""
+        if self.auto is None or self.auto_read_at == self.account.optimizer_steps:
+            return None
+        self.auto_read_at = self.account.optimizer_steps
+        change = self.auto.at_window_start(self.adapter, self.plan, micro_batches)
+        if change is not None:
+            self.plan = change.plan
+        return change
+
+    def resume_auto(self, plan: Plan, record: dict, mid_window: bool) -> None:
+        """Take the `auto` plan and record a checkpoint saved: mid-window the window under way
+        keeps the plan; at a boundary the next window start re-plans."""
+        assert self.auto is not None  # resumed for auto's models only
+        self.plan = plan
+        self.auto.restore(record)
+        self.auto_read_at = self.account.optimizer_steps if mid_window else NOT_READ
+
+    def holds(self, held: Sequence[Unit]) -> bool:
+        """The window already holds exactly `held` under the current plan."""
+        return self.hold is not None and self.hold.plan == self.plan and self.hold.held == _ids(held)
+
+    def start_hold(self, held: Sequence[Unit]) -> None:
+        """Set the flags the plan holds for `held` (the window's first held micro-batch)."""
+        assert self.hold is None  # end_hold first
+        windowed = [u for u in self.plan.windowed if id(u) in _ids(held)]
+        flags = contextlib.ExitStack()
+        flags.enter_context(self.adapter.hold(held, self.plan.held_sync, windowed))
+        self.hold = _Hold(self.plan, _ids(held), flags)
+
+    def end_hold(self) -> None:
+        """Put back the flags the window set."""
+        hold, self.hold = self.hold, None
+        if hold is not None:
+            hold.flags.close()
+
+
+def _ids(units: Sequence[Unit]) -> tuple[int, ...]:
+    return tuple(id(u) for u in units)
+
 
 @dataclass
 class Attachment:
-    """The accelerator and config of one `attach()`, and every model it has seen, by `root_of(model)`."""
+    """The accelerator and settings of one `attach()`, and every model it has seen, by `root_of(model)`."""
 
     accelerator: Accelerator
     config: GradSyncConfig
-    policy: SyncPolicy
     trainer: Any = None
+    settings: ResolvedConfig = field(init=False)
+    """`config` with explicit > environment > default applied, once, at attach."""
+    policy: SyncPolicy = field(init=False)
     adapters: dict[nn.Module, ModelAdapter | None] = field(default_factory=dict)
     """Every model `bind` inspected; None where it is not wrapped (accelerate's no_sync applies)."""
     bound: dict[nn.Module, BoundModel] = field(default_factory=dict)
@@ -66,6 +125,10 @@ class Attachment:
     """Micro-batches of the first window of a loop that holds them with `no_sync` outside
     `accumulate()` while the Accelerator says one per step (0 until such a window ends)."""
 
+    def __post_init__(self) -> None:
+        self.settings = self.config.resolved()
+        self.policy = resolve_policy(self.settings)
+
     @property
     def micro_batches_per_step(self) -> int:
         """M: micro-batches per optimizer step (the Trainer keeps it outside accelerate; a loop
@@ -73,6 +136,20 @@ class Attachment:
         if self.trainer is not None:
             return int(self.trainer.args.gradient_accumulation_steps)
         return int(self.accelerator.gradient_accumulation_steps) if not self.window_seen else self.window_seen
+
+    def stats(self) -> dict:
+        """Every bound model's counters, combined (`GradSyncHandle.stats`)."""
+        return combined_stats({b.name: b.stats() for b in self.bound.values()}, self.policy.name)
+
+    def writes_shared_files(self) -> bool:
+        """This process writes a checkpoint's shared files: the main process, or each node's first
+        one where checkpoints are saved on each node (accelerate's `save_on_each_node`, the
+        Trainer's `should_save`), as accelerate and the Trainer write their own."""
+        if self.trainer is not None:
+            return bool(self.trainer.args.should_save)
+        if self.accelerator.project_configuration.save_on_each_node:
+            return self.accelerator.is_local_main_process
+        return self.accelerator.is_main_process
 
     def warn_once(self, key: str, message: str) -> None:
         """A warning that would otherwise repeat every micro-batch or checkpoint, once per attach."""

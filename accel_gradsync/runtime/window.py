@@ -2,26 +2,21 @@
 params through its last forward, count every micro-batch, and drop the window's gradients when an
 exception ends it.
 
-Both `Accelerator.accumulate()` and the Trainer enter `no_sync(model)` on every micro-batch but
-the last, so `Window.no_sync` sees each held micro-batch; a forward pre-hook on each bound model
-sees every micro-batch that runs with gradients, the last one included. A micro-batch is what
-those delimit, not a forward: it starts at its first forward with gradients after a boundary
-(`no_sync` entered or left, `accumulate()` entering the micro-batch that syncs, an optimizer
-step), and further forwards before the next boundary (siamese towers, a query and a document
-pass, a policy and its own no-KL pass) belong to it. The units' flags are set
-once, at the window's first held micro-batch, and put back once: when `accumulate()` enters the
-micro-batch that syncs, else (the Trainer) when a forward runs outside a held micro-batch, on an
-exception, or at detach. Flipping them around every micro-batch cost more than the rest of this
-module together (1-2% of a short step). This runs once per micro-batch,
-so it keeps to dict lookups and integer additions; its only collective is `auto`'s one all-reduce
-per window (replan.py), and held bytes are read from tensor sizes once per window.
+`Accelerator.accumulate()` and the Trainer enter `no_sync(model)` on every micro-batch but the
+last (hooks.py routes it to `Window.no_sync`); a forward pre-hook on each bound model sees every
+micro-batch with gradients, the last one included. A micro-batch is what those delimit, not a
+forward: further forwards before the next boundary (two towers, a policy and its no-KL pass)
+belong to it. The flags are set once, at the window's first held micro-batch, and put back once
+(the micro-batch that syncs, an exception, detach), because flipping them every micro-batch costs
+more than the rest of this module. This runs per micro-batch: dict lookups and integer
+additions; held bytes are read once per window; its only collective is `auto`'s one all-reduce
+per window (replan.py).
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -29,40 +24,22 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from accel_gradsync.config.settings import SyncMode
-from accel_gradsync.planning.units import Plan, Unit
+from accel_gradsync.planning.units import Unit
 from accel_gradsync.runtime.decision import describe_decision
 from accel_gradsync.runtime.fsdp import ModelAdapter
-from accel_gradsync.runtime.fsdp2_counts import watch_fsdp2
-from accel_gradsync.runtime.hooks import watch_replicated_all_reduces
+from accel_gradsync.runtime.fsdp2_counts import watch_fsdp2, watch_replicated_all_reduces
+from accel_gradsync.runtime.generation import GenerationGather
 from accel_gradsync.runtime.state import Attachment, BoundModel, root_of
-
-
-@dataclass
-class _Hold:
-    """The flags one model's window holds, set at its first held micro-batch."""
-
-    plan: Plan
-    held: tuple[int, ...]
-    """`id` of each held unit: fewer than the plan's while some cannot hold yet (`holdable`)."""
-    flags: contextlib.ExitStack
-    """Closing it puts every flag back (`ModelAdapter.hold`)."""
 
 
 class Window:
     """The accumulation window in progress of every model bound to one `attach()`."""
 
-    def __init__(
-        self,
-        state: Attachment,
-        bind: Callable[[nn.Module], ModelAdapter | None],
-        release_generation: Callable[[], None] = lambda: None,
-    ) -> None:
+    def __init__(self, state: Attachment, generation: GenerationGather) -> None:
         self.state = state
-        self._release_generation = release_generation  # generation.py: its flags sit on top of ours
-        self._bind = bind
+        self.generation = generation  # its flags sit on top of ours: released before ours change
         self._held: dict[nn.Module, tuple[Sequence[Unit], str]] = {}  # by model: (units held, how) in no_sync
         self._restore_forward: Callable[[], None] | None = None  # flags to put back after the last forward
-        self._holds: dict[nn.Module, _Hold] = {}  # by model: the window's flags, until its last forward
         self._open: dict[nn.Module, bool] = {}  # by model: a micro-batch in progress, and whether it ends the step
         self._step_hook: torch.utils.hooks.RemovableHandle | None = None
 
@@ -87,22 +64,36 @@ class Window:
             bound.account.close_step()
 
     @contextlib.contextmanager
-    def no_sync(self, model: nn.Module, accelerate_no_sync: Callable) -> Iterator[None]:
-        """Hold what the plan holds through one non-final micro-batch's forward and backward; the
-        flags, set at the window's first such micro-batch, stay until its last forward."""
-        adapter = self._bind(model)
+    def no_sync(self, model: nn.Module, inner_no_sync: Callable, discard_on_exception: bool = False) -> Iterator[None]:
+        """Hold what the plan holds through one non-final micro-batch's forward and backward of
+        `model` (bound before: hooks.py); the flags, set at the window's first such micro-batch,
+        stay until its last forward. `inner_no_sync` is the wrapper's own (accelerate's or
+        transformers'), for a model not wrapped or a wrapper deferring only at its root.
+        `discard_on_exception`: an exception leaving the block discards the window (`abort`), for
+        a Trainer, which has no `accumulate()` to do it and may retry (`auto_find_batch_size`)."""
+        try:
+            with self._micro_batch(model, inner_no_sync):
+                yield
+        except BaseException:
+            if discard_on_exception:
+                self.abort()
+            raise
+
+    @contextlib.contextmanager
+    def _micro_batch(self, model: nn.Module, inner_no_sync: Callable) -> Iterator[None]:
+        root = root_of(model)
+        adapter = self.state.adapters.get(root)
         if adapter is None:
-            with accelerate_no_sync(model):
+            with inner_no_sync(model):
                 yield
             return
-        root = root_of(model)
         bound = self.state.bound.get(root)
         if bound is None:  # nothing trainable: no gradient to hold
             yield
             return
         self._open.pop(root, None)  # a micro-batch starts here and ends when the block does
         try:
-            with self._held_micro_batch(model, adapter, bound, accelerate_no_sync):
+            with self._held_micro_batch(model, adapter, bound, inner_no_sync):
                 yield
         finally:
             self._open.pop(root, None)
@@ -118,8 +109,7 @@ class Window:
         # accelerate documents for a loop without accumulate(), and that micro-batch holds too.
         if self.state.accelerator.sync_gradients:
             self._check_explicit_no_sync()
-        if bound.auto is not None:
-            self._replan(bound)
+        self._replan(bound)
         plan = bound.plan
         if not plan.held:
             self._held[root] = ([], plan.held_sync)  # inside no_sync: this micro-batch does not end the step
@@ -140,7 +130,7 @@ class Window:
                     "holding: torch's FSDP2 cannot hold a gradient that must be cast to reduce_dtype for a "
                     "unit that has not run yet. They hold once they have run; gradients stay exact.",
                 )
-            self._start_hold(root, adapter, plan, held)
+            self._start_hold(bound, held)
             context = contextlib.nullcontext()
         self._held[root] = (held, plan.held_sync)
         try:
@@ -154,7 +144,7 @@ class Window:
                     "first gradient reduces correctly (torch's FSDP2 needs one dtype per unit).",
                 )
         except BaseException:
-            self.end_hold(root)  # flags back at once; accumulate()'s abort drops the gradients
+            self._end_hold(bound)  # flags back at once; accumulate()'s abort drops the gradients
             raise
         finally:
             self._held.pop(root, None)
@@ -178,42 +168,31 @@ class Window:
                 "micro-batches inside no_sync, then the one that syncs), or use sync mode 'deferred'."
             )
 
-    def _start_hold(self, key: nn.Module, adapter: ModelAdapter, plan: Plan, held: Sequence[Unit]) -> None:
-        """Set the flags `plan` holds, unless this window already holds exactly those."""
-        ids = tuple(id(u) for u in held)
-        current = self._holds.get(key)
-        if current is not None and current.plan == plan and current.held == ids:
+    def _start_hold(self, bound: BoundModel, held: Sequence[Unit]) -> None:
+        """Set the flags the plan holds, unless this window already holds exactly those."""
+        if bound.holds(held):
             return
-        self.end_hold(key)  # a new plan (auto), or units that could not hold before now can
-        self._release_generation()
-        windowed = [u for u in plan.windowed if id(u) in ids]
-        flags = contextlib.ExitStack()
-        flags.enter_context(adapter.hold(held, plan.held_sync, windowed))
-        self._holds[key] = _Hold(plan, ids, flags)
+        self._end_hold(bound)  # a new plan (auto), or units that could not hold before now can
+        self.generation.release()
+        bound.start_hold(held)
 
-    def end_hold(self, key: nn.Module | None = None) -> None:
-        """Put back the flags the window of model `key` (of every model: None) set. With None
-        (`accumulate()` entering the micro-batch that syncs, an abort, detach) every model's
-        micro-batch in progress is over too."""
-        if key is None:
-            self._open.clear()
-        for k in list(self._holds) if key is None else [key]:
-            hold = self._holds.pop(k, None)
-            if hold is not None:
-                self._release_generation()  # units kept for generation put their flags back first
-                hold.flags.close()
+    def _end_hold(self, bound: BoundModel) -> None:
+        if bound.hold is not None:
+            self.generation.release()  # units kept for generation put their flags back first
+            bound.end_hold()
+
+    def end_hold(self) -> None:
+        """Put back every model's window flags: `accumulate()` entering the micro-batch that syncs,
+        an abort, detach; every micro-batch in progress is over too."""
+        self._open.clear()
+        for bound in self.state.bound.values():
+            self._end_hold(bound)
 
     def _replan(self, bound: BoundModel) -> None:
-        """At the first micro-batch after an optimizer step: read that step's peak; change the
-        plan if auto says so."""
-        if bound.auto_read_at == bound.account.optimizer_steps:
-            return
-        bound.auto_read_at = bound.account.optimizer_steps
+        """At the first held micro-batch after an optimizer step: `auto` may change the plan."""
         m = self.state.micro_batches_per_step
-        assert bound.auto is not None  # called for auto's models only
-        change = bound.auto.at_window_start(bound.adapter, bound.plan, m)
+        change = bound.replan(m)
         if change is not None:
-            bound.plan = change.plan
             self.state.accelerator.print(change.message)
             self.state.accelerator.print(describe_decision(change.plan, bound.adapter, m))
 
@@ -242,10 +221,10 @@ class Window:
                 f"accel_gradsync: sync mode '{state.policy.name}' is not applied: accelerate's "
                 "sync_each_batch=True was set after attach() and makes every micro-batch sync.",
             )
-        if module not in self._held:
-            self.end_hold(module)  # the window's last micro-batch (or one accelerate syncs): it syncs
-        held, hold = self._held.get(module, ((), ""))
         bound = state.bound[module]
+        if module not in self._held:
+            self._end_hold(bound)  # the window's last micro-batch (or one accelerate syncs): it syncs
+        held, hold = self._held.get(module, ((), ""))
         if ends_step and bound.account.current.micro_batches and state.micro_batches_per_step == 1:
             # A loop holding micro-batches with no_sync outside accumulate(): its first window tells M.
             state.window_seen = bound.account.current.micro_batches + 1

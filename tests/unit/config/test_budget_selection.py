@@ -12,14 +12,10 @@ from transformers import HfArgumentParser
 
 from accel_gradsync import GradSyncConfig, GradSyncWarning
 from accel_gradsync.config.settings import ENV_PREFIX, reduce_dtype_for
-from accel_gradsync.estimator.core import (
-    build_meta_model,
-    estimate,
-    estimated_adapter,
-    format_table,
-    load_model_config,
-    read_accelerate_config,
-)
+from accel_gradsync.estimator.core import estimate
+from accel_gradsync.estimator.formatting import format_table
+from accel_gradsync.estimator.inputs import load_model_config, read_accelerate_config
+from accel_gradsync.estimator.meta_model import build_meta_model, estimated_adapter
 from accel_gradsync.planning.policies import resolve_policy
 from accel_gradsync.planning.units import Plan
 from accel_gradsync.runtime.decision import describe_decision, warn_about_plan
@@ -109,7 +105,7 @@ def _plan(config: GradSyncConfig, version: int = 2, mode: str | None = None):
     its reduce dtype), and the plan the mode makes with 1 GiB free."""
     setup = read_accelerate_config(bf16_config(version))
     adapter = estimated_adapter(build_meta_model(load_model_config("recipe-default")), setup, config, mode)
-    return adapter, resolve_policy(config).plan(adapter, lambda: 2**30, M)
+    return adapter, resolve_policy(config.resolved()).plan(adapter, lambda: 2**30, M)
 
 
 @pytest.mark.parametrize("mode", ["auto", "budget"])
@@ -161,7 +157,7 @@ def _low_precision_warnings(config: GradSyncConfig, version: int = 2, mode: str 
         plan = Plan("auto")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", GradSyncWarning)
-        warn_about_plan(plan, adapter, config, M)
+        warn_about_plan(plan, adapter, config.resolved(), M)
     return [str(w.message) for w in caught if "sums the held gradients" in str(w.message)]
 
 
