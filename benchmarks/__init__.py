@@ -1,3 +1,3 @@
-"""Side-by-side benchmarks of every gradient-sync mode against the peers a user would pick
-(stock accelerate, the transformers Trainer, a hand-written FSDP2 loop). Entry point:
-`python -m benchmarks.run`; see README.md, "Benchmarks"."""
+"""Side-by-side benchmarks of every gradient-sync mode against the loops a user would otherwise
+write: `python -m benchmarks.run` (run.py, the one harness), its MLP and GRPO benchmarks as
+configurations of it. See docs/performance.md."""

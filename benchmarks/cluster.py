@@ -1,29 +1,15 @@
 """A simulated cluster on one Linux machine: N "hosts" as network namespaces, joined through a
-switch by links shaped with `tc`'s token bucket (`tbf`) to a chosen bandwidth.
-
-On one machine every rank talks over loopback, a network no cluster has; the trade-off between
-per-micro-batch and deferred gradient sync is decided by the link between hosts. This builds
-that link:
-
-    switch namespace (bridge br0)
-      |-- veth, tbf <rate> each way --  host 0 namespace: eth0 198.18.0.1/24, lo
-      |-- veth, tbf <rate> each way --  host 1 namespace: eth0 198.18.0.2/24, lo
-      ...
-
-Each host's NIC is shaped in both directions (its egress, and the switch port's egress towards
-it), as a full-duplex link of that rate. Ranks on one host reach each other over that host's
-loopback, unshaped, as on a real node. The addresses are on 198.18.0.0/15 (RFC 2544's range for
-network benchmarks) and exist only inside the namespaces made here: nothing is routed to or from
-the machine's own network. Added latency would need `netem`, which this kernel lacks; `tbf`
-shapes bandwidth only.
+switch namespace (bridge br0) by veth links shaped with `tc`'s token bucket (`tbf`) to one
+bandwidth in both directions. Host h is 198.18.0.<h+1>/24 on its `eth0` (RFC 2544's benchmark
+range, reachable only inside these namespaces); ranks on one host talk over its loopback,
+unshaped, as on a real node. `tbf` shapes bandwidth only (added latency would need `netem`).
 
     with Cluster(hosts=2, link="1gbit") as cluster:
-        results = cluster.run([argv_of_host0, argv_of_host1], env)   # one launch per host
+        done = cluster.run([argv_of_host0, argv_of_host1], env)   # one launch per host
 
-Every namespace is named `agsc<pid>...` after the process that made it; `Cluster` removes its own
-on exit, failure, Ctrl-C or SIGTERM, and at start removes any left by a process that no longer
-exists (a crashed or killed run). Needs root and the `ip` and `tc` tools; `unavailable_reason()`
-says why not, for callers and tests to refuse or skip with the reason.
+Namespaces are named `agsc<pid>...` after the process that made them; `Cluster` removes its own
+on exit, failure, Ctrl-C or SIGTERM, and at start removes any whose process no longer exists.
+Needs root and `ip`/`tc`; `unavailable_reason()` says why not.
 """
 
 from __future__ import annotations
@@ -69,23 +55,7 @@ def unavailable_reason() -> str | None:
     try:
         _sh("ip", "netns", "add", probe)
         _sh("ip", "-n", probe, "link", "add", "p0", "type", "veth", "peer", "name", "p1")
-        _sh(
-            "tc",
-            "-n",
-            probe,
-            "qdisc",
-            "add",
-            "dev",
-            "p0",
-            "root",
-            "tbf",
-            "rate",
-            "1gbit",
-            "burst",
-            "1mb",
-            "latency",
-            "50ms",
-        )
+        _sh(*f"tc -n {probe} qdisc add dev p0 root tbf rate 1gbit burst 1mb latency 50ms".split())
     except subprocess.CalledProcessError as e:
         return f"the simulated cluster cannot build namespaces or tbf links here: {e.stderr.strip() or e}"
     finally:
@@ -278,7 +248,7 @@ class Cluster:
                 procs.append(
                     self.popen(h, argv, env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
                 )
-                readers.append(threading.Thread(target=_drain, args=(procs[h], tails[h], h, echo), daemon=True))
+                readers.append(threading.Thread(target=drain, args=(procs[h], tails[h], h, echo), daemon=True))
                 readers[-1].start()
             deadline = time.time() + timeout
             while any(p.poll() is None for p in procs):
@@ -290,21 +260,22 @@ class Cluster:
                 time.sleep(0.2)
         finally:
             for p in procs:
-                _stop(p)
+                stop_tree(p)
             for r in readers:
                 r.join(timeout=5)
         return [(p.returncode, tail) for p, tail in zip(procs, tails, strict=True)]
 
 
-def _drain(proc: subprocess.Popen, tail: list[str], host: int, echo) -> None:
+def drain(proc: subprocess.Popen, tail: list[str], host: int, echo, keep: int = 80) -> None:
+    """Read `proc`'s output to its end, keeping the last `keep` lines in `tail`; `echo(host, line)` sees each."""
     for line in proc.stdout:
         if echo:
             echo(host, line)
         tail.append(line)
-        del tail[:-80]
+        del tail[:-keep]
 
 
-def _stop(proc: subprocess.Popen) -> None:
+def stop_tree(proc: subprocess.Popen) -> None:
     """Stop a host's launch and everything it started (its own session), if still running."""
     if proc.poll() is None:
         for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):

@@ -1,29 +1,20 @@
-"""The GRPO benchmark: TRL's real `GRPOTrainer` on a communication-bound Qwen2, stock and with
-each sync mode of the plugin, full fine-tuning and LoRA; `python -m benchmarks.run --grpo`
-(`--quick`: a tiny model for the smoke test; `--cluster 2x1 --link 1gbit`: also on the simulated
-cluster).
-
-Every configuration trains the same saved random-weight model on the same prompts with the same
-seed (2 gloo ranks, FSDP2 through accelerate with `accel_gradsync.enable_cpu_fsdp()`), so their
-completions, rewards and losses must agree exactly; the report checks that, and splits each
-optimizer step into generation, no-grad log-prob passes, scoring and training
-(`grpo_worker.py`).
+"""The GRPO benchmark: TRL's real `GRPOTrainer` on a communication-bound random-weight Qwen2,
+stock and with each sync mode of the plugin, full fine-tuning and LoRA
+(`python -m benchmarks.run --grpo`; `--quick`: a tiny model). This module holds the shapes, the
+configurations, the saved model and the merge of the ranks' records; `grpo_worker.py` measures,
+`grpo_report.py` reports. Every configuration trains the same saved model on the same prompts
+with the same seed, so their completions, rewards and losses must agree exactly.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import os
 import statistics
 import sys
-import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks import cluster
-from benchmarks.records import GrpoRankResult, GrpoResults, GrpoRow, GrpoRun
+from benchmarks.records import GrpoRankResult, GrpoRow, GrpoRun
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).with_name("grpo_worker.py")
@@ -165,27 +156,16 @@ def accelerate_config() -> dict:
     return {"distributed_type": "FSDP", "num_processes": 2, "fsdp_config": fsdp, "mixed_precision": "no"}
 
 
-def launch(
-    p: dict, model_dir: Path, timeout: int, pin: bool, hosts: cluster.Cluster | None = None
-) -> list[GrpoRankResult]:
-    """One `accelerate launch` of grpo_worker.py (with `hosts`: one per simulated host)."""
-    from benchmarks import run
-
-    env = {
-        "OMP_NUM_THREADS": "1",
-        "CUDA_VISIBLE_DEVICES": "",
-        "MALLOC_MMAP_THRESHOLD_": os.environ.get("MALLOC_MMAP_THRESHOLD_", str(2**20)),  # as run.launch
-    }
-    worker_args = ["--model-dir", str(model_dir), "--size", p["size"], "--configs", ",".join(p["configs"])]
-    worker_args += ["--rounds", str(p["rounds"]), "--steps", str(p["steps"])] + (["--pin-cores"] if pin else [])
-    ranks = run.launch_workers(WORKER, worker_args, accelerate_config(), env, timeout, hosts, "GRPO")
-    return [GrpoRankResult.from_dict(rank) for rank in ranks]
+def worker_args(p: dict, model_dir: Path, pin: bool) -> list[str]:
+    args = ["--model-dir", str(model_dir), "--size", p["size"], "--configs", ",".join(p["configs"])]
+    return args + ["--rounds", str(p["rounds"]), "--steps", str(p["steps"])] + (["--pin-cores"] if pin else [])
 
 
-def merge(ranks: list[GrpoRankResult]) -> GrpoRun:
+def merge(ranks_json: list[dict]) -> GrpoRun:
     """One row per configuration. A step lasts as long as its slowest rank: each step's time and
     phase split are that rank's; the row has the medians over the timed steps of every round.
     Collective counts are rank 0's (the ranks issue the same ones), memory the max over ranks."""
+    ranks = [GrpoRankResult.from_dict(r) for r in ranks_json]
     first, rows = ranks[0], []
     kinds = ("all_gathers", "reduce_scatters", "all_reduces")
     for name in dict.fromkeys(r.config for r in first.runs):
@@ -252,54 +232,3 @@ def plan_of(args) -> dict:
     if p["steps"] < 2:
         raise SystemExit(f"--steps {p['steps']}: the GRPO benchmark needs at least 2 (step 1 is untimed warm-up)")
     return p
-
-
-def main(args) -> int:
-    """`python -m benchmarks.run --grpo ...`: the loopback launch, then one launch per --link when
-    --cluster is given; results.json, results.md, the step-split plot and the target lines."""
-    from benchmarks import grpo_report, run
-
-    p = plan_of(args)
-    links = run.cluster_links(args.link) if args.cluster else []
-    if args.cluster:
-        run.cluster_shape(args.cluster)  # the same check as the other benchmarks
-        if args.cluster.lower() != "2x1":
-            raise SystemExit(f"--cluster {args.cluster}: the GRPO benchmark runs 2 hosts x 1 rank (2x1)")
-        if reason := cluster.unavailable_reason():
-            raise SystemExit(f"--cluster: {reason}")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    start, load_before = time.time(), os.getloadavg()
-    runs = []
-    with tempfile.TemporaryDirectory() as tmp:
-        facts = build_model_dir(Path(tmp), p["size"])
-        print(
-            f"[benchmarks] GRPO {p['size']} model ({facts['params'] / 1e6:.2f} M params, {facts['layers']} "
-            f"layers): {len(p['configs'])} configurations, {p['rounds']} round(s) of {p['steps']} steps",
-            flush=True,
-        )
-        for link in [None, *links]:
-            t0 = time.time()
-            if link is None:
-                print("[benchmarks] GRPO over loopback", flush=True)
-                merged = merge(launch(p, Path(tmp), args.timeout, pin=not args.no_pin))
-            else:
-                with cluster.Cluster(2, link, cpus_per_host=not args.no_pin) as hosts:
-                    print(f"[benchmarks] GRPO on 2 simulated hosts, {link} link", flush=True)
-                    sent0 = sum(hosts.link_bytes())
-                    merged = merge(launch(p, Path(tmp), args.timeout, pin=False, hosts=hosts))
-                    merged.link_bytes = sum(hosts.link_bytes()) - sent0
-            merged.link, merged.wall_s = link, round(time.time() - t0, 1)
-            runs.append(merged)
-    results = GrpoResults(
-        command="python -m benchmarks.run " + " ".join(sys.argv[1:]),
-        plan=p,
-        machine=run.machine_facts("cpu"),
-        elapsed_s=round(time.time() - start, 1),
-        load_average={"before": list(load_before), "after": list(os.getloadavg())},
-        runs=runs,
-    )
-    (out / "results.json").write_text(json.dumps(dataclasses.asdict(results), indent=1))
-    print(grpo_report.write_report(results, out))
-    print(f"[benchmarks] wrote {out}/results.json, results.md, grpo_step_split.png in {results.elapsed_s} s")
-    return 0

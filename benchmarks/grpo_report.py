@@ -1,8 +1,6 @@
 """The GRPO benchmark's results.json -> results.md (a table per network), grpo_step_split.png
 (each configuration's step split into generation, log-prob passes, scoring and training), and the
 target lines (PASS / FAIL / SKIP / N/D, of the GRPO targets in `targets.py`).
-
-`python -m benchmarks.report DIR` redraws all of it from DIR/results.json.
 """
 
 from __future__ import annotations
@@ -12,11 +10,11 @@ import statistics
 from pathlib import Path
 
 from benchmarks import grpo, targets
+from benchmarks.output import MiB, finish_axes, header, panels, save_figure, targets_table
 from benchmarks.records import GrpoResults, GrpoRow, GrpoRun
-from benchmarks.report import finish_axes, header, judge, noted, plt, save_figure, targets_table
+from benchmarks.stats import by_round, fmt_count, judge, noted, ratios
 from benchmarks.targets import FAIL, PASS, SKIP, TargetResult
 
-MiB = 2**20
 PHASES = ("generation", "logprob", "scoring", "training")
 PHASE_LABELS = {
     "generation": "generation",
@@ -35,22 +33,15 @@ def rows_of(run: GrpoRun) -> dict[str, GrpoRow]:
     return {r.config: r for r in run.rows}
 
 
-def round_medians(row: GrpoRow) -> dict[int, float]:
-    by: dict[int, list[float]] = {}
-    for r, t in zip(row.step_rounds, row.step_times_s, strict=True):
-        by.setdefault(r, []).append(t)
-    return {r: statistics.median(ts) for r, ts in by.items()}
-
-
 def speedup(run: GrpoRun, config: str, base: str) -> tuple[float, list[float]] | None:
     """base's step / config's step: the median over rounds of the ratio of each round's medians
     (both ran in the same round, under the same load), and the per-round ratios."""
     rows = rows_of(run)
     if config not in rows or base not in rows:
         return None
-    a, b = round_medians(rows[config]), round_medians(rows[base])
-    ratios = [b[r] / a[r] for r in sorted(a.keys() & b.keys())]
-    return (statistics.median(ratios), ratios) if ratios else None
+    a, b = (by_round(rows[n].step_rounds, rows[n].step_times_s) for n in (config, base))
+    paired = ratios(b, a)
+    return (statistics.median(paired), paired) if paired else None
 
 
 def trained_gathers(row: GrpoRow) -> list[int]:
@@ -95,8 +86,8 @@ def write_table(results: GrpoResults) -> str:
             lines.append(
                 f"| {name} | {r.step_time_s * 1e3:.0f} | {sp[0] if sp else math.nan:.2f}x | "
                 + " | ".join(f"{ph[p] * 1e3:.0f}" for p in PHASES)
-                + f" | {' / '.join(fmt(c[p]['all_gathers']) for p in ('generation', 'logprob', 'training'))} | "
-                f"{fmt(sum(c[p]['reduce_scatters'] for p in PHASES))} | "
+                + f" | {' / '.join(fmt_count(c[p]['all_gathers']) for p in ('generation', 'logprob', 'training'))} | "
+                f"{fmt_count(sum(c[p]['reduce_scatters'] for p in PHASES))} | "
                 f"{sum(c[p]['bytes_sent'] for p in PHASES) / MiB:.0f} | {held} | {r.held_param_bytes / MiB:.2f} | "
                 f"{r.rss_growth_bytes / MiB:.0f} |"
             )
@@ -106,16 +97,12 @@ def write_table(results: GrpoResults) -> str:
     return "\n".join(lines) + "\n"
 
 
-def fmt(x: float) -> str:
-    return str(int(x)) if float(x).is_integer() else f"{x:.1f}"
-
-
 # -- plot ---------------------------------------------------------------------------------------
 def plot_step_split(results: GrpoResults, path: Path) -> None:
     """One panel per network: each configuration's median step as stacked phases."""
     runs = results.runs
-    fig, axes = plt.subplots(1, len(runs), figsize=(7 * len(runs), 5.5), squeeze=False)
-    for ax, run in zip(axes[0], runs, strict=True):
+    fig, axes = panels(len(runs), 7, 5.5)
+    for ax, run in zip(axes, runs, strict=True):
         rows = rows_of(run)
         names = [n for n in grpo.CONFIGS if n in rows]
         left = [0.0] * len(names)

@@ -1,17 +1,13 @@
-"""One launched process group (2 ranks) of the GRPO benchmark: TRL's real `GRPOTrainer` on the
-model `grpo.py` saved, once per configuration and round, each run a short `train()` from the
-same weights, prompts and seed.
+"""The GRPO benchmark's worker: one launched process group (2 ranks) runs TRL's real
+`GRPOTrainer` on the model `grpo.py` saved, once per configuration and round, each run a short
+`train()` from the same weights, prompts and seed; rounds rotate the configurations' order.
 
-Rounds rotate the order of the configurations, so load from other processes on the machine
-spreads over all of them. Each optimizer step is timed from `on_step_begin` to `on_step_end`
-and split into phases by wrapping bound methods of the trainer *instance* (never TRL's class):
-`_generate` (generation), `_get_per_token_logps_and_entropies` without gradients (the
-reference / old-policy log-prob passes), the rest of `_generate_and_score_completions`
-(rewards, advantages: "scoring") and what remains (the micro-batches' forward and backward and
-the optimizer step: "training"). Collectives are counted per phase by the wrapped
-`torch.distributed` functions of `benchmarks.collectives`. Completions, rewards and the Trainer's
-logs are recorded so the report can compare every configuration with stock exactly. Every rank
-writes `rank<R>.json`; `grpo.py` merges them.
+Each optimizer step is timed from `on_step_begin` to `on_step_end` and split into phases by
+wrapping bound methods of the trainer *instance* (never TRL's class): `_generate` (generation),
+`_get_per_token_logps_and_entropies` without gradients (log-prob passes), the rest of
+`_generate_and_score_completions` ("scoring") and what remains ("training"). Collectives are
+counted per phase (`collectives.py`). Completions, rewards and the Trainer's logs are recorded so
+the report can compare every configuration with stock exactly. Each rank writes `rank<R>.json`.
 """
 
 from __future__ import annotations
@@ -39,9 +35,15 @@ from transformers import AutoTokenizer, TrainerCallback  # noqa: E402
 import accel_gradsync  # noqa: E402
 from benchmarks import grpo  # noqa: E402
 from benchmarks.collectives import CollectiveCounter  # noqa: E402
-from benchmarks.measure import held_grad_bytes, held_param_bytes, peak_rss_bytes, reset_peak_rss  # noqa: E402
+from benchmarks.measure import (  # noqa: E402
+    held_grad_bytes,
+    held_param_bytes,
+    peak_rss_bytes,
+    pin_to_core,
+    reset_peak_rss,
+    versions,
+)
 from benchmarks.records import GrpoRankResult, GrpoRankRun, GrpoStep, PhaseTotals  # noqa: E402
-from benchmarks.worker import pin_to_core  # noqa: E402
 
 PHASES = ("generation", "logprob", "scoring", "training")
 
@@ -275,26 +277,13 @@ def main() -> None:
                 ms = ", ".join(f"{s.time_s * 1e3:.0f}" for s in rec.steps)
                 print(f"[bench] grpo {args.size} round {r} {name}: steps {ms} ms ({time.time() - t0:.1f}s)", flush=True)
     result = GrpoRankResult(
-        size=args.size, facts=grpo.model_facts(args.model_dir), pinned_core=core, runs=runs, versions=versions()
+        size=args.size,
+        facts=grpo.model_facts(args.model_dir),
+        pinned_core=core,
+        runs=runs,
+        versions=versions("trl", "peft"),
     )
     Path(args.out, f"rank{state.process_index}.json").write_text(json.dumps(dataclasses.asdict(result), indent=1))
-
-
-def versions() -> dict[str, str]:
-    import accelerate
-    import peft
-    import transformers
-    import trl
-
-    return {
-        "torch": torch.__version__,
-        "accelerate": accelerate.__version__,
-        "transformers": transformers.__version__,
-        "trl": trl.__version__,
-        "peft": peft.__version__,
-        "accel_gradsync": accel_gradsync.__version__,
-        "backend": torch.distributed.get_backend(),
-    }
 
 
 if __name__ == "__main__":

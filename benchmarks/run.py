@@ -1,15 +1,12 @@
-"""Entry point: `python -m benchmarks.run [--quick] [--device cpu|cuda|npu] [--out benchmarks/results]`
-(`--cluster 2x1 --link 1gbit,10gbit`: on simulated hosts).
+"""The benchmark harness: `python -m benchmarks.run [--quick] [--device cpu|cuda|npu] [--out DIR]`.
 
-Launches `benchmarks/worker.py` with `accelerate launch` and an FSDP2 config (2 ranks; 4 for
-the 2x2 HSDP configurations), once per model size, merges what the ranks wrote into
-`results.json`, then writes the Markdown table, the plots and the target summary (report.py).
-On CPU the workers use gloo through `accel_gradsync.enable_cpu_fsdp()`; with `--device cuda`
-or `npu` the same launch runs on NCCL/HCCL, unchanged.
-
-With `--cluster HxR` (root only) the same launches run on H simulated hosts (`cluster.py`: network
-namespaces joined by links shaped to each `--link` bandwidth), R ranks per host and the 4-rank
-HSDP mesh as H hosts x 4/H ranks: one `accelerate launch` per host, as on a real cluster.
+Two benchmarks are configurations of it: the MLP benchmark (`mlp.py`, the default) and the GRPO
+benchmark (`--grpo`, `grpo.py`). Each gives a plan, the networks it runs on and its launches; the
+harness runs every launch with `accelerate launch` (`launch.py`) over loopback, or with
+`--cluster HxR --link 1gbit,...` once per link on simulated hosts (`cluster.py`, root only),
+merges what the ranks wrote into a `Run` per launch, writes results.json and has the benchmark's
+report write results.md, the PNGs and the PASS/FAIL target summary.
+`python -m benchmarks.run --redraw DIR` redraws the report from DIR/results.json.
 """
 
 from __future__ import annotations
@@ -19,21 +16,17 @@ import dataclasses
 import json
 import os
 import platform
-import socket
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
-
-from benchmarks import cluster, cluster_report, registry, report
-from benchmarks.records import ConfigResult, RankResult, Results, Run
-
-REPO = Path(__file__).resolve().parents[1]
-WORKER = Path(__file__).with_name("worker.py")
+from benchmarks import cluster, grpo, grpo_report, mlp, mlp_report
+from benchmarks.launch import REPO, launch
+from benchmarks.records import GrpoResults, Results, RunBase
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -47,15 +40,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "npu"])
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
-    p.add_argument("--sizes", help="comma-separated, from registry.SIZES")
+    p.add_argument("--sizes", help="comma-separated, from mlp.SIZES")
     p.add_argument("--Ms", help="comma-separated micro-batch counts")
-    p.add_argument("--configs", help="comma-separated, from registry.CONFIGS")
-    p.add_argument("--reps", type=int, help="interleaved repetitions of every configuration")
+    p.add_argument("--configs", help="comma-separated, from mlp.CONFIGS (with --grpo: grpo.CONFIGS)")
+    p.add_argument("--reps", type=int, help="interleaved repetitions of every configuration (GRPO: rounds)")
     p.add_argument("--steps", type=int, help="timed optimizer steps per repetition and M (default: per model size)")
     p.add_argument("--no-pin", action="store_true", help="CPU: leave the ranks unpinned (default: one core per rank)")
     p.add_argument(
         "--hsdp-size",
-        help=f"model size of the 4-rank HSDP launch (default: {registry.HSDP_SIZE}; the quick cluster run: small)",
+        help=f"model size of the 4-rank HSDP launch (default: {mlp.HSDP_SIZE}; the quick cluster run: small)",
     )
     p.add_argument("--timeout", type=int, default=900, help="seconds per launch")
     p.add_argument(
@@ -70,33 +63,20 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="with --cluster: comma-separated link bandwidths in tc's spelling, one run of every "
         "launch per link (default: 1gbit,10gbit)",
     )
+    p.add_argument("--redraw", metavar="DIR", help="only redraw the report of DIR/results.json")
     return p.parse_args(argv)
 
 
-def plan(args: argparse.Namespace) -> dict:
-    if args.cluster:
-        base = dict(registry.CLUSTER_QUICK if args.quick else registry.CLUSTER)
-    else:
-        base = dict(registry.QUICK if args.quick else registry.FULL)
-    for key in ("sizes", "Ms", "configs"):
-        if getattr(args, key):
-            base[key] = getattr(args, key).split(",")
-    for key in ("reps", "steps"):
-        if getattr(args, key):
-            base[key] = getattr(args, key)
-    base["Ms"] = [int(m) for m in base["Ms"]]
-    base["hsdp_size"] = args.hsdp_size or base.get("hsdp_size", registry.HSDP_SIZE)
-    base["quick"] = args.quick
-    base["no_pin"] = args.no_pin
-    unknown = [c for c in base["configs"] if c not in registry.CONFIGS] + [
-        s for s in base["sizes"] if s not in registry.SIZES
-    ]
-    if unknown:
-        raise SystemExit(f"unknown configuration or size: {', '.join(unknown)}")
-    if args.cluster:
-        base["cluster"] = cluster_shape(args.cluster)
-        base["links"] = cluster_links(args.link)
-    return base
+@dataclass
+class Job:
+    """One `accelerate launch` of a benchmark's worker."""
+
+    what: str  # the progress line's description
+    script: Path
+    args: list[str]
+    config: dict  # the accelerate config
+    merge: Callable[[list[dict]], RunBase]  # the ranks' JSON -> the launch's run
+    env: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 def cluster_shape(spec: str) -> dict:
@@ -125,187 +105,73 @@ def cluster_links(spec: str) -> list[str]:
     return links
 
 
-def launches(p: dict) -> list[tuple[str, int, list[str]]]:
-    """(size, ranks, configs) per launch: one process group per size for the 2-rank
-    configurations, and one 4-rank group for HSDP on `hsdp_size` (4 processes on the machine:
-    one size shows the trade-off)."""
-    two = [c for c in p["configs"] if registry.ranks(c) == 2]
-    four = [c for c in p["configs"] if registry.ranks(c) == 4]
-    out = [(size, 2, two) for size in p["sizes"] if two]
-    if four:
-        out.append((p["hsdp_size"], 4, four))
-    return out
+# -- the two benchmarks as configurations of the harness ---------------------------------------------
+def mlp_jobs(p: dict, args: argparse.Namespace, workdir: Path, on_cluster: bool) -> list[Job]:
+    env = {"CUDA_VISIBLE_DEVICES": ""} if args.device == "cpu" else {}  # --device cpu: gloo even beside GPUs
+    jobs = []
+    for size, n, names in mlp.launches(p):
+        worker_args = mlp.worker_args(p, size, names, args.device)
+        what = f"{size} model, {n} ranks: {', '.join(names)}"
+        jobs.append(Job(what, mlp.WORKER, worker_args, mlp.accelerate_config(n), mlp.merge, env))
+    return jobs
 
 
-def accelerate_config(nranks: int, device: str) -> dict:
-    fsdp = {
-        "fsdp_version": 2,
-        "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
-        "fsdp_transformer_layer_cls_to_wrap": "Block",
-        "fsdp_reshard_after_forward": True,
-        "fsdp_state_dict_type": "SHARDED_STATE_DICT",
-    }
-    # The same config on CPU, CUDA and NPU: on CPU the worker's enable_cpu_fsdp() makes it FSDP
-    # over gloo; elsewhere accelerate picks NCCL/HCCL itself.
-    config = {"distributed_type": "FSDP", "num_processes": nranks, "fsdp_config": fsdp, "mixed_precision": "no"}
-    if nranks == 4:  # the 2x2 HSDP mesh: replicate x shard, as a user would configure it
-        config["parallelism_config"] = {
-            "parallelism_config_dp_replicate_size": 2,
-            "parallelism_config_dp_shard_size": 2,
-        }
-    return config
+def grpo_jobs(p: dict, args: argparse.Namespace, workdir: Path, on_cluster: bool) -> list[Job]:
+    if not (workdir / "bench_facts.json").exists():  # one saved model for every network
+        facts = grpo.build_model_dir(workdir, p["size"])
+        what = f"{len(p['configs'])} configurations, {p['rounds']} round(s) of {p['steps']} steps"
+        print(f"[benchmarks] GRPO {p['size']} model, {facts['params'] / 1e6:.2f} M params: {what}", flush=True)
+    pin = not args.no_pin and not on_cluster  # a cluster pins each host's launch to the host's cores
+    worker_args = grpo.worker_args(p, workdir, pin)
+    return [Job("GRPO", grpo.WORKER, worker_args, grpo.accelerate_config(), grpo.merge, {"CUDA_VISIBLE_DEVICES": ""})]
 
 
-def launch(
-    size: str, nranks: int, names: list[str], p: dict, device: str, timeout: int, hosts: cluster.Cluster | None = None
-) -> list[RankResult]:
-    """One `accelerate launch` of the worker (with `hosts`: one per simulated host); what each rank wrote."""
-    env = {}
-    if device == "cpu":
-        # Tensors over 1 MiB get their own mmap, returned to the OS when freed: without it glibc
-        # keeps freed buffers (its mmap threshold grows to 32 MiB), and a step's peak RSS would
-        # depend on which configuration ran before it.
-        env = {"MALLOC_MMAP_THRESHOLD_": os.environ.get("MALLOC_MMAP_THRESHOLD_", str(2**20))}
-        env["OMP_NUM_THREADS"] = "1"  # ranks share the cores; oversubscription would dominate
-        env["CUDA_VISIBLE_DEVICES"] = ""  # --device cpu means gloo even on a machine with GPUs
-    config = accelerate_config(nranks, device)
-    worker_args = [
-        "--size",
-        size,
-        "--configs",
-        ",".join(names),
-        "--Ms",
-        ",".join(map(str, p["Ms"])),
-        "--reps",
-        str(p["reps"]),
-        "--steps",
-        str(p["steps"] or registry.SIZES[size]["steps"]),
-    ]
-    if device == "cpu" and not p.get("no_pin"):
-        worker_args.append("--pin-cores")
-    ranks = launch_workers(WORKER, worker_args, config, env, timeout, hosts, f"{size}, {nranks} ranks")
-    return [RankResult.from_dict(rank) for rank in ranks]
+def plan_of(args: argparse.Namespace) -> tuple[dict, list[str | None]]:
+    """The benchmark's plan and the networks it runs on (None: loopback)."""
+    if args.grpo:
+        p = grpo.plan_of(args)
+        if args.cluster and args.cluster.lower() != "2x1":
+            cluster_shape(args.cluster)
+            raise SystemExit(f"--cluster {args.cluster}: the GRPO benchmark runs 2 hosts x 1 rank (2x1)")
+        return p, [None, *(cluster_links(args.link) if args.cluster else [])]
+    p = mlp.plan(args)
+    if not args.cluster:
+        return p, [None]
+    p.update(cluster=cluster_shape(args.cluster), links=cluster_links(args.link))
+    return p, list(p["links"])
 
 
-def launch_workers(
-    script: Path,
-    worker_args: list[str],
-    config: dict,
-    env: dict[str, str],
-    timeout: int,
-    hosts: cluster.Cluster | None,
-    what: str,
-) -> list[dict]:
-    """`accelerate launch` of a benchmark worker with `config` (with `hosts`: the same launch on
-    every simulated host, as a cluster job runs it), streaming its progress lines; the JSON each
-    rank wrote to `--out`, in rank order."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **env}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    env.pop("ACCEL_GRADSYNC_DEFER", None)  # the configuration alone chooses the mode
-    with tempfile.TemporaryDirectory() as tmp:
-        cfg = Path(tmp, "accelerate.yaml")
-        if hosts is not None:
-            config = {**config, "num_machines": hosts.hosts}
-        cfg.write_text(yaml.safe_dump(config))
-        launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(cfg)]
-        worker = [str(script), "--out", tmp, *worker_args]
-        if hosts is None:
-            cmd = [*launcher, "--main_process_port", str(free_port()), *worker]
-            proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-            tail, code = stream(proc, timeout), proc.returncode
-        else:  # rank 0 (host 0) reports progress
-            commands = [[*launcher, *hosts.accelerate_flags(h), *worker] for h in range(hosts.hosts)]
-            done = hosts.run(commands, env, cwd=REPO, timeout=timeout, echo=echo_progress)
-            code = next((c for c, _ in done if c != 0), 0)
-            tail = [f"--- host {h} ---\n" + "".join(t) for h, (_, t) in enumerate(done)]
-        files = sorted(Path(tmp).glob("rank*.json"))
-        if code != 0 or len(files) != config["num_processes"]:
-            raise RuntimeError(f"{script.name} failed ({what}, exit {code}):\n" + "".join(tail))
-        return [json.loads(f.read_text()) for f in files]
-
-
-def stream(proc: subprocess.Popen, timeout: int) -> list[str]:
-    """Echo the workers' progress lines; keep the last lines for an error message."""
-    deadline, tail = time.time() + timeout, []
-    for line in proc.stdout:
-        if line.startswith("[bench]"):
-            print("  " + line, end="", flush=True)
-        tail = (tail + [line])[-80:]
-        if time.time() > deadline:
-            proc.kill()
-            tail.append(f"killed after {timeout} s\n")
-            break
-    proc.wait()
-    return tail
+def run_jobs(jobs: list[Job], network: str | None, p: dict, args: argparse.Namespace) -> list[RunBase]:
+    """Every job on one network: loopback (None), or a simulated cluster with links of that rate."""
+    # CPU: tensors over 1 MiB get their own mmap, returned to the OS when freed; otherwise glibc
+    # keeps freed buffers, and a step's peak RSS would depend on which configuration ran before it.
+    env = {"MALLOC_MMAP_THRESHOLD_": os.environ.get("MALLOC_MMAP_THRESHOLD_", str(2**20))}
+    env = env if args.device == "cpu" else {}
+    hosts = p.get("cluster", {}).get("hosts", 2)
+    runs = []
+    with cluster.Cluster(hosts, network, cpus_per_host=not args.no_pin) if network else nullcontext() as c:
+        for job in jobs:
+            nranks = job.config["num_processes"]
+            print(f"[benchmarks] {f'{network} link, {c.hosts} hosts' if c else 'loopback'}, {job.what}", flush=True)
+            t0, sent0 = time.time(), sum(c.link_bytes()) if c else 0
+            env = {**env, **job.env}
+            done = launch(job.script, job.args, job.config, env=env, timeout=args.timeout, hosts=c, echo=echo_progress)
+            if done.returncode != 0 or len(done.ranks) != nranks:
+                what = f"{job.script.name} failed ({job.what}, exit {done.returncode})"
+                raise RuntimeError(f"{what}:\n{done.output[-8000:]}")
+            run = job.merge(done.ranks)
+            run.wall_s = round(time.time() - t0, 1)
+            if c:
+                run.link, run.hosts, run.ranks_per_host = network, c.hosts, nranks // c.hosts
+                run.link_bytes = sum(c.link_bytes()) - sent0
+            runs.append(run)
+    return runs
 
 
 def echo_progress(host: int, line: str) -> None:
+    """The workers' progress lines (rank 0 prints them; on a cluster, host 0's)."""
     if line.startswith("[bench]"):
-        print(f"  host {host}: " + line, end="", flush=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def merge(ranks: list[RankResult], nranks: int) -> Run:
-    """One row per (configuration, M) from every rank and repetition.
-
-    A step lasts as long as its slowest rank, so a step's time is the max over ranks; the
-    median is over all timed steps of all repetitions. Collective counts and bytes are rank 0's
-    (every rank issues the same collectives); memory is the max over ranks."""
-    first = ranks[0]
-    rows = []
-    for j, rec in enumerate(first.records):
-        per_rank = [rank.records[j] for rank in ranks]
-        assert all((r.config, r.M) == (rec.config, rec.M) for r in per_rank), "ranks disagree on the records"
-        steps = list(zip(*(r.steps for r in per_rank), strict=True))  # each timed step, on every rank
-        times = [max(s.time_s for s in step) for step in steps]
-        cpus = [max(s.cpu_s for s in step) for step in steps]
-        every = [s for r in per_rank for s in r.steps]
-        spec = registry.CONFIGS[rec.config]
-        handle_held = [s.handle_held_grad_bytes for s in every if s.handle_held_grad_bytes is not None]
-        device_peak = max((s.device_peak_bytes or 0) for s in every)
-        rows.append(
-            ConfigResult(
-                config=rec.config,
-                M=rec.M,
-                label=spec["label"],
-                group=spec["group"],
-                step_time_s=statistics.median(times),
-                step_times_s=times,
-                step_rounds=[s.round for s in rec.steps],
-                step_cpu_s=statistics.median(cpus),
-                step_cpus_s=cpus,
-                **{f"{kind}_per_step": statistics.median(getattr(s, kind) for s in rec.steps) for kind in KINDS},
-                bytes_sent_per_step=statistics.median(s.bytes_sent for s in rec.steps),
-                counts_seen_per_step={kind: sorted({getattr(s, kind) for s in rec.steps}) for kind in KINDS},
-                held_grad_bytes=max(s.held_grad_bytes for s in every),
-                held_param_bytes=max(s.held_param_bytes for s in every),
-                handle_held_grad_bytes=max(handle_held) if handle_held else None,
-                peak_rss_bytes=max(s.peak_rss_bytes for s in every),
-                rss_growth_bytes=max(s.rss_growth_bytes for s in every),
-                peak_rss_scope=rec.steps[0].peak_rss_scope,
-                device_peak_bytes=device_peak or None,
-                stats=rec.stats,
-                # The slowest rank's cost of the sync choice per micro-batch (None: the Trainer).
-                sync_control_us=max((r.sync_control_us or 0) for r in per_rank) or None,
-            )
-        )
-    return Run(
-        size=first.size,
-        facts=first.facts,
-        device=first.device,
-        ranks=nranks,
-        rows=rows,
-        versions=first.versions,
-        pinned_cores=[rank.pinned_core for rank in ranks],
-    )
-
-
-KINDS = ("reduce_scatters", "all_reduces", "all_gathers")
+        print(("  " if host == 0 else f"  host {host}: ") + line, end="", flush=True)
 
 
 def machine_facts(device: str) -> dict:
@@ -331,61 +197,36 @@ def machine_facts(device: str) -> dict:
     return out
 
 
-def run_cluster(p: dict, args: argparse.Namespace) -> list[Run]:
-    """Every launch on the simulated cluster, once per link bandwidth; each run records its link,
-    its hosts and the bytes that crossed the shaped links (tbf's counters)."""
-    reason = cluster.unavailable_reason()
-    if reason:
-        raise SystemExit(f"--cluster: {reason}")
-    runs = []
-    for link in p["links"]:
-        with cluster.Cluster(p["cluster"]["hosts"], link, cpus_per_host=not p["no_pin"]) as hosts:
-            for size, nranks, names in launches(p):
-                t0, sent0 = time.time(), sum(hosts.link_bytes())
-                per_host = nranks // hosts.hosts
-                print(
-                    f"[benchmarks] {link} link, {hosts.hosts} hosts x {per_host} ranks, {size} model: "
-                    + ", ".join(names),
-                    flush=True,
-                )
-                merged = merge(launch(size, nranks, names, p, args.device, args.timeout, hosts), nranks)
-                merged.link, merged.hosts, merged.ranks_per_host = link, hosts.hosts, per_host
-                merged.link_bytes = sum(hosts.link_bytes()) - sent0
-                merged.wall_s = round(time.time() - t0, 1)
-                runs.append(merged)
-    return runs
+def redraw(folder: Path) -> str:
+    """Every file of a results folder again from its results.json; the target summary."""
+    data = json.loads((folder / "results.json").read_text())
+    if data.get("benchmark") == "grpo":
+        return grpo_report.write_report(GrpoResults.from_dict(data), folder)
+    return mlp_report.write_report(Results.from_dict(data), folder)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.grpo:
-        from benchmarks import grpo
-
-        return grpo.main(args)
-    p = plan(args)
+    if args.redraw:
+        print(redraw(Path(args.redraw)))
+        return 0
+    p, networks = plan_of(args)
+    if any(networks) and (reason := cluster.unavailable_reason()):
+        raise SystemExit(f"--cluster: {reason}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    start, load_before = time.time(), os.getloadavg()
-    runs = run_cluster(p, args) if p.get("cluster") else []
-    for size, nranks, names in [] if p.get("cluster") else launches(p):
-        t0 = time.time()
-        print(f"[benchmarks] {size} model, {nranks} ranks: {', '.join(names)}", flush=True)
-        merged = merge(launch(size, nranks, names, p, args.device, args.timeout), nranks)
-        merged.wall_s = round(time.time() - t0, 1)
-        runs.append(merged)
-    results = Results(
+    start, make_jobs = time.time(), grpo_jobs if args.grpo else mlp_jobs
+    with tempfile.TemporaryDirectory() as tmp:
+        runs = [run for net in networks for run in run_jobs(make_jobs(p, args, Path(tmp), bool(net)), net, p, args)]
+    common = dict(
         command="python -m benchmarks.run " + " ".join(sys.argv[1:] if argv is None else argv),
         plan=p,
         machine=machine_facts(args.device),
         elapsed_s=round(time.time() - start, 1),
-        # Other processes on the machine slow some configurations more than others; the load
-        # average says how busy it was (interleaving spreads the rest of the noise evenly).
-        load_average={"before": list(load_before), "after": list(os.getloadavg())},
-        runs=runs,
     )
+    results = GrpoResults(**common, runs=runs) if args.grpo else Results(**common, runs=runs)
     (out / "results.json").write_text(json.dumps(dataclasses.asdict(results), indent=1))
-    write = cluster_report.write_cluster_report if p.get("cluster") else report.write_report
-    print(write(results, out))
+    print(redraw(out))
     print(f"[benchmarks] wrote {out}/results.json, results.md, *.png in {results.elapsed_s} s")
     return 0
 

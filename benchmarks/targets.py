@@ -1,9 +1,9 @@
 """Every PASS/FAIL target of the benchmarks, in one place: what each compares, its threshold and
-why. `report.py` (the loopback and simulated-cluster runs) and `grpo_report.py` (the GRPO
-benchmark) measure; this module says what the measurements must show and judges them.
+why. `mlp_report.py` (loopback and simulated cluster) and `grpo_report.py` measure; this module
+says what the measurements must show and judges them.
 
 A timing target is judged on a median of paired ratios with a bootstrap interval
-(`report.median_ci`). A full run decides on the median. A quick run (`--quick`) has a few rounds
+(`stats.median_ci`). A full run decides on the median. A quick run (`--quick`) has a few rounds
 only: it passes or fails a target only where the whole interval lies on one side of the
 threshold, and otherwise reports it as not decided at this size (`N/D`).
 """
@@ -76,14 +76,14 @@ def format_summary(results: list[TargetResult]) -> str:
     return "\n".join(lines)
 
 
-# -- the loopback benchmark (report.py) ---------------------------------------------------------
+# -- the MLP benchmark over loopback (mlp_report.py) ---------------------------------------------------------
 OVERHEAD_TOLERANCE = 0.02
 WRAPPER_OVERHEAD = Target(
     name="the plugin within 2% of the same collectives without it",
     compares="the plugin's step / the same collectives without it (a hand-written FSDP2 loop, or stock "
     "accelerate with the same flags), paired by round and pooled over M, per model",
     why="both issue the same collectives on the same bytes, so the ratio is what the wrapper costs; "
-    "2% is what 36 rounds of the small model resolve on a shared 2-core machine",
+    "2% is the resolution the full run's rounds of the small model are sized for",
     upper=1 + OVERHEAD_TOLERANCE,
 )
 SYNC_CONTROL = Target(
@@ -97,7 +97,7 @@ PLANNER_COST = Target(
     name="the planner's reduce-scatter weight within a factor 1.6 of what the steps paid",
     compares="(time deferral saved per reduce-scatter byte) / (time the window saved per all-gather byte) "
     "at the largest M, over `accel_gradsync.planning.costs.REDUCE_SCATTER_COST` for the backend",
-    why="on gloo the steps pay 1.0x (large model) to 2.1x (small) across runs; one figure serves both within 1.6x",
+    why="the planner uses one figure per backend for every model size; the band allows for the spread between sizes",
     lower=1 / 1.6,
     upper=1.6,
 )
@@ -143,7 +143,7 @@ WINDOW_GATHERS = Target(
 )
 RUN_TIME_S = {"quick": 120, "full": 600}
 """The whole run's wall time on 2 cores: the quick run is CI's smoke test, the full run's fits 10 minutes."""
-# -- the simulated cluster (report.py) -------------------------------------------------------
+# -- the MLP benchmark on the simulated cluster (mlp_report.py) -------------------------------------------------------
 CLUSTER_SPEEDUP = Target(
     name="ahead of per-micro-batch by a clear margin (>= 1.1x)",
     compares="per-micro-batch step / deferred or window step, paired by round, pooled over M >= 4, on "

@@ -2,6 +2,7 @@
 (the smoke test runs the real benchmark; its timings are never asserted)."""
 
 import dataclasses
+import json
 
 from benchmarks import grpo_report
 from benchmarks.records import GrpoResults, GrpoRow, GrpoRun
@@ -26,7 +27,7 @@ def row(config, times, rounds, gen_gathers=6, train_gathers=0, units=6, loss=0.5
 
 def results(rows, link=None, quick=False):
     run = GrpoRun(size="quick", facts={}, rows=rows, link=link)
-    return GrpoResults(command="", plan={"quick": quick}, machine={}, elapsed_s=1, load_average={}, runs=[run])
+    return GrpoResults(command="", plan={"quick": quick}, machine={}, elapsed_s=1, runs=[run])
 
 
 def status(checked, start):
@@ -74,6 +75,13 @@ def test_one_differing_loss_fails_the_identity_target():
     assert s == "FAIL" and "full/window round 0: logs differ (step 1: loss 0.5000001 vs stock 0.5)" in measured
     rows["full/window"] = dataclasses.replace(same, config="full/window")
     assert [t.status for t in full_only(grpo_report.check_identical("loopback", rows))] == ["PASS"]
+
+
+def test_results_survive_the_json_round_trip():
+    stock = row("full/stock", [1.0, 1.2], [0, 1])
+    stock.phase_time_s, stock.handle_held_grad_bytes = {"generation": 0.5, "training": 0.5}, None
+    before = results([stock], link="1gbit")
+    assert GrpoResults.from_dict(json.loads(json.dumps(dataclasses.asdict(before)))) == before
 
 
 def full_only(checked):

@@ -1,15 +1,12 @@
-"""One launched process group (2 ranks, or 4 for the 2x2 HSDP mesh): every configuration given,
-for one model size, every M, all in this one process so start-up is paid once.
+"""The MLP benchmark's worker: one launched process group (2 ranks, or 4 for the 2x2 HSDP mesh)
+runs every configuration given, for one model size and every M, in this one process.
 
-Configurations are interleaved step by step: every configuration is prepared up front on an
-`Accelerator` of its own (so the plugin attaches to only its own model), and each round runs
-one optimizer step of every configuration, in an order rotated per round. A noisy neighbour
-on the machine then slows all configurations alike instead of one. The two configurations of
-an overhead pair (`registry.PAIRS`) run back to back in every round, in alternating order, so
-the report can compare them round by round. The stock Trainer runs its own loop, so it is
-interleaved per M instead. Every step is timed, its collectives counted, its held gradient
-bytes probed from the real tensors and its peak RSS read. Every rank writes `rank<R>.json`;
-`run.py` merges them.
+Each configuration is prepared up front on an `Accelerator` of its own (so the plugin attaches to
+its own model only), and each round runs one optimizer step of every configuration in an order
+rotated per round (`mlp.round_order`), so load from other processes slows all of them alike; the
+two configurations of an overhead pair (`mlp.PAIRS`) run back to back. The stock Trainer runs its
+own loop, so it is interleaved per M instead. Every step is timed, its collectives counted, its
+held bytes probed from the real tensors and its peak RSS read; each rank writes `rank<R>.json`.
 """
 
 from __future__ import annotations
@@ -30,34 +27,71 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # launched as a script
 
-import psutil  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 from accelerate import Accelerator  # noqa: E402
 from accelerate.utils import set_seed  # noqa: E402
+from torch import nn  # noqa: E402
 
 import accel_gradsync  # noqa: E402
-from benchmarks import registry  # noqa: E402
+from benchmarks import mlp  # noqa: E402
 from benchmarks.collectives import CollectiveCounter  # noqa: E402
 from benchmarks.measure import (  # noqa: E402
     device_peak_bytes,
     held_grad_bytes,
     held_param_bytes,
     peak_rss_bytes,
-    reset_device_peak,
-    reset_peak_rss,
+    pin_to_core,
+    start_memory,
+    synchronize,
+    versions,
 )
-from benchmarks.model import Net, make_data  # noqa: E402
 from benchmarks.records import RankRecord, RankResult, StepSample  # noqa: E402
 
 LR = 1e-3
 
 
+class Block(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(dim, 4 * dim)
+        self.down = nn.Linear(4 * dim, dim)
+
+    def forward(self, x):
+        return x + self.down(F.gelu(self.up(x)))
+
+
+class Net(nn.Module):
+    """Residual MLP `Block`s (the FSDP unit, `fsdp_transformer_layer_cls_to_wrap: Block`) and a
+    root as large as a block (an input projection and an output head, as a language model's root
+    holds its embedding and head), so U = layers + 1. Inputs and targets have 4 dim features;
+    returns {"loss": ...} so the same model runs under a stock `Trainer`."""
+
+    def __init__(self, dim: int, layers: int) -> None:
+        super().__init__()
+        self.embed = nn.Linear(4 * dim, dim)
+        self.blocks = nn.ModuleList(Block(dim) for _ in range(layers))
+        self.head = nn.Linear(dim, 4 * dim)
+
+    def forward(self, x, y):
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return {"loss": F.mse_loss(self.head(x), y)}
+
+
+def make_data(rows: int, dim: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rows` global samples of 4 dim features in and out; every configuration reads the same ones."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, 4 * dim, generator=g), torch.randn(rows, 4 * dim, generator=g)
+
+
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
-    p.add_argument("--size", required=True, choices=list(registry.SIZES))
-    p.add_argument("--configs", required=True, help="comma-separated names from registry.CONFIGS")
+    p.add_argument("--size", required=True, choices=list(mlp.SIZES))
+    p.add_argument("--configs", required=True, help="comma-separated names from mlp.CONFIGS")
     p.add_argument("--Ms", default="1,2,4,8")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--steps", type=int, default=2, help="timed optimizer steps per segment")
@@ -72,16 +106,6 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def pin_to_core() -> int:
-    """Pin this rank to one core of those it may use (rank mod count). Unpinned, the ranks' main,
-    autograd and gloo threads migrate between the cores and every collective waits on whichever
-    rank the scheduler last moved: step times then vary by 10-20% on a quiet 2-core machine."""
-    cores = sorted(os.sched_getaffinity(0))
-    core = cores[int(os.environ.get("LOCAL_RANK", "0")) % len(cores)]
-    os.sched_setaffinity(0, {core})
-    return core
-
-
 class Bench:
     """What every configuration shares: the accelerator, the counter, the model and the data."""
 
@@ -91,7 +115,7 @@ class Bench:
         self.accelerator = Accelerator(gradient_accumulation_steps=1)
         self.device = self.accelerator.device
         self.world, self.rank = self.accelerator.num_processes, self.accelerator.process_index
-        self.size = registry.SIZES[args.size]
+        self.size = mlp.SIZES[args.size]
         self.Ms = [int(m) for m in args.Ms.split(",")]
         self.args = args
         set_seed(0)
@@ -129,29 +153,24 @@ class Bench:
 
 @dataclass
 class Prepared:
-    """One configuration, prepared on its own `Accelerator`."""
+    """One configuration, prepared on its own `Accelerator` (accelerate shares the gradient state
+    between instances, so M and sync_each_batch are set per step)."""
 
     name: str
-    """Name in `registry.CONFIGS`."""
-    spec: dict[str, Any]
-    """Its `registry.CONFIGS` entry."""
+    spec: dict[str, Any]  # its `mlp.CONFIGS` entry
     acc: Accelerator
-    """Its accelerator (accelerate shares the gradient state between instances: set per step)."""
-    model: Any
-    """The prepared FSDP2 model."""
-    optimizer: Any
-    """The prepared optimizer (`.optimizer`: the bare torch one)."""
-    handle: Any = None
-    """The plugin's handle, for configurations that attach it."""
+    model: Any  # the prepared FSDP2 model
+    optimizer: Any  # the prepared optimizer (`.optimizer`: the bare torch one)
+    handle: Any = None  # the plugin's handle, for configurations that attach it
 
 
 # -- one optimizer step, per loop -----------------------------------------------------------
 def step_accumulate(bench: Bench, run: Prepared, M: int, window_by_hand: bool = False) -> None:
     """What the accelerate docs show, `accumulate` around every micro-batch, stepping the
-    optimizer on the micro-batch that syncs, as the Trainer does. (The docs call `step()` on every
-    micro-batch and let accelerate skip it; in accelerate 1.15 that skipped call still costs two
-    uncached `importlib.util.find_spec("lomo_optim")` lookups, a cost of the loop, not of the
-    gradient sync this benchmark compares.)"""
+    optimizer on the micro-batch that syncs, as the Trainer does (a `step()` on every micro-batch,
+    left for accelerate to skip, costs import lookups in accelerate 1.15: the loop's cost, not the
+    sync's). `window_by_hand` ("accumulate_window"): `fsdp_reshard_after_forward: false` (set at
+    prepare) and `set_reshard_after_backward` on the last micro-batch only, inside this loop."""
     acc, model, optimizer = run.acc, run.model, run.optimizer
     for k in range(M):
         x, y = bench.batch(k)
@@ -165,47 +184,28 @@ def step_accumulate(bench: Bench, run: Prepared, M: int, window_by_hand: bool = 
                 optimizer.zero_grad()
 
 
-def step_raw_window(bench: Bench, run: Prepared, M: int) -> None:
-    """PyTorch issue 124319 by hand: params never resharded after forward (set once at prepare)
-    and resharded after backward only on the last micro-batch, so each unit all-gathers once per
-    step; the gradient sync deferred as in `step_raw`. The floor for the plugin's window mode."""
+def step_raw(bench: Bench, run: Prepared, M: int, window: bool = False) -> None:
+    """verl's approach: FSDP2's own switch flipped by hand and the bare torch optimizer, nothing
+    between the user and FSDP: the floor for any wrapper's overhead. `window` ("raw_window",
+    PyTorch issue 124319): params kept unsharded after forward (set at prepare) and resharded
+    after backward only on the last micro-batch, so each unit all-gathers once per step."""
     model, optimizer = run.model, run.optimizer.optimizer
     for k in range(M):
         x, y = bench.batch(k)
         model.set_requires_gradient_sync(k == M - 1)
-        model.set_reshard_after_backward(k == M - 1)
+        if window:
+            model.set_reshard_after_backward(k == M - 1)
         (model(x, y)["loss"] / M).backward()
         bench.probe(model)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-
-
-def step_raw(bench: Bench, run: Prepared, M: int) -> None:
-    """verl's approach: FSDP2's own switch, flipped by hand, and the bare torch optimizer.
-    Nothing between the user and FSDP, so it is the lower bound for any wrapper's overhead."""
-    model, optimizer = run.model, run.optimizer.optimizer
-    for k in range(M):
-        x, y = bench.batch(k)
-        model.set_requires_gradient_sync(k == M - 1)
-        (model(x, y)["loss"] / M).backward()
-        bench.probe(model)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-
-
-def step_accumulate_window(bench: Bench, run: Prepared, M: int) -> None:
-    """The window by hand inside accelerate's own loop: `fsdp_reshard_after_forward: false` (set
-    at prepare), `set_reshard_after_backward` True on the last micro-batch only, and accelerate's
-    `no_sync` holding the gradient sync. Against `raw_window` it prices accelerate's loop; against
-    the plugin's window, what the plugin adds to that loop."""
-    step_accumulate(bench, run, M, window_by_hand=True)
 
 
 LOOPS = {
     "accumulate": step_accumulate,
-    "accumulate_window": step_accumulate_window,
+    "accumulate_window": lambda bench, run, M: step_accumulate(bench, run, M, window_by_hand=True),
     "raw": step_raw,
-    "raw_window": step_raw_window,
+    "raw_window": lambda bench, run, M: step_raw(bench, run, M, window=True),
 }
 
 
@@ -213,7 +213,7 @@ LOOPS = {
 def prepare(bench: Bench, name: str) -> Prepared:
     """The configuration's own Accelerator (accelerate shares its state between instances),
     model, optimizer and, for plugin configurations, the attached handle."""
-    spec = registry.CONFIGS[name]
+    spec = mlp.CONFIGS[name]
     # M is set per step (measure_step); the plan is made once, at attach, for the largest M,
     # since the levels budget and auto pick depend on M (nothing is held at M = 1).
     acc = Accelerator(gradient_accumulation_steps=max(bench.Ms))
@@ -223,7 +223,7 @@ def prepare(bench: Bench, name: str) -> Prepared:
     if spec.get("reshard_after_forward") is False:
         # What `fsdp_reshard_after_forward: false` in the accelerate config gives FSDP2's units.
         model.set_reshard_after_forward(False)
-    kwargs = registry.gradsync_kwargs(name, bench.facts)
+    kwargs = mlp.gradsync_kwargs(name, bench.facts)
     handle = None
     if kwargs is not None:
         with contextlib.redirect_stdout(open(os.devnull, "w")):  # the one-line decision
@@ -241,12 +241,12 @@ def measure_step(bench: Bench, run: Prepared, M: int, rep: int = 0, round_index:
     acc.step = 0
     acc.gradient_state.plugin_kwargs["sync_each_batch"] = bool(run.spec.get("sync_each_batch"))
     dist.barrier()  # every rank starts the step together; not a wrapped collective
-    memory = start_memory(bench)
+    memory = start_memory(bench.device.type)
     bench.counter.take()
     bench.probes, bench.probing = [], True
     t0, cpu0 = time.perf_counter(), time.process_time()
     LOOPS[run.spec["loop"]](bench, run, M)
-    synchronize(bench.device)
+    synchronize(bench.device.type)
     elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     bench.probing = False
     handle_held = None if run.handle is None else run.handle.stats()["last_step/held_grad_bytes"]
@@ -312,18 +312,6 @@ def measure_sync_control(bench: Bench, run: Prepared, iterations: int = 100, rep
     return best
 
 
-def start_memory(bench: Bench) -> dict:
-    scoped = reset_peak_rss()
-    reset_device_peak(bench.device.type)
-    return {"scoped": scoped, "rss_before": psutil.Process().memory_info().rss}
-
-
-def synchronize(device: torch.device) -> None:
-    backend = getattr(torch, device.type, None)
-    if device.type in ("cuda", "npu") and backend is not None:
-        backend.synchronize()
-
-
 # -- the stock Trainer peer -----------------------------------------------------------------
 def measure_trainer(bench: Bench, name: str, M: int, rep: int) -> tuple[list[StepSample], dict]:
     """A stock `transformers.Trainer` on the same model and samples, timed per optimizer step
@@ -339,7 +327,7 @@ def measure_trainer(bench: Bench, name: str, M: int, rep: int) -> tuple[list[Ste
     class Timer(TrainerCallback):
         def on_step_begin(self, args, state, control, **kw):
             dist.barrier()
-            self.memory = start_memory(bench)
+            self.memory = start_memory(bench.device.type)
             bench.counter.take()
             bench.probes, bench.probing = [], True
             self.t0, self.cpu0 = time.perf_counter(), time.process_time()
@@ -351,7 +339,7 @@ def measure_trainer(bench: Bench, name: str, M: int, rep: int) -> tuple[list[Ste
             bench.probe(self.trainer.model_wrapped)
 
         def on_step_end(self, args, state, control, **kw):
-            synchronize(bench.device)
+            synchronize(bench.device.type)
             elapsed, cpu = time.perf_counter() - self.t0, time.process_time() - self.cpu0
             bench.probing = False
             step = sample(bench, elapsed, cpu, self.memory, rep=rep)
@@ -387,37 +375,6 @@ def measure_trainer(bench: Bench, name: str, M: int, rep: int) -> tuple[list[Ste
     return steps, {"wrapper_class": wrapper}
 
 
-def pair_chains(names: list[str]) -> list[list[str]]:
-    """The overhead pairs among `names` as chains of adjacent configurations: a configuration in
-    two pairs (the window, against the raw loop and against the flags by hand) sits between its
-    two partners."""
-    chains: list[list[str]] = []
-    for a, b in registry.PAIRS:
-        if a not in names or b not in names:
-            continue
-        chain = next((c for c in chains if a in c and a in (c[0], c[-1])), None)
-        if chain is None:
-            chains.append([a, b])
-        elif chain[0] == a:
-            chain.insert(0, b)
-        else:
-            chain.append(b)
-    return chains
-
-
-def round_order(names: list[str], k: int) -> list[str]:
-    """Round k's order: the overhead pairs as adjacent blocks (as listed on even rounds, reversed
-    on odd ones, so no configuration always runs first), every other configuration a block of its
-    own, and the blocks rotated by k."""
-    blocks = [chain if k % 2 == 0 else chain[::-1] for chain in pair_chains(names)]
-    done = {name for block in blocks for name in block}
-    blocks += [[name] for name in names if name not in done]
-    if not blocks:
-        return []
-    k %= len(blocks)
-    return [name for block in blocks[k:] + blocks[:k] for name in block]
-
-
 # -- the run --------------------------------------------------------------------------------
 def main() -> None:
     args = parse_args()
@@ -428,8 +385,8 @@ def main() -> None:
     # this backend: the report holds it against what the steps of this run paid.
     costs = accel_gradsync.planning.costs.REDUCE_SCATTER_COST
     bench.facts["planner_reduce_scatter_cost"] = costs.get(dist.get_backend(), 1.0)
-    runs = {n: prepare(bench, n) for n in names if registry.CONFIGS[n]["loop"] != "trainer"}
-    trainers = [n for n in names if registry.CONFIGS[n]["loop"] == "trainer"]
+    runs = {n: prepare(bench, n) for n in names if mlp.CONFIGS[n]["loop"] != "trainer"}
+    trainers = [n for n in names if mlp.CONFIGS[n]["loop"] == "trainer"]
     for run in runs.values():  # FSDP's lazy init and first allocations, untimed
         for _ in range(args.warmup):
             measure_step(bench, run, 1)
@@ -441,7 +398,7 @@ def main() -> None:
         for M in bench.Ms:
             t0 = time.time()
             for _ in range(args.steps):
-                for name in round_order(list(runs), rounds):
+                for name in mlp.round_order(list(runs), rounds):
                     samples.setdefault((name, M), []).append(measure_step(bench, runs[name], M, rep, rounds))
                 rounds += 1
             for name in trainers:
@@ -471,19 +428,6 @@ def main() -> None:
         versions=versions(),
     )
     Path(args.out, f"rank{bench.rank}.json").write_text(json.dumps(dataclasses.asdict(result), indent=1))
-
-
-def versions() -> dict[str, str]:
-    import accelerate
-    import transformers
-
-    return {
-        "torch": torch.__version__,
-        "accelerate": accelerate.__version__,
-        "transformers": transformers.__version__,
-        "accel_gradsync": accel_gradsync.__version__,
-        "backend": dist.get_backend(),
-    }
 
 
 if __name__ == "__main__":

@@ -1,76 +1,40 @@
-"""results.json -> results.md (tables), step_time_vs_M.png, memory_vs_time.png, and the target
-summary (PASS / FAIL / SKIP / N/D per target of `targets.py`, with the measured ratios).
-
-`python -m benchmarks.report benchmarks/results` redraws everything from an existing JSON (the
-simulated cluster's: cluster_report.py; the GRPO benchmark's: grpo_report.py).
+"""The MLP benchmark's report: results.json -> results.md (tables), the PNGs and the target
+summary (PASS / FAIL / SKIP / N/D per target of `targets.py`, with the measured ratios). Over
+loopback: step_time_vs_M.png and memory_vs_time.png; on the simulated cluster (runs carrying a
+`link`): the same tables and targets per link, the margins a link decides, speedup_vs_link.png.
 """
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import math
-import random
 import statistics
-import sys
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")  # headless: CI and the benchmark machine have no display
-import matplotlib.pyplot as plt  # noqa: E402
-
-from benchmarks import registry, targets  # noqa: E402
-from benchmarks.records import ConfigResult, Results, Run  # noqa: E402
-from benchmarks.targets import FAIL, PASS, SKIP, UNDECIDED, UNDECIDED_NOTE, Target, TargetResult  # noqa: E402
-
-MiB = 2**20
+from benchmarks import mlp, targets
+from benchmarks.cluster import link_bits_per_s
+from benchmarks.output import MiB, finish_axes, header, panels, plt, save_figure, targets_table
+from benchmarks.records import ConfigResult, Results, Run
+from benchmarks.stats import by_round, fmt_ci, fmt_count, judge, noted, ratios
+from benchmarks.targets import FAIL, PASS, SKIP, UNDECIDED, TargetResult
 
 
-# -- paired statistics -------------------------------------------------------------------------
-# Two configurations that ran in the same round saw the same machine load; a ratio per round
-# cancels that load, where a ratio of medians does not. Ratios are pooled over M where the
-# claim does not depend on M (a wrapper's overhead, a mode being faster).
-def by_round(row: ConfigResult, key: str = "step_times_s") -> dict[int, float]:
-    return {r: t for r, t in zip(row.step_rounds, getattr(row, key), strict=True) if r is not None}
+def index(run: Run) -> dict[tuple[str, int], ConfigResult]:
+    return {(r.config, r.M): r for r in run.rows}
+
+
+def times_by_round(row: ConfigResult, key: str = "step_times_s") -> dict[int, float]:
+    return by_round(row.step_rounds, getattr(row, key))
 
 
 def paired_ratios(run: Run, a: str, b: str, Ms: list[int], key: str = "step_times_s") -> dict[int, list[float]]:
     """M -> [a's step / b's step, one per round in which both ran]."""
     by, out = index(run), {}
     for M in Ms:
-        if (a, M) in by and (b, M) in by:
-            ta, tb = by_round(by[(a, M)], key), by_round(by[(b, M)], key)
-            if ratios := [ta[r] / tb[r] for r in sorted(ta.keys() & tb.keys())]:
-                out[M] = ratios
+        if (a, M) in by and (b, M) in by and (paired := ratios(times_by_round(by[(a, M)], key),
+                                                                 times_by_round(by[(b, M)], key))):  # fmt: skip
+            out[M] = paired
     return out
-
-
-def median_ci(values: list[float], level: float = 0.95, resamples: int = 2000) -> tuple[float, float, float]:
-    """(median, low, high): a percentile bootstrap interval of the median, seeded so a report
-    redrawn from the same JSON prints the same numbers."""
-    rng, n = random.Random(0), len(values)
-    boot = sorted(statistics.median(rng.choices(values, k=n)) for _ in range(resamples))
-    tail = (1 - level) / 2
-    return statistics.median(values), boot[int(tail * resamples)], boot[min(int((1 - tail) * resamples), resamples - 1)]
-
-
-def judge(target: Target, values: list[float], quick: bool) -> tuple[str, tuple[float, float, float]]:
-    """The target's status on these paired values, and their (median, low, high)."""
-    stat = median_ci(values)
-    return target.judge(*stat, n=len(values), quick=quick), stat
-
-
-def noted(status: str, measured: str) -> str:
-    """The measured figures, marked when the run was too small to decide on them."""
-    return f"{UNDECIDED_NOTE}: {measured}" if status == UNDECIDED else measured
-
-
-def fmt_ci(stat: tuple[float, float, float], n: int) -> str:
-    return f"{stat[0]:.3f} (95% CI {stat[1]:.3f}-{stat[2]:.3f}, n={n})"
-
-
-def index(run: Run) -> dict[tuple[str, int], ConfigResult]:
-    return {(r.config, r.M): r for r in run.rows}
 
 
 def baseline_of(run: Run) -> str:
@@ -79,17 +43,6 @@ def baseline_of(run: Run) -> str:
 
 
 # -- table ------------------------------------------------------------------------------------
-def header(results) -> list[str]:
-    """The lines every results.md starts with: command, wall time, machine, load."""
-    return [
-        f"Command: `{results.command}`  ",
-        f"Wall time: {results.elapsed_s} s  ",
-        f"Machine: {format_machine(results.machine)}  ",
-        f"Load average (1/5/15 min) before: {fmt_load(results, 'before')}, after: {fmt_load(results, 'after')}  ",
-        "",
-    ]
-
-
 def write_table(results: Results) -> str:
     lines = header(results)
     for run in results.runs:
@@ -128,52 +81,24 @@ def write_table(results: Results) -> str:
                 )
         lines.append("")
     lines += ["Configurations:", ""]
-    lines += [f"- `{n}`: {c['label']}" for n, c in registry.CONFIGS.items()]
+    lines += [f"- `{n}`: {c['label']}" for n, c in mlp.CONFIGS.items()]
     return "\n".join(lines) + "\n"
 
 
 def ordered_configs(run: Run) -> list[str]:
     present = {r.config for r in run.rows}
-    return [n for n in registry.CONFIGS if n in present]
-
-
-def fmt_load(results, when: str) -> str:
-    load = results.load_average.get(when)
-    return "/".join(f"{x:.1f}" for x in load) if load else "?"
-
-
-def fmt_count(x: float) -> str:
-    return str(int(x)) if float(x).is_integer() else f"{x:.1f}"
-
-
-def format_machine(m: dict) -> str:
-    """One line for `run.machine_facts`: CPU model, CPUs, memory, platform, device."""
-    return (
-        f"{m.get('cpu_model', m['processor'])}, {m['logical_cpus']} logical CPUs, "
-        f"{m['memory_gib']} GiB RAM, {m['platform']}, device={m['device']}"
-    )
+    return [n for n in mlp.CONFIGS if n in present]
 
 
 # -- plots ------------------------------------------------------------------------------------
-def finish_axes(ax) -> None:
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-
-
-def save_figure(fig, path: Path) -> None:
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 def plot_step_times(results: Results, path: Path) -> None:
     runs = results.runs
-    fig, axes = plt.subplots(1, len(runs), figsize=(6 * len(runs), 4.5), squeeze=False)
-    for ax, run in zip(axes[0], runs, strict=True):
+    fig, axes = panels(len(runs), 6, 4.5)
+    for ax, run in zip(axes, runs, strict=True):
         by = index(run)
         for name in ordered_configs(run):
             Ms = sorted(m for (c, m) in by if c == name)
-            style = "--" if registry.CONFIGS[name]["group"] == "peer" else "-"  # peers dashed
+            style = "--" if mlp.CONFIGS[name]["group"] == "peer" else "-"  # peers dashed
             ax.plot(Ms, [by[(name, m)].step_time_s * 1e3 for m in Ms], style, marker="o", label=name)
         ax.set_xscale("log", base=2)
         ax.set_xticks(results.plan["Ms"], [str(m) for m in results.plan["Ms"]])
@@ -198,7 +123,7 @@ def step_cost_ratios(run: Run) -> list[float]:
     ag_removed = deferred.all_gathers_per_step - window.all_gathers_per_step
     if rs_removed <= 0 or ag_removed <= 0:
         return []
-    t0, t1, t2 = by_round(pmb), by_round(deferred), by_round(window)
+    t0, t1, t2 = times_by_round(pmb), times_by_round(deferred), times_by_round(window)
     out = []
     for r in sorted(t0.keys() & t1.keys() & t2.keys()):
         per_rs, per_ag = (t0[r] - t1[r]) / rs_removed, (t1[r] - t2[r]) / ag_removed
@@ -216,8 +141,8 @@ def plot_frontier(results: Results, path: Path) -> None:
     """Held memory (gradients + unsharded params) vs step time at the largest M: per-micro-batch,
     deferred and the window are the corners of the frontier; every other configuration is a point."""
     runs = results.runs
-    fig, axes = plt.subplots(1, len(runs), figsize=(6 * len(runs), 4.5), squeeze=False)
-    for ax, run in zip(axes[0], runs, strict=True):
+    fig, axes = panels(len(runs), 6, 4.5)
+    for ax, run in zip(axes, runs, strict=True):
         by, M = index(run), max(results.plan["Ms"])
         hsdp = run.ranks == 4
         corners = [baseline_of(run), "hsdp_deferred" if hsdp else "deferred"] + ([] if hsdp else ["window"])
@@ -230,7 +155,7 @@ def plot_frontier(results: Results, path: Path) -> None:
             if (name, M) not in by:
                 continue
             r = by[(name, M)]
-            marker = "s" if name.startswith("budget") else ("^" if registry.CONFIGS[name]["group"] == "peer" else "o")
+            marker = "s" if name.startswith("budget") else ("^" if mlp.CONFIGS[name]["group"] == "peer" else "o")
             ax.scatter(held_bytes(r) / MiB, r.step_time_s * 1e3, marker=marker, s=50, label=name)
         ax.set_xlabel("MiB held per rank between micro-batches (gradients + unsharded params)")
         ax.set_ylabel(f"median step time at M={M} (ms)")
@@ -240,7 +165,7 @@ def plot_frontier(results: Results, path: Path) -> None:
 
 
 # -- targets ----------------------------------------------------------------------------------
-# The overhead pairs of `registry.PAIRS`, the smallest M each is compared from (M = 1 has nothing
+# The overhead pairs of `mlp.PAIRS`, the smallest M each is compared from (M = 1 has nothing
 # to defer) and the target's line.
 OVERHEADS = (
     ("deferred", "raw_fsdp2", 2, "deferred (plugin) within 2% of the hand-written raw-API loop"),
@@ -449,7 +374,7 @@ def check_frontier(results: Results, runs: list[Run]) -> TargetResult:
                 if not all((c, M) in by for c in (*corners, name)):
                     continue
                 (h0, h1, h2, h) = [held_bytes(by[(c, M)]) for c in (*corners, name)]
-                (t0, t1, t2, t) = [by_round(by[(c, M)]) for c in (*corners, name)]
+                (t0, t1, t2, t) = [times_by_round(by[(c, M)]) for c in (*corners, name)]
                 # Which segment the point's held bytes fall in, and how far along it.
                 (ha, ta), (hb, tb) = ((h0, t0), (h1, t1)) if h <= h1 else ((h1, t1), (h2, t2))
                 where = min(max((h - ha) / (hb - ha), 0), 1) if hb != ha else 0.0
@@ -499,19 +424,25 @@ def check_hsdp(results: Results, hsdp: list[Run]) -> TargetResult:
 
 
 def check_run_time(results: Results) -> TargetResult:
-    plan = results.plan
-    full = all(plan[k] == registry.FULL[k] for k in ("sizes", "Ms", "configs", "reps", "steps"))
-    kind = "quick" if plan.get("quick") else ("full" if full else None)
-    if kind is None:  # a hand-picked subset has no time target
-        return TargetResult("run time target (full or quick run only)", SKIP, f"custom run: {results.elapsed_s} s")
+    """The whole run's wall time, for the presets only: a hand-picked subset has no time target."""
+    plan, quick = results.plan, bool(results.plan.get("quick"))
+    cluster = bool(plan.get("cluster"))
+    preset = (mlp.CLUSTER_QUICK if quick else mlp.CLUSTER) if cluster else mlp.FULL
+    kind, where = ("quick" if quick else "full"), ""
+    if cluster:
+        where = f" simulated-cluster run ({', '.join(links_of(results))})"
+    if (cluster or not quick) and any(plan[k] != preset[k] for k in ("sizes", "Ms", "configs", "reps", "steps")):
+        what = f"run time target (full or quick {'cluster ' if cluster else ''}run only)"
+        return TargetResult(what, SKIP, f"custom run: {results.elapsed_s} s")
     limit = targets.RUN_TIME_S[kind]
-    return TargetResult(
-        f"{kind} run within {limit} s", PASS if results.elapsed_s <= limit else FAIL, f"{results.elapsed_s} s"
-    )
+    what = f"{kind}{where or ' run'} within {limit} s"
+    return TargetResult(what, PASS if results.elapsed_s <= limit else FAIL, f"{results.elapsed_s} s")
 
 
 def write_report(results: Results, out: Path) -> str:
     """Write results.md and the PNGs into `out`; return the target summary."""
+    if results.plan.get("cluster"):
+        return write_cluster_report(results, out)
     out = Path(out)
     checked = check_targets(results)
     md = ["# Benchmark results", "", write_table(results), *targets_table(checked)]
@@ -522,27 +453,114 @@ def write_report(results: Results, out: Path) -> str:
     return targets.format_summary(checked)
 
 
-def targets_table(checked: list[TargetResult]) -> list[str]:
-    """The "Targets" section of a results.md."""
-    lines = ["## Targets", "", "| target | result | measured |", "|---|---|---|"]
-    return lines + [f"| {r.target} | {r.status} | {r.measured} |" for r in checked]
+# -- the simulated cluster ------------------------------------------------------------------------
+def link_results(results: Results, link: str) -> Results:
+    """The results of one link bandwidth, shaped like a loopback run's results."""
+    return dataclasses.replace(results, runs=[r for r in results.runs if r.link == link])
 
 
-def redraw(folder: Path) -> str:
-    """Every file of a results folder again from its results.json; the target summary."""
-    data = json.loads((folder / "results.json").read_text())
-    if data.get("benchmark") == "grpo":  # python -m benchmarks.run --grpo
-        from benchmarks import grpo_report
-        from benchmarks.records import GrpoResults
-
-        return grpo_report.write_report(GrpoResults.from_dict(data), folder)
-    results = Results.from_dict(data)
-    if results.plan.get("cluster"):
-        from benchmarks import cluster_report
-
-        return cluster_report.write_cluster_report(results, folder)
-    return write_report(results, folder)
+def links_of(results: Results) -> list[str]:
+    return list(dict.fromkeys(r.link for r in results.runs if r.link is not None))
 
 
-if __name__ == "__main__":
-    print(redraw(Path(sys.argv[1] if len(sys.argv) > 1 else "benchmarks/results")))
+def link_gbit(link: str) -> float:
+    return link_bits_per_s(link) / 1e9
+
+
+def check_cluster_targets(results: Results) -> list[TargetResult]:
+    """Per link: the loopback targets the link decides (exact counts, the deferral and window
+    margins, HSDP), the margins a slow link must show, and that the 2-host runs' collectives really
+    crossed the shaped link; then the run time. Not the wrapper-overhead (2%) and frontier targets,
+    which need the loopback run's many rounds per M to resolve."""
+    quick = bool(results.plan.get("quick"))
+    out = []
+    for link in links_of(results):
+        sub = link_results(results, link)
+        out += [dataclasses.replace(t, target=f"[{link}] {t.target}") for t in check_targets(sub, True)]
+        for run in [r for r in sub.runs if r.ranks == 2]:
+            big = [M for M in results.plan["Ms"] if M >= 4]
+            for name in ("deferred", "window"):
+                per_M = paired_ratios(run, "per_micro_batch", name, big)
+                what = f"[{link}] {name} {targets.CLUSTER_SPEEDUP.name} across {run.hosts} hosts, M >= 4 ({run.size})"
+                if not per_M:
+                    out.append(TargetResult(what, SKIP, f"{name} or per_micro_batch not run at M >= 4"))
+                    continue
+                pooled = [v for r in per_M.values() for v in r]
+                status, stat = judge(targets.CLUSTER_SPEEDUP, pooled, quick)
+                measured = (
+                    f"{stat[0]:.2f}x faster (paired, 95% CI {stat[1]:.2f}-{stat[2]:.2f}, n={len(pooled)}); per M "
+                    + ", ".join(f"M={m} {statistics.median(r):.2f}x" for m, r in per_M.items())
+                )
+                out.append(TargetResult(what, status, noted(status, measured)))
+            # Every collective of a 1-rank-per-host run crosses the link; ring bytes are the least
+            # a rank can send, so tbf must have counted at least that much (more: headers, warm-up).
+            if run.hosts == run.ranks:
+                sent = run.ranks * sum(r.bytes_sent_per_step * len(r.step_times_s) for r in run.rows)
+                counted = run.link_bytes or 0
+                out.append(
+                    TargetResult(
+                        f"[{link}] {targets.LINK_CROSSED.name} ({run.hosts} hosts x 1 rank)",
+                        PASS if counted >= sent else FAIL,
+                        f"tbf counted {counted / MiB:.0f} MiB >= {sent / MiB:.0f} MiB the timed "
+                        "steps' collectives send (ring formula)",
+                    )
+                )
+    out.append(check_run_time(results))
+    return out
+
+
+def cluster_speedups(results: Results) -> dict[str, dict[float, float]]:
+    """name -> {link Gbit/s: per-micro-batch step / its step, median over rounds at the largest M}."""
+    M = max(results.plan["Ms"])
+    out: dict[str, dict[float, float]] = {}
+    for run in results.runs:
+        base = baseline_of(run)
+        for name in ordered_configs(run):
+            if name != base and (per_M := paired_ratios(run, base, name, [M])):
+                out.setdefault(name, {})[link_gbit(run.link or "")] = statistics.median(per_M[M])
+    return out
+
+
+def plot_cluster_speedup(results: Results, path: Path) -> None:
+    speedups = cluster_speedups(results)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, points in speedups.items():
+        xs = sorted(points)
+        group = mlp.CONFIGS[name]["group"]
+        style = "--" if group == "peer" else (":" if group == "hsdp" else "-")
+        ax.plot(xs, [points[x] for x in xs], style, marker="o", label=name)
+    ax.axhline(1.0, color="k", alpha=0.3)
+    ax.set_xscale("log")
+    ax.set_xlabel("link bandwidth per host (Gbit/s, tc tbf)")
+    ax.set_ylabel(f"speedup over per-micro-batch at M={max(results.plan['Ms'])}")
+    hosts = results.plan["cluster"]["hosts"]
+    ax.set_title(f"simulated cluster: {hosts} hosts x 1 rank (HSDP dotted: {hosts} hosts x {4 // hosts} ranks)")
+    finish_axes(ax)
+    save_figure(fig, path)
+
+
+def write_cluster_table(results: Results) -> str:
+    lines = header(results)
+    for link in links_of(results):
+        sub = link_results(results, link)
+        lines += [f"## {link} link per host", ""]
+        lines += [
+            f"- {r.size}, {r.ranks} ranks = {r.hosts} hosts x {r.ranks_per_host}: "
+            f"{(r.link_bytes or 0) / MiB:.0f} MiB through the shaped NICs, {r.wall_s} s"
+            for r in sub.runs
+        ]
+        lines.append("")
+        table = write_table(sub)
+        lines.append(table[table.index("### ") : table.index("Configurations:")])
+    return "\n".join(lines) + "\n"
+
+
+def write_cluster_report(results: Results, out: Path) -> str:
+    """Write results.md and speedup_vs_link.png into `out` for a --cluster run; return the summary."""
+    out = Path(out)
+    checked = check_cluster_targets(results)
+    md = ["# Benchmark results on a simulated cluster", "", write_cluster_table(results), *targets_table(checked)]
+    md += ["", "![speedup vs link bandwidth](speedup_vs_link.png)", ""]
+    (out / "results.md").write_text("\n".join(md))
+    plot_cluster_speedup(results, out / "speedup_vs_link.png")
+    return targets.format_summary(checked)

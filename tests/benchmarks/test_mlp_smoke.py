@@ -1,4 +1,4 @@
-"""Smoke test of the benchmark harness: `python -m benchmarks.run --quick` end to end (2 gloo
+"""Smoke test of the MLP benchmark: `python -m benchmarks.run --quick` end to end (2 gloo
 ranks, about a minute). It checks the outputs exist and the collective counts, which are exact;
 it never asserts on timings, which depend on the machine and its neighbours."""
 
@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.records import Results
+pytest.importorskip("matplotlib")
+
+from benchmarks.records import Results  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 

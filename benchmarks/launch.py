@@ -1,0 +1,105 @@
+"""Launch a script on several ranks the way users do, `accelerate launch --config_file` (or
+`torchrun` for CPU DDP, which accelerate launches only through mpirun), and collect the
+`rank<R>.json` each rank writes to the `--out DIR` it is given. The benchmarks and the multi-rank
+tests (tests/distributed/launcher.py) share it; with a `cluster.Cluster` the same launch runs
+once per simulated host, as a multi-node job does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from benchmarks.cluster import Cluster, drain, stop_tree
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class Launched:
+    returncode: int  # the first non-zero exit code over hosts, else 0
+    output: str  # stdout and stderr, interleaved (the last lines only on a cluster)
+    ranks: list[dict] = field(default_factory=list)  # each rank's JSON, in rank order
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def environment(env: dict[str, str] | None = None) -> dict[str, str]:
+    """This environment, offline, one OMP thread per rank (ranks share the cores), this repository
+    first on PYTHONPATH, and no sync mode inherited from ACCEL_GRADSYNC_DEFER: `env` alone sets it."""
+    inherited = {k: v for k, v in os.environ.items() if k != "ACCEL_GRADSYNC_DEFER"}
+    full = {**inherited, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    full.update(env or {})
+    full["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), full.get("PYTHONPATH")]))
+    return full
+
+
+def launch(
+    script: Path | str,
+    args: list[str],
+    config: dict | None = None,
+    *,
+    nprocs: int = 2,
+    env: dict[str, str] | None = None,
+    timeout: float = 600,
+    hosts: Cluster | None = None,
+    echo: Callable[[int, str], None] | None = None,
+) -> Launched:
+    """`script --out DIR *args` under `accelerate launch` with `config` (None: torchrun with
+    `nprocs` CPU ranks), from the repository root. `echo(host, line)` sees every output line as it
+    comes; on timeout the launch and its ranks are stopped."""
+    full_env = environment(env)
+    with tempfile.TemporaryDirectory() as out:
+        worker = [str(script), "--out", out, *args]
+        if config is None:
+            full_env["ACCELERATE_USE_CPU"] = "true"
+            launcher = ["torch.distributed.run", f"--nproc_per_node={nprocs}", f"--master_port={free_port()}"]
+        else:
+            config_file = Path(out, "accelerate.yaml")
+            if hosts is not None:
+                config = {**config, "num_machines": hosts.hosts}
+            config_file.write_text(yaml.safe_dump(config))
+            launcher = ["accelerate.commands.launch", "--config_file", str(config_file)]
+        command = [sys.executable, "-m", *launcher]
+        if hosts is not None:
+            done = hosts.run([[*command, *hosts.accelerate_flags(h), *worker] for h in range(hosts.hosts)],
+                             full_env, cwd=REPO, timeout=timeout, echo=echo)  # fmt: skip
+            code = next((c for c, _ in done if c != 0), 0)
+            output = "".join(f"--- host {h} ---\n" + "".join(tail) for h, (_, tail) in enumerate(done))
+        else:
+            if config is not None:
+                command += ["--main_process_port", str(free_port())]
+            code, output = run_streamed([*command, *worker], full_env, timeout, echo)
+        ranks = [json.loads(p.read_text()) for p in sorted(Path(out).glob("rank*.json"))]
+    return Launched(code, output, ranks)
+
+
+def run_streamed(argv: list[str], env: dict[str, str], timeout: float, echo) -> tuple[int, str]:
+    """Run `argv` in a session of its own (so a timeout stops its whole tree); (exit code, output)."""
+    proc = subprocess.Popen(argv, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)  # fmt: skip
+    lines: list[str] = []
+    reader = threading.Thread(target=drain, args=(proc, lines, 0, echo, 5000), daemon=True)
+    reader.start()
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        lines.append(f"killed after {timeout} s\n")
+    finally:
+        stop_tree(proc)
+        reader.join(timeout=5)
+    return proc.returncode, "".join(lines)
