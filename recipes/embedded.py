@@ -24,7 +24,7 @@ from datasets import Dataset
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from accel_gradsync.estimator.core import RECIPE_DEFAULT_MODEL
+from accel_gradsync.estimator.inputs import RECIPE_DEFAULT_MODEL
 
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
 CHARS = "0123456789+-= "

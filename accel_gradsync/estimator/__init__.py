@@ -1,3 +1,7 @@
 """The estimate: a launch's units and per-mode costs from its accelerate config and model config,
 on a meta model sharded over a fake process group, through the same planning code a live run uses.
-The CLI (`accel-gradsync estimate`) is `cli`."""
+
+Modules, each importing only those before it: `inputs` (the configs, read and checked) <
+`fake_shard` (the libraries' sharding in a fake process group) < `meta_model` (the units a launch
+would have) < `results` < `row_costs` < `core` (`estimate`: one row per mode) < `formatting` < `cli`.
+"""

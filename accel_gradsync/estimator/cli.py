@@ -7,7 +7,6 @@ defaults and environment variables are exactly the recipe's and `attach`'s.
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import sys
 import warnings
@@ -18,7 +17,9 @@ from transformers import HfArgumentParser
 
 from accel_gradsync.config.errors import GradSyncWarning
 from accel_gradsync.config.settings import DTYPES, GradSyncConfig
-from accel_gradsync.estimator.core import RECIPE_DEFAULT, estimate, format_table
+from accel_gradsync.estimator.core import estimate
+from accel_gradsync.estimator.formatting import format_json, format_table
+from accel_gradsync.estimator.inputs import RECIPE_DEFAULT
 
 
 @dataclass
@@ -93,6 +94,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, HfArgumentParser]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run `accel-gradsync ARGV`: 0 after printing the estimate; argparse's exit 2 with one error
+    line for a bad flag or any input the estimate refuses (its `ValueError`)."""
     argv = _join_negative_values(list(sys.argv[1:] if argv is None else argv))
     parser, estimate_parser = build_parser()
     parser.parse_args(argv)  # --help, a missing or unknown command, bad flags: argparse's own messages
@@ -113,7 +116,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         except ValueError as err:
             estimate_parser.error(str(err))  # exits 2 with the usage line
-    print(json.dumps(result.to_dict(), indent=1) if args.json else format_table(result))
+    print(format_json(result) if args.json else format_table(result))
     return 0
 
 

@@ -1,34 +1,8 @@
-"""Shard a meta-device model as `accelerate.Accelerator.prepare` would, in a fake process group.
-
-The estimate (estimate.py) needs the FSDP units a launched run will have: which modules are
-grouped, their dtypes, how shards are padded, which units reshard after forward. Rather than
-re-implement any of that, this module runs the real code on a model without storage:
-
-- `fake_world(n)`: torch's "fake" backend gives this one process a default process group of `n`
-  ranks (it is rank 0) whose collectives do nothing. It is destroyed on exit, so a real process
-  group can be initialised later in the same process. A process that already has one is refused:
-  the fake world would have to replace its default group (run `accel-gradsync estimate`, its own
-  process, or call `estimate()` before `init_process_group`).
-- FSDP2: accelerate's own `fsdp2_prepare_model` (its wrap policy, its carving of the input
-  embedding and of the [final norm, lm_head] group, its root call, its fp32 upcast) calls torch's
-  `fully_shard` on the meta-device model; the DTensor shards stay on the meta device.
-- FSDP1: `FullyShardedDataParallel` with the plugin's wrap policy and the keyword arguments
-  `Accelerator.prepare_model` passes. FSDP1 cannot keep parameters on the meta device (it
-  requires the parameters' device to match its compute device), so, as accelerate does for a
-  meta model, a `param_init_fn` materialises each module, here as fake tensors (FakeTensorMode:
-  shapes and dtypes, no storage), and accelerate's `ensure_weights_retied` keeps tied weights tied.
-
-- A model transformers shards at load time (`DistributedConfig`): transformers' own
-  `prepare_distribute_model` and `maybe_distribute_model`, the two steps `from_pretrained` runs,
-  build its mesh and call `fully_shard` on its `fsdp_plan`.
-
-What is not accelerate's own code, and why: `_PreparingAccelerator` carries the few attributes of
-an `Accelerator` that `fsdp2_prepare_model` reads (a real `Accelerator` would initialise
-accelerate's process-wide state and need the launch environment); the FSDP1 keyword arguments
-and accelerate's fp32 upcast of mixed-precision parameters are written out here because
-accelerate keeps them inline in `Accelerator.prepare_model`, not in a function. The mesh is a CPU
-mesh whatever the machine has: a unit's sizes and dtypes do not depend on the device type, and
-the estimate should not touch a GPU.
+"""Shard a meta-device model as `Accelerator.prepare` (or transformers' `from_pretrained`) would, by
+running those libraries' own sharding code inside `fake_world`: a fake process group of the planned
+world size whose collectives do nothing. Only what accelerate keeps inline in `prepare_model` is
+written out here (each function says what). The mesh is a CPU mesh whatever the machine has: a
+unit's sizes and dtypes do not depend on the device type, and the estimate should not touch a GPU.
 """
 
 from __future__ import annotations
@@ -50,7 +24,9 @@ _CPU = torch.device("cpu")
 
 @contextlib.contextmanager
 def fake_world(world_size: int) -> Iterator[None]:
-    """A default process group of `world_size` ranks whose collectives do nothing, for the block."""
+    """A default process group of `world_size` ranks (this process is rank 0) whose collectives do
+    nothing, for the block; destroyed on exit, so a real one can be initialised later in the same
+    process. A process that already has one is refused: the fake world would replace its group."""
     if dist.is_initialized():
         raise ValueError(
             "the estimate shards the model in a fake process group of the planned world size, and this "
@@ -68,7 +44,8 @@ def fake_world(world_size: int) -> Iterator[None]:
 
 @dataclass
 class _PreparingAccelerator:
-    """What `accelerate.utils.fsdp2_prepare_model` reads of an `Accelerator`."""
+    """What `accelerate.utils.fsdp2_prepare_model` reads of an `Accelerator`: a real one would
+    initialise accelerate's process-wide state and need the launch environment."""
 
     fsdp_plugin: Any
     torch_device_mesh: Any
@@ -97,6 +74,9 @@ def shard_like_accelerate(
 def _shard_fsdp2(
     model: nn.Module, plugin: Any, mixed_precision: str, replicate_size: int, shard_size: int
 ) -> nn.Module:
+    """accelerate's own `fsdp2_prepare_model` (its wrap policy, its carving of the input embedding
+    and of the [final norm, lm_head] group, its root call, its fp32 upcast) calls `fully_shard` on
+    the meta-device model; the DTensor shards stay on the meta device."""
     from accelerate import ParallelismConfig
     from accelerate.utils import fsdp2_prepare_model
 
@@ -121,6 +101,11 @@ def _shard_fsdp2(
 
 
 def _shard_fsdp1(model: nn.Module, plugin: Any, mixed_precision: str) -> nn.Module:
+    """`FullyShardedDataParallel` with the plugin's wrap policy and the keyword arguments
+    `Accelerator.prepare_model` passes (written out: accelerate keeps them inline there). FSDP1
+    cannot keep parameters on the meta device (their device must match its compute device), so,
+    as accelerate does for a meta model, `param_init_fn` materialises each module, here as fake
+    tensors (shapes and dtypes, no storage); `ensure_weights_retied` keeps tied weights tied."""
     from accelerate.utils import ensure_weights_retied
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed.fsdp import FullyShardedDataParallel
@@ -150,7 +135,9 @@ def _shard_fsdp1(model: nn.Module, plugin: Any, mixed_precision: str) -> nn.Modu
 
 def shard_like_transformers(model: nn.Module, distributed_config: dict) -> nn.Module:
     """`model` (on the meta device) sharded as `from_pretrained(..., distributed_config=...)`
-    shards it: transformers' own mesh and `fsdp_plan`. Must run inside `fake_world`."""
+    shards it: `prepare_distribute_model` and `maybe_distribute_model`, the two steps
+    `from_pretrained` runs, build transformers' own mesh and shard its `fsdp_plan`. Must run inside
+    `fake_world`."""
     from transformers.distributed import DistributedConfig
 
     cls: Any = type(model)  # a transformers PreTrainedModel: the two steps are its classmethods

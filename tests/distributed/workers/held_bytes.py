@@ -18,7 +18,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
 from transformers import AutoModelForCausalLM
 
 import accel_gradsync
-from accel_gradsync.estimator.core import load_model_config
+from accel_gradsync.estimator.inputs import load_model_config
 
 args = parse_args(
     [

@@ -11,7 +11,7 @@ from torch.distributed.fsdp import FSDPModule
 from transformers import AutoModelForCausalLM
 
 import accel_gradsync
-from accel_gradsync.estimator.core import load_model_config
+from accel_gradsync.estimator.inputs import load_model_config
 
 args = parse_args([(("--steps",), {"type": int, "default": 3}), (("--seq",), {"type": int, "default": 8})])
 accel_gradsync.enable_cpu_fsdp()

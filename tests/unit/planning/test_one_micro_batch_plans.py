@@ -9,14 +9,9 @@ import re
 import pytest
 
 from accel_gradsync import GradSyncConfig
-from accel_gradsync.estimator.core import (
-    WINDOW_ROW,
-    build_meta_model,
-    estimate,
-    estimated_adapter,
-    load_model_config,
-    read_accelerate_config,
-)
+from accel_gradsync.estimator.core import WINDOW_ROW, estimate
+from accel_gradsync.estimator.inputs import load_model_config, read_accelerate_config
+from accel_gradsync.estimator.meta_model import build_meta_model, estimated_adapter
 from accel_gradsync.planning.costs import format_bytes
 from accel_gradsync.planning.policies import POLICIES
 from accel_gradsync.runtime.decision import describe_decision

@@ -8,7 +8,8 @@ import re
 import pytest
 
 from accel_gradsync import GradSyncConfig
-from accel_gradsync.estimator.core import build_meta_model, estimated_adapter, load_model_config, read_accelerate_config
+from accel_gradsync.estimator.inputs import load_model_config, read_accelerate_config
+from accel_gradsync.estimator.meta_model import build_meta_model, estimated_adapter
 from accel_gradsync.planning.costs import format_bytes
 from accel_gradsync.planning.memory import ScriptedMemoryProbe
 from accel_gradsync.planning.replan import QUIET_STEPS, MeasuredAuto

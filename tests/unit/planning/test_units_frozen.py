@@ -9,7 +9,8 @@ taken from outside: tests/distributed/test_generation.py.)"""
 import pytest
 
 from accel_gradsync import GradSyncConfig
-from accel_gradsync.estimator.core import build_meta_model, estimated_adapter, load_model_config, read_accelerate_config
+from accel_gradsync.estimator.inputs import load_model_config, read_accelerate_config
+from accel_gradsync.estimator.meta_model import build_meta_model, estimated_adapter
 from accel_gradsync.planning.costs import (
     all_gathers_per_step,
     collectives_per_step,

@@ -1,13 +1,11 @@
-"""`accel_gradsync.estimator.core` and the `accel-gradsync estimate` CLI, without processes: the held
-dtype for every case of BACKGROUND.md, counts consistent with the runtime's decision line, the
-n/a rows, the fit column, and a 7B-class config estimated on the meta device in seconds.
+"""`estimator.core` without processes: the held dtype for every case of BACKGROUND.md, counts
+consistent with the runtime's decision line, the n/a rows, the fit column, closed-form counts, one
+process, and a 7B-class config estimated on the meta device in seconds.
 (Against real 2-rank runs: tests/distributed/test_estimate_vs_measured.py.)"""
 
 import dataclasses
 import json
 import re
-import runpy
-import shutil
 import subprocess
 import sys
 import time
@@ -17,67 +15,29 @@ import pytest
 import torch
 import torch.distributed as dist
 import yaml
-from torch._subclasses.fake_tensor import FakeTensor
 
 from accel_gradsync import GradSyncConfig
 from accel_gradsync.estimator.cli import main
-from accel_gradsync.estimator.core import (
-    WINDOW_ROW,
-    build_meta_model,
-    estimate,
-    estimated_adapter,
-    load_model_config,
-    read_accelerate_config,
-)
-from accel_gradsync.estimator.fake_shard import fake_world
+from accel_gradsync.estimator.core import WINDOW_ROW, estimate
+from accel_gradsync.estimator.inputs import load_model_config, read_accelerate_config
+from accel_gradsync.estimator.meta_model import build_meta_model, estimated_adapter
 from accel_gradsync.planning.costs import micro_batch_all_gathers, unit_all_gathers
 from accel_gradsync.planning.policies import POLICIES
 from accel_gradsync.planning.units import Level, Unit
 from accel_gradsync.runtime.decision import describe_decision
-from accel_gradsync.runtime.fsdp import FSDP1Adapter, FSDP2Adapter
 
-# Every row uses every setting; the config's "ignored in this sync mode" notes do not apply.
 pytestmark = pytest.mark.filterwarnings("ignore::accel_gradsync.config.errors.GradSyncWarning")
 
-# Qwen2-7B's config.json, written out so no hub is needed.
-QWEN2_7B = dict(
-    model_type="qwen2",
-    vocab_size=152064,
-    hidden_size=3584,
-    intermediate_size=18944,
-    num_hidden_layers=28,
-    num_attention_heads=28,
-    num_key_value_heads=4,
-    max_position_embeddings=131072,
-    rope_theta=1000000.0,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=False,
-)
 QWEN2_7B_PARAMS = 7_615_616_512
 ACCELERATE_CONFIGS = Path(__file__).resolve().parents[3] / "accelerate_configs"
 
 
-def fsdp(version=2, mixed_precision="no", processes=2, replicate=1, **fsdp_config):
-    config = {
-        "distributed_type": "FSDP",
-        "num_processes": processes,
-        "mixed_precision": mixed_precision,
-        "fsdp_config": {"fsdp_version": version, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP", **fsdp_config},
-    }
-    if replicate > 1:
-        config["parallelism_config"] = {
-            "parallelism_config_dp_replicate_size": replicate,
-            "parallelism_config_dp_shard_size": processes // replicate,
-        }
-    return config
-
-
 @pytest.fixture(scope="module")
-def seven_b():
+def seven_b(fsdp, qwen2_7b):
     """The 7B-class estimate, once: FSDP2, bf16, fp32 reduce, 2 replicas x 8 shards, M=8, 30 GiB free."""
     began = time.perf_counter()
     est = estimate(
-        QWEN2_7B,
+        qwen2_7b,
         fsdp(2, "bf16", processes=16, replicate=2),
         8,
         GradSyncConfig(reduce_dtype="fp32", free_memory="30GiB", memory_budget="10GiB", sync_mode="budget"),
@@ -85,12 +45,12 @@ def seven_b():
     return est, time.perf_counter() - began
 
 
-def test_7b_class_config_is_estimated_in_seconds_on_the_meta_device(seven_b):
+def test_7b_class_config_is_estimated_in_seconds_on_the_meta_device(qwen2_7b, seven_b):
     est, seconds = seven_b
     assert seconds < 60  # seconds on an idle machine; generous for a loaded 2-core CI runner
     assert est.params == QWEN2_7B_PARAMS
     assert len(est.units) == 28 + 2  # decoder layers, the untied input embedding, [norm, lm_head]
-    model = build_meta_model(load_model_config(QWEN2_7B))
+    model = build_meta_model(load_model_config(qwen2_7b))
     assert all(p.is_meta for p in model.parameters()) and all(b.is_meta for b in model.buffers())
 
 
@@ -128,7 +88,7 @@ def test_7b_deferral_holds_4_bytes_per_param_with_fp32_reduce_and_does_not_fit_3
     ],
 )
 def test_held_dtype_follows_the_wrapper_and_mixed_precision(
-    version, mixed_precision, reduce_dtype, model_dtype, expected
+    fsdp, version, mixed_precision, reduce_dtype, model_dtype, expected
 ):
     est = estimate(
         "recipe-default",
@@ -142,102 +102,7 @@ def test_held_dtype_follows_the_wrapper_and_mixed_precision(
     assert deferred.held_bytes == est.params * {"fp32": 4, "bf16": 2}[expected]
 
 
-def test_recipe_default_is_the_recipes_model():
-    pytest.importorskip("datasets", reason="the recipe's model needs the `recipes` extra")
-    from recipes.embedded import build_model, build_tokenizer
-
-    real = build_model(build_tokenizer())
-    est = estimate("recipe-default", fsdp(2), 4)
-    assert est.params == sum(p.numel() for p in real.parameters())  # tied embedding counted once
-    # accelerate's tied tail group [model.norm, model.embed_tokens, lm_head] is one unit, named as a
-    # run names it (by its first module) and holding the shared embedding once, with the norm.
-    embedding, norm = real.model.embed_tokens.weight.numel(), real.model.norm.weight.numel()
-    assert est.units[0] == {"name": "model.embed_tokens", "numel": embedding + norm}
-
-
-def test_wrap_policies_give_the_units_accelerate_gives():
-    small = dict(
-        QWEN2_7B,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=100,
-    )
-    layer = 4 * 64 * 64 // 2 + 64 + 2 * 32 + 64 * 64 + 3 * 64 * 128 + 2 * 64  # q,k,v(+bias),o, mlp, norms
-    no_wrap = estimate(small, fsdp(1, fsdp_auto_wrap_policy="NO_WRAP"), 2)
-    assert [u["name"] for u in no_wrap.units] == ["<root>"]
-    fsdp1 = estimate(small, fsdp(1), 2)  # _no_split_modules: Qwen2DecoderLayer
-    layers = [f"_fsdp_wrapped_module.model.layers.{i}" for i in range(3)]  # FSDP1's module names
-    assert [u["name"] for u in fsdp1.units] == ["<root>", *layers]
-    assert fsdp1.units[1]["numel"] == layer
-    fsdp2 = estimate(small, fsdp(2), 2)
-    # The untied input embedding, the layers, and [model.norm, lm_head] (named by its first module).
-    assert [u["name"] for u in fsdp2.units] == [
-        "model.embed_tokens",
-        "model.layers.0",
-        "model.layers.1",
-        "model.layers.2",
-        "model.norm",
-    ]
-    assert fsdp2.units[-1]["numel"] == 64 + 100 * 64
-    size = estimate(small, fsdp(1, fsdp_auto_wrap_policy="SIZE_BASED_WRAP", fsdp_min_num_params=layer - 1), 2)
-    assert len(size.units) >= 4
-    assert no_wrap.params == fsdp1.params == fsdp2.params == size.params
-
-
-def test_units_are_read_by_the_runtime_adapters_from_a_model_sharded_without_memory():
-    """FSDP2 shards stay on the meta device; FSDP1's flat parameters are fake tensors (no storage)."""
-    config = GradSyncConfig()
-    fsdp2 = estimated_adapter(
-        build_meta_model(load_model_config("recipe-default")),
-        read_accelerate_config(fsdp(2, processes=4, replicate=2)),
-        config,
-    )
-    assert type(fsdp2) is FSDP2Adapter and fsdp2.hsdp
-    assert all(p.is_meta for p in fsdp2.model.parameters())
-    assert {u.shard_size for u in fsdp2.units} == {2}  # 2 replicas x 2 shards: sharded over 2
-    fsdp1 = estimated_adapter(
-        build_meta_model(load_model_config("recipe-default")), read_accelerate_config(fsdp(1, processes=4)), config
-    )
-    assert type(fsdp1) is FSDP1Adapter and fsdp1.root_only
-    assert all(isinstance(p, FakeTensor) for p in fsdp1.model.parameters())
-    assert {u.shard_size for u in fsdp1.units} == {4}
-    assert sum(u.numel for u in fsdp1.units) == sum(u.numel for u in fsdp2.units)
-
-
-def test_no_process_group_is_left_behind_and_a_real_one_can_follow():
-    estimate("recipe-default", fsdp(2, processes=4, replicate=2), 2)
-    estimate("recipe-default", fsdp(1, processes=8), 2)
-    assert not dist.is_initialized()
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        total = torch.ones(3)
-        dist.all_reduce(total)
-        assert (dist.get_backend(), dist.get_world_size(), total.tolist()) == ("gloo", 1, [1.0, 1.0, 1.0])
-    finally:
-        dist.destroy_process_group()
-
-
-def test_a_process_that_has_a_process_group_is_refused_and_keeps_it():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        with pytest.raises(ValueError, match="already has a torch.distributed process group.*its own process"):
-            estimate("recipe-default", fsdp(2), 2)
-        assert (dist.get_backend(), dist.get_world_size()) == ("gloo", 1)
-    finally:
-        dist.destroy_process_group()
-
-
-def test_the_fake_process_group_is_removed_when_sharding_fails():
-    with pytest.raises(RuntimeError, match="while sharded"), fake_world(8):
-        assert (dist.get_backend(), dist.get_world_size(), dist.get_rank()) == ("fake", 8, 0)
-        raise RuntimeError("while sharded")
-    assert not dist.is_initialized()
-
-
-def test_counts_agree_with_the_runtime_decision_line():
+def test_counts_agree_with_the_runtime_decision_line(fsdp):
     """Same plans (the runtime's policies), same counts as `describe_decision` prints."""
     config = GradSyncConfig(free_memory="1GiB", memory_budget="64KiB")
     for accelerate_config in (fsdp(2), fsdp(1), fsdp(2, processes=4, replicate=2)):
@@ -258,7 +123,7 @@ def test_counts_agree_with_the_runtime_decision_line():
                 assert numbers[0] == row.reduce_scatters, line
 
 
-def test_modes_that_do_not_apply_are_rows_with_the_reason():
+def test_modes_that_do_not_apply_are_rows_with_the_reason(fsdp):
     est = estimate("recipe-default", fsdp(1), 4)
     rows = {m.mode: m for m in est.modes}
     assert list(rows) == [*POLICIES, WINDOW_ROW]  # one row per mode the project offers, and the window
@@ -272,30 +137,7 @@ def test_modes_that_do_not_apply_are_rows_with_the_reason():
     assert "HSDP" in hsdp_less.mode("defer_all_reduce").reason
 
 
-def test_bytes_sent_follow_the_ring_formulas():
-    n, m = 4, 3
-    est = estimate("recipe-default", fsdp(2, processes=n), m)
-    p = est.params * 4  # fp32
-    assert est.mode("per_micro_batch").send_bytes == pytest.approx(m * p * (n - 1) / n, abs=len(est.units))
-    assert est.mode("deferred").send_bytes == pytest.approx(p * (n - 1) / n, abs=len(est.units))
-    hsdp = estimate("recipe-default", fsdp(2, processes=4, replicate=2), m)  # 2 replicas x 2 shards
-    shard_rs = p * (2 - 1) / 2
-    shard_ar = 2 * (2 - 1) / 2 * p / 2
-    assert hsdp.mode("per_micro_batch").send_bytes == pytest.approx(m * (shard_rs + shard_ar), abs=8)
-    assert hsdp.mode("defer_all_reduce").send_bytes == pytest.approx(m * shard_rs + shard_ar, abs=8)
-
-
-def test_sharded_gradients_are_what_per_micro_batch_keeps_between_micro_batches():
-    n = 4
-    est = estimate("recipe-default", fsdp(2, processes=n), 4)
-    sharded = est.mode("per_micro_batch").sharded_bytes
-    # About P/N x 4 bytes: each rank's padded shard of every unit, in the fp32 sharded dtype.
-    assert est.params * 4 / n <= sharded <= est.params * 4 / n + len(est.units) * 4 * 1024
-    assert est.mode("deferred").sharded_bytes == 0  # nothing is reduced before the last micro-batch
-    assert est.mode("per_micro_batch").held_bytes == 0
-
-
-def test_all_gathers_follow_resharding_and_kept_params():
+def test_all_gathers_follow_resharding_and_kept_params(fsdp):
     m = 3
     fsdp2 = estimate("recipe-default", fsdp(2), m, GradSyncConfig(defer=True, keep_params_unsharded=True))
     # 2 layers reshard after forward (forward + backward all-gather); accelerate's tail group does not.
@@ -313,7 +155,7 @@ def test_all_gathers_follow_resharding_and_kept_params():
     assert grad_op.mode("per_micro_batch").all_gather_bytes == pytest.approx(m * p / 2, abs=8)
 
 
-def test_fits_compares_the_peak_with_free_memory_less_the_margin():
+def test_fits_compares_the_peak_with_free_memory_less_the_margin(fsdp):
     est = estimate("recipe-default", fsdp(2), 4, GradSyncConfig(free_memory="200KiB", memory_margin=0.0))
     assert est.mode("deferred").peak_bytes > 200 * 1024 and est.mode("deferred").fits is False
     assert est.mode("per_micro_batch").fits is None or est.mode("per_micro_batch").peak_bytes > 0
@@ -323,79 +165,7 @@ def test_fits_compares_the_peak_with_free_memory_less_the_margin():
     assert auto.applicable and 0 < auto.held_bytes + auto.held_param_bytes <= 200 * 1024
 
 
-def test_bad_settings_name_the_setting_value_and_fix(tmp_path):
-    with pytest.raises(ValueError, match="distributed_type"):
-        estimate("recipe-default", {"distributed_type": "MULTI_GPU", "num_processes": 2}, 4)
-    with pytest.raises(ValueError, match="fsdp_transformer_layer_cls_to_wrap=LlamaDecoderLayer"):
-        estimate("recipe-default", fsdp(2, fsdp_transformer_layer_cls_to_wrap="LlamaDecoderLayer"), 4)
-    # accelerate's own preparation fails here, as a launch would: the size policy picks the ModuleList.
-    with pytest.raises(ValueError, match=r"accelerate cannot shard .*SIZE_BASED_WRAP.*does not support containers"):
-        estimate("recipe-default", fsdp(2, fsdp_auto_wrap_policy="SIZE_BASED_WRAP", fsdp_min_num_params=40000), 4)
-    with pytest.raises(ValueError, match="micro_batches=0"):
-        estimate("recipe-default", fsdp(2), 0)
-    with pytest.raises(ValueError, match="no transformers config found"):
-        estimate(str(tmp_path / "missing"), fsdp(2), 4)
-    with pytest.raises(ValueError, match=r"2 x 3 != num_processes=4"):
-        read_accelerate_config(
-            {
-                **fsdp(2, processes=4),
-                "parallelism_config": {
-                    "parallelism_config_dp_replicate_size": 2,
-                    "parallelism_config_dp_shard_size": 3,
-                },
-            }
-        )
-
-
-def test_cli_prints_a_table_and_json(tmp_path, capsys):
-    path = tmp_path / "fsdp2.yaml"
-    path.write_text(yaml.safe_dump(fsdp(2, "bf16")))
-    assert (
-        main(
-            [
-                "estimate",
-                "--accelerate-config",
-                str(path),
-                "--micro-batches",
-                "4",
-                "--grad-sync-reduce-dtype",
-                "fp32",
-                "--defer-grad-sync",
-            ]
-        )
-        == 0
-    )
-    table = capsys.readouterr().out
-    assert re.search(r"^deferred \*\s+3\s", table, re.M)  # the selected mode is starred
-    assert "fp32" in table and "n/a" in table
-    assert main(["estimate", "--accelerate-config", str(path), "--micro-batches", "4", "--json"]) == 0
-    data = json.loads(capsys.readouterr().out)
-    assert [m["mode"] for m in data["modes"]][:2] == ["per_micro_batch", "deferred"]
-    assert data["modes"][1]["held_dtype"] == "bf16"  # accelerate's bf16: reduce = param dtype
-
-
-def test_cli_errors_exit_2_with_the_message(tmp_path, capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        main(["estimate", "--accelerate-config", str(tmp_path / "none.yaml"), "--micro-batches", "4"])
-    assert exit_info.value.code == 2
-    assert "does not exist" in capsys.readouterr().err
-
-
-def test_console_script_and_module_help(monkeypatch, capsys):
-    script = shutil.which("accel-gradsync")
-    if script is None:
-        pytest.skip("console script not installed (pip install -e .)")
-    out = subprocess.run([script, "estimate", "--help"], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0
-    for flag in ("--accelerate-config", "--micro-batches", "--grad-sync-free-memory", "--json", "--defer-grad-sync"):
-        assert flag in out.stdout
-    monkeypatch.setattr(sys, "argv", ["python -m accel_gradsync", "--help"])
-    with pytest.raises(SystemExit) as exit_info:
-        runpy.run_module("accel_gradsync", run_name="__main__")
-    assert exit_info.value.code == 0 and "estimate" in capsys.readouterr().out
-
-
-def test_a_row_names_the_windows_its_plan_keeps():
+def test_a_row_names_the_windows_its_plan_keeps(fsdp):
     """With room for everything, auto windows every unit: the row says so, not plain deferral."""
     est = estimate("recipe-default", fsdp(2), 4, GradSyncConfig(free_memory="1GiB"))
     auto = next(r for r in est.modes if r.mode.startswith("auto"))
@@ -467,7 +237,7 @@ def test_a_huge_number_of_micro_batches_answers_at_once():
 
 
 @pytest.mark.parametrize("version", [1, 2])
-def test_one_process_has_nothing_to_sync_and_no_mode_saves_anything(version, tmp_path, capsys):
+def test_one_process_has_nothing_to_sync_and_no_mode_saves_anything(fsdp, version, tmp_path, capsys):
     config = GradSyncConfig(defer=True, keep_params_unsharded=True, free_memory="1GiB", memory_budget="100KiB")
     est = estimate("recipe-default", fsdp(version, processes=1), 4, config)
     rows = [m for m in est.modes if m.applicable]

@@ -1,0 +1,148 @@
+"""The units a launch would have: the model built on the meta device, sharded for an `FSDPSetup` in a
+fake process group (fake_shard.py), and read by the adapter a live run reads (`fsdp.adapt_model`).
+
+An `FSDPSetup` becomes accelerate's `FullyShardedDataParallelPlugin` here as `accelerate launch`
+builds it from its environment, with the reduce dtype `attach` would write into it. A config
+accelerate cannot shard fails as `prepare()` would, in one line naming what to set.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from typing import Any
+
+import torch
+from torch import nn
+
+from accel_gradsync.config.settings import GradSyncConfig
+from accel_gradsync.estimator.fake_shard import fake_world, shard_like_accelerate, shard_like_transformers
+from accel_gradsync.estimator.inputs import FSDPSetup
+from accel_gradsync.planning.costs import reduce_dtype_policy
+from accel_gradsync.runtime.fsdp import ModelAdapter, adapt_model
+
+
+def build_meta_model(config: Any, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """The model of `config` with every parameter on the meta device: shapes, no storage."""
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        try:
+            return AutoModelForCausalLM.from_config(config, dtype=dtype)
+        except ValueError:  # not a causal LM (encoders, vision towers): the bare model
+            return AutoModel.from_config(config, dtype=dtype)
+
+
+def estimated_adapter(
+    model: nn.Module, setup: FSDPSetup, config: GradSyncConfig, mode: str | None = None
+) -> ModelAdapter:
+    """The adapter a launched run reads its units from (`fsdp.adapt_model`, the same code), over
+    `model` (meta device) sharded as accelerate would shard it for `setup` and sync mode `mode`
+    (default: the config's; it decides the reduce dtype), in a fake process group of
+    `setup.num_processes` ranks (fake_shard.py). `model` is wrapped in place."""
+    if setup.distributed_config:
+        return _adapt_sharded_by_transformers(model, setup, config)
+    if setup.hsdp and setup.fsdp_version != 2:
+        raise ValueError("parallelism_config dp_replicate_size > 1 needs fsdp_version: 2 in the accelerate config.")
+    plugin = build_accelerate_plugin(setup, config, model, mode)
+    name, fix = type(model).__name__, _suggest_wrap_fix(model, setup)  # before fully_shard renames the classes
+    with fake_world(setup.num_processes):
+        try:
+            wrapped = shard_like_accelerate(
+                model, plugin, setup.mixed_precision, setup.replicate_size, setup.shard_size
+            )
+        except (ValueError, KeyError, RuntimeError) as err:  # what `accelerate launch` would fail with, at prepare()
+            first = str(err).strip().splitlines()[0]  # torch appends the whole module's repr
+            raise ValueError(
+                f"accelerate cannot shard {name} with this config (FSDP{setup.fsdp_version}, "
+                f"fsdp_auto_wrap_policy={setup.auto_wrap_policy}, {setup.replicate_size} replicas x "
+                f"{setup.shard_size} shards), so a launch would fail in prepare() too: {first} {fix}"
+            ) from None
+        adapter = adapt_model(wrapped)
+        assert adapter is not None  # wrapped by FSDP just above
+        return adapter
+
+
+def build_accelerate_plugin(setup: FSDPSetup, config: GradSyncConfig, model: nn.Module, mode: str | None = None) -> Any:
+    """accelerate's `FullyShardedDataParallelPlugin` as a launch with `setup` builds it: its wrap
+    policy resolved on `model`, the mixed precision set as `AcceleratorState` sets it, and the
+    reduce dtype of sync mode `mode` (default: the config's) written into it as `attach` does
+    before `prepare` (`config.reduce_dtype_for`: fp32 for auto and budget when `auto`)."""
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    fsdp1 = setup.fsdp_version == 1
+    # A launch hands FSDP1's strategy over in FSDP_SHARDING_STRATEGY, without the deprecation
+    # notice accelerate logs when `sharding_strategy` is passed directly.
+    log = logging.getLogger("accelerate.utils.dataclasses")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        plugin = FullyShardedDataParallelPlugin(
+            fsdp_version=setup.fsdp_version,
+            auto_wrap_policy=setup.auto_wrap_policy.lower(),
+            transformer_cls_names_to_wrap=list(setup.layer_cls_to_wrap) if setup.layer_cls_to_wrap else None,
+            min_num_params=setup.min_num_params,
+            sharding_strategy=("FULL_SHARD" if setup.reshard_after_forward else "SHARD_GRAD_OP") if fsdp1 else None,
+            reshard_after_forward=None if fsdp1 else setup.reshard_after_forward,
+            use_orig_params=setup.use_orig_params if fsdp1 else None,
+            # Settings the estimate does not read from the config: fixed, not taken from FSDP_* variables.
+            cpu_offload=False,
+            activation_checkpointing=False,
+            sync_module_states=False if fsdp1 else None,
+            forward_prefetch=False if fsdp1 else None,
+        )
+    finally:
+        log.setLevel(level)
+    plugin.cpu_ram_efficient_loading = False  # set after: passing it would write os.environ
+    try:
+        plugin.set_auto_wrap_policy(model)
+    except ValueError as err:
+        names = ",".join(plugin.transformer_cls_names_to_wrap or ())
+        raise ValueError(
+            f"fsdp_transformer_layer_cls_to_wrap={names}: {err} Use the class name of the transformer layer of "
+            f"{type(model).__name__}."
+        ) from None
+    if setup.mixed_precision != "no":
+        plugin.set_mixed_precision(setup.mixed_precision)
+    policy = reduce_dtype_policy(plugin, config.resolved().reduce_dtype, mode or config.mode)  # as attach writes it
+    if policy is not None:
+        plugin.mixed_precision_policy = policy
+    return plugin
+
+
+def find_layer_classes(model: nn.Module) -> list[str]:
+    """The class names of `model`'s repeated layers, the usual FSDP units: those of its
+    `_no_split_modules` that occur more than once, else the class in its longest `ModuleList`."""
+    counts = Counter(type(m).__name__ for m in model.modules())
+    named = sorted(c for c in getattr(model, "_no_split_modules", None) or () if counts[c] > 1)
+    if named:
+        return named
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 1]
+    return [type(max(lists, key=len)[0]).__name__] if lists else []
+
+
+def _adapt_sharded_by_transformers(model: nn.Module, setup: FSDPSetup, config: GradSyncConfig) -> ModelAdapter:
+    """`estimated_adapter` for a model transformers shards at load time: no plugin, so no reduce
+    dtype of the estimate's reaches it."""
+    if config.resolved().reduce_dtype != "auto":
+        raise ValueError(
+            f"reduce_dtype={config.reduce_dtype!r} cannot reach a model transformers shards at load time; "
+            "DistributedConfig(fsdp_mixed_precision=True) gives bf16 params with an fp32 reduce, else the "
+            "params' dtype is reduced."
+        )
+    with fake_world(setup.num_processes):
+        adapter = adapt_model(shard_like_transformers(model, dict(setup.distributed_config)))
+        assert adapter is not None  # fully_shard wraps the root
+        return adapter
+
+
+def _suggest_wrap_fix(model: nn.Module, setup: FSDPSetup) -> str:
+    """What to change in the accelerate config when accelerate cannot shard `model` with `setup`."""
+    if setup.auto_wrap_policy != "TRANSFORMER_BASED_WRAP" or setup.layer_cls_to_wrap is not None:
+        return "Change the wrap policy or the parallelism_config."
+    default = ",".join(sorted(getattr(model, "_no_split_modules", None) or ())) or "none"
+    layers = ",".join(find_layer_classes(model)) or "<the class of its transformer layer>"
+    return (
+        f"Set fsdp_transformer_layer_cls_to_wrap: {layers} in the accelerate config's fsdp_config (without it "
+        f"accelerate wraps the model's _no_split_modules: {default})."
+    )
