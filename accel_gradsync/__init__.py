@@ -11,6 +11,7 @@ from accel_gradsync.compat.cpu import enable_cpu_fsdp
 from accel_gradsync.config.errors import GradSyncWarning
 from accel_gradsync.config.settings import GradSyncConfig
 from accel_gradsync.estimator.core import estimate
+from accel_gradsync.launch import check_launch
 from accel_gradsync.planning.units import Level, Plan, Unit
 from accel_gradsync.runtime.handle import GradSyncHandle
 
@@ -22,6 +23,7 @@ __all__ = [
     "Plan",
     "Unit",
     "attach",
+    "check_launch",
     "enable_cpu_fsdp",
     "estimate",
 ]
