@@ -30,10 +30,12 @@ import difflib
 import os
 import shutil
 import sys
+import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
+import embedded
 from trl import (
     GRPOConfig,
     GRPOTrainer,
@@ -46,11 +48,8 @@ from trl import (
 
 import accel_gradsync
 from accel_gradsync.compat.cpu import has_accelerator_device
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the recipe's modules sit next to this file
-import checkpoints  # noqa: E402
-import checks  # noqa: E402
-import embedded  # noqa: E402
+from accel_gradsync.launch import check_restart, launch_setup
+from accel_gradsync.runtime import resume
 
 # The recipe's defaults, sized for the embedded model on a few CPU cores; a YAML or a flag
 # overrides each (see recipes/qwen2.5-0.5b-gsm8k.yaml for real-model values).
@@ -134,18 +133,18 @@ def prepare(script_args, training_args, model_args, grad_sync_args) -> PreparedR
     if script_args.sft_warmup_steps < 0:
         raise ValueError(f"--sft_warmup_steps {script_args.sft_warmup_steps}: must be >= 0 (0 skips the warm-up).")
     if model_args.model_name_or_path is not None and script_args.sft_warmup_steps != SFT_WARMUP_STEPS:
-        checks.warn_once(
+        warn_once(
             f"--sft_warmup_steps {script_args.sft_warmup_steps} is ignored with --model_name_or_path: "
             "it warms up only the built-in tiny model."
         )
-    checks.check_training_settings(training_args)
-    checks.check_save_steps_used(training_args, RECIPE_DEFAULTS["save_steps"])
-    checks.check_sync_mode_fits_launch(grad_sync_args)
-    resume = checkpoints.resolve_resume(
-        training_args.resume_from_checkpoint, training_args.output_dir, checks.launch_setup()["processes"]
+    check_training_settings(training_args)
+    check_save_steps_used(training_args, RECIPE_DEFAULTS["save_steps"])
+    accel_gradsync.check_launch(grad_sync_args)  # the sync mode against the accelerate config
+    resume_from = resume.resolve_resume(
+        training_args.resume_from_checkpoint, training_args.output_dir, launch_setup().processes
     )
     dataset = load_prompts(script_args)
-    return PreparedRun(script_args, training_args, model_args, grad_sync_args, reward_funcs, dataset, resume)
+    return PreparedRun(script_args, training_args, model_args, grad_sync_args, reward_funcs, dataset, resume_from)
 
 
 def train(prepared: PreparedRun) -> None:
@@ -168,7 +167,7 @@ def train(prepared: PreparedRun) -> None:
             **(training_args.model_init_kwargs or {}),
         }
 
-    save_total_limit = checkpoints.take_over_rotation(training_args)  # deleted once the new one is marked
+    save_total_limit = resume.take_over_rotation(training_args)  # deleted once the new one is marked
     trainer = GRPOTrainer(
         model=model,
         reward_funcs=prepared.reward_funcs,
@@ -178,7 +177,7 @@ def train(prepared: PreparedRun) -> None:
         peft_config=get_peft_config(model_args),
         quantization_config=get_quantization_config(model_args),
     )
-    trainer.add_callback(checkpoints.MarkCheckpointComplete(trainer.accelerator, save_total_limit))
+    trainer.add_callback(resume.MarkCheckpointComplete(trainer.accelerator, save_total_limit))
     accel_gradsync.attach(trainer, prepared.grad_sync_args)
     if prepared.resume is not None:
         trainer.accelerator.print(f"Resuming from {prepared.resume}.")
@@ -234,7 +233,7 @@ def load_prompts(script_args):
     name = script_args.dataset_name
     local = _local_dataset_kind(name)
     if local is not None and script_args.dataset_config is not None:
-        checks.warn_once(
+        warn_once(
             f"--dataset_config {script_args.dataset_config} is ignored: --dataset_name {name} is a local "
             f"{local}, which has no configurations."
         )
@@ -317,12 +316,89 @@ def _local_dataset_kind(name: str) -> str | None:
     return None
 
 
+# -- the settings' checks, and how a refusal is reported ---------------------------------------
+# Each refusal is a ValueError naming the setting, the value and what to do, raised before the
+# model is loaded or anything is written: what would otherwise fail late (inside `train()`, after
+# output_dir exists) or half-way through a long run. `exit_on_setting_error` prints it as one line.
+
+HELP = "python recipes/grpo.py --help"
+
+# How long a rank other than the main process waits, after a setting error, for the launcher to stop
+# it: every rank checks the same settings, so the main process reports the same error and the
+# launcher stops the others when it exits. A rank that fails alone (a path missing on its node
+# only) reports its error itself after this wait.
+_PEER_WAIT_S = 30.0
+
+
+class ParseError(ValueError):
+    """A command line or YAML that does not parse; reported with a pointer to --help."""
+
+
+def is_main_process() -> bool:
+    """Rank 0 of the launch, or a process that was not launched as one of several."""
+    return os.environ.get("RANK", "0") == "0"
+
+
+def warn_once(message: str) -> None:
+    """One warning for the whole launch (the main process's), not one per rank."""
+    if is_main_process():
+        warnings.warn(message, UserWarning, stacklevel=3)
+
+
+def exit_on_setting_error(error: ValueError) -> NoReturn:
+    """Print `error` as one line from the main process (with a pointer to --help for a parse
+    error) and exit 2; the other ranks say nothing unless the launcher leaves them running."""
+    message = " ".join(str(error).split())  # one line, whatever the message was built from
+    lines = [f"error: {message}"] + ([f"See `{HELP}` for every setting."] if isinstance(error, ParseError) else [])
+    if not is_main_process():
+        time.sleep(_PEER_WAIT_S)  # normally ends by the launcher's SIGTERM, see _PEER_WAIT_S
+        lines = [f"[rank {os.environ.get('RANK')}] {line}" for line in lines]
+    print("\n".join(lines), file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+_COUNTS = {
+    "gradient_accumulation_steps": "micro-batches per optimizer step",
+    "per_device_train_batch_size": "completions per device per micro-batch",
+}
+
+
+def check_training_settings(training_args) -> None:
+    """Counts that must be positive (`--max_steps` -1 means "by epochs"), and a save interval that
+    must not be silently unused."""
+    for name in _COUNTS:
+        value = getattr(training_args, name)
+        if value < 1:
+            raise ValueError(f"--{name} {value}: must be >= 1 ({_COUNTS[name]}).")
+    if training_args.max_steps == 0:  # transformers reads 0 as a step count and still trains and saves
+        raise ValueError(
+            "--max_steps 0: must be >= 1 (optimizer steps), or -1 to train for --num_train_epochs "
+            f"({training_args.num_train_epochs:g})."
+        )
+    strategy = str(getattr(training_args.save_strategy, "value", training_args.save_strategy))
+    if strategy == "steps" and training_args.save_steps <= 0:
+        raise ValueError(
+            f"--save_steps {training_args.save_steps:g}: must be > 0 with --save_strategy steps "
+            "(or set --save_strategy no to save only at the end)."
+        )
+
+
+def check_save_steps_used(training_args, default_save_steps: float) -> None:
+    """A --save_steps that the save strategy does not read gets one warning."""
+    strategy = str(getattr(training_args.save_strategy, "value", training_args.save_strategy))
+    if strategy != "steps" and training_args.save_steps != default_save_steps:
+        warn_once(
+            f"--save_steps {training_args.save_steps:g} is ignored with --save_strategy {strategy}; "
+            "set --save_strategy steps to save every N steps."
+        )
+
+
 class RecipeParser(TrlParser):
-    """TrlParser whose parse errors are raised (`checks.ParseError`), not printed with the full
+    """TrlParser whose parse errors are raised (`ParseError`), not printed with the full
     usage and exited on: under `accelerate launch` every rank would print the ~200 lines of usage."""
 
     def error(self, message: str):  # argparse's documented hook for parse errors
-        raise checks.ParseError(message)
+        raise ParseError(message)
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -400,7 +476,7 @@ def check_config_file(args: list[str]) -> None:
         return
     index = args.index("--config") + 1
     if index == len(args) or args[index].startswith("--"):
-        raise checks.ParseError("--config: expected the path of a recipe YAML file after it.")
+        raise ParseError("--config: expected the path of a recipe YAML file after it.")
     path = args[index]
     try:
         with open(path) as f:
@@ -436,13 +512,13 @@ def run(argv: list[str] | None = None) -> None:
     # `is_gradient_checkpointing` every round; nothing in the user's settings changes that.
     warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
     try:
-        checks.check_restart_settings()  # before the process group exists: a restart would not form it
+        check_restart()  # before parsing forms the process group, which a restart would not form again
         # On a machine without GPU/NPU, turn the FSDP config into real FSDP over gloo (a no-op on
         # GPU/NPU, or without an FSDP config); before parsing, which builds accelerate's state.
         cpu_fsdp = accel_gradsync.enable_cpu_fsdp()
         prepared = prepare(*parse_args(make_parser(cpu_fsdp), argv))
     except ValueError as error:
-        checks.exit_on_setting_error(error)
+        exit_on_setting_error(error)
     train(prepared)
 
 

@@ -1,11 +1,12 @@
 """recipes/grpo.py: bad input stops with a clear error before training, naming what to change,
 and writes nothing to output_dir. Parsing runs in-process (fast); one run goes through the script.
-Also what the recipe reads from its input without refusing it: the checkpoint to resume from and
-the number in an answer, which the accuracy reward compares as a number."""
+Also what the recipe reads from its input without refusing it: the number in an answer, which the
+accuracy reward compares as a number. What the recipe takes from the package is tested with it:
+`check_launch` in tests/unit/test_launch.py, which checkpoint to resume from in
+tests/unit/runtime/test_resume_checkpoints.py."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
@@ -18,12 +19,10 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "recipes"))
 
-import checkpoints  # noqa: E402
-import checks  # noqa: E402
 import embedded  # noqa: E402
 import grpo  # noqa: E402
 
-from accel_gradsync import GradSyncConfig  # noqa: E402
+from accel_gradsync.runtime import resume  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -233,133 +232,45 @@ def test_save_steps_alone_selects_saving_every_n_steps(tmp_path):
 def test_save_steps_that_the_strategy_ignores_get_one_warning(tmp_path):
     args = parse("--save_steps", "7", "--save_strategy", "no", "--output_dir", str(tmp_path / "out"))
     with pytest.warns(UserWarning, match=r"--save_steps 7 is ignored with --save_strategy no") as record:
-        checks.check_save_steps_used(args[1], grpo.RECIPE_DEFAULTS["save_steps"])
+        grpo.check_save_steps_used(args[1], grpo.RECIPE_DEFAULTS["save_steps"])
     assert len(record) == 1
 
 
 def test_a_parse_error_is_one_line_and_a_pointer_to_help(tmp_path):
-    with pytest.raises(checks.ParseError, match=r"--grad-sync-mode.*invalid choice: 'nonsense'"):
+    with pytest.raises(grpo.ParseError, match=r"--grad-sync-mode.*invalid choice: 'nonsense'"):
         parse("--grad-sync-mode", "nonsense", "--output_dir", str(tmp_path / "out"))
 
 
-@pytest.mark.parametrize(
-    ("env", "mode", "error"),
-    [
-        (
-            {"FSDP_VERSION": "1"},
-            "budget",
-            r"--grad-sync-mode budget.*needs FSDP2 .*, but the model is wrapped in fsdp1",
-        ),
-        ({"FSDP_VERSION": "1"}, "defer_all_reduce", r"needs FSDP2 .*, but the model is wrapped in fsdp1"),
-        ({"FSDP_VERSION": "2"}, "defer_all_reduce", r"needs an HSDP mesh.*sharded over a 1-D mesh"),
-        (
-            {
-                "FSDP_VERSION": "2",
-                "ACCELERATE_USE_PARALLELISM_CONFIG": "true",
-                "PARALLELISM_CONFIG_DP_REPLICATE_SIZE": "2",
-            },
-            "defer_all_reduce",
-            None,
-        ),
-        ({"FSDP_VERSION": "2"}, "budget", None),
-        ({"FSDP_VERSION": "1"}, "deferred", None),
-    ],
-)
-def test_sync_modes_the_launch_cannot_run_are_refused_from_its_environment(monkeypatch, env, mode, error):
-    """What `accelerate launch --config_file ...` exports decides, before any model exists."""
-    for name, value in {"ACCELERATE_USE_FSDP": "true", "WORLD_SIZE": "2", **env}.items():
-        monkeypatch.setenv(name, value)
-    config = GradSyncConfig(sync_mode=mode, memory_budget="1GiB" if mode == "budget" else None)
-    if error is None:
-        checks.check_sync_mode_fits_launch(config)
-    else:
-        with pytest.raises(ValueError, match=error):
-            checks.check_sync_mode_fits_launch(config)
-
-
-def test_keep_params_unsharded_on_fsdp1_is_not_refused(monkeypatch):
-    for name, value in {"ACCELERATE_USE_FSDP": "true", "WORLD_SIZE": "2", "FSDP_VERSION": "1"}.items():
-        monkeypatch.setenv(name, value)
-    checks.check_sync_mode_fits_launch(GradSyncConfig(defer=True, keep_params_unsharded=True))  # the plugin warns
-
-
-def test_restart_with_the_launchers_shared_store_is_refused(monkeypatch):
-    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "1")
-    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+def test_a_sync_mode_the_launch_cannot_run_is_refused_before_anything_is_built(tmp_path, monkeypatch):
+    """The recipe asks `accel_gradsync.check_launch` with its parsed settings; the message names the
+    flags that selected the mode (tests/unit/test_launch.py has every case)."""
+    args = parse("--grad-sync-memory-budget", "1GiB", "--output_dir", str(tmp_path / "out"))
+    for name, value in {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "1", "WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(name, value)  # after parsing, which would form a process group of WORLD_SIZE
     with pytest.raises(
-        ValueError, match=r"--max_restarts 1: .*--rdzv_backend c10d and TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"
+        ValueError,
+        match=r"^--grad-sync-mode budget \(or --grad-sync-memory-budget 1GiB, which selects it\): sync mode "
+        r"'budget' needs FSDP2 \(per-unit requires_gradient_sync\), but the model is wrapped in fsdp1\.",
     ):
-        checks.check_restart_settings()
-    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")  # c10d with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
-    checks.check_restart_settings()
+        grpo.main(*args)
+    assert not (tmp_path / "out").exists()
 
 
-def _checkpoint(output_dir: Path, step: int, complete: bool, marker_step: int | None = None) -> Path:
-    folder = output_dir / f"checkpoint-{step}"
-    folder.mkdir(parents=True)
-    (folder / "trainer_state.json").write_text(json.dumps({"global_step": step}))
-    if complete:
-        marker = {"global_step": step if marker_step is None else marker_step, "world_size": 2}
-        (folder / checkpoints.COMPLETE_MARKER).write_text(json.dumps(marker))
-    return folder
-
-
-def test_resume_auto_takes_the_newest_complete_checkpoint(tmp_path):
-    assert (
-        checkpoints.resolve_resume("auto", str(tmp_path / "none"), world_size=2) is None
-    )  # no output_dir yet: start fresh
-    assert checkpoints.resolve_resume("auto", str(tmp_path), world_size=2) is None  # no checkpoint: start fresh
-    _checkpoint(tmp_path, 9, complete=True)
-    newest = _checkpoint(tmp_path, 10, complete=True)
-    _checkpoint(tmp_path, 20, complete=False)  # killed while saving: trainer_state.json but no mark
-    _checkpoint(tmp_path, 30, complete=True, marker_step=20)  # a mark copied from elsewhere
-    (tmp_path / "checkpoint-40").mkdir()  # killed before anything was written
-    (tmp_path / "checkpoint-50").mkdir()
-    (tmp_path / "checkpoint-50" / checkpoints.COMPLETE_MARKER).write_text('{"global_st')  # cut short
-    assert checkpoints.resolve_resume("auto", str(tmp_path), world_size=2) == str(
-        newest
-    )  # 10 > 9 numerically, not as text
-
-
-def test_resume_on_another_number_of_processes_is_refused(tmp_path):
-    """Each rank's RNG state is saved per process and the batch of an optimizer step scales with
-    the processes: a checkpoint resumes on the number of processes that wrote it."""
-    folder = _checkpoint(tmp_path, 10, complete=True)  # written by 2 processes
-    for value in ("auto", str(folder)):
-        with pytest.raises(
-            ValueError,
-            match=rf"^--resume_from_checkpoint {re.escape(value)}: {re.escape(str(folder))} was written by 2 "
-            r"processes, this launch has 4\..*accelerate launch --num_processes 2.*another --output_dir",
-        ):
-            checkpoints.resolve_resume(value, str(tmp_path), world_size=4)
-    assert checkpoints.resolve_resume("auto", str(tmp_path), world_size=2) == str(folder)
-    unmarked = tmp_path / "elsewhere" / "checkpoint-3"  # a checkpoint from another tool: nothing to compare
-    unmarked.mkdir(parents=True)
-    assert checkpoints.resolve_resume(str(unmarked), str(tmp_path), world_size=4) == str(unmarked)
-
-
-def _names(output_dir: Path) -> list[str]:
-    return sorted((p.name for p in output_dir.glob("checkpoint-*")), key=lambda n: int(n.split("-")[1]))
-
-
-def test_rotation_keeps_the_newest_complete_checkpoints(tmp_path):
-    """What --save_total_limit keeps, counted in complete checkpoints: a folder a kill cut short is
-    no checkpoint to keep, and folders past the step just saved belong to another run's future."""
-    for step, complete in ((2, True), (3, False), (4, True), (6, True), (8, False), (10, True)):
-        _checkpoint(tmp_path, step, complete=complete)
-    checkpoints.rotate_checkpoints(str(tmp_path), save_total_limit=2, saved_step=6)
-    assert _names(tmp_path) == ["checkpoint-4", "checkpoint-6", "checkpoint-8", "checkpoint-10"]
-    checkpoints.rotate_checkpoints(str(tmp_path), save_total_limit=None, saved_step=10)  # no limit
-    assert _names(tmp_path) == ["checkpoint-4", "checkpoint-6", "checkpoint-8", "checkpoint-10"]
-    best = str(tmp_path / "checkpoint-4")  # load_best_model_at_end keeps the best one too
-    checkpoints.rotate_checkpoints(str(tmp_path), save_total_limit=1, saved_step=10, best=best)
-    assert _names(tmp_path) == ["checkpoint-4", "checkpoint-10"]
+def test_a_restart_the_launcher_cannot_carry_out_ends_the_script_before_parsing(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "2")
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    with pytest.raises(SystemExit) as exit_info:
+        grpo.run(["--output_dir", str(tmp_path / "out")])
+    assert exit_info.value.code == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith("error: accelerate launch --max_restarts 2: "), errors
+    assert not (tmp_path / "out").exists()
 
 
 def test_the_trainer_leaves_rotation_to_the_recipe(tmp_path):
     """transformers would rotate inside its save, before the new checkpoint is marked complete."""
     training_args = parse("--save_total_limit", "3", "--output_dir", str(tmp_path / "out"))[1]
-    assert checkpoints.take_over_rotation(training_args) == 3
+    assert resume.take_over_rotation(training_args) == 3
     assert training_args.save_total_limit is None
 
 

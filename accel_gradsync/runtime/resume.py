@@ -1,19 +1,9 @@
-"""Which checkpoint a run resumes from, and which checkpoints are whole.
-
-The Trainer writes a checkpoint from every rank (model and optimizer shards, each rank's RNG
-state) and the main process writes `trainer_state.json` last, but without waiting for the
-other ranks: a rank killed while writing its `rng_state_<rank>.pth` can leave a folder whose
-`trainer_state.json` is complete while its own file is cut short (transformers then fails to
-load it, or skips a missing one and resumes with other random numbers). So once every rank has
-returned from the save (`on_save`, after a barrier), the main process writes `COMPLETE_MARKER`
-into the folder, atomically; `--resume_from_checkpoint auto` takes the newest folder that has it.
-
-Deleting old checkpoints (`save_total_limit`) is done here too, after the new one is marked:
-transformers deletes them inside its save, before `on_save`, which would leave no complete
-checkpoint for as long as the new one is being finished (a kill then restarts the run from
-step 0). Deleting an old checkpoint first removes its mark, so a kill mid-delete never leaves a
-marked folder with files missing. The mark also records the number of processes that wrote the
-checkpoint, and a resume on another number is refused (`resolve_resume`).
+"""Trainer checkpoints that are whole, kept and resumed from: `MarkCheckpointComplete` (a Trainer
+callback) marks a `checkpoint-<step>` folder with `COMPLETE_MARKER` once every rank has written
+it, then deletes old ones (`save_total_limit`, taken over with `take_over_rotation`: transformers
+deletes inside its save, before the new one is whole); `resolve_resume` turns
+`--resume_from_checkpoint` (a folder or `auto`) into the folder to resume from. A folder counts
+as complete only through `is_complete`, so resuming and rotation agree on what is whole.
 """
 
 from __future__ import annotations
@@ -42,7 +32,12 @@ def take_over_rotation(training_args) -> int | None:
 
 class MarkCheckpointComplete(TrainerCallback):
     """After each checkpoint save: wait for every rank, mark the folder complete, then delete the
-    checkpoints beyond `save_total_limit` (None or <= 0: keep all, as in transformers)."""
+    checkpoints beyond `save_total_limit` (None or <= 0: keep all, as in transformers).
+
+    The Trainer's main process writes `trainer_state.json` last but does not wait for the other
+    ranks, so a rank killed while writing its `rng_state_<rank>.pth` can leave a folder that looks
+    whole; only the mark, written after a barrier, says it is. The mark records the number of
+    processes too (`check_world_size`)."""
 
     def __init__(self, accelerator, save_total_limit: int | None = None) -> None:
         self.accelerator = accelerator
