@@ -1,24 +1,10 @@
 """Real FSDP1/FSDP2 over gloo under `accelerate launch` on a machine with no GPU or NPU.
 
-What accelerate (checked on 1.15) does wrong there, and what this module does instead:
-
-1. The FSDP launcher never exports `ACCELERATE_USE_CPU`, so each process finds no device and
-   gets `DistributedType.NO`: N processes each training alone. -> export it.
-2. With `ACCELERATE_USE_CPU`, `AcceleratorState` becomes `MULTI_CPU`; its switch to `FSDP`
-   only applies to GPU-like distributed types, so the model would be wrapped in DDP.
-   -> build the shared state once, then make it FSDP with the launcher's FSDP plugin, exactly
-   as accelerate does for `MULTI_GPU`.
-3. The plugin's `sync_module_states` (and `cpu_ram_efficient_loading`, which relies on it)
-   asks for a GPU-like device and raises. -> both off, said in one line: every rank must build
-   the same weights (same seed, or the same checkpoint), which `set_seed` and
-   `from_pretrained` already give.
-4. The state's device becomes `cpu:0`, which FSDP1 rejects against parameters on `cpu`.
-   -> `ACCELERATE_TORCH_DEVICE=cpu`.
-5. `TrainingArguments` resets the state unless `accelerator_config.use_configured_state`
-   is set; the Trainer then silently runs without FSDP. `attach` detects that and says so.
-
-The state is checked afterwards, so an accelerate release that changes these internals
-fails here, loudly, instead of training unsharded.
+accelerate (1.15) gives such a launch `DistributedType.NO` (or DDP with `ACCELERATE_USE_CPU`), asks
+for a GPU-like device in `sync_module_states`, and gives FSDP1 a `cpu:0` device it rejects.
+`enable_cpu_fsdp` exports what is missing and turns the shared state into FSDP with the launcher's
+plugin, as accelerate does for `MULTI_GPU`; the state is checked afterwards, so an accelerate
+release that changes these internals fails here, loudly, instead of training unsharded.
 """
 
 from __future__ import annotations

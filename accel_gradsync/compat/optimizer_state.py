@@ -1,35 +1,12 @@
 """An FSDP1 optimizer saved as a sharded state dict, loaded whole on resume.
 
-What accelerate and torch get wrong: `accelerate.utils.load_fsdp_optimizer` (called by
-`Accelerator.load_state` and by the Trainer's `_load_optimizer_and_scheduler`) reads an FSDP1
-optimizer saved with `SHARDED_STATE_DICT` through torch.distributed.checkpoint (DCP), which
-fills only the entries of the state dict it is handed. For FSDP1 accelerate builds that template
-with `FSDP.optim_state_dict(model, optimizer)` from the optimizer it loads into, and a resumed
-run's optimizer has not stepped: Adam's moments and step counts do not exist yet. The template
-holds only the param groups, nothing else is read, `FSDP.optim_state_dict_to_load` returns an
-empty state, and training goes on with a fresh optimizer without a word. (Its FSDP2 branch builds
-the template with torch's `get_optimizer_state_dict`, which initialises an unstepped optimizer.)
-A complete template is not enough either: DCP's default load planner drops each FSDP1
-`ShardedTensor` of which this rank holds no shard (a small parameter at the end of a flat
-parameter, such as a norm weight, lives on one rank only), takes the key that went missing for
-a checkpoint in the pre-2.4 key format, and fails on `optimizer.param_groups`.
-
-The fix loads the optimizer again right after accelerate did, with torch's own helpers:
-`get_optimizer_state_dict` (it initialises the unstepped optimizer: one step with zero gradients
-and a zero learning rate, which leaves the parameters unchanged) gives a template with every
-entry; DCP fills it with a `DefaultLoadPlanner(flatten_sharded_tensors=False)`, which keeps those
-keys (flattening only matters for nested, 2-D sharded tensors, which accelerate's FSDP1 does not make);
-`set_optimizer_state_dict` puts it in. Every entry then comes from the checkpoint, so the
-optimizer is exactly the saved one.
-
-- `Accelerator.load_state` loads the optimizers before it runs its load pre-hooks, so the hook
-  (`on_load_state`) finds them loaded and reloads each one left without state.
-- A Trainer loads the optimizer inside `train()` before its first callback event, so the
-  plugin's callback reloads it at train begin (`after_trainer_load`), from the checkpoint the
-  Trainer resumed from (`trainer_checkpoint`); one it cannot find is refused, not resumed empty.
-
-A checkpoint without optimizer state (saved before the first step) needs none of this, nor does
-a full state dict (read from one file as a whole) or FSDP2.
+accelerate's `load_fsdp_optimizer` builds FSDP1's load template from the unstepped optimizer of
+the resumed run, so torch.distributed.checkpoint fills nothing and training goes on with a fresh
+optimizer without a word. `OptimizerStateFix` loads it again right after accelerate did, with
+torch's own helpers: `get_optimizer_state_dict` (a template with every entry), DCP with
+`DefaultLoadPlanner(flatten_sharded_tensors=False)` (keeps the shards a rank does not hold), then
+`set_optimizer_state_dict`. It runs as a load pre-hook of `Accelerator.load_state`, and for a
+Trainer at train begin (`after_trainer_load`). FSDP2 and full state dicts need none of this.
 """
 
 from __future__ import annotations

@@ -1,30 +1,11 @@
 """Exit cleanly under gloo: at interpreter exit, let gloo's worker threads finish first.
 
-What goes wrong (torch 2.13 gloo backend, CPython 3.11; seen as "terminate called without
-an active exception", SIGABRT, exit code -6, after training had finished and saved):
-
-A `ProcessGroupGloo` runs every collective on its own worker threads (`pt_gloo_runloop`,
-`ProcessGroupGloo::runLoop`). A worker marks a collective complete *before* it drops its
-reference to the work object, which holds the collective's tensors. When Python has already
-let go of those tensors (FSDP2 frees its all-gather buffers at once), the worker's reference
-is the last one, and dropping it decrefs the tensors' Python objects, which takes the GIL
-(`c10::TensorImpl::decref_pyobject`). If the main thread has meanwhile begun `Py_FinalizeEx`,
-CPython ends any thread that takes the GIL with `pthread_exit`; its forced unwind crosses the
-work object's noexcept destructor and `std::terminate` aborts the process (the core dump
-shows `~AsyncAllgatherCoalescedWork` under `PyEval_AcquireThread` in a `runLoop` thread).
-Whether the worker gets the CPU before finalization is a race, lost more often on a busy
-machine. `destroy_process_group()` (accelerate's `end_training`) does not prevent it: it
-joins gloo's threads only when nothing else (an FSDP model, a DeviceMesh) still references
-the group, and the worker may still be releasing its last work either way.
-
-What this does, at the narrowest point: one `atexit` handler, run while the interpreter is
-still whole and after the program's last collective, releases the GIL until every gloo
-worker thread of this process is asleep (waiting for work), as /proc/self/task reports, on
-several samples in a row. A worker that still has a work object to drop is runnable (or
-wants the free GIL, which wakes it), so it is seen and waited for. A deadline keeps an exit
-from hanging (a worker blocked on a dead peer sleeps too, so it does not delay exit). Outside
-Linux, or with no gloo thread, the handler returns at once. `enable_cpu_fsdp()` and `attach()`
-install it; it stays harmless for NCCL/HCCL runs.
+A gloo worker thread that drops the last reference to a collective's tensors after
+`Py_FinalizeEx` began is ended by CPython inside a noexcept destructor, and the process aborts
+("terminate called without an active exception", exit code -6) after training finished.
+`install_exit_guard` adds one `atexit` handler that releases the GIL until every gloo worker
+thread of this process sleeps (/proc/self/task, several samples in a row; a deadline keeps exit
+from hanging). Outside Linux, or with no gloo thread, it returns at once; harmless for NCCL/HCCL.
 """
 
 from __future__ import annotations

@@ -92,9 +92,8 @@ def unit_dtypes(
 REDUCE_SCATTER_COST: dict[str, float] = {"gloo": 1.4}
 """The time one byte of reduce-scatter takes in a step against one byte of all-gather, FSDP2's
 copies in and out included, by process-group backend (absent: 1). NCCL and HCCL run both as
-rings over the same bytes. On gloo, `python -m benchmarks.run` measures 1.0x (its large model)
-to 2.1x (its small one) from the time deferral and the window save, and holds this figure
-against its own run."""
+rings over the same bytes. The gloo figure is measured by `python -m benchmarks.run`, which
+checks it against its own run (docs/performance.md)."""
 
 
 def collectives_per_step(plan: Plan, units: Sequence[Unit], hsdp: bool, micro_batches: int) -> tuple[int, int]:

@@ -1,9 +1,9 @@
 """Sync policies: which FSDP units hold their gradient sync on a micro-batch that is not the last.
 
-One subclass per mode, as torchtitan does for its activation-checkpointing modes. A policy
-only decides, once per model and before the first step, producing a `Plan`; `bind.py` asks
-for it and `window.py` applies it through `fsdp.py` on every micro-batch. The final micro-batch of every optimizer step
-always syncs every unit, whatever the plan says.
+One small class per mode, looked up by name in `POLICIES`; a mode adds a class there. A policy
+only decides, once per model and before the first step, producing a frozen `Plan`;
+runtime/bind.py asks for it and runtime/window.py applies it on every micro-batch. The last
+micro-batch of every optimizer step syncs every unit, whatever the plan says.
 """
 
 from __future__ import annotations

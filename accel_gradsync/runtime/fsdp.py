@@ -654,11 +654,6 @@ def _sync_flags(module: FSDPModule) -> tuple[bool, bool, bool]:
     )
 
 
-def sync_flags(model: nn.Module) -> dict[str, tuple[bool, bool, bool]]:
-    """Every FSDP2 unit's (requires_gradient_sync, requires_all_reduce, reshard_after_backward)."""
-    return {n: _sync_flags(m) for n, m in model.named_modules() if isinstance(m, FSDPModule)}
-
-
 def sharded_by_transformers(trainer: Any) -> bool:
     """True when `trainer`'s model was sharded at load time by transformers (`DistributedConfig`)."""
     return bool(getattr(trainer, "is_distributed_loading_by_transformers", False))

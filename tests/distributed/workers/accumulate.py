@@ -17,14 +17,13 @@ import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
 from accelerate.utils import set_seed
-from common import CollectiveCounter, TinyNet, full_grads, make_data, max_diff, parse_args, write_result
+from common import CollectiveCounter, TinyNet, full_grads, make_data, max_diff, parse_args, sync_flags, write_result
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, TensorDataset
 
 import accel_gradsync
 from accel_gradsync.planning.memory import ScriptedMemoryProbe
-from accel_gradsync.runtime.fsdp import sync_flags
 from benchmarks.collectives import KIND
 
 LR = 0.1

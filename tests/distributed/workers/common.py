@@ -108,3 +108,13 @@ def write_result(out: str, result: dict) -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+
+
+def sync_flags(model: nn.Module) -> dict[str, tuple[bool, bool, bool]]:
+    """Every FSDP2 unit's (requires_gradient_sync, requires_all_reduce, reshard_after_backward),
+    read where the package reads them (FSDP2 has setters but no getters)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from accel_gradsync.runtime.fsdp import _sync_flags
+
+    return {n: _sync_flags(m) for n, m in model.named_modules() if isinstance(m, FSDPModule)}

@@ -18,13 +18,13 @@ import os
 import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
-from common import CollectiveCounter, parse_args, tiny_qwen2_config, write_result
+from common import CollectiveCounter, parse_args, sync_flags, tiny_qwen2_config, write_result
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from transformers import Qwen2ForCausalLM
 
 import accel_gradsync
-from accel_gradsync.runtime.fsdp import adapt_model, sync_flags
+from accel_gradsync.runtime.fsdp import adapt_model
 
 VOCAB, PROMPT, B = 32, 4, 2
 
