@@ -18,7 +18,15 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.getcwd())
 from accel_gradsync.planning.memory import DeviceMemoryProbe
-from accel_gradsync.runtime.fsdp import FSDP2Adapter, sync_flags
+from accel_gradsync.runtime.fsdp import FSDP2Adapter, _sync_flags
+
+
+def sync_flags(model):
+    """Every FSDP2 unit's sync flags, read where the package reads them (FSDP2 has no getters)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return {n: _sync_flags(m) for n, m in model.named_modules() if isinstance(m, FSDPModule)}
+
 
 out = {"torch": torch.__version__, "device": torch.cuda.get_device_name()}
 dev = torch.device("cuda", 0)
