@@ -1,8 +1,9 @@
 """CI runs what the README tells a user to run: its quick start is `make demo` / `make test`,
 the Makefile's set-up is the README's Install commands, `make test` runs the README's test
-command, and `.ci/run` is `make quality` then `make test`. The ranges start at the versions CI pins, and torch's is
-the release the plugin checks at attach. The Makefile is read through `make -n`
-(what make would run), not by parsing its text."""
+command, and `.ci/run` is `make quality` then `make test`. The ranges start at the versions CI
+pins, and torch's is the release the plugin checks at attach. The docs name only paths and
+modules that exist. The Makefile is read through `make -n` (what make would run), not by parsing
+its text."""
 
 import configparser
 import re
@@ -106,3 +107,29 @@ def test_torch_is_the_release_the_plugin_checks_at_attach():
     major, minor = map(int, TESTED_TORCH.split("."))
     assert str(torch.specifier) == f"<{major}.{minor + 1},>={TESTED_TORCH}"
     assert is_tested_torch(str(_pins("constraints.txt")["torch"]))
+
+
+DOCS = ["README.md", "docs/modes.md", "docs/recipe.md", "docs/estimate.md"]
+REPO_PATH = re.compile(r"`((?:accel_gradsync|recipes|accelerate_configs|benchmarks|tests|docs)/[\w./-]*)")
+
+
+def test_docs_name_only_paths_and_modules_that_exist():
+    """A file, folder or `accel_gradsync.<module>.<name>` the docs name in backticks exists (a
+    module moved into its layer leaves no stale path behind)."""
+    import importlib
+
+    for doc in DOCS:
+        text = (ROOT / doc).read_text()
+        for path in REPO_PATH.findall(text):
+            assert (ROOT / path).exists(), f"{doc} names {path}"
+        for dotted in re.findall(r"`(accel_gradsync(?:\.\w+)+)", text):
+            parts = dotted.split(".")
+            for cut in range(len(parts), 0, -1):  # the longest importable module, then its attributes
+                try:
+                    obj = importlib.import_module(".".join(parts[:cut]))
+                except ImportError:
+                    continue
+                for attribute in parts[cut:]:
+                    assert hasattr(obj, attribute), f"{doc} names {dotted}"
+                    obj = getattr(obj, attribute)
+                break
