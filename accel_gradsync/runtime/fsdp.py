@@ -351,71 +351,9 @@ class FSDP2Adapter(ModelAdapter):
         # No public getter for reshard_after_forward: read it where its setter writes it.
         return all(g.post_forward_mesh_info is not None for g in _groups(_fsdp2(unit.module)._get_fsdp_state()))
 
-    def pending_all_gathers(self, unit: Unit) -> Callable[[], int]:
-        """A call that says how many all-gathers FSDP2 issues for `unit` if its forward or backward
-        runs now (fsdp2_counts.py): one per param group whose params are not unsharded (sharded,
-        resharded to a smaller mesh after forward, or prefetched and not waited for yet); none on a
-        mesh of one rank. Attribute reads only: it runs before every forward and backward."""
-        groups = self.param_groups(unit)
-        if unit.shard_size == 1:
-            return lambda: 0
-        return lambda: sum(not g.is_unsharded for g in groups)
-
-    @staticmethod
-    def unsharded(group) -> bool:
-        """`group`'s params are unsharded now (a prefetch not waited for yet does not count)."""
-        return bool(group.is_unsharded)
-
-    def param_groups(self, unit: Unit) -> list:
-        """The unit's param groups: each post-backwards and reduces on its own."""
-        return _groups(_fsdp2(unit.module)._get_fsdp_state())
-
-    def pending_reduction(self, unit: Unit, group) -> tuple[int, int, int]:
-        """(reduce-scatters, all-reduces, gradient bytes) that `group`'s post-backward issues if it
-        runs now: none while its sync is held; else one of each (the all-reduce under HSDP while
-        not held) when it finds a gradient, held from earlier micro-batches or computed since."""
-        if not group.reduce_grads:
-            return 0, 0, 0
-        numel = sum(
-            p.sharded_param.numel()
-            for p in group.fsdp_params
-            if hasattr(p, "_unsharded_param")
-            and (p.unsharded_accumulated_grad is not None or p._unsharded_param.grad is not None)
-        )
-        if not numel:
-            return 0, 0, 0
-        return int(unit.shard_size > 1), int(self.hsdp and group.all_reduce_grads), numel * unit.reduce_dtype.itemsize
-
     def fsdp_root(self) -> nn.Module:
         """The outermost FSDP2 module: its post-forward completes the units left incomplete."""
         return next(m for m in self.model.modules() if isinstance(m, FSDPModule))
-
-    @staticmethod
-    def forwards_left(unit: Unit) -> bool:
-        """A grouped unit (`fully_shard([a, b])`) some of whose modules did not run this forward:
-        FSDP completes its post-forward in the root's, with its pre-backward on the root's outputs."""
-        return bool(getattr(_fsdp2(unit.module)._get_fsdp_state(), "_modules_to_run_forward", ()))
-
-    @staticmethod
-    def unused_prefetch(unit: Unit, group) -> bool:
-        """At the end of a backward: `group` was all-gathered ahead of use (a backward prefetch of a
-        unit this backward does not run, e.g. the one an evaluation ran last) and nothing waited for
-        it; FSDP drops it at its end-of-backward callback."""
-        return unit.shard_size > 1 and group._all_gather_result is not None
-
-    @staticmethod
-    def ran_post_backward(group) -> bool:
-        """`group` ran its post-backward in the backward in progress (FSDP's end-of-backward
-        callback then skips it)."""
-        return group._training_state.name == "POST_BACKWARD"
-
-    @staticmethod
-    def post_backward_group(node) -> object | None:
-        """The param group whose post-backward the autograd `node` runs (FSDP2's pre-forward puts
-        one on a unit's inputs that need gradients), else None."""
-        if getattr(getattr(node, "_forward_cls", None), "__name__", "") != "RegisterPostBackwardFunction":
-            return None
-        return getattr(node, "param_group", None)
 
     def reshard_unless_kept(self, units: Sequence[Unit]) -> list[Unit]:
         done = [u for u in units if self.reshards_now(u)]
@@ -428,6 +366,74 @@ class FSDP2Adapter(ModelAdapter):
             return False
         reset()
         return True
+
+
+# What FSDP2 issues next, read from its private state for the live counters (fsdp2_counts.py).
+
+
+def pending_all_gathers(unit: Unit) -> Callable[[], int]:
+    """A call that says how many all-gathers FSDP2 issues for `unit` if its forward or backward
+    runs now (fsdp2_counts.py): one per param group whose params are not unsharded (sharded,
+    resharded to a smaller mesh after forward, or prefetched and not waited for yet); none on a
+    mesh of one rank. Attribute reads only: it runs before every forward and backward."""
+    groups = param_groups(unit)
+    if unit.shard_size == 1:
+        return lambda: 0
+    return lambda: sum(not g.is_unsharded for g in groups)
+
+
+def unsharded(group) -> bool:
+    """`group`'s params are unsharded now (a prefetch not waited for yet does not count)."""
+    return bool(group.is_unsharded)
+
+
+def param_groups(unit: Unit) -> list:
+    """The unit's param groups: each post-backwards and reduces on its own."""
+    return _groups(_fsdp2(unit.module)._get_fsdp_state())
+
+
+def pending_reduction(unit: Unit, group, hsdp: bool) -> tuple[int, int, int]:
+    """(reduce-scatters, all-reduces, gradient bytes) that `group`'s post-backward issues if it
+    runs now: none while its sync is held; else one of each (the all-reduce under HSDP while
+    not held) when it finds a gradient, held from earlier micro-batches or computed since."""
+    if not group.reduce_grads:
+        return 0, 0, 0
+    numel = sum(
+        p.sharded_param.numel()
+        for p in group.fsdp_params
+        if hasattr(p, "_unsharded_param")
+        and (p.unsharded_accumulated_grad is not None or p._unsharded_param.grad is not None)
+    )
+    if not numel:
+        return 0, 0, 0
+    return int(unit.shard_size > 1), int(hsdp and group.all_reduce_grads), numel * unit.reduce_dtype.itemsize
+
+
+def forwards_left(unit: Unit) -> bool:
+    """A grouped unit (`fully_shard([a, b])`) some of whose modules did not run this forward:
+    FSDP completes its post-forward in the root's, with its pre-backward on the root's outputs."""
+    return bool(getattr(_fsdp2(unit.module)._get_fsdp_state(), "_modules_to_run_forward", ()))
+
+
+def unused_prefetch(unit: Unit, group) -> bool:
+    """At the end of a backward: `group` was all-gathered ahead of use (a backward prefetch of a
+    unit this backward does not run, e.g. the one an evaluation ran last) and nothing waited for
+    it; FSDP drops it at its end-of-backward callback."""
+    return unit.shard_size > 1 and group._all_gather_result is not None
+
+
+def ran_post_backward(group) -> bool:
+    """`group` ran its post-backward in the backward in progress (FSDP's end-of-backward
+    callback then skips it)."""
+    return group._training_state.name == "POST_BACKWARD"
+
+
+def post_backward_group(node) -> object | None:
+    """The param group whose post-backward the autograd `node` runs (FSDP2's pre-forward puts
+    one on a unit's inputs that need gradients), else None."""
+    if getattr(getattr(node, "_forward_cls", None), "__name__", "") != "RegisterPostBackwardFunction":
+        return None
+    return getattr(node, "param_group", None)
 
 
 class FSDP1Adapter(ModelAdapter):

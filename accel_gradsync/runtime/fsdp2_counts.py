@@ -40,7 +40,19 @@ from torch import nn
 
 from accel_gradsync.planning.units import Unit
 from accel_gradsync.runtime.accounting import SyncAccounting
-from accel_gradsync.runtime.fsdp import FSDP2Adapter, ModelAdapter, sharded_by_transformers
+from accel_gradsync.runtime.fsdp import (
+    FSDP2Adapter,
+    ModelAdapter,
+    forwards_left,
+    param_groups,
+    pending_all_gathers,
+    pending_reduction,
+    post_backward_group,
+    ran_post_backward,
+    sharded_by_transformers,
+    unsharded,
+    unused_prefetch,
+)
 
 
 def watch_fsdp2(adapter: ModelAdapter, account: SyncAccounting) -> list[torch.utils.hooks.RemovableHandle]:
@@ -69,15 +81,15 @@ class _Residency:
     def __init__(self, adapter: FSDP2Adapter, account: SyncAccounting) -> None:
         self.adapter = adapter
         self.account = account
-        self.groups = [g for unit in adapter.units if unit.shard_size > 1 for g in adapter.param_groups(unit)]
+        self.groups = [g for unit in adapter.units if unit.shard_size > 1 for g in param_groups(unit)]
         # Gathered before the hooks were there: not this run's to count.
-        self.counted = {id(g) for g in self.groups if adapter.unsharded(g)}
+        self.counted = {id(g) for g in self.groups if unsharded(g)}
 
     def gatherer(self, unit: Unit) -> Callable[[bool], None]:
         """Count the all-gathers FSDP issues for `unit` when it acts on it now (`training`: with
         gradients); its groups are accounted for from then on."""
-        pending = self.adapter.pending_all_gathers(unit)
-        groups = self.adapter.param_groups(unit) if unit.shard_size > 1 else []
+        pending = pending_all_gathers(unit)
+        groups = param_groups(unit) if unit.shard_size > 1 else []
 
         def gather(training: bool) -> None:
             gathers = pending()
@@ -90,7 +102,7 @@ class _Residency:
     def sweep(self) -> None:
         """Count the groups unsharded since the last look without a count; forget the resharded."""
         for group in self.groups:
-            if not self.adapter.unsharded(group):
+            if not unsharded(group):
                 self.counted.discard(id(group))
             elif id(group) not in self.counted:
                 self.counted.add(id(group))
@@ -117,10 +129,10 @@ class _EndOfBackward:
     def count(self) -> None:
         self.queued = False
         for unit in self.adapter.units:
-            for group in self.adapter.param_groups(unit):
-                if not self.adapter.ran_post_backward(group):
-                    self.account.record_reduction(*self.adapter.pending_reduction(unit, group))
-                if self.adapter.unused_prefetch(unit, group):
+            for group in param_groups(unit):
+                if not ran_post_backward(group):
+                    self.account.record_reduction(*pending_reduction(unit, group, self.adapter.hsdp))
+                if unused_prefetch(unit, group):
                     self.account.record_all_gathers(1, training=True)
         # Queued from a callback, it runs after FSDP's, which reshards after the backward.
         torch.autograd.Variable._execution_engine.queue_callback(self.residency.sweep)
@@ -136,7 +148,7 @@ def _before_forward(gather: Callable[[bool], None], residency: _Residency) -> Ca
 
 def _on_inputs(adapter: FSDP2Adapter, unit: Unit, account: SyncAccounting) -> Callable:
     """After FSDP's pre-forward: a pre-hook on each post-backward node it put on the inputs."""
-    groups = adapter.param_groups(unit)
+    groups = param_groups(unit)
 
     def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
         if not torch.is_grad_enabled():
@@ -144,7 +156,7 @@ def _on_inputs(adapter: FSDP2Adapter, unit: Unit, account: SyncAccounting) -> Ca
         seen: list = []
         for tensor in _grad_tensors((args, kwargs)):
             node = tensor.grad_fn
-            group = adapter.post_backward_group(node)
+            group = post_backward_group(node)
             if node is None or not any(group is g for g in groups) or any(node is n for n in seen):
                 continue
             seen.append(node)
@@ -155,7 +167,7 @@ def _on_inputs(adapter: FSDP2Adapter, unit: Unit, account: SyncAccounting) -> Ca
 
 def _before_post_backward(adapter: FSDP2Adapter, unit: Unit, group: Any, account: SyncAccounting) -> Callable:
     def prehook(grad_outputs: Any) -> None:
-        account.record_reduction(*adapter.pending_reduction(unit, group))
+        account.record_reduction(*pending_reduction(unit, group, adapter.hsdp))
 
     return prehook
 
@@ -191,7 +203,7 @@ def _on_root_outputs(adapter: FSDP2Adapter, residency: _Residency, end_of_backwa
         for tensor in _grad_tensors(output):
             tensor.register_hook(queue)
         for unit, register in completions:
-            if adapter.forwards_left(unit):
+            if forwards_left(unit):
                 register(module, args, output)
 
     return hook

@@ -115,9 +115,8 @@ out = {"runs": result}
 if args.trainer_window:
     # The Trainer enters no_sync itself (not accumulate()): the window's flags must still be set
     # once, held between its micro-batches, and back before the optimizer step.
+    from common import sync_flags
     from transformers import Trainer, TrainerCallback, TrainingArguments
-
-    from accel_gradsync.runtime.fsdp import sync_flags
 
     class Watch(TrainerCallback):
         def __init__(self) -> None:

@@ -12,11 +12,11 @@ import psutil
 import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
-from common import TinyNet, parse_args, write_result
+from common import TinyNet, parse_args, sync_flags, write_result
 from torch.nn import functional as F
 
 import accel_gradsync
-from accel_gradsync.runtime.fsdp import adapt_model, sync_flags
+from accel_gradsync.runtime.fsdp import adapt_model
 
 args = parse_args(
     [

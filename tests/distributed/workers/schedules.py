@@ -24,12 +24,12 @@ import warnings
 import torch
 import torch.nn.functional as F
 from accelerate.utils import set_seed
-from common import DIM, Block, TinyNet, full_grads, make_data
+from common import DIM, Block, TinyNet, full_grads, make_data, sync_flags
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import accel_gradsync
-from accel_gradsync.runtime.fsdp import adapt_model, sync_flags
+from accel_gradsync.runtime.fsdp import adapt_model
 
 LR = 0.1
 BATCH = 2
