@@ -105,7 +105,8 @@ def _kept_params(plan: Plan) -> str:
 
 def _generation_cost(plan: Plan, adapter: ModelAdapter) -> str:
     """What generation all-gathers apart from training: once per unit per round when its units
-    are kept unsharded (`gather_for_generation`), else every resharding unit on every token."""
+    are kept unsharded (`gather_for_generation`), else every resharding unit on every token, but
+    for the units a window keeps unsharded while generation runs inside it."""
     units = adapter.units
     if plan.generation_bytes:
         dtype = str(units[0].compute_dtype).removeprefix("torch.")
@@ -114,7 +115,13 @@ def _generation_cost(plan: Plan, adapter: ModelAdapter) -> str:
             f"(gather_for_generation: ~{format_bytes(plan.generation_bytes)} unsharded {dtype} params per rank "
             "while generating)"
         )
-    return f"generation {generation_all_gathers_per(units, kept=False)} all-gathers per token"
+    line = f"generation {generation_all_gathers_per(units, kept=False)} all-gathers per token"
+    if plan.windowed:
+        # TRL generates inside the window's first micro-batch, where windowed units stay unsharded.
+        rest = [u for u in units if not any(u is w for w in plan.windowed)]
+        inside = generation_all_gathers_per(rest, kept=False)
+        line += f" outside the window, {inside} inside it (windowed units stay unsharded)"
+    return line
 
 
 _LEVELS = {
