@@ -35,7 +35,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
-import embedded
+import embedded  # recipes/embedded.py: running a script puts its folder on sys.path
 from trl import (
     GRPOConfig,
     GRPOTrainer,
