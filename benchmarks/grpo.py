@@ -145,17 +145,6 @@ def model_facts(model_dir: str) -> dict:
     return json.loads((Path(model_dir) / "bench_facts.json").read_text())
 
 
-def accelerate_config() -> dict:
-    fsdp = {
-        "fsdp_version": 2,
-        "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
-        "fsdp_transformer_layer_cls_to_wrap": LAYER_CLASS,
-        "fsdp_reshard_after_forward": True,
-        "fsdp_state_dict_type": "SHARDED_STATE_DICT",
-    }
-    return {"distributed_type": "FSDP", "num_processes": 2, "fsdp_config": fsdp, "mixed_precision": "no"}
-
-
 def worker_args(p: dict, model_dir: Path, pin: bool) -> list[str]:
     args = ["--model-dir", str(model_dir), "--size", p["size"], "--configs", ",".join(p["configs"])]
     return args + ["--rounds", str(p["rounds"]), "--steps", str(p["steps"])] + (["--pin-cores"] if pin else [])

@@ -86,10 +86,8 @@ class Phases:
         now, traffic = time.perf_counter(), self.counter.take_traffic()
         slot = self.totals[self.current]
         slot.time_s += now - self._since
-        slot.all_gathers += traffic.all_gathers
-        slot.reduce_scatters += traffic.reduce_scatters
-        slot.all_reduces += traffic.all_reduces
-        slot.bytes_sent += traffic.bytes_sent
+        for kind, value in vars(traffic).items():
+            setattr(slot, kind, getattr(slot, kind) + value)
         self._since = now
 
     @contextlib.contextmanager
@@ -199,11 +197,8 @@ def run_one(
     from trl import GRPOConfig, GRPOTrainer, ModelConfig, get_peft_config
 
     spec, size = grpo.CONFIGS[name], grpo.SIZES[args.size]
-    peft = (
-        get_peft_config(ModelConfig(use_peft=True, lora_target_modules=list(grpo.LORA_TARGETS)))
-        if spec["lora"]
-        else None
-    )
+    lora = ModelConfig(use_peft=True, lora_target_modules=list(grpo.LORA_TARGETS))
+    peft = get_peft_config(lora) if spec["lora"] else None
     phases = Phases(counter)
     timer = StepTimer(phases)
     outputs: dict[str, list] = {"completions": [], "completion_tokens": [], "rewards": []}
@@ -276,13 +271,8 @@ def main() -> None:
             if state.is_main_process:
                 ms = ", ".join(f"{s.time_s * 1e3:.0f}" for s in rec.steps)
                 print(f"[bench] grpo {args.size} round {r} {name}: steps {ms} ms ({time.time() - t0:.1f}s)", flush=True)
-    result = GrpoRankResult(
-        size=args.size,
-        facts=grpo.model_facts(args.model_dir),
-        pinned_core=core,
-        runs=runs,
-        versions=versions("trl", "peft"),
-    )
+    facts = grpo.model_facts(args.model_dir)
+    result = GrpoRankResult(size=args.size, facts=facts, pinned_core=core, runs=runs, versions=versions("trl", "peft"))
     Path(args.out, f"rank{state.process_index}.json").write_text(json.dumps(dataclasses.asdict(result), indent=1))
 
 

@@ -32,6 +32,22 @@ class Launched:
     ranks: list[dict] = field(default_factory=list)  # each rank's JSON, in rank order
 
 
+def fsdp2_config(layer_class: str, nranks: int) -> dict:
+    """An accelerate config as a user would write it: FSDP2 wrapping each `layer_class`, no mixed
+    precision; 4 ranks are a 2x2 HSDP mesh (replicate x shard). On CPU the worker's
+    `enable_cpu_fsdp()` makes it FSDP over gloo; elsewhere accelerate picks NCCL/HCCL."""
+    fsdp = {"fsdp_version": 2, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+            "fsdp_transformer_layer_cls_to_wrap": layer_class, "fsdp_reshard_after_forward": True,
+            "fsdp_state_dict_type": "SHARDED_STATE_DICT"}  # fmt: skip
+    config = {"distributed_type": "FSDP", "num_processes": nranks, "fsdp_config": fsdp, "mixed_precision": "no"}
+    if nranks == 4:
+        config["parallelism_config"] = {
+            "parallelism_config_dp_replicate_size": 2,
+            "parallelism_config_dp_shard_size": 2,
+        }
+    return config
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -104,22 +104,9 @@ SIZES: dict[str, dict[str, int]] = {
 # HSDP runs 4 processes on the machine: one (communication-bound) size shows the trade-off.
 HSDP_SIZE = "medium"
 
-QUICK = {
-    "sizes": ["small"],
-    "Ms": [1, 2, 4],
-    "configs": [
-        "per_micro_batch",
-        "deferred",
-        "window",
-        "budget_50",
-        "stock_accumulate",
-        "stock_sync_each_batch",
-        "raw_fsdp2",
-        "raw_window",
-    ],
-    "reps": 1,
-    "steps": 2,
-}
+QUICK = {"sizes": ["small"], "Ms": [1, 2, 4], "reps": 1, "steps": 2, "configs": [
+    "per_micro_batch", "deferred", "window", "budget_50", "stock_accumulate", "stock_sync_each_batch", "raw_fsdp2",
+    "raw_window"]}  # fmt: skip
 # steps None: each size's own `steps` (a full run must fit 10 minutes on 2 cores).
 FULL = {"sizes": ["small", "large"], "Ms": [1, 2, 4, 8], "configs": list(CONFIGS), "reps": 1, "steps": None}
 
@@ -137,33 +124,11 @@ def ranks(name: str) -> int:
 # The simulated cluster (`--cluster 2x1`), run once per link bandwidth: every sync mode and peer
 # across 2 hosts, and the HSDP mesh as 2 hosts x 2 ranks. The medium model and M = 1, 4, 8 keep a
 # run of two links within the full run's time target on 2 cores.
-CLUSTER = {
-    "sizes": ["medium"],
-    "Ms": [1, 4, 8],
-    "configs": [
-        "per_micro_batch",
-        "deferred",
-        "window",
-        "budget_50",
-        "auto",
-        "stock_accumulate",
-        "raw_fsdp2",
-        "raw_window",
-        "hsdp_per_micro_batch",
-        "hsdp_deferred",
-        "hsdp_defer_all_reduce",
-    ],
-    "reps": 1,
-    "steps": 2,
-}
-CLUSTER_QUICK = {
-    "sizes": ["small"],
-    "Ms": [1, 4],
-    "configs": ["per_micro_batch", "deferred", "window", "hsdp_per_micro_batch", "hsdp_defer_all_reduce"],
-    "reps": 1,
-    "steps": 1,
-    "hsdp_size": "small",
-}
+CLUSTER = {"sizes": ["medium"], "Ms": [1, 4, 8], "reps": 1, "steps": 2, "configs": [
+    "per_micro_batch", "deferred", "window", "budget_50", "auto", "stock_accumulate", "raw_fsdp2", "raw_window",
+    "hsdp_per_micro_batch", "hsdp_deferred", "hsdp_defer_all_reduce"]}  # fmt: skip
+CLUSTER_QUICK = {"sizes": ["small"], "Ms": [1, 4], "reps": 1, "steps": 1, "hsdp_size": "small", "configs": [
+    "per_micro_batch", "deferred", "window", "hsdp_per_micro_batch", "hsdp_defer_all_reduce"]}  # fmt: skip
 
 
 def pair_chains(names: list[str]) -> list[list[str]]:
@@ -225,25 +190,6 @@ def launches(p: dict) -> list[tuple[str, int, list[str]]]:
     if four:
         out.append((p["hsdp_size"], 4, four))
     return out
-
-
-def accelerate_config(nranks: int) -> dict:
-    """FSDP2 wrapping each `Block`, as a user would configure it; on CPU the worker's
-    `enable_cpu_fsdp()` makes it FSDP over gloo, elsewhere accelerate picks NCCL/HCCL itself."""
-    fsdp = {
-        "fsdp_version": 2,
-        "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
-        "fsdp_transformer_layer_cls_to_wrap": "Block",
-        "fsdp_reshard_after_forward": True,
-        "fsdp_state_dict_type": "SHARDED_STATE_DICT",
-    }
-    config = {"distributed_type": "FSDP", "num_processes": nranks, "fsdp_config": fsdp, "mixed_precision": "no"}
-    if nranks == 4:  # the 2x2 HSDP mesh: replicate x shard
-        config["parallelism_config"] = {
-            "parallelism_config_dp_replicate_size": 2,
-            "parallelism_config_dp_shard_size": 2,
-        }
-    return config
 
 
 def worker_args(p: dict, size: str, names: list[str], device: str) -> list[str]:

@@ -15,7 +15,7 @@ from benchmarks import mlp, targets
 from benchmarks.cluster import link_bits_per_s
 from benchmarks.output import MiB, finish_axes, header, panels, plt, save_figure, targets_table
 from benchmarks.records import ConfigResult, Results, Run
-from benchmarks.stats import by_round, fmt_ci, fmt_count, judge, noted, ratios
+from benchmarks.stats import by_round, fmt_ci, fmt_count, judge, noted, ratios, verdict
 from benchmarks.targets import FAIL, PASS, SKIP, UNDECIDED, TargetResult
 
 
@@ -241,8 +241,7 @@ def check_overhead(runs: list[Run], a: str, b: str, Ms: list[int], what: str, qu
         )
     if not statuses:
         return [TargetResult(what, SKIP, f"{a} or {b} not run")]
-    status = targets.worst(statuses)
-    out = [TargetResult(what, status, noted(status, "; ".join(notes)))]
+    out = [verdict(what, statuses, notes)]
     share = sync_control_overhead(runs, a, b)
     if share:
         worst_share = max(v for v, _ in share)
@@ -292,10 +291,7 @@ def check_planner_cost(runs: list[Run], quick: bool) -> list[TargetResult]:
             f"(deferral's and the window's savings; measured / planner {fmt_ci(stat, len(measured))}), "
             f"planner {planner:g}"
         )
-    if not statuses:
-        return []
-    status = targets.worst(statuses)
-    return [TargetResult(targets.PLANNER_COST.name, status, noted(status, "; ".join(notes)))]
+    return [verdict(targets.PLANNER_COST.name, statuses, notes)] if statuses else []
 
 
 def check_counts(runs: list[Run]) -> TargetResult:
@@ -342,8 +338,8 @@ def check_deferred_speedup(run: Run, quick: bool) -> TargetResult:
         status, stat = judge(targets.DEFERRED_SPEEDUP, speedups, quick)
         statuses.append(status)
         notes.append(f"M={M}: {stat[0]:.2f}x faster (paired, 95% CI {stat[1]:.2f}-{stat[2]:.2f}, n={len(speedups)})")
-    status = targets.worst(statuses)
-    return TargetResult(what, status, noted(status, ", ".join(notes) + f" (clear margin: >= {targets.CLEAR_MARGIN}x)"))
+    notes[-1] += f" (clear margin: >= {targets.CLEAR_MARGIN}x)"
+    return verdict(what, statuses, notes, sep=", ")
 
 
 def check_window_speedup(run: Run, quick: bool) -> TargetResult:
@@ -393,10 +389,7 @@ def check_frontier(results: Results, runs: list[Run]) -> TargetResult:
                 + ", ".join(f"M={m} {statistics.median(v):+.1%}" for m, v in per_M.items() if v)
                 + f") -> {place}"
             )
-    if not statuses:
-        return TargetResult(what, SKIP, "not run")
-    status = targets.worst(statuses)
-    return TargetResult(what, status, noted(status, "; ".join(notes)))
+    return verdict(what, statuses, notes)
 
 
 def check_hsdp(results: Results, hsdp: list[Run]) -> TargetResult:

@@ -95,14 +95,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--Ms", default="1,2,4,8")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--steps", type=int, default=2, help="timed optimizer steps per segment")
-    p.add_argument(
-        "--warmup", type=int, default=1, help="untimed optimizer steps after each prepare (the Trainer: per M)"
-    )
-    p.add_argument(
-        "--pin-cores",
-        action="store_true",
-        help="CPU runs: pin rank r to core r mod cores, as each rank owns its device on a GPU node",
-    )
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps after each prepare (the Trainer: per M)")
+    p.add_argument("--pin-cores", action="store_true", help="CPU: pin each rank to a core (`measure.pin_to_core`)")
     return p.parse_args()
 
 
@@ -114,7 +108,7 @@ class Bench:
         self.counter = CollectiveCounter()
         self.accelerator = Accelerator(gradient_accumulation_steps=1)
         self.device = self.accelerator.device
-        self.world, self.rank = self.accelerator.num_processes, self.accelerator.process_index
+        self.world, self.rank = (self.accelerator.num_processes, self.accelerator.process_index)
         self.size = mlp.SIZES[args.size]
         self.Ms = [int(m) for m in args.Ms.split(",")]
         self.args = args
@@ -261,10 +255,7 @@ def sample(bench: Bench, elapsed: float, cpu: float, memory: dict, **extra: Any)
     return StepSample(
         time_s=elapsed,
         cpu_s=cpu,
-        reduce_scatters=traffic.reduce_scatters,
-        all_reduces=traffic.all_reduces,
-        all_gathers=traffic.all_gathers,
-        bytes_sent=traffic.bytes_sent,
+        **vars(traffic),
         held_grad_bytes=max((g for g, _ in bench.probes), default=0),
         held_param_bytes=max((p for _, p in bench.probes), default=0),
         peak_rss_bytes=peak,
@@ -289,24 +280,14 @@ def measure_sync_control(bench: Bench, run: Prepared, iterations: int = 100, rep
     for _ in range(repeats):
         t0 = time.perf_counter()
         for _ in range(iterations):
-            if loop == "raw":
-                model.set_requires_gradient_sync(False)
-                model.set_requires_gradient_sync(True)
-            elif loop == "raw_window":
-                model.set_requires_gradient_sync(False)
-                model.set_reshard_after_backward(False)
-                model.set_requires_gradient_sync(True)
-                model.set_reshard_after_backward(True)
-            else:
-                by_hand = loop == "accumulate_window"
-                if by_hand:
-                    model.set_reshard_after_backward(False)
-                with acc.accumulate(model):  # not the last micro-batch: no_sync (or the plugin's)
-                    pass
-                if by_hand:
-                    model.set_reshard_after_backward(True)
-                with acc.accumulate(model):  # the last one: syncs
-                    pass
+            for last in (False, True):  # a held micro-batch, then the one that syncs
+                if loop.startswith("raw"):
+                    model.set_requires_gradient_sync(last)
+                if loop.endswith("window"):  # raw_window, accumulate_window: the window's flags by hand
+                    model.set_reshard_after_backward(last)
+                if not loop.startswith("raw"):
+                    with acc.accumulate(model):
+                        pass
         best = min(best, (time.perf_counter() - t0) / (2 * iterations) * 1e6)
     acc.step = 0
     return best
@@ -340,7 +321,7 @@ def measure_trainer(bench: Bench, name: str, M: int, rep: int) -> tuple[list[Ste
 
         def on_step_end(self, args, state, control, **kw):
             synchronize(bench.device.type)
-            elapsed, cpu = time.perf_counter() - self.t0, time.process_time() - self.cpu0
+            elapsed, cpu = (time.perf_counter() - self.t0, time.process_time() - self.cpu0)
             bench.probing = False
             step = sample(bench, elapsed, cpu, self.memory, rep=rep)
             if state.global_step > bench.args.warmup:
@@ -419,14 +400,8 @@ def main() -> None:
         )
         for (name, M), steps in samples.items()
     ]
-    result = RankResult(
-        size=args.size,
-        facts=bench.facts,
-        device=bench.device.type,
-        pinned_core=core,
-        records=records,
-        versions=versions(),
-    )
+    result = RankResult(size=args.size, facts=bench.facts, device=bench.device.type, pinned_core=core,
+                        records=records, versions=versions())  # fmt: skip
     Path(args.out, f"rank{bench.rank}.json").write_text(json.dumps(dataclasses.asdict(result), indent=1))
 
 

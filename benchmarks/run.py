@@ -25,45 +25,32 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks import cluster, grpo, grpo_report, mlp, mlp_report
-from benchmarks.launch import REPO, launch
+from benchmarks.launch import REPO, fsdp2_config, launch
 from benchmarks.records import GrpoResults, Results, RunBase
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="small model, M=1,2,4, few configs (CI smoke test)")
-    p.add_argument(
-        "--grpo",
-        action="store_true",
-        help="the GRPO benchmark instead (benchmarks/grpo.py): TRL's GRPOTrainer, stock and every sync mode, "
-        "full fine-tuning and LoRA; over loopback, and with --cluster also per --link",
-    )
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "npu"])
-    p.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
-    p.add_argument("--sizes", help="comma-separated, from mlp.SIZES")
-    p.add_argument("--Ms", help="comma-separated micro-batch counts")
-    p.add_argument("--configs", help="comma-separated, from mlp.CONFIGS (with --grpo: grpo.CONFIGS)")
-    p.add_argument("--reps", type=int, help="interleaved repetitions of every configuration (GRPO: rounds)")
-    p.add_argument("--steps", type=int, help="timed optimizer steps per repetition and M (default: per model size)")
-    p.add_argument("--no-pin", action="store_true", help="CPU: leave the ranks unpinned (default: one core per rank)")
-    p.add_argument(
-        "--hsdp-size",
-        help=f"model size of the 4-rank HSDP launch (default: {mlp.HSDP_SIZE}; the quick cluster run: small)",
-    )
-    p.add_argument("--timeout", type=int, default=900, help="seconds per launch")
-    p.add_argument(
-        "--cluster",
-        metavar="HxR",
-        help="run on H simulated hosts x R ranks (2x1): network namespaces joined by shaped links; "
-        "needs root, ip and tc (benchmarks/cluster.py)",
-    )
-    p.add_argument(
+    add = p.add_argument
+    add("--quick", action="store_true", help="small model, M=1,2,4, few configs (CI smoke test)")
+    add("--grpo", action="store_true", help="the GRPO benchmark (grpo.py): TRL's GRPOTrainer, stock and every mode")
+    add("--device", default="cpu", choices=["cpu", "cuda", "npu"])
+    add("--out", default=str(REPO / "benchmarks" / "results"))
+    add("--sizes", help="comma-separated, from mlp.SIZES")
+    add("--Ms", help="comma-separated micro-batch counts")
+    add("--configs", help="comma-separated, from mlp.CONFIGS (with --grpo: grpo.CONFIGS)")
+    add("--reps", type=int, help="interleaved repetitions of every configuration (GRPO: rounds)")
+    add("--steps", type=int, help="timed optimizer steps per repetition and M (default: per model size)")
+    add("--no-pin", action="store_true", help="CPU: leave the ranks unpinned (default: one core per rank)")
+    add("--hsdp-size", help=f"model size of the 4-rank HSDP launch (default: {mlp.HSDP_SIZE}; quick cluster: small)")
+    add("--timeout", type=int, default=900, help="seconds per launch")
+    add("--cluster", metavar="HxR", help="on H simulated hosts x R ranks, 2 in all (needs root, ip, tc: cluster.py)")
+    add(
         "--link",
         default="1gbit,10gbit",
-        help="with --cluster: comma-separated link bandwidths in tc's spelling, one run of every "
-        "launch per link (default: 1gbit,10gbit)",
+        help="with --cluster: link rates in tc's spelling, one run of each launch per link",
     )
-    p.add_argument("--redraw", metavar="DIR", help="only redraw the report of DIR/results.json")
+    add("--redraw", metavar="DIR", help="only redraw the report of DIR/results.json")
     return p.parse_args(argv)
 
 
@@ -112,7 +99,7 @@ def mlp_jobs(p: dict, args: argparse.Namespace, workdir: Path, on_cluster: bool)
     for size, n, names in mlp.launches(p):
         worker_args = mlp.worker_args(p, size, names, args.device)
         what = f"{size} model, {n} ranks: {', '.join(names)}"
-        jobs.append(Job(what, mlp.WORKER, worker_args, mlp.accelerate_config(n), mlp.merge, env))
+        jobs.append(Job(what, mlp.WORKER, worker_args, fsdp2_config("Block", n), mlp.merge, env))
     return jobs
 
 
@@ -123,7 +110,16 @@ def grpo_jobs(p: dict, args: argparse.Namespace, workdir: Path, on_cluster: bool
         print(f"[benchmarks] GRPO {p['size']} model, {facts['params'] / 1e6:.2f} M params: {what}", flush=True)
     pin = not args.no_pin and not on_cluster  # a cluster pins each host's launch to the host's cores
     worker_args = grpo.worker_args(p, workdir, pin)
-    return [Job("GRPO", grpo.WORKER, worker_args, grpo.accelerate_config(), grpo.merge, {"CUDA_VISIBLE_DEVICES": ""})]
+    return [
+        Job(
+            "GRPO",
+            grpo.WORKER,
+            worker_args,
+            fsdp2_config(grpo.LAYER_CLASS, 2),
+            grpo.merge,
+            {"CUDA_VISIBLE_DEVICES": ""},
+        )
+    ]
 
 
 def plan_of(args: argparse.Namespace) -> tuple[dict, list[str | None]]:
@@ -162,7 +158,7 @@ def run_jobs(jobs: list[Job], network: str | None, p: dict, args: argparse.Names
             run = job.merge(done.ranks)
             run.wall_s = round(time.time() - t0, 1)
             if c:
-                run.link, run.hosts, run.ranks_per_host = network, c.hosts, nranks // c.hosts
+                run.link, run.hosts, run.ranks_per_host = (network, c.hosts, nranks // c.hosts)
                 run.link_bytes = sum(c.link_bytes()) - sent0
             runs.append(run)
     return runs

@@ -10,7 +10,7 @@ import random
 import statistics
 from collections.abc import Iterable
 
-from benchmarks.targets import UNDECIDED, UNDECIDED_NOTE, Target
+from benchmarks.targets import SKIP, UNDECIDED, UNDECIDED_NOTE, Target, TargetResult, worst
 
 
 def by_round(rounds: Iterable[int | None], values: Iterable[float]) -> dict[int, float]:
@@ -33,7 +33,11 @@ def median_ci(values: list[float], level: float = 0.95, resamples: int = 2000) -
     rng, n = random.Random(0), len(values)
     boot = sorted(statistics.median(rng.choices(values, k=n)) for _ in range(resamples))
     tail = (1 - level) / 2
-    return statistics.median(values), boot[int(tail * resamples)], boot[min(int((1 - tail) * resamples), resamples - 1)]
+    return (
+        statistics.median(values),
+        boot[int(tail * resamples)],
+        boot[min(int((1 - tail) * resamples), resamples - 1)],
+    )
 
 
 def judge(target: Target, values: list[float], quick: bool) -> tuple[str, tuple[float, float, float]]:
@@ -45,6 +49,14 @@ def judge(target: Target, values: list[float], quick: bool) -> tuple[str, tuple[
 def noted(status: str, measured: str) -> str:
     """The measured figures, marked when the run was too small to decide on them."""
     return f"{UNDECIDED_NOTE}: {measured}" if status == UNDECIDED else measured
+
+
+def verdict(what: str, statuses: list[str], notes: list[str], sep: str = "; ", skip: str = "not run") -> TargetResult:
+    """A target judged in parts: the worst part's status and every part's notes (SKIP: no part)."""
+    if not statuses:
+        return TargetResult(what, SKIP, skip)
+    status = worst(statuses)
+    return TargetResult(what, status, noted(status, sep.join(notes)))
 
 
 def fmt_ci(stat: tuple[float, float, float], n: int) -> str:
