@@ -93,6 +93,8 @@ def _recipe():
 
     if "recipe_grpo" in sys.modules:
         return sys.modules["recipe_grpo"]
+    if str(REPO / "recipes") not in sys.path:
+        sys.path.insert(0, str(REPO / "recipes"))  # as running the script does: it imports `embedded` beside it
     spec = importlib.util.spec_from_file_location("recipe_grpo", REPO / "recipes" / "grpo.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up there
