@@ -93,5 +93,5 @@ def check_restart() -> None:
             f"accelerate launch --max_restarts {restarts}: a restarted group cannot form with the "
             "launcher's shared rendezvous store (its old keys point at the dead ranks). Launch with "
             "--rdzv_backend c10d and TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in the launcher's "
-            "environment (README, GRPO recipe: restarting)."
+            "environment (docs/recipe.md, Restarts)."
         )

@@ -2,7 +2,7 @@
 sync mode, which micro-batches raise and how) and every schedule runs on a 2-rank FSDP2 gloo
 group. Each optimizer step's gradients must equal the single-process reference, the real
 reduce-scatters must equal what the plan implies (and, for windows without failures,
-`accel_gradsync.estimator.core.collectives_per_step`), and flags and held gradients must come back.
+`accel_gradsync.planning.costs.collectives_per_step`), and flags and held gradients must come back.
 
 Hypothesis cannot drive examples across processes, so the schedules are drawn here with a fixed
 seed (`derandomize=True`), all of them run in ONE launch, and each is asserted on its own.

@@ -93,3 +93,17 @@ def test_free_memory_must_be_an_absolute_size_when_the_config_is_built(free):
         GradSyncConfig(sync_mode="auto", free_memory=free)
     msg = str(err.value)
     assert f"GradSyncConfig.free_memory={free!r}" in msg and "40GiB" in msg and "fraction" not in msg
+
+
+@pytest.mark.parametrize("budget", ["-5", "-1GiB", "-0.5"])
+def test_negative_budgets_must_be_at_least_zero(budget):
+    with pytest.raises(ValueError, match=rf"GradSyncConfig.memory_budget='{budget}'.*must be >= 0"):
+        GradSyncConfig(memory_budget=budget)
+
+
+def test_defer_accepts_the_ints_0_and_1_only():
+    assert GradSyncConfig(defer=1).defer is True and GradSyncConfig(defer=1).mode == "deferred"
+    assert GradSyncConfig(defer=0).defer is False and GradSyncConfig(defer=0).mode == "per_micro_batch"
+    for other in (2, -1, 1.0):
+        with pytest.raises(ValueError, match=rf"GradSyncConfig.defer={other!r} is not a valid value for `defer`"):
+            GradSyncConfig(defer=other)
