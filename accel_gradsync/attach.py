@@ -3,12 +3,13 @@
 Everything that can be refused is refused here, before any training step: a target that is
 neither, fewer than one micro-batch per optimizer step, a second attach, an accelerate config
 that would train unsharded or sync every micro-batch anyway, a `reduce_dtype` that comes after
-the model was wrapped. `reduce_dtype` is written into the FSDP plugin's `mixed_precision_policy`
-field (the public dataclass field accelerate builds `fully_shard` from) before prepare; so is fp32
-for `auto` and `budget` under bf16 mixed precision when `reduce_dtype` is `auto`
-(config.FP32_HELD_MODES). The
-handle then binds each prepared model (bind.py) and the accelerator's subclass
-(accelerator_hook.py) routes every micro-batch to the window (window.py).
+the model was wrapped. `reduce_dtype` (fp32 for `auto` and `budget` under bf16 mixed precision)
+is written into the FSDP plugin's public `mixed_precision_policy` field before `prepare`. The
+handle (runtime/handle.py) then builds the runtime and hooks the accelerator and the Trainer.
+
+Shims for other libraries that attach relies on (accel_gradsync/compat/): `cpu` (real FSDP over
+gloo without a GPU: `enable_cpu_fsdp`), `teardown` (gloo's exit-time abort), `optimizer_state`
+(FSDP1's sharded optimizer reloaded whole on resume), `versions` (the tested torch release).
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ def attach(
     config = GradSyncConfig() if config is None else config
     if not isinstance(config, GradSyncConfig):
         raise TypeError(f"attach(config=...) takes a GradSyncConfig, got {type(config).__name__}.")
-    warn_if_untested_torch()  # fsdp.check_fsdp2_internals raises at bind if an attribute it reads is gone
+    warn_if_untested_torch()  # runtime.fsdp.check_fsdp2_internals raises at bind if an attribute it reads is gone
     accelerator, trainer = _resolve_target(target)
     _check_micro_batches(accelerator, trainer)
     if is_hooked(accelerator):
