@@ -1,8 +1,7 @@
-"""`Unit`: one FSDP unit (or DDP's whole model) of a wrapped model.
-
-The adapters find units (fsdp.py), the policies plan over them (policies.py) and the counters
-count their collectives (accounting.py). The type lives on its own so that each of those
-imports it from here rather than from one another.
+"""The vocabulary every layer shares: `Unit` (one FSDP unit, or DDP's whole model), `Level` (what a
+plan does with a unit), `Plan` (a policy's frozen decision) and `Wrapped` (what planning reads of
+a wrapped model). runtime/fsdp.py finds units, policies.py plans over them, runtime/accounting.py
+counts their collectives; they all import these from here rather than from one another.
 
 A *frozen* unit has no trainable parameter (the root holding frozen embeddings and head under
 LoRA, a frozen tower): it reduces nothing and holds no gradient, but it all-gathers its
