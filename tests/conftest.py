@@ -22,7 +22,7 @@ if _missing("trl", "datasets", "peft", "tokenizers"):
         "unit/config/test_settings.py",
     ]
 if _missing("matplotlib"):
-    collect_ignore += ["benchmarks/test_report.py", "benchmarks/test_smoke.py"]
+    collect_ignore += ["benchmarks/test_mlp_report.py", "benchmarks/test_mlp_smoke.py"]
 
 
 def pytest_addoption(parser):
