@@ -1,15 +1,14 @@
 """A simulated cluster on one Linux machine: N "hosts" as network namespaces, joined through a
-switch namespace (bridge br0) by veth links shaped with `tc`'s token bucket (`tbf`) to one
-bandwidth in both directions. Host h is 198.18.0.<h+1>/24 on its `eth0` (RFC 2544's benchmark
-range, reachable only inside these namespaces); ranks on one host talk over its loopback,
-unshaped, as on a real node. `tbf` shapes bandwidth only (added latency would need `netem`).
+switch namespace (bridge br0) by veth links shaped with `tc`'s `tbf` to one bandwidth both ways
+(bandwidth only: latency would need `netem`). Host h is 198.18.0.<h+1>/24 on its `eth0` (RFC 2544's
+benchmark range); ranks on one host talk over its loopback, unshaped, as on a real node.
 
     with Cluster(hosts=2, link="1gbit") as cluster:
         done = cluster.run([argv_of_host0, argv_of_host1], env)   # one launch per host
 
 Namespaces are named `agsc<pid>...` after the process that made them; `Cluster` removes its own
-on exit, failure, Ctrl-C or SIGTERM, and at start removes any whose process no longer exists.
-Needs root and `ip`/`tc`; `unavailable_reason()` says why not.
+on exit, failure, Ctrl-C or SIGTERM, and at start any whose process no longer exists. Needs root
+and `ip`/`tc`; `unavailable_reason()` says why not.
 """
 
 from __future__ import annotations
@@ -23,11 +22,12 @@ import threading
 import time
 from collections.abc import Callable
 
+import psutil
+
 PREFIX = "agsc"
 SUBNET = "198.18.0"  # RFC 2544 benchmark range; host h is .h+1
 NIC = "eth0"  # the host's interface name inside its namespace: what GLOO_SOCKET_IFNAME names
 _RATE = re.compile(r"^(\d+(?:\.\d+)?)(k|m|g)bit$")
-_UNITS = {"k": 1e3, "m": 1e6, "g": 1e9}
 _OWN = re.compile(rf"^{PREFIX}(\d+)[sh]\d*$")
 
 
@@ -40,7 +40,7 @@ def link_bits_per_s(link: str) -> float:
     m = _RATE.match(link.strip().lower())
     if not m:
         raise ValueError(f"link bandwidth {link!r}: expected a tc rate such as 100mbit, 1gbit or 10gbit")
-    return float(m.group(1)) * _UNITS[m.group(2)]
+    return float(m.group(1)) * {"k": 1e3, "m": 1e6, "g": 1e9}[m.group(2)]
 
 
 def unavailable_reason() -> str | None:
@@ -67,30 +67,18 @@ def _sh(*argv: str) -> str:
     return subprocess.run(argv, check=True, capture_output=True, text=True).stdout
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def remove_leftovers() -> list[str]:
-    """Delete the namespaces of clusters whose process no longer exists (deleting a namespace
-    deletes the veth ends and the bridge inside it). Returns what was removed."""
+    """Delete the namespaces of clusters whose process no longer exists (with them go the veth ends
+    and the bridge inside), and veths a crash left in the root namespace before moving them."""
     removed = []
     for line in _sh("ip", "netns", "list").splitlines():
-        name = line.split()[0] if line.strip() else ""
-        m = _OWN.match(name)
-        if m and not _alive(int(m.group(1))):
-            subprocess.run(["ip", "netns", "del", name], capture_output=True)
-            removed.append(name)
-    # A veth pair is made in the root namespace and moved at once; a crash in between leaves it here.
+        m = _OWN.match(line.split()[0] if line.strip() else "")
+        if m and not psutil.pid_exists(int(m.group(1))):
+            subprocess.run(["ip", "netns", "del", m.group(0)], capture_output=True)
+            removed.append(m.group(0))
     for line in _sh("ip", "-o", "link", "show").splitlines():
         m = re.match(rf"^\d+: ({PREFIX}(\d+)[vb]\d+)[@:]", line)
-        if m and not _alive(int(m.group(2))):
+        if m and not psutil.pid_exists(int(m.group(2))):
             subprocess.run(["ip", "link", "del", m.group(1)], capture_output=True)
             removed.append(m.group(1))
     return removed
@@ -106,25 +94,24 @@ class Cluster:
     def __init__(self, hosts: int, link: str, cpus_per_host: bool = True) -> None:
         if hosts < 1 or hosts > 250:
             raise ValueError(f"hosts={hosts}: expected 1 to 250 simulated hosts")
-        self.hosts, self.link, self.rate = hosts, link, link_bits_per_s(link)
-        self.cpus_per_host = cpus_per_host
+        self.hosts, self.link, self.rate, self.cpus_per_host = hosts, link, link_bits_per_s(link), cpus_per_host
         tag = f"{PREFIX}{os.getpid()}"
-        self.switch = f"{tag}s"
-        self.namespaces = [f"{tag}h{h}" for h in range(hosts)]
+        self.switch, self.namespaces = f"{tag}s", [f"{tag}h{h}" for h in range(hosts)]
         self._veth = [(f"{tag}v{h}", f"{tag}b{h}") for h in range(hosts)]
         self._made: list[str] = []
         self._old_handler = None
 
-    # -- the network --------------------------------------------------------------------------
     def address(self, host: int) -> str:
         return f"{SUBNET}.{host + 1}"
 
     def __enter__(self) -> Cluster:
-        reason = unavailable_reason()
-        if reason:
+        if reason := unavailable_reason():
             raise ClusterUnavailable(reason)
         remove_leftovers()
-        self._catch_sigterm()
+        if threading.current_thread() is threading.main_thread():
+            # SIGTERM's default kills without running `finally`: raise SystemExit instead while the
+            # cluster exists, so `__exit__` still removes it (Ctrl-C already raises).
+            self._old_handler = signal.signal(signal.SIGTERM, _exit_on_sigterm)
         try:
             self._build()
         except BaseException:
@@ -175,28 +162,14 @@ class Cluster:
             signal.signal(signal.SIGTERM, self._old_handler)
             self._old_handler = None
 
-    def _catch_sigterm(self) -> None:
-        """SIGTERM's default kills without running `finally`: turn it into SystemExit while the
-        cluster exists, so `__exit__` still removes it. (Ctrl-C already raises.)"""
-        if threading.current_thread() is not threading.main_thread():
-            return
-
-        def on_term(signum, frame):
-            raise SystemExit(128 + signum)
-
-        self._old_handler = signal.signal(signal.SIGTERM, on_term)
-
     def link_bytes(self) -> list[int]:
-        """Bytes each host has sent through its shaped NIC so far (tbf's counter): what crossed
-        the simulated network, as opposed to a host's loopback."""
-        out = []
-        for ns in self.namespaces:
-            stats = _sh("tc", "-n", ns, "-s", "qdisc", "show", "dev", NIC)
-            m = re.search(r"Sent (\d+) bytes", stats)
-            out.append(int(m.group(1)) if m else 0)
-        return out
+        """Bytes each host has sent through its shaped NIC so far (tbf's counter)."""
+        sent = [
+            re.search(r"Sent (\d+) bytes", _sh("tc", "-n", ns, "-s", "qdisc", "show", "dev", NIC))
+            for ns in self.namespaces
+        ]
+        return [int(m.group(1)) if m else 0 for m in sent]
 
-    # -- processes on the hosts ---------------------------------------------------------------
     def host_cpus(self, host: int) -> set[int]:
         cores = sorted(os.sched_getaffinity(0))
         per = len(cores) // self.hosts
@@ -205,38 +178,22 @@ class Cluster:
     def accelerate_flags(self, host: int, port: int = 29500) -> list[str]:
         """What `accelerate launch` needs on each host, as on a real cluster
         (recipes/slurm_multi_node.sh): the namespaces have their own ports, so a fixed one works."""
-        return [
-            "--num_machines",
-            str(self.hosts),
-            "--machine_rank",
-            str(host),
-            "--main_process_ip",
-            self.address(0),
-            "--main_process_port",
-            str(port),
-        ]
+        flags = {"num_machines": self.hosts, "machine_rank": host, "main_process_ip": self.address(0),
+                 "main_process_port": port}  # fmt: skip
+        return [arg for name, value in flags.items() for arg in (f"--{name}", str(value))]
 
     def popen(self, host: int, argv: list[str], env: dict, **kwargs) -> subprocess.Popen:
         """Start `argv` inside host `host`'s namespace, gloo bound to its NIC, in a session of its
         own (so a failure elsewhere can stop the whole launch tree)."""
-        env = {**env, "GLOO_SOCKET_IFNAME": NIC}
         cpus = self.host_cpus(host) if self.cpus_per_host else None
+        pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
+        argv = ["ip", "netns", "exec", self.namespaces[host], *argv]
         return subprocess.Popen(
-            ["ip", "netns", "exec", self.namespaces[host], *argv],
-            env=env,
-            start_new_session=True,
-            preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
-            **kwargs,
+            argv, env={**env, "GLOO_SOCKET_IFNAME": NIC}, start_new_session=True, preexec_fn=pin, **kwargs
         )
 
-    def run(
-        self,
-        argvs: list[list[str]],
-        env: dict,
-        cwd=None,
-        timeout: float = 900,
-        echo: Callable[[int, str], None] | None = None,
-    ) -> list[tuple[int, list[str]]]:
+    def run(self, argvs: list[list[str]], env: dict, cwd=None, timeout: float = 900,
+            echo: Callable[[int, str], None] | None = None) -> list[tuple[int, list[str]]]:  # fmt: skip
         """One command per host, all at once; (exit code, last 80 output lines) per host. When one
         host fails or the timeout passes, the others are stopped too: their ranks would otherwise
         wait in a collective until gloo's own timeout. `echo(host, line)` sees every line."""
@@ -266,6 +223,10 @@ class Cluster:
         return [(p.returncode, tail) for p, tail in zip(procs, tails, strict=True)]
 
 
+def _exit_on_sigterm(signum, frame):
+    raise SystemExit(128 + signum)
+
+
 def drain(proc: subprocess.Popen, tail: list[str], host: int, echo, keep: int = 80) -> None:
     """Read `proc`'s output to its end, keeping the last `keep` lines in `tail`; `echo(host, line)` sees each."""
     for line in proc.stdout:
@@ -277,15 +238,11 @@ def drain(proc: subprocess.Popen, tail: list[str], host: int, echo, keep: int = 
 
 def stop_tree(proc: subprocess.Popen) -> None:
     """Stop a host's launch and everything it started (its own session), if still running."""
-    if proc.poll() is None:
-        for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
-            try:
-                os.killpg(proc.pid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                proc.wait(wait)
-                break
-            except subprocess.TimeoutExpired:
-                continue
+    for sig in (signal.SIGTERM, signal.SIGKILL) if proc.poll() is None else ():
+        try:
+            os.killpg(proc.pid, sig)
+            proc.wait(10)
+            break
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            continue
     proc.wait()

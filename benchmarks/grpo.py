@@ -1,20 +1,19 @@
-"""The GRPO benchmark: TRL's real `GRPOTrainer` on a communication-bound random-weight Qwen2,
-stock and with each sync mode of the plugin, full fine-tuning and LoRA
-(`python -m benchmarks.run --grpo`; `--quick`: a tiny model). This module holds the shapes, the
-configurations, the saved model and the merge of the ranks' records; `grpo_worker.py` measures,
-`grpo_report.py` reports. Every configuration trains the same saved model on the same prompts
-with the same seed, so their completions, rewards and losses must agree exactly.
+"""The GRPO benchmark: TRL's real `GRPOTrainer` on a communication-bound random-weight Qwen2, stock
+and with each sync mode of the plugin, full fine-tuning and LoRA (`python -m benchmarks.run --grpo`).
+This module holds the shapes, configurations, the saved model and the merge of the ranks' records;
+`grpo_worker.py` measures, `grpo_report.py` reports. Every configuration trains the same saved model
+on the same prompts with the same seed, so completions, rewards and losses must agree exactly.
 """
 
 from __future__ import annotations
 
 import json
-import statistics
 import sys
 from pathlib import Path
+from statistics import median
 from typing import Any
 
-from benchmarks.records import GrpoRankResult, GrpoRow, GrpoRun
+from benchmarks.records import GrpoRankResult, GrpoRow, GrpoRun, memory_max
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).with_name("grpo_worker.py")
@@ -37,62 +36,43 @@ SIZES: dict[str, dict[str, Any]] = {
 # far above what any step here holds, so auto windows every unit from step 2 on.
 AUTO_FREE_MEMORY = "8GiB"
 
-# Sync modes: the GradSyncConfig arguments (None: no plugin attached, stock TRL + accelerate).
-MODES: dict[str, dict[str, Any] | None] = {
-    "stock": None,
-    "per_micro_batch": {"defer": False},
-    "deferred": {"defer": True},
-    "window": {"defer": True, "keep_params_unsharded": True},
-    "auto": {"sync_mode": "auto", "free_memory": AUTO_FREE_MEMORY},
-    "deferred_gen_resident": {"defer": True, "gather_for_generation": True},
-}
-LABELS = {
-    "stock": "stock TRL + accelerate (no plugin; accelerate's no_sync defers on FSDP2)",
-    "per_micro_batch": "plugin, per-micro-batch sync",
-    "deferred": "plugin, deferred sync",
-    "window": "plugin, deferred + keep_params_unsharded (the window)",
-    "auto": f"plugin, auto with --grad-sync-free-memory {AUTO_FREE_MEMORY}",
-    "deferred_gen_resident": "plugin, deferred + gather_for_generation (params gathered once per generation)",
-}
+# Sync modes: (the GradSyncConfig arguments, None: no plugin, stock TRL + accelerate; the label).
+MODES: dict[str, tuple[dict[str, Any] | None, str]] = {
+    "stock": (None, "stock TRL + accelerate (no plugin; accelerate's no_sync defers on FSDP2)"),
+    "per_micro_batch": ({"defer": False}, "plugin, per-micro-batch sync"),
+    "deferred": ({"defer": True}, "plugin, deferred sync"),
+    "window": ({"defer": True, "keep_params_unsharded": True}, "plugin, deferred + keep_params_unsharded (the window)"),
+    "auto": ({"sync_mode": "auto", "free_memory": AUTO_FREE_MEMORY},
+             f"plugin, auto with --grad-sync-free-memory {AUTO_FREE_MEMORY}"),
+    "deferred_gen_resident": ({"defer": True, "gather_for_generation": True},
+                              "plugin, deferred + gather_for_generation (params gathered once per generation)"),
+}  # fmt: skip
 TUNINGS = ("full", "lora")
 CONFIGS: dict[str, dict[str, Any]] = {
     f"{tuning}/{mode}": {"mode": mode, "lora": tuning == "lora", "gradsync": kwargs}
     for tuning in TUNINGS
-    for mode, kwargs in MODES.items()
+    for mode, (kwargs, _) in MODES.items()
 }
-PLAN = {"quick": {"size": "quick", "configs": list(CONFIGS)}, "full": {"size": "full", "configs": list(CONFIGS)}}
 
 
 def grpo_settings(size: dict) -> dict:
-    """The GRPOConfig fields every configuration shares (the worker adds output_dir, steps, seed)."""
-    return dict(
-        per_device_train_batch_size=size["batch"],
-        gradient_accumulation_steps=size["M"],
-        num_generations=size["generations"],
-        max_completion_length=size["completion"],
-        # TRL's default: no KL term, so no reference model. With one iteration per generation TRL
-        # then runs no separate no-grad log-prob pass either (the column shows 0); with beta > 0
-        # the reference model's passes all-gather every unit of a second model in every mode.
-        beta=0.0,
-        learning_rate=1e-5,
-        lr_scheduler_type="constant",
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        disable_tqdm=True,
-        bf16=False,
-        model_init_kwargs={"dtype": "float32"},
-        # GRPOConfig would otherwise discard the FSDP state enable_cpu_fsdp() built.
-        accelerator_config={"use_configured_state": True},
-    )
+    """The GRPOConfig fields every configuration shares (the worker adds output_dir, steps, seed).
+    beta = 0, TRL's default: no KL term, no reference model, and with one iteration per generation
+    no separate no-grad log-prob pass either (the column shows 0)."""
+    shapes = {"per_device_train_batch_size": size["batch"], "gradient_accumulation_steps": size["M"],
+              "num_generations": size["generations"], "max_completion_length": size["completion"]}  # fmt: skip
+    # use_configured_state: GRPOConfig would otherwise discard the FSDP state enable_cpu_fsdp() built.
+    return dict(**shapes, beta=0.0, learning_rate=1e-5, lr_scheduler_type="constant", logging_steps=1,
+                save_strategy="no", report_to="none", disable_tqdm=True, bf16=False,
+                model_init_kwargs={"dtype": "float32"}, accelerator_config={"use_configured_state": True})  # fmt: skip
 
 
-def build_prompts():
-    """The recipe's built-in `a+b=` prompts (recipes/embedded.py)."""
+def embedded():
+    """The recipe's built-in `a+b=` task (recipes/embedded.py): its prompts and characters."""
     sys.path.insert(0, str(REPO / "recipes"))
     import embedded
 
-    return embedded.build_dataset(n=512)
+    return embedded
 
 
 def build_model_dir(path: Path, size_name: str) -> dict:
@@ -104,32 +84,21 @@ def build_model_dir(path: Path, size_name: str) -> dict:
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-    sys.path.insert(0, str(REPO / "recipes"))
-    import embedded
-
+    embedded_ = embedded()
     size = SIZES[size_name]
-    base = [embedded.PAD, embedded.EOS, embedded.UNK, *embedded.CHARS]
+    base = [embedded_.PAD, embedded_.EOS, embedded_.UNK, *embedded_.CHARS]
     vocab = {tok: i for i, tok in enumerate(base + [f"<w{i}>" for i in range(size["vocab"] - len(base))])}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token=embedded.UNK))
+    tok = Tokenizer(models.WordLevel(vocab, unk_token=embedded_.UNK))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token=embedded.PAD, eos_token=embedded.EOS, unk_token=embedded.UNK
-    )
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=embedded_.PAD, eos_token=embedded_.EOS,
+                                        unk_token=embedded_.UNK)  # fmt: skip
     tokenizer.padding_side = "left"
-    config = Qwen2Config(
-        vocab_size=len(vocab),
-        hidden_size=size["hidden"],
-        intermediate_size=size["intermediate"],
-        num_hidden_layers=size["layers"],
-        num_attention_heads=size["heads"],
-        num_key_value_heads=size["kv_heads"],
-        max_position_embeddings=128,
-        tie_word_embeddings=False,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=None,
-    )
+    config = Qwen2Config(vocab_size=len(vocab), hidden_size=size["hidden"], intermediate_size=size["intermediate"],
+                         num_hidden_layers=size["layers"], num_attention_heads=size["heads"],
+                         num_key_value_heads=size["kv_heads"], max_position_embeddings=128, bos_token_id=None,
+                         tie_word_embeddings=False, pad_token_id=tokenizer.pad_token_id,
+                         eos_token_id=tokenizer.eos_token_id)  # fmt: skip
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(config)
     model.save_pretrained(path)
@@ -141,83 +110,47 @@ def build_model_dir(path: Path, size_name: str) -> dict:
     return facts
 
 
-def model_facts(model_dir: str) -> dict:
-    return json.loads((Path(model_dir) / "bench_facts.json").read_text())
-
-
 def worker_args(p: dict, model_dir: Path, pin: bool) -> list[str]:
     args = ["--model-dir", str(model_dir), "--size", p["size"], "--configs", ",".join(p["configs"])]
     return args + ["--rounds", str(p["rounds"]), "--steps", str(p["steps"])] + (["--pin-cores"] if pin else [])
 
 
 def merge(ranks_json: list[dict]) -> GrpoRun:
-    """One row per configuration. A step lasts as long as its slowest rank: each step's time and
-    phase split are that rank's; the row has the medians over the timed steps of every round.
-    Collective counts are rank 0's (the ranks issue the same ones), memory the max over ranks."""
+    """One row per configuration: each step's time and phase split are its slowest rank's, the row
+    has the medians over the timed steps of every round; counts are rank 0's, memory the max."""
     ranks = [GrpoRankResult.from_dict(r) for r in ranks_json]
-    first, rows = ranks[0], []
-    kinds = ("all_gathers", "reduce_scatters", "all_reduces")
-    for name in dict.fromkeys(r.config for r in first.runs):
+    rows, kinds = [], ("all_gathers", "reduce_scatters", "all_reduces")
+    for name in dict.fromkeys(r.config for r in ranks[0].runs):
         per_rank = [[r for r in rank.runs if r.config == name] for rank in ranks]
-        steps, rounds = [], []
-        for runs in zip(*per_rank, strict=True):  # one run per round, on every rank
-            for same_step in zip(*(run.steps for run in runs), strict=True):
-                steps.append(max(same_step, key=lambda s: s.time_s))
-                rounds.append(runs[0].round)
+        rounds = list(zip(*per_rank, strict=True))  # one run per round, on every rank
+        steps = [(runs[0].round, max(same, key=lambda s: s.time_s))
+                 for runs in rounds for same in zip(*(run.steps for run in runs), strict=True)]  # fmt: skip
         rank0 = [s for run in per_rank[0] for s in run.steps]
-        every = [s for runs in per_rank for run in runs for s in run.steps]
+        every = [s for runs in rounds for run in runs for s in run.steps]
         phases = list(rank0[0].phases) if rank0 else []
-        held = [
-            run.handle_held_grad_bytes for runs in per_rank for run in runs if run.handle_held_grad_bytes is not None
-        ]
-        rows.append(
-            GrpoRow(
-                config=name,
-                mode=CONFIGS[name]["mode"],
-                lora=CONFIGS[name]["lora"],
-                units=per_rank[0][0].units,
-                step_time_s=statistics.median(s.time_s for s in steps),
-                step_times_s=[s.time_s for s in steps],
-                step_rounds=rounds,
-                phase_time_s={p: statistics.median(s.phases[p].time_s for s in steps) for p in phases},
-                counts_seen={p: {k: sorted({getattr(s.phases[p], k) for s in rank0}) for k in kinds} for p in phases},
-                counts_per_step={
-                    p: {k: statistics.median(getattr(s.phases[p], k) for s in rank0) for k in (*kinds, "bytes_sent")}
-                    for p in phases
-                },
-                held_grad_bytes=max(s.held_grad_bytes for s in every),
-                held_param_bytes=max(s.held_param_bytes for s in every),
-                handle_held_grad_bytes=max(held) if held else None,
-                rss_growth_bytes=max(s.rss_growth_bytes for s in every),
-                # What the report compares with stock, per round: rank 0's logs and rewards (the
-                # rewards are gathered over ranks), and every rank's completion digests.
-                logs=[run.logs for run in per_rank[0]],
-                rewards=[run.rewards for run in per_rank[0]],
-                completions=[[run.completions for run in runs] for runs in zip(*per_rank, strict=True)],
-                completion_tokens=[run.completion_tokens for run in per_rank[0]],
-                stats=per_rank[0][-1].stats,
-            )
-        )
-    return GrpoRun(
-        size=first.size,
-        facts=first.facts,
-        rows=rows,
-        versions=first.versions,
-        pinned_cores=[r.pinned_core for r in ranks],
-    )
+        rows.append(GrpoRow(
+            config=name, mode=CONFIGS[name]["mode"], lora=CONFIGS[name]["lora"], units=per_rank[0][0].units,
+            step_time_s=median(s.time_s for _, s in steps), step_times_s=[s.time_s for _, s in steps],
+            step_rounds=[r for r, _ in steps],
+            phase_time_s={p: median(s.phases[p].time_s for _, s in steps) for p in phases},
+            counts_seen={p: {k: sorted({getattr(s.phases[p], k) for s in rank0}) for k in kinds} for p in phases},
+            counts_per_step={p: {k: median(getattr(s.phases[p], k) for s in rank0) for k in (*kinds, "bytes_sent")}
+                             for p in phases},
+            **memory_max(every, [run.handle_held_grad_bytes for runs in rounds for run in runs]),
+            logs=[run.logs for run in per_rank[0]], rewards=[run.rewards for run in per_rank[0]],
+            completions=[[run.completions for run in runs] for runs in rounds],
+            stats=per_rank[0][-1].stats))  # fmt: skip
+    return GrpoRun(size=ranks[0].size, facts=ranks[0].facts, rows=rows, versions=ranks[0].versions,
+                   pinned_cores=[r.pinned_core for r in ranks])  # fmt: skip
 
 
 def plan_of(args) -> dict:
-    p = dict(PLAN["quick" if args.quick else "full"])
-    size = SIZES[p["size"]]
-    p.update(rounds=args.reps or size["rounds"], steps=args.steps or size["steps"], quick=bool(args.quick))
-    if args.configs:
-        p["configs"] = args.configs.split(",")
-        unknown = [c for c in p["configs"] if c not in CONFIGS]
-        if unknown:
-            raise SystemExit(
-                f"--configs: unknown GRPO configuration(s) {', '.join(unknown)}; valid: {', '.join(CONFIGS)}"
-            )
+    size = "quick" if args.quick else "full"
+    rounds, steps = args.reps or SIZES[size]["rounds"], args.steps or SIZES[size]["steps"]
+    p = {"size": size, "configs": args.configs.split(",") if args.configs else list(CONFIGS), "rounds": rounds,
+         "steps": steps, "quick": bool(args.quick)}  # fmt: skip
+    if unknown := [c for c in p["configs"] if c not in CONFIGS]:
+        raise SystemExit(f"--configs: unknown GRPO configuration(s) {', '.join(unknown)}; valid: {', '.join(CONFIGS)}")
     if p["steps"] < 2:
         raise SystemExit(f"--steps {p['steps']}: the GRPO benchmark needs at least 2 (step 1 is untimed warm-up)")
     return p

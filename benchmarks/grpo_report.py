@@ -1,6 +1,6 @@
-"""The GRPO benchmark's results.json -> results.md (a table per network), grpo_step_split.png
-(each configuration's step split into generation, log-prob passes, scoring and training), and the
-target lines (PASS / FAIL / SKIP / N/D, of the GRPO targets in `targets.py`).
+"""The GRPO benchmark's report: results.json -> results.md (a table per network),
+grpo_step_split.png (each configuration's step split into phases) and the target summary
+(PASS / FAIL / SKIP / N/D, of the GRPO targets in `targets.py`).
 """
 
 from __future__ import annotations
@@ -10,19 +10,16 @@ import statistics
 from pathlib import Path
 
 from benchmarks import grpo, targets
-from benchmarks.output import MiB, finish_axes, header, panels, save_figure, targets_table
 from benchmarks.records import GrpoResults, GrpoRow, GrpoRun
-from benchmarks.stats import by_round, fmt_count, judge, noted, ratios
+from benchmarks.stats import MiB, by_round, fmt_count, fmt_held, header, judged, panels, ratios, save_figure, write_md
 from benchmarks.targets import FAIL, PASS, SKIP, TargetResult
 
-PHASES = ("generation", "logprob", "scoring", "training")
-PHASE_LABELS = {
-    "generation": "generation",
-    "logprob": "log-prob passes (no grad)",
-    "scoring": "scoring",
-    "training": "training",
+PHASES = {  # phase -> (label, color)
+    "generation": ("generation", "tab:orange"),
+    "logprob": ("log-prob passes (no grad)", "tab:purple"),
+    "scoring": ("scoring", "tab:gray"),
+    "training": ("training", "tab:blue"),
 }
-COLORS = {"generation": "tab:orange", "logprob": "tab:purple", "scoring": "tab:gray", "training": "tab:blue"}
 
 
 def network(run: GrpoRun) -> str:
@@ -51,9 +48,8 @@ def trained_gathers(row: GrpoRow) -> list[int]:
     return sorted({g + t for g in seen["generation"]["all_gathers"] for t in seen["training"]["all_gathers"]})
 
 
-# -- table --------------------------------------------------------------------------------------
 def write_table(results: GrpoResults) -> str:
-    lines = header(results)
+    lines = header("GRPO benchmark results", results)
     for run in results.runs:
         f = run.facts
         units = sorted({r.units for r in run.rows})
@@ -80,9 +76,7 @@ def write_table(results: GrpoResults) -> str:
             tuning = name.split("/")[0]
             sp = speedup(run, name, f"{tuning}/stock")
             c, ph = r.counts_per_step, r.phase_time_s
-            held = f"{r.held_grad_bytes / MiB:.2f}"
-            if r.handle_held_grad_bytes is not None:
-                held += f" ({r.handle_held_grad_bytes / MiB:.2f})"
+            held = fmt_held(r.held_grad_bytes, r.handle_held_grad_bytes)
             lines.append(
                 f"| {name} | {r.step_time_s * 1e3:.0f} | {sp[0] if sp else math.nan:.2f}x | "
                 + " | ".join(f"{ph[p] * 1e3:.0f}" for p in PHASES)
@@ -93,32 +87,27 @@ def write_table(results: GrpoResults) -> str:
             )
         lines.append("")
     lines += ["Configurations (each for full fine-tuning and for LoRA on q_proj, v_proj):", ""]
-    lines += [f"- `{mode}`: {label}" for mode, label in grpo.LABELS.items()]
+    lines += [f"- `{mode}`: {label}" for mode, (_, label) in grpo.MODES.items()]
     return "\n".join(lines) + "\n"
 
 
-# -- plot ---------------------------------------------------------------------------------------
 def plot_step_split(results: GrpoResults, path: Path) -> None:
     """One panel per network: each configuration's median step as stacked phases."""
-    runs = results.runs
-    fig, axes = panels(len(runs), 7, 5.5)
-    for ax, run in zip(axes, runs, strict=True):
+    fig, axes = panels(len(results.runs), 7, 5.5)
+    for ax, run in zip(axes, results.runs, strict=True):
         rows = rows_of(run)
         names = [n for n in grpo.CONFIGS if n in rows]
         left = [0.0] * len(names)
-        for phase in PHASES:
+        for phase, (label, color) in PHASES.items():
             widths = [rows[n].phase_time_s[phase] for n in names]
             if any(widths):
-                ax.barh(names, widths, left=left, color=COLORS[phase], label=PHASE_LABELS[phase])
+                ax.barh(names, widths, left=left, color=color, label=label)
             left = [a + b for a, b in zip(left, widths, strict=True)]
         ax.invert_yaxis()
-        ax.set_xlabel("median GRPO step (s)")
-        ax.set_title(f"{network(run)}: where a GRPO step goes")
-        finish_axes(ax)
-    save_figure(fig, path)
+        ax.set(xlabel="median GRPO step (s)", title=f"{network(run)}: where a GRPO step goes")
+    save_figure(fig, axes, path)
 
 
-# -- targets ------------------------------------------------------------------------------------
 def check_targets(results: GrpoResults) -> list[TargetResult]:
     quick = bool(results.plan.get("quick"))
     out = []
@@ -138,12 +127,9 @@ def check_targets(results: GrpoResults) -> list[TargetResult]:
 def check_speedup(run: GrpoRun, window: str, stock: str, target: targets.Target, quick: bool) -> TargetResult:
     """Stock's step / the window's step per round; the median over rounds against the target."""
     what = f"[{network(run)}] {window} {target.name.replace('than stock', f'than {stock}')}"
-    sp = speedup(run, window, stock)
-    if sp is None:
+    if (sp := speedup(run, window, stock)) is None:
         return TargetResult(what, SKIP, "not run")
-    status, _ = judge(target, sp[1], quick)
-    measured = f"{sp[0]:.2f}x (per round: {', '.join(f'{x:.2f}x' for x in sp[1])})"
-    return TargetResult(what, status, noted(status, measured))
+    return judged(what, target, sp[1], quick, "{m:.2f}x (per round: " + ", ".join(f"{x:.2f}x" for x in sp[1]) + ")")
 
 
 def check_window_gathers(where: str, row: GrpoRow) -> TargetResult:
@@ -171,24 +157,18 @@ def check_identical(where: str, rows: dict[str, GrpoRow]) -> list[TargetResult]:
         if stock is None or not others:
             out.append(TargetResult(what, SKIP, "stock or no other configuration run"))
             continue
-        ref = recorded(stock, 0)
-        bad = []
-        for name in others:
-            for k in range(len(rows[name].logs)):
-                got = recorded(rows[name], k)
-                diff = [key for key in ref if got[key] != ref[key]]
-                if diff:
-                    bad.append(f"{name} round {k}: {', '.join(diff)} differ{first_difference(got, ref)}")
+        ref, bad = recorded(stock, 0), []
+        for name, k in [(n, k) for n in others for k in range(len(rows[n].logs))]:
+            got = recorded(rows[name], k)
+            if diff := [key for key in ref if got[key] != ref[key]]:
+                bad.append(f"{name} round {k}: {', '.join(diff)} differ{first_difference(got, ref)}")
         if any(recorded(stock, k) != ref for k in range(len(stock.logs))):
             bad.append("stock differs between its own rounds")
-        if bad:
-            out.append(TargetResult(what, FAIL, "; ".join(bad)))
-            continue
         measured = (
             f"{', '.join(others)} vs stock: {len(ref['logs'])} steps x {len(stock.logs)} round(s), "
             "losses and rewards logged, completions and rewards recorded"
         )
-        out.append(TargetResult(what, PASS, measured))
+        out.append(TargetResult(what, FAIL, "; ".join(bad)) if bad else TargetResult(what, PASS, measured))
     return out
 
 
@@ -209,10 +189,7 @@ def first_difference(got: dict, ref: dict) -> str:
 
 def write_report(results: GrpoResults, out: Path) -> str:
     """Write results.md and grpo_step_split.png into `out`; return the target summary."""
-    out = Path(out)
     checked = check_targets(results)
-    md = ["# GRPO benchmark results", "", write_table(results), *targets_table(checked)]
-    md += ["", "![GRPO step split](grpo_step_split.png)", ""]
-    (out / "results.md").write_text("\n".join(md))
-    plot_step_split(results, out / "grpo_step_split.png")
+    write_md(Path(out), [write_table(results)], checked, {"grpo_step_split.png": "GRPO step split"})
+    plot_step_split(results, Path(out) / "grpo_step_split.png")
     return targets.format_summary(checked)

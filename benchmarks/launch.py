@@ -1,8 +1,8 @@
 """Launch a script on several ranks the way users do, `accelerate launch --config_file` (or
 `torchrun` for CPU DDP, which accelerate launches only through mpirun), and collect the
 `rank<R>.json` each rank writes to the `--out DIR` it is given. The benchmarks and the multi-rank
-tests (tests/distributed/launcher.py) share it; with a `cluster.Cluster` the same launch runs
-once per simulated host, as a multi-node job does.
+tests (tests/distributed/launcher.py) share it; with a `cluster.Cluster` the launch runs once per
+simulated host, as a multi-node job does.
 """
 
 from __future__ import annotations
@@ -57,9 +57,8 @@ def free_port() -> int:
 def environment(env: dict[str, str] | None = None) -> dict[str, str]:
     """This environment, offline, one OMP thread per rank (ranks share the cores), this repository
     first on PYTHONPATH, and no sync mode inherited from ACCEL_GRADSYNC_DEFER: `env` alone sets it."""
-    inherited = {k: v for k, v in os.environ.items() if k != "ACCEL_GRADSYNC_DEFER"}
-    full = {**inherited, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    full.update(env or {})
+    full = {k: v for k, v in os.environ.items() if k != "ACCEL_GRADSYNC_DEFER"}
+    full.update({"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})})
     full["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), full.get("PYTHONPATH")]))
     return full
 

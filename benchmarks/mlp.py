@@ -1,15 +1,12 @@
 """The MLP benchmark: every sync mode of the plugin against the loops a user would otherwise
-write (stock accelerate, the transformers Trainer, hand-written FSDP2 loops), on residual MLPs
-of several sizes; over loopback, or with `--cluster` on simulated hosts. This module holds the
-configurations, the run plans, the launches and the merge of the ranks' records; `mlp_worker.py`
-measures, `mlp_report.py` reports.
+write (stock accelerate, the transformers Trainer, hand-written FSDP2 loops) on residual MLPs of
+several sizes. This module holds the configurations, presets, launches and the merge of the ranks'
+records; `mlp_worker.py` measures, `mlp_report.py` reports.
 
-A configuration (`CONFIGS`) is a dict: `loop`, the training loop that drives it
-(`mlp_worker.LOOPS`, or "trainer" for a stock `transformers.Trainer`); `gradsync`, the
-`GradSyncConfig` arguments, a function of the model's facts returning them, or None (no plugin);
-`sync_each_batch` (accelerate's plugin flag); `reshard_after_forward: False` (what
-`fsdp_reshard_after_forward: false` gives FSDP2's units); `mesh: "2x2"` (4 ranks as HSDP,
-replicate 2 x shard 2; else 2 ranks of plain FSDP2); `group` and `label` for the report.
+A configuration (`CONFIGS`): `loop`, the training loop (`mlp_worker.LOOPS`, or "trainer": a stock
+`transformers.Trainer`); `gradsync`, the `GradSyncConfig` arguments (a function of the model's
+facts, or None: no plugin); `sync_each_batch` (accelerate's flag); `reshard_after_forward: False`;
+`mesh: "2x2"` (4 ranks as HSDP, else 2 of plain FSDP2); `group` and `label` for the report.
 """
 
 from __future__ import annotations
@@ -20,62 +17,46 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchmarks.records import ConfigResult, RankResult, Run
+from benchmarks.records import ConfigResult, RankResult, Run, memory_max
 
 WORKER = Path(__file__).with_name("mlp_worker.py")
 KINDS = ("reduce_scatters", "all_reduces", "all_gathers")
 
 
 def budget(fraction: float) -> Callable[[dict], dict]:
-    """A budget of `fraction` x the bytes a full window holds on one rank (every unit's unsharded
-    gradient and params): the budget modes choose each unit's level inside that span."""
-
-    def build(facts: dict) -> dict:
-        return {"sync_mode": "budget", "memory_budget": f"{int(fraction * facts['full_window_bytes'])}B"}
-
-    return build
+    """A budget of `fraction` x the bytes a full window holds on one rank (unsharded grads and params)."""
+    return lambda facts: {"sync_mode": "budget", "memory_budget": f"{int(fraction * facts['full_window_bytes'])}B"}
 
 
+def config(group: str, label: str, gradsync: Any = None, loop: str = "accumulate", **extra: Any) -> dict[str, Any]:
+    return {"loop": loop, "gradsync": gradsync, "group": group, "label": label, **extra}
+
+
+NO_RESHARD = {"reshard_after_forward": False}
 CONFIGS: dict[str, dict[str, Any]] = {
     # The two modes of the plugin, through accelerate's own `accumulate`.
-    "per_micro_batch": {"loop": "accumulate", "gradsync": {"defer": False}, "group": "plugin",
-                        "label": "accel_gradsync per-micro-batch"},
-    "deferred": {"loop": "accumulate", "gradsync": {"defer": True}, "group": "plugin",
-                 "label": "accel_gradsync deferred"},
-    "window": {"loop": "accumulate", "gradsync": {"defer": True, "keep_params_unsharded": True}, "group": "plugin",
-               "label": "accel_gradsync deferred + window (params unsharded through the window)"},
+    "per_micro_batch": config("plugin", "accel_gradsync per-micro-batch", {"defer": False}),
+    "deferred": config("plugin", "accel_gradsync deferred", {"defer": True}),
+    "window": config("plugin", "accel_gradsync deferred + window (params unsharded through the window)",
+                     {"defer": True, "keep_params_unsharded": True}),
     # Memory-aware modes: each defers only what fits.
-    "budget_25": {"loop": "accumulate", "gradsync": budget(0.25), "group": "memory-aware",
-                  "label": "budget = 25% of a full window's bytes"},
-    "budget_50": {"loop": "accumulate", "gradsync": budget(0.50), "group": "memory-aware",
-                  "label": "budget = 50% of a full window's bytes"},
-    "budget_75": {"loop": "accumulate", "gradsync": budget(0.75), "group": "memory-aware",
-                  "label": "budget = 75% of a full window's bytes"},
-    "auto": {"loop": "accumulate", "gradsync": {"sync_mode": "auto"}, "group": "memory-aware",
-             "label": "auto (from free memory)"},
+    **{f"budget_{p}": config("memory-aware", f"budget = {p}% of a full window's bytes", budget(p / 100))
+       for p in (25, 50, 75)},
+    "auto": config("memory-aware", "auto (from free memory)", {"sync_mode": "auto"}),
     # The peers a user would otherwise pick.
-    "stock_accumulate": {"loop": "accumulate", "gradsync": None, "group": "peer",
-                         "label": "stock accelerate accumulate (no plugin)"},
-    "stock_sync_each_batch": {"loop": "accumulate", "gradsync": None, "sync_each_batch": True, "group": "peer",
-                              "label": "stock accelerate, sync_each_batch=True"},
-    "raw_fsdp2": {"loop": "raw", "gradsync": None, "group": "peer",
-                  "label": "hand-written set_requires_gradient_sync loop (verl)"},
-    "raw_window": {"loop": "raw_window", "gradsync": None, "reshard_after_forward": False, "group": "peer",
-                   "label": "hand-written window loop (PyTorch issue 124319)"},
-    "stock_window_by_hand": {"loop": "accumulate_window", "gradsync": None, "reshard_after_forward": False,
-                             "group": "peer",
-                             "label": "stock accelerate accumulate, window flags by hand (PyTorch issue 124319)"},
-    "stock_no_reshard": {"loop": "accumulate", "gradsync": None, "reshard_after_forward": False, "group": "peer",
-                         "label": "stock accelerate accumulate, fsdp_reshard_after_forward: false"},
-    "trainer_stock": {"loop": "trainer", "gradsync": None, "group": "peer",
-                      "label": "stock transformers Trainer"},
+    "stock_accumulate": config("peer", "stock accelerate accumulate (no plugin)"),
+    "stock_sync_each_batch": config("peer", "stock accelerate, sync_each_batch=True", sync_each_batch=True),
+    "raw_fsdp2": config("peer", "hand-written set_requires_gradient_sync loop (verl)", loop="raw"),
+    "raw_window": config("peer", "hand-written window loop (PyTorch issue 124319)", loop="raw_window", **NO_RESHARD),
+    "stock_window_by_hand": config("peer", "stock accelerate accumulate, window flags by hand (PyTorch issue 124319)",
+                                   loop="accumulate_window", **NO_RESHARD),
+    "stock_no_reshard": config("peer", "stock accelerate accumulate, fsdp_reshard_after_forward: false", **NO_RESHARD),
+    "trainer_stock": config("peer", "stock transformers Trainer", loop="trainer"),
     # HSDP on a 2x2 (replicate x shard) mesh, 4 ranks.
-    "hsdp_per_micro_batch": {"loop": "accumulate", "gradsync": {"defer": False}, "mesh": "2x2", "group": "hsdp",
-                             "label": "HSDP 2x2 per-micro-batch"},
-    "hsdp_deferred": {"loop": "accumulate", "gradsync": {"defer": True}, "mesh": "2x2", "group": "hsdp",
-                      "label": "HSDP 2x2 deferred"},
-    "hsdp_defer_all_reduce": {"loop": "accumulate", "gradsync": {"sync_mode": "defer_all_reduce"}, "mesh": "2x2",
-                              "group": "hsdp", "label": "HSDP 2x2 all-reduce deferral"},
+    "hsdp_per_micro_batch": config("hsdp", "HSDP 2x2 per-micro-batch", {"defer": False}, mesh="2x2"),
+    "hsdp_deferred": config("hsdp", "HSDP 2x2 deferred", {"defer": True}, mesh="2x2"),
+    "hsdp_defer_all_reduce": config("hsdp", "HSDP 2x2 all-reduce deferral", {"sync_mode": "defer_all_reduce"},
+                                    mesh="2x2"),
 }  # fmt: skip
 
 # The overhead pairs: configurations that issue the same collectives on the same bytes, so
@@ -131,34 +112,20 @@ CLUSTER_QUICK = {"sizes": ["small"], "Ms": [1, 4], "reps": 1, "steps": 1, "hsdp_
     "per_micro_batch", "deferred", "window", "hsdp_per_micro_batch", "hsdp_defer_all_reduce"]}  # fmt: skip
 
 
-def pair_chains(names: list[str]) -> list[list[str]]:
-    """The overhead pairs among `names` as chains of adjacent configurations: a configuration in
-    two pairs (the window, against the raw loop and against the flags by hand) sits between its
-    two partners."""
-    chains: list[list[str]] = []
-    for a, b in PAIRS:
-        if a not in names or b not in names:
-            continue
-        chain = next((c for c in chains if a in c and a in (c[0], c[-1])), None)
-        if chain is None:
-            chains.append([a, b])
-        elif chain[0] == a:
-            chain.insert(0, b)
-        else:
-            chain.append(b)
-    return chains
-
-
 def round_order(names: list[str], k: int) -> list[str]:
-    """Round k's order: the overhead pairs as adjacent blocks (as listed on even rounds, reversed
-    on odd ones, so no configuration always runs first), every other configuration a block of its
-    own, and the blocks rotated by k."""
-    blocks = [chain if k % 2 == 0 else chain[::-1] for chain in pair_chains(names)]
-    done = {name for block in blocks for name in block}
-    blocks += [[name] for name in names if name not in done]
-    if not blocks:
-        return []
-    k %= len(blocks)
+    """Round k's order: the overhead pairs among `names` as adjacent blocks (a configuration in two
+    pairs between its partners; as listed on even rounds, reversed on odd ones, so no configuration
+    always runs first), every other configuration a block of its own, the blocks rotated by k."""
+    blocks: list[list[str]] = []
+    for a, b in [(a, b) for a, b in PAIRS if a in names and b in names]:
+        block = next((c for c in blocks if a in (c[0], c[-1])), None)
+        if block is None:
+            blocks.append([a, b])
+        else:
+            block.insert(0, b) if block[0] == a else block.append(b)
+    blocks = [block if k % 2 == 0 else block[::-1] for block in blocks]
+    blocks += [[name] for name in names if all(name not in block for block in blocks)]
+    k %= max(len(blocks), 1)
     return [name for block in blocks[k:] + blocks[:k] for name in block]
 
 
@@ -200,42 +167,26 @@ def worker_args(p: dict, size: str, names: list[str], device: str) -> list[str]:
 
 def merge(ranks_json: list[dict]) -> Run:
     """One row per (configuration, M) from every rank and repetition: a step lasts as long as its
-    slowest rank, the median is over all timed steps; counts and bytes are rank 0's (every rank
-    issues the same collectives), memory the max over ranks."""
+    slowest rank; counts and bytes are rank 0's (every rank issues the same), memory the max."""
     ranks_ = [RankResult.from_dict(r) for r in ranks_json]
     first, rows = ranks_[0], []
     for j, rec in enumerate(first.records):
         per_rank = [rank.records[j] for rank in ranks_]
         assert all((r.config, r.M) == (rec.config, rec.M) for r in per_rank), "ranks disagree on the records"
         steps = list(zip(*(r.steps for r in per_rank), strict=True))  # each timed step, on every rank
-        times = [max(s.time_s for s in step) for step in steps]
-        cpus = [max(s.cpu_s for s in step) for step in steps]
+        times, cpus = ([max(getattr(s, k) for s in step) for step in steps] for k in ("time_s", "cpu_s"))
         every = [s for r in per_rank for s in r.steps]
-        handle_held = [s.handle_held_grad_bytes for s in every if s.handle_held_grad_bytes is not None]
-        rows.append(
-            ConfigResult(
-                config=rec.config,
-                M=rec.M,
-                label=CONFIGS[rec.config]["label"],
-                group=CONFIGS[rec.config]["group"],
-                step_time_s=statistics.median(times),
-                step_times_s=times,
-                step_rounds=[s.round for s in rec.steps],
-                step_cpu_s=statistics.median(cpus),
-                step_cpus_s=cpus,
-                **{f"{kind}_per_step": statistics.median(getattr(s, kind) for s in rec.steps) for kind in KINDS},
-                bytes_sent_per_step=statistics.median(s.bytes_sent for s in rec.steps),
-                counts_seen_per_step={kind: sorted({getattr(s, kind) for s in rec.steps}) for kind in KINDS},
-                held_grad_bytes=max(s.held_grad_bytes for s in every),
-                held_param_bytes=max(s.held_param_bytes for s in every),
-                handle_held_grad_bytes=max(handle_held) if handle_held else None,
-                peak_rss_bytes=max(s.peak_rss_bytes for s in every),
-                rss_growth_bytes=max(s.rss_growth_bytes for s in every),
-                peak_rss_scope=rec.steps[0].peak_rss_scope,
-                device_peak_bytes=max((s.device_peak_bytes or 0) for s in every) or None,
-                stats=rec.stats,
-                sync_control_us=max((r.sync_control_us or 0) for r in per_rank) or None,
-            )
-        )
+        per_step = {
+            f"{k}_per_step": statistics.median(getattr(s, k) for s in rec.steps) for k in (*KINDS, "bytes_sent")
+        }
+        rows.append(ConfigResult(
+            config=rec.config, M=rec.M, label=CONFIGS[rec.config]["label"], group=CONFIGS[rec.config]["group"],
+            step_time_s=statistics.median(times), step_times_s=times, step_rounds=[s.round for s in rec.steps],
+            step_cpu_s=statistics.median(cpus), step_cpus_s=cpus, **per_step,
+            counts_seen_per_step={kind: sorted({getattr(s, kind) for s in rec.steps}) for kind in KINDS},
+            **memory_max(every, [s.handle_held_grad_bytes for s in every]),
+            peak_rss_bytes=max(s.peak_rss_bytes for s in every), peak_rss_scope=rec.steps[0].peak_rss_scope,
+            device_peak_bytes=max((s.device_peak_bytes or 0) for s in every) or None, stats=rec.stats,
+            sync_control_us=max((r.sync_control_us or 0) for r in per_rank) or None))  # fmt: skip
     return Run(size=first.size, facts=first.facts, device=first.device, ranks=len(ranks_), rows=rows,
                versions=first.versions, pinned_cores=[rank.pinned_core for rank in ranks_])  # fmt: skip

@@ -1,8 +1,8 @@
 """What the benchmark's processes hand each other, as typed records: a worker writes its rank's
 record (`RankResult`, `GrpoRankResult`) with `dataclasses.asdict`; the harness merges the ranks
-into rows (`ConfigResult`, `GrpoRow`), one `Run` per launch and network, and writes the whole
-(`Results`, `GrpoResults`) as results.json. `Record.from_dict` rebuilds any of them from JSON
-by its type hints, so a new field needs its declaration only.
+into rows (`ConfigResult`, `GrpoRow`), one run per launch and network, and writes the whole
+(`Results`, `GrpoResults`) as results.json. `from_dict` rebuilds any of them from JSON by its type
+hints, so a new field needs its declaration only.
 """
 
 from __future__ import annotations
@@ -21,8 +21,7 @@ class Record:
 
 
 def build(tp: Any, value: Any) -> Any:
-    """`value` (parsed JSON) as type `tp`: dataclasses field by field, lists, dicts and optional
-    values recursively, anything else as it is."""
+    """`value` (parsed JSON) as type `tp`: dataclasses, lists, dicts and optionals recursively."""
     if value is None:
         return None
     if dataclasses.is_dataclass(tp):
@@ -39,7 +38,24 @@ def build(tp: Any, value: Any) -> Any:
     return value
 
 
-# -- rows and runs: what both benchmarks share ------------------------------------------------
+@dataclass(kw_only=True)
+class Measured(Record):
+    """One timed optimizer step on one rank (`measure.StepMeter`)."""
+
+    time_s: float
+    cpu_s: float  # this rank's CPU time (gloo's threads included): less sensitive to neighbours
+    held_grad_bytes: int  # the most gradient bytes (sharded + unsharded) held after any backward
+    held_param_bytes: int  # the most unsharded parameter bytes alive after any backward
+    rss_growth_bytes: int  # the step's peak resident memory less that at its start
+
+
+def memory_max(steps: list[Measured], handle_held: list[int | None]) -> dict[str, Any]:
+    """A row's memory fields: the max over every rank's steps (None: no plugin measure)."""
+    held = [h for h in handle_held if h is not None]
+    out = {k: max(getattr(s, k) for s in steps) for k in ("held_grad_bytes", "held_param_bytes", "rss_growth_bytes")}
+    return {**out, "handle_held_grad_bytes": max(held) if held else None}
+
+
 @dataclass(kw_only=True)
 class Row(Record):
     """One configuration merged over ranks: a row of a report's table. Times are each step's
@@ -49,10 +65,10 @@ class Row(Record):
     step_time_s: float = 0.0  # median over the timed steps
     step_times_s: list[float] = field(default_factory=list)  # every timed step, in the order they ran
     step_rounds: list[int | None] = field(default_factory=list)  # the round each ran in (None: own loop)
-    held_grad_bytes: int = 0  # the most gradient bytes (sharded + unsharded) held after a backward
-    held_param_bytes: int = 0  # the most unsharded parameter bytes alive after a backward
+    held_grad_bytes: int = 0
+    held_param_bytes: int = 0
     handle_held_grad_bytes: int | None = None  # the plugin's own held-gradient measure (None: no plugin)
-    rss_growth_bytes: int = 0  # the most resident memory grew within a step
+    rss_growth_bytes: int = 0
     stats: dict[str, Any] = field(default_factory=dict)  # rank 0's plugin stats at the end (scalars)
 
 
@@ -60,15 +76,15 @@ class Row(Record):
 class RunBase(Record):
     """One launch on one network: loopback, or a simulated cluster's shaped link."""
 
-    size: str  # the model size's key
+    size: str
     facts: dict[str, Any]  # the model's and launch's facts (params, units, world size, ...)
-    versions: dict[str, str] = field(default_factory=dict)  # torch, accelerate, ... and the backend
+    versions: dict[str, str] = field(default_factory=dict)
     pinned_cores: list[int | None] = field(default_factory=list)  # each rank's core (None: unpinned)
     wall_s: float = 0.0
     link: str | None = None  # the link bandwidth in tc's spelling (None: loopback)
     hosts: int = 1
-    ranks_per_host: int | None = None  # None: loopback
-    link_bytes: int | None = None  # bytes tbf counted through the shaped links (None: loopback)
+    ranks_per_host: int | None = None
+    link_bytes: int | None = None  # bytes tbf counted through the shaped links
 
 
 @dataclass(kw_only=True)
@@ -76,26 +92,19 @@ class ResultsBase(Record):
     """Everything one `python -m benchmarks.run` measured: results.json."""
 
     command: str
-    plan: dict[str, Any]  # what the run ran: sizes, Ms, configurations, rounds, steps, quick
-    machine: dict[str, Any]  # CPU, memory, platform, device (`run.machine_facts`)
+    plan: dict[str, Any]  # sizes, Ms, configurations, rounds, steps, quick
+    machine: dict[str, Any]  # `run.machine_facts`
     elapsed_s: float
 
 
 # -- the MLP benchmark (mlp_worker.py -> mlp.py -> mlp_report.py) --------------------------------
 @dataclass(kw_only=True)
-class StepSample(Record):
-    """One timed optimizer step on one rank."""
-
-    time_s: float
-    cpu_s: float  # this rank's CPU time (gloo's threads included): less sensitive to neighbours
+class StepSample(Measured):
     reduce_scatters: int
     all_reduces: int
     all_gathers: int
     bytes_sent: float  # by the ring formula on the tensors the collectives were given
-    held_grad_bytes: int  # the most held after any backward of the step
-    held_param_bytes: int
     peak_rss_bytes: int  # over the step where the OS allows resetting the peak, else the process's
-    rss_growth_bytes: int  # that peak less the resident memory at the step's start
     peak_rss_scope: str  # "step" or "process"
     device_peak_bytes: int | None  # the CUDA/NPU allocator's peak; None on CPU
     handle_held_grad_bytes: int | None = None
@@ -114,8 +123,6 @@ class RankRecord(Record):
 
 @dataclass(kw_only=True)
 class RankResult(Record):
-    """rank<R>.json of an MLP launch."""
-
     size: str
     facts: dict[str, Any]
     device: str
@@ -126,8 +133,6 @@ class RankResult(Record):
 
 @dataclass(kw_only=True)
 class ConfigResult(Row):
-    """One (configuration, M) of the MLP benchmark."""
-
     M: int
     label: str = ""
     group: str = ""  # plugin, memory-aware, peer or hsdp
@@ -168,14 +173,9 @@ class PhaseTotals(Record):
 
 
 @dataclass(kw_only=True)
-class GrpoStep(Record):
+class GrpoStep(Measured):
     step: int  # the Trainer's global step
-    time_s: float
-    cpu_s: float
     phases: dict[str, PhaseTotals]  # generation, logprob, scoring, training
-    held_grad_bytes: int
-    held_param_bytes: int
-    rss_growth_bytes: int
 
 
 @dataclass(kw_only=True)
@@ -188,7 +188,6 @@ class GrpoRankRun(Record):
     units: int  # FSDP2 units of the prepared model
     logs: list[dict[str, Any]]  # the Trainer's logged step, loss, reward, reward_std, kl
     completions: list[str]  # a digest of each generation's completion ids
-    completion_tokens: list[int]
     rewards: list[list[float]]  # each scoring's rewards, gathered over ranks
     handle_held_grad_bytes: int | None = None
     stats: dict[str, Any] = field(default_factory=dict)
@@ -205,20 +204,16 @@ class GrpoRankResult(Record):
 
 @dataclass(kw_only=True)
 class GrpoRow(Row):
-    """One GRPO configuration merged over ranks and rounds."""
-
     mode: str = ""
     lora: bool = False
     units: int = 0
     phase_time_s: dict[str, float] = field(default_factory=dict)  # phase -> median over the steps
     counts_seen: dict[str, dict[str, list[int]]] = field(default_factory=dict)  # phase -> kind -> seen
     counts_per_step: dict[str, dict[str, float]] = field(default_factory=dict)  # phase -> kind -> median
-    # What the report compares with stock, per round: rank 0's logs, rewards and completion
-    # tokens, and every rank's completion digests.
+    # Per round, what must equal stock's: rank 0's logs and rewards, every rank's completion digests.
     logs: list[list[dict[str, Any]]] = field(default_factory=list)
     rewards: list[list[list[float]]] = field(default_factory=list)
     completions: list[list[list[str]]] = field(default_factory=list)
-    completion_tokens: list[list[int]] = field(default_factory=list)
 
 
 @dataclass(kw_only=True)

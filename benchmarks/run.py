@@ -1,12 +1,11 @@
-"""The benchmark harness: `python -m benchmarks.run [--quick] [--device cpu|cuda|npu] [--out DIR]`.
+"""The benchmark harness: `python -m benchmarks.run [--quick] [--grpo] [--device cpu|cuda|npu] [--out DIR]`.
 
-Two benchmarks are configurations of it: the MLP benchmark (`mlp.py`, the default) and the GRPO
-benchmark (`--grpo`, `grpo.py`). Each gives a plan, the networks it runs on and its launches; the
-harness runs every launch with `accelerate launch` (`launch.py`) over loopback, or with
-`--cluster HxR --link 1gbit,...` once per link on simulated hosts (`cluster.py`, root only),
-merges what the ranks wrote into a `Run` per launch, writes results.json and has the benchmark's
-report write results.md, the PNGs and the PASS/FAIL target summary.
-`python -m benchmarks.run --redraw DIR` redraws the report from DIR/results.json.
+The MLP benchmark (`mlp.py`, the default) and the GRPO benchmark (`--grpo`, `grpo.py`) are
+configurations of it: each gives a plan, the networks it runs on and its launches. Every launch
+runs under `accelerate launch` (`launch.py`) over loopback, or with `--cluster HxR --link ...` once
+per link on simulated hosts (`cluster.py`, root only); the ranks' records are merged into a run per
+launch and network and written to results.json, and the benchmark's report writes results.md, the
+PNGs and the PASS/FAIL summary. `--redraw DIR` redraws the report from DIR/results.json.
 """
 
 from __future__ import annotations
@@ -21,8 +20,8 @@ import tempfile
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from benchmarks import cluster, grpo, grpo_report, mlp, mlp_report
 from benchmarks.launch import REPO, fsdp2_config, launch
@@ -45,25 +44,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--hsdp-size", help=f"model size of the 4-rank HSDP launch (default: {mlp.HSDP_SIZE}; quick cluster: small)")
     add("--timeout", type=int, default=900, help="seconds per launch")
     add("--cluster", metavar="HxR", help="on H simulated hosts x R ranks, 2 in all (needs root, ip, tc: cluster.py)")
-    add(
-        "--link",
-        default="1gbit,10gbit",
-        help="with --cluster: link rates in tc's spelling, one run of each launch per link",
-    )
+    add("--link", default="1gbit,10gbit", help="with --cluster: tc link rates, one run of each launch per link")
     add("--redraw", metavar="DIR", help="only redraw the report of DIR/results.json")
     return p.parse_args(argv)
 
 
-@dataclass
-class Job:
-    """One `accelerate launch` of a benchmark's worker."""
+class Job(NamedTuple):
+    """One `accelerate launch` of a benchmark's worker; `merge` turns the ranks' JSON into its run."""
 
     what: str  # the progress line's description
     script: Path
     args: list[str]
     config: dict  # the accelerate config
-    merge: Callable[[list[dict]], RunBase]  # the ranks' JSON -> the launch's run
-    env: dict[str, str] = dataclasses.field(default_factory=dict)
+    merge: Callable[[list[dict]], RunBase]
+    env: dict[str, str]
 
 
 def cluster_shape(spec: str) -> dict:
@@ -82,59 +76,44 @@ def cluster_shape(spec: str) -> dict:
 
 def cluster_links(spec: str) -> list[str]:
     links = [link.strip() for link in spec.split(",") if link.strip()]
-    for link in links:
-        try:
+    try:
+        for link in links:
             cluster.link_bits_per_s(link)
-        except ValueError as e:
-            raise SystemExit(f"--link: {e}") from None
+    except ValueError as e:
+        raise SystemExit(f"--link: {e}") from None
     if not links:
         raise SystemExit("--link: give at least one bandwidth, such as 1gbit")
     return links
 
 
-# -- the two benchmarks as configurations of the harness ---------------------------------------------
-def mlp_jobs(p: dict, args: argparse.Namespace, workdir: Path, on_cluster: bool) -> list[Job]:
-    env = {"CUDA_VISIBLE_DEVICES": ""} if args.device == "cpu" else {}  # --device cpu: gloo even beside GPUs
-    jobs = []
-    for size, n, names in mlp.launches(p):
-        worker_args = mlp.worker_args(p, size, names, args.device)
-        what = f"{size} model, {n} ranks: {', '.join(names)}"
-        jobs.append(Job(what, mlp.WORKER, worker_args, fsdp2_config("Block", n), mlp.merge, env))
-    return jobs
-
-
-def grpo_jobs(p: dict, args: argparse.Namespace, workdir: Path, on_cluster: bool) -> list[Job]:
-    if not (workdir / "bench_facts.json").exists():  # one saved model for every network
-        facts = grpo.build_model_dir(workdir, p["size"])
-        what = f"{len(p['configs'])} configurations, {p['rounds']} round(s) of {p['steps']} steps"
-        print(f"[benchmarks] GRPO {p['size']} model, {facts['params'] / 1e6:.2f} M params: {what}", flush=True)
-    pin = not args.no_pin and not on_cluster  # a cluster pins each host's launch to the host's cores
-    worker_args = grpo.worker_args(p, workdir, pin)
-    return [
-        Job(
-            "GRPO",
-            grpo.WORKER,
-            worker_args,
-            fsdp2_config(grpo.LAYER_CLASS, 2),
-            grpo.merge,
-            {"CUDA_VISIBLE_DEVICES": ""},
-        )
-    ]
-
-
 def plan_of(args: argparse.Namespace) -> tuple[dict, list[str | None]]:
     """The benchmark's plan and the networks it runs on (None: loopback)."""
     if args.grpo:
-        p = grpo.plan_of(args)
         if args.cluster and args.cluster.lower() != "2x1":
             cluster_shape(args.cluster)
             raise SystemExit(f"--cluster {args.cluster}: the GRPO benchmark runs 2 hosts x 1 rank (2x1)")
-        return p, [None, *(cluster_links(args.link) if args.cluster else [])]
+        return grpo.plan_of(args), [None, *(cluster_links(args.link) if args.cluster else [])]
     p = mlp.plan(args)
     if not args.cluster:
         return p, [None]
     p.update(cluster=cluster_shape(args.cluster), links=cluster_links(args.link))
     return p, list(p["links"])
+
+
+def jobs_of(p: dict, args: argparse.Namespace, workdir: Path, on_cluster: bool) -> list[Job]:
+    """The launches of one network; the GRPO benchmark saves its model once, for every network."""
+    if not args.grpo:
+        env = {"CUDA_VISIBLE_DEVICES": ""} if args.device == "cpu" else {}  # --device cpu: gloo beside GPUs
+        return [Job(f"{size} model, {n} ranks: {', '.join(names)}", mlp.WORKER,
+                    mlp.worker_args(p, size, names, args.device), fsdp2_config("Block", n), mlp.merge, env)
+                for size, n, names in mlp.launches(p)]  # fmt: skip
+    if not (workdir / "bench_facts.json").exists():
+        facts = grpo.build_model_dir(workdir, p["size"])
+        what = f"{len(p['configs'])} configurations, {p['rounds']} round(s) of {p['steps']} steps"
+        print(f"[benchmarks] GRPO {p['size']} model, {facts['params'] / 1e6:.2f} M params: {what}", flush=True)
+    pin = not args.no_pin and not on_cluster  # a cluster pins each host's launch to the host's cores
+    return [Job("GRPO", grpo.WORKER, grpo.worker_args(p, workdir, pin), fsdp2_config(grpo.LAYER_CLASS, 2),
+                grpo.merge, {"CUDA_VISIBLE_DEVICES": ""})]  # fmt: skip
 
 
 def run_jobs(jobs: list[Job], network: str | None, p: dict, args: argparse.Namespace) -> list[RunBase]:
@@ -174,23 +153,12 @@ def machine_facts(device: str) -> dict:
     """The machine a run ran on: CPU model and count, memory, platform, device type."""
     import psutil
 
-    out = {
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "processor": platform.processor(),
-        "logical_cpus": os.cpu_count(),
-        "physical_cpus": psutil.cpu_count(logical=False),
-        "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
-        "device": device,
-    }
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                out["cpu_model"] = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return out
+    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []
+    models = [line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")]
+    return {"platform": platform.platform(), "python": platform.python_version(), "processor": platform.processor(),
+            "logical_cpus": os.cpu_count(), "physical_cpus": psutil.cpu_count(logical=False),
+            "memory_gib": round(psutil.virtual_memory().total / 2**30, 1), "device": device,
+            **({"cpu_model": models[0]} if models else {})}  # fmt: skip
 
 
 def redraw(folder: Path) -> str:
@@ -211,15 +179,11 @@ def main(argv=None) -> int:
         raise SystemExit(f"--cluster: {reason}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    start, make_jobs = time.time(), grpo_jobs if args.grpo else mlp_jobs
+    start = time.time()
     with tempfile.TemporaryDirectory() as tmp:
-        runs = [run for net in networks for run in run_jobs(make_jobs(p, args, Path(tmp), bool(net)), net, p, args)]
-    common = dict(
-        command="python -m benchmarks.run " + " ".join(sys.argv[1:] if argv is None else argv),
-        plan=p,
-        machine=machine_facts(args.device),
-        elapsed_s=round(time.time() - start, 1),
-    )
+        runs = [run for net in networks for run in run_jobs(jobs_of(p, args, Path(tmp), bool(net)), net, p, args)]
+    command = "python -m benchmarks.run " + " ".join(sys.argv[1:] if argv is None else argv)
+    common = dict(command=command, plan=p, machine=machine_facts(args.device), elapsed_s=round(time.time() - start, 1))
     results = GrpoResults(**common, runs=runs) if args.grpo else Results(**common, runs=runs)
     (out / "results.json").write_text(json.dumps(dataclasses.asdict(results), indent=1))
     print(redraw(out))

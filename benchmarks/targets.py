@@ -1,11 +1,7 @@
 """Every PASS/FAIL target of the benchmarks, in one place: what each compares, its threshold and
-why. `mlp_report.py` (loopback and simulated cluster) and `grpo_report.py` measure; this module
-says what the measurements must show and judges them.
-
-A timing target is judged on a median of paired ratios with a bootstrap interval
-(`stats.median_ci`). A full run decides on the median. A quick run (`--quick`) has a few rounds
-only: it passes or fails a target only where the whole interval lies on one side of the
-threshold, and otherwise reports it as not decided at this size (`N/D`).
+why; `mlp_report.py` and `grpo_report.py` measure. A timing target is judged on the median of paired
+ratios (`stats.median_ci`): a full run decides on the median; a quick run (`--quick`) passes or fails
+only where the whole bootstrap interval lies on one side of the threshold, else reports `N/D`.
 """
 
 from __future__ import annotations
@@ -23,16 +19,11 @@ MIN_SAMPLES = 4
 class Target:
     """A measured value must lie in [lower, upper] (None: unbounded on that side)."""
 
-    name: str
-    """What the target says, as the summary line starts."""
-    compares: str
-    """The value judged: which configurations, paired how, at which M."""
-    why: str
-    """Why the threshold is where it is."""
+    name: str  # what the target says, as the summary line starts
+    compares: str  # the value judged: which configurations, paired how, at which M
+    why: str  # why the threshold is where it is
     lower: float | None = None
-    """Least passing value."""
     upper: float | None = None
-    """Greatest passing value."""
 
     def passes(self, value: float) -> bool:
         return (self.lower is None or value >= self.lower) and (self.upper is None or value <= self.upper)
@@ -53,14 +44,12 @@ class Target:
 
 @dataclass
 class TargetResult:
-    """One line of the summary: a target's outcome on this run."""
+    """One line of the summary: the target (with where it was measured), PASS, FAIL, SKIP (not
+    run) or N/D (a quick run too small to decide), and the figures it was judged on."""
 
     target: str
-    """The target, with where it was measured (model size, link)."""
     status: str
-    """PASS, FAIL, SKIP (not run) or N/D (a quick run too small to decide)."""
     measured: str
-    """The figures it was judged on."""
 
 
 def worst(statuses: list[str]) -> str:
@@ -76,110 +65,73 @@ def format_summary(results: list[TargetResult]) -> str:
     return "\n".join(lines)
 
 
-# -- the MLP benchmark over loopback (mlp_report.py) ---------------------------------------------------------
-OVERHEAD_TOLERANCE = 0.02
-WRAPPER_OVERHEAD = Target(
-    name="the plugin within 2% of the same collectives without it",
-    compares="the plugin's step / the same collectives without it (a hand-written FSDP2 loop, or stock "
-    "accelerate with the same flags), paired by round and pooled over M, per model",
-    why="both issue the same collectives on the same bytes, so the ratio is what the wrapper costs; "
-    "2% is the resolution the full run's rounds of the small model are sized for",
-    upper=1 + OVERHEAD_TOLERANCE,
-)
-SYNC_CONTROL = Target(
-    name="the sync choice's own cost within 2% of a step",
-    compares="(plugin - peer) microseconds per micro-batch of a bare `accumulate` x M, over the peer's "
-    "step at the largest M",
-    why="the whole of what a wrapper can add, measured apart from steps whose wall time varies by more",
-    upper=OVERHEAD_TOLERANCE,
-)
-PLANNER_COST = Target(
-    name="the planner's reduce-scatter weight within a factor 1.6 of what the steps paid",
-    compares="(time deferral saved per reduce-scatter byte) / (time the window saved per all-gather byte) "
-    "at the largest M, over `accel_gradsync.planning.costs.REDUCE_SCATTER_COST` for the backend",
-    why="the planner uses one figure per backend for every model size; the band allows for the spread between sizes",
-    lower=1 / 1.6,
-    upper=1.6,
-)
-CLEAR_MARGIN = 1.10
-DEFERRED_SPEEDUP = Target(
-    name="deferred faster than per-micro-batch at M=4, 8 on the communication-bound model",
-    compares="per-micro-batch step / deferred step, paired by round, at M = 4 and at M = 8",
-    why="a clear margin, at least 10% less step time, where reduce-scatters dominate the step",
-    lower=CLEAR_MARGIN,
-)
-WINDOW_SPEEDUP = Target(
-    name="window at least 4x faster than per-micro-batch at M=8",
-    compares="per-micro-batch step / window step, paired by round, at M = 8, on the large model",
-    why="the window removes M-1 of M all-gathers and reduce-scatters per unit; at M = 8 on a "
-    "communication-bound model that is most of the step",
-    lower=4.0,
-)
-FRONTIER = Target(
-    name="budget modes on or inside the per-micro-batch - deferred - window frontier",
-    compares="per round, (budget step - the frontier's step at its held bytes) / per-micro-batch step, "
-    "the frontier drawn from the same round's corners, pooled over M >= 2",
-    why="budget modes choose whole units' levels, so with equal blocks the point lies on a line; the "
-    "2% slack is the resolution, not a bias",
-    upper=0.02,
-)
-HSDP_SPEEDUP = Target(
-    name="HSDP all-reduce deferral faster than per-micro-batch at no extra held memory",
-    compares="HSDP all-reduce deferral step / HSDP per-micro-batch step, paired by round, pooled over M >= 2; "
-    "and the held gradient bytes at every M",
-    why="deferring only the cross-replica all-reduce keeps the gradients sharded, so it must save time "
-    "without holding more",
-    upper=1.0,
-)
+# Target(name: the summary line's start, compares: the value judged, why: the threshold's reason,
+# lower, upper: the passing bounds). fmt: off keeps each target's strings together.
+# fmt: off
+# -- the MLP benchmark over loopback (mlp_report.py) --------------------------------------------------
+OVERHEAD_TOLERANCE, CLEAR_MARGIN = 0.02, 1.10
+WRAPPER_OVERHEAD = Target("the plugin within 2% of the same collectives without it",
+    "the plugin's step / the same collectives without it (a hand-written FSDP2 loop, or stock accelerate with "
+    "the same flags), paired by round and pooled over M, per model",
+    "both issue the same collectives on the same bytes, so the ratio is what the wrapper costs; 2% is the "
+    "resolution the full run's rounds of the small model are sized for", upper=1 + OVERHEAD_TOLERANCE)
+SYNC_CONTROL = Target("the sync choice's own cost within 2% of a step",
+    "(plugin - peer) microseconds per micro-batch of a bare `accumulate` x M, over the peer's step at the largest M",
+    "the whole of what a wrapper can add, measured apart from steps whose wall time varies by more",
+    upper=OVERHEAD_TOLERANCE)
+PLANNER_COST = Target("the planner's reduce-scatter weight within a factor 1.6 of what the steps paid",
+    "(time deferral saved per reduce-scatter byte) / (time the window saved per all-gather byte) at the largest "
+    "M, over `accel_gradsync.planning.costs.REDUCE_SCATTER_COST` for the backend",
+    "the planner uses one figure per backend for every model size; the band allows for the spread between sizes",
+    lower=1 / 1.6, upper=1.6)
+DEFERRED_SPEEDUP = Target("deferred faster than per-micro-batch at M=4, 8 on the communication-bound model",
+    "per-micro-batch step / deferred step, paired by round, at M = 4 and at M = 8",
+    "a clear margin, at least 10% less step time, where reduce-scatters dominate the step", lower=CLEAR_MARGIN)
+WINDOW_SPEEDUP = Target("window at least 4x faster than per-micro-batch at M=8",
+    "per-micro-batch step / window step, paired by round, at M = 8, on the large model",
+    "the window removes M-1 of M all-gathers and reduce-scatters per unit; at M = 8 on a communication-bound "
+    "model that is most of the step", lower=4.0)
+FRONTIER = Target("budget modes on or inside the per-micro-batch - deferred - window frontier",
+    "per round, (budget step - the frontier's step at its held bytes) / per-micro-batch step, the frontier drawn "
+    "from the same round's corners, pooled over M >= 2",
+    "budget modes choose whole units' levels, so with equal blocks the point lies on a line; the 2% slack is "
+    "the resolution, not a bias", upper=0.02)
+HSDP_SPEEDUP = Target("HSDP all-reduce deferral faster than per-micro-batch at no extra held memory",
+    "HSDP all-reduce deferral step / HSDP per-micro-batch step, paired by round, pooled over M >= 2; and the "
+    "held gradient bytes at every M",
+    "deferring only the cross-replica all-reduce keeps the gradients sharded, so it must save time without "
+    "holding more", upper=1.0)
 COLLECTIVE_COUNTS = Target(
-    name="reduce-scatters per step: per-micro-batch M x U, deferred U, exactly (HSDP: all-reduces too)",
-    compares="the counts on every timed step against the formula of each configuration",
-    why="counts are exact: any difference is a defect, never noise",
-)
-WINDOW_GATHERS = Target(
-    name="window: all-gathers per step = U exactly (one per unit), every M",
-    compares="all-gathers on every timed step of the window configurations",
-    why="the window's point: each unit gathered once per optimizer step, whatever M is",
-)
+    "reduce-scatters per step: per-micro-batch M x U, deferred U, exactly (HSDP: all-reduces too)",
+    "the counts on every timed step against the formula of each configuration",
+    "counts are exact: any difference is a defect, never noise")
+WINDOW_GATHERS = Target("window: all-gathers per step = U exactly (one per unit), every M",
+    "all-gathers on every timed step of the window configurations",
+    "the window's point: each unit gathered once per optimizer step, whatever M is")
+# The whole run's wall time on 2 cores: the quick run is CI's smoke test, the full run fits 10 minutes.
 RUN_TIME_S = {"quick": 120, "full": 600}
-"""The whole run's wall time on 2 cores: the quick run is CI's smoke test, the full run's fits 10 minutes."""
-# -- the MLP benchmark on the simulated cluster (mlp_report.py) -------------------------------------------------------
-CLUSTER_SPEEDUP = Target(
-    name="ahead of per-micro-batch by a clear margin (>= 1.1x)",
-    compares="per-micro-batch step / deferred or window step, paired by round, pooled over M >= 4, on "
-    "each simulated link",
-    why="on a link between hosts the reduce-scatters deferral removes are what a step waits on",
-    lower=CLEAR_MARGIN,
-)
-LINK_CROSSED = Target(
-    name="collectives crossed the shaped link",
-    compares="bytes tbf counted on the hosts' NICs against the ring bytes of the timed steps' collectives",
-    why="with one rank per host every collective crosses the link; less than the ring bytes means the "
-    "run did not use it",
-)
-# -- the GRPO benchmark (grpo_report.py) -----------------------------------------------------
+# -- the MLP benchmark on the simulated cluster (mlp_report.py) ----------------------------------------
+CLUSTER_SPEEDUP = Target("ahead of per-micro-batch by a clear margin (>= 1.1x)",
+    "per-micro-batch step / deferred or window step, paired by round, pooled over M >= 4, on each simulated link",
+    "on a link between hosts the reduce-scatters deferral removes are what a step waits on", lower=CLEAR_MARGIN)
+LINK_CROSSED = Target("collectives crossed the shaped link",
+    "bytes tbf counted on the hosts' NICs against the ring bytes of the timed steps' collectives",
+    "with one rank per host every collective crosses the link; less than the ring bytes means the run did not "
+    "use it")
+# -- the GRPO benchmark (grpo_report.py): the window's speedup over loopback (None) and per link -------
 GRPO_WINDOW_SPEEDUP = {
-    None: Target(
-        name="at least 3x faster per GRPO step than stock",
-        compares="stock's step / the window's step, the median over rounds of each round's medians",
-        why="stock FSDP2 all-gathers every unit at every decode step and micro-batch; the window once per step",
-        lower=3.0,
-    ),
-    "1gbit": Target(
-        name="at least 5x faster per GRPO step than stock",
-        compares="stock's step / the window's step, the median over rounds of each round's medians",
-        why="on a link between hosts the all-gathers the window removes are a larger share of the step",
-        lower=5.0,
-    ),
+    None: Target("at least 3x faster per GRPO step than stock",
+        "stock's step / the window's step, the median over rounds of each round's medians",
+        "stock FSDP2 all-gathers every unit at every decode step and micro-batch; the window once per step",
+        lower=3.0),
+    "1gbit": Target("at least 5x faster per GRPO step than stock",
+        "stock's step / the window's step, the median over rounds of each round's medians",
+        "on a link between hosts the all-gathers the window removes are a larger share of the step", lower=5.0),
 }
-"""The window's speedup over stock per GRPO step: over loopback (None), and per simulated link."""
-GRPO_WINDOW_GATHERS = Target(
-    name="the trained model's all-gathers per optimizer step = U exactly",
-    compares="generation's and training's all-gathers of the trained model on every timed step",
-    why="the window gathers each unit once, at generation's first forward, and keeps it to the optimizer step",
-)
-GRPO_IDENTICAL = Target(
-    name="completions, rewards and losses identical to stock at every logged step (exact)",
-    compares="every configuration's completion digests, rewards and logged losses against stock's",
-    why="the sync mode changes when gradients are reduced, never what is computed",
-)
+GRPO_WINDOW_GATHERS = Target("the trained model's all-gathers per optimizer step = U exactly",
+    "generation's and training's all-gathers of the trained model on every timed step",
+    "the window gathers each unit once, at generation's first forward, and keeps it to the optimizer step")
+GRPO_IDENTICAL = Target("completions, rewards and losses identical to stock at every logged step (exact)",
+    "every configuration's completion digests, rewards and logged losses against stock's",
+    "the sync mode changes when gradients are reduced, never what is computed")
+# fmt: on
