@@ -19,7 +19,7 @@ from accel_gradsync.config.errors import GradSyncWarning
 from accel_gradsync.config.settings import DTYPES, GradSyncConfig
 from accel_gradsync.estimator.core import estimate
 from accel_gradsync.estimator.formatting import format_json, format_table
-from accel_gradsync.estimator.inputs import RECIPE_DEFAULT
+from accel_gradsync.estimator.inputs import OPTIMIZERS, RECIPE_DEFAULT, read_step_shape
 
 
 @dataclass
@@ -71,6 +71,26 @@ class EstimateArguments:
         },
     )
     json: bool = field(default=False, metadata={"help": "Print the estimate as JSON instead of a table."})
+    micro_batch_size: int | None = field(
+        default=None,
+        metadata={
+            "help": "Sequences per micro-batch. With --seq-len, each row also gets the whole optimizer step's "
+            "peak bytes per rank (params, optimizer state, gradients, activations), simulated with torch's "
+            "FSDPMemTracker on fake tensors (FSDP2 only)."
+        },
+    )
+    seq_len: int | None = field(default=None, metadata={"help": "Tokens per sequence, for the step peak."})
+    optimizer: str = field(
+        default="adamw",
+        metadata={
+            "help": "Optimizer for the step peak: adamw (two fp32 moments per trainable param) or sgd (no state).",
+            "choices": OPTIMIZERS,
+        },
+    )
+    gradient_checkpointing: bool = field(
+        default=False,
+        metadata={"help": "For the step peak: the model runs with gradient checkpointing (non-reentrant)."},
+    )
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, HfArgumentParser]:
@@ -104,6 +124,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         warnings.simplefilter("ignore", GradSyncWarning)
         try:
             args, config = estimate_parser.parse_args_into_dataclasses(argv[1:], look_for_args_file=False)
+            shape = read_step_shape(args.micro_batch_size, args.seq_len, args.optimizer, args.gradient_checkpointing)
             result = estimate(
                 args.model,
                 args.accelerate_config,
@@ -113,6 +134,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 model_dtype=DTYPES[args.model_dtype],
                 mixed_precision=args.mixed_precision,
                 distributed_config=args.distributed_config,
+                step_shape=shape,
             )
         except ValueError as err:
             estimate_parser.error(str(err))  # exits 2 with the usage line

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from accel_gradsync.config.settings import GradSyncConfig, SyncMode, dtype_name, reduce_dtype_for
-from accel_gradsync.estimator.inputs import FSDPSetup, load_model_config, read_launch_setup
+from accel_gradsync.estimator.inputs import FSDPSetup, StepShape, load_model_config, read_launch_setup
 from accel_gradsync.estimator.meta_model import build_meta_model, estimated_adapter
 from accel_gradsync.estimator.results import Estimate, ModeEstimate
 from accel_gradsync.estimator.row_costs import (
@@ -23,6 +23,7 @@ from accel_gradsync.estimator.row_costs import (
     count_sent_bytes,
     count_sharded_grad_bytes,
 )
+from accel_gradsync.estimator.step_peak import StepForecaster
 from accel_gradsync.planning.costs import all_gathers_per_step, collectives_per_step, generation_all_gathers_per
 from accel_gradsync.planning.policies import POLICIES, DeferredSync, SyncPolicy
 from accel_gradsync.planning.units import ALL_REDUCE, Plan
@@ -46,6 +47,7 @@ def estimate(
     model_dtype: torch.dtype = torch.float32,
     mixed_precision: str | None = None,
     distributed_config: str | os.PathLike | dict | None = None,
+    step_shape: StepShape | None = None,
 ) -> Estimate:
     """What each sync mode would cost per optimizer step, before launch, planned by the
     runtime's own policies over the units a launched run would have.
@@ -63,6 +65,8 @@ def estimate(
         distributed_config (`str`, `os.PathLike` or `dict`, *optional*): instead of
             `accelerate_config`, the `DistributedConfig` keys of a model transformers shards at
             load time (JSON text, a JSON/YAML file, or a dict).
+        step_shape (`StepShape`, *optional*): the micro-batch and optimizer; with it every row
+            also gets the whole step's peak per rank (`step_peak_bytes`, step_peak.py).
 
     Returns:
         `Estimate`: the model, mesh and units, and one `ModeEstimate` per mode of
@@ -79,7 +83,11 @@ def estimate(
     setup = read_launch_setup(accelerate_config, distributed_config, num_processes, mixed_precision)
     adapters = _AdaptersByReduceDtype(load_model_config(model_spec), model_dtype, setup, config)
     result = _describe_launch(model_spec, setup, config, adapters.for_mode(config.mode), micro_batches)
-    result.modes = [_estimate_row(name, policy, config, adapters, setup, micro_batches) for name, policy in _ROWS]
+    sim = None
+    if step_shape is not None:
+        sim = StepForecaster(adapters.model_config, model_dtype, setup, config, step_shape, micro_batches)
+        result.step_shape = dataclasses.asdict(step_shape)
+    result.modes = [_estimate_row(name, policy, config, adapters, setup, micro_batches, sim) for name, policy in _ROWS]
     return result
 
 
@@ -131,8 +139,10 @@ def _estimate_row(
     adapters: _AdaptersByReduceDtype,
     setup: FSDPSetup,
     micro_batches: int,
+    sim: StepForecaster | None = None,
 ) -> ModeEstimate:
-    """Row `name`: the plan `policy_cls` makes for this launch, or why it makes none."""
+    """Row `name`: the plan `policy_cls` makes for this launch, or why it makes none; with `sim`
+    also its whole-step peak."""
     windowed = config.sync_mode == SyncMode.DEFERRED and config.keep_params_unsharded
     selected = name == (WINDOW_ROW if windowed else config.sync_mode)
     try:
@@ -150,6 +160,10 @@ def _estimate_row(
     row = _count_row(mode, plan, adapter, setup, micro_batches)
     row.selected = selected
     row.fits = _check_fits(row, config)
+    if sim is not None:
+        peak = sim.row(plan, adapter, policy_cls.name)
+        row.step_peak_bytes, row.step_peak_phase = peak.peak_bytes, peak.phase
+        row.step_peak_parts, row.step_peak_unmodeled = peak.parts, peak.unmodeled
     return row
 
 

@@ -26,6 +26,9 @@ _HEADER = [
 ]
 
 
+_STEP_PEAK = "step peak/rank"
+
+
 def format_json(est: Estimate) -> str:
     """The estimate as JSON: `Estimate.to_dict()`, one-space indented."""
     return json.dumps(est.to_dict(), indent=1)
@@ -34,18 +37,44 @@ def format_json(est: Estimate) -> str:
 def format_table(est: Estimate) -> str:
     """The human-readable table: a header line, one row per mode, then the n/a reasons."""
     rows, notes = [], []
+    header = _HEADER + ([_STEP_PEAK] if est.step_shape is not None else [])
     for m in est.modes:
-        rows.append(_format_row(est, m))
+        rows.append(_format_row(est, m) + ([_format_step_peak(m)] if est.step_shape is not None else []))
         if not m.applicable:
             notes.append(f"{m.mode}: n/a: {m.reason}")
         elif m.reason:
             notes.append(f"{m.mode}: {m.reason}")
-    widths = [max(len(r[i]) for r in [_HEADER, *rows]) for i in range(len(_HEADER))]
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     lines = [_describe_launch(est), ""]
-    for r in [_HEADER, *rows]:
+    for r in [header, *rows]:
         lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
-    lines += ["", "* the mode GradSyncConfig selects", *notes, *_explain_held_dtype(est)]
+    lines += ["", "* the mode GradSyncConfig selects", *notes, *_explain_held_dtype(est), *_explain_step_peak(est)]
     return "\n".join(lines)
+
+
+def _format_step_peak(m: ModeEstimate) -> str:
+    """The step peak cell: bytes and the phase it falls in; a '+' where a part is not modeled."""
+    if not m.applicable or m.step_peak_bytes is None:
+        return ""
+    return f"{format_bytes(m.step_peak_bytes)} ({m.step_peak_phase})" + (" +" if m.step_peak_unmodeled else "")
+
+
+def _explain_step_peak(est: Estimate) -> list[str]:
+    """What the step peak column holds, and what it leaves out, row by row."""
+    if est.step_shape is None:
+        return []
+    shape = est.step_shape
+    lines = [
+        f"{_STEP_PEAK}: the whole optimizer step's peak live bytes per rank for micro-batches of "
+        f"{shape['micro_batch_size']} x {shape['seq_len']} tokens, {shape['optimizer']}, gradient checkpointing "
+        f"{'on' if shape['gradient_checkpointing'] else 'off'}: sharded params, optimizer state, gradients "
+        "(sharded and held), windowed/generation params and one micro-batch's activations, from torch's "
+        "FSDPMemTracker on fake tensors (docs/estimate.md); in brackets the phase it falls in."
+    ]
+    for m in est.modes:
+        if m.applicable and m.step_peak_unmodeled:
+            lines.append(f"{m.mode}: step peak +: not modeled: {'; '.join(m.step_peak_unmodeled)}")
+    return lines
 
 
 def _describe_launch(est: Estimate) -> str:

@@ -35,6 +35,8 @@ RECIPE_DEFAULT_MODEL: dict[str, Any] = {
 """The config of the GRPO recipe's built-in tiny Qwen2 (`recipes/embedded.py` builds its model
 from it), which `--model recipe-default` estimates without anything outside the package."""
 
+OPTIMIZERS = ("adamw", "sgd")
+"""What the step forecast can build: AdamW (two moments in the params' dtype) and plain SGD (no state)."""
 _MIXED_PRECISION = ("no", "fp16", "bf16", "fp8")
 _WRAP_POLICIES = ("TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP")
 _DISTRIBUTED_KEYS = ("fsdp_size", "dp_replicate_size", "fsdp_mixed_precision", "fsdp_cpu_offload", "fsdp_plan")
@@ -171,6 +173,45 @@ def read_distributed_config(source: str | os.PathLike | dict) -> FSDPSetup:
         shard_size=shard,
         distributed_config=tuple(sorted(keys.items())),
     )
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What the step forecast needs beyond the launch: the micro-batch and the training setup."""
+
+    micro_batch_size: int
+    seq_len: int
+    optimizer: str = "adamw"
+    gradient_checkpointing: bool = False
+
+    def __post_init__(self) -> None:
+        for flag, value in (("--micro-batch-size", self.micro_batch_size), ("--seq-len", self.seq_len)):
+            if value < 1:
+                raise ValueError(f"{flag}={value}: the forecast needs a positive number of sequences/tokens.")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"--optimizer={self.optimizer!r}: the forecast models {' and '.join(OPTIMIZERS)}.")
+
+
+def read_step_shape(
+    micro_batch_size: int | None, seq_len: int | None, optimizer: str = "adamw", gradient_checkpointing: bool = False
+) -> StepShape | None:
+    """The step forecast's `StepShape` from the CLI's flags, or None when neither
+    --micro-batch-size nor --seq-len is given (then the flags that only the forecast reads are refused)."""
+    if micro_batch_size is None and seq_len is None:
+        if optimizer != "adamw" or gradient_checkpointing:
+            flag = "--gradient-checkpointing" if gradient_checkpointing else f"--optimizer {optimizer}"
+            raise ValueError(
+                f"{flag} is read only by the step forecast; also pass --micro-batch-size and --seq-len "
+                "(e.g. --micro-batch-size 4 --seq-len 512)."
+            )
+        return None
+    if micro_batch_size is None or seq_len is None:
+        missing = "--seq-len" if seq_len is None else "--micro-batch-size"
+        raise ValueError(
+            f"the step forecast needs both --micro-batch-size and --seq-len; also pass {missing} "
+            "(e.g. --micro-batch-size 4 --seq-len 512)."
+        )
+    return StepShape(micro_batch_size, seq_len, optimizer, gradient_checkpointing)
 
 
 def load_model_config(spec: str | dict) -> Any:

@@ -42,6 +42,18 @@ class ModeEstimate:
     """max(peak_bytes, generation_bytes + held gradients) <= free memory x (1 - memory_margin); None
     without --grad-sync-free-memory."""
     selected: bool = False
+    step_peak_bytes: int | None = None
+    """The whole optimizer step's peak bytes per rank (step_peak.py); None where it was not asked
+    for (--micro-batch-size/--seq-len) or could not be computed (`step_peak_unmodeled` says why)."""
+    step_peak_phase: str = ""
+    """Where the peak falls: first_micro_batch, later_micro_batch, optimizer_step or generation."""
+    step_peak_parts: dict = field(default_factory=dict)
+    """The peak's persistent parts and one micro-batch's activations, bytes per rank."""
+    step_peak_unmodeled: list = field(default_factory=list)
+    """Components the forecast could not compute: not in `step_peak_bytes`."""
+
+
+_STEP_PEAK_KEYS = ("step_peak_bytes", "step_peak_phase", "step_peak_parts", "step_peak_unmodeled")
 
 
 @dataclass
@@ -64,9 +76,20 @@ class Estimate:
     compute_dtype: str = ""
     """The dtype forward and backward run in (the mixed-precision param dtype, else the model's)."""
     modes: list[ModeEstimate] = field(default_factory=list)
+    step_shape: dict | None = None
+    """The forecast's inputs (micro-batch size, sequence length, optimizer, gradient
+    checkpointing) when a step peak was asked for; None (and no step_peak keys) otherwise."""
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """Every field; without a step forecast the step_peak keys are left out, so the JSON is
+        what it was before the forecast existed."""
+        values = asdict(self)
+        if self.step_shape is None:
+            del values["step_shape"]
+            for row in values["modes"]:
+                for key in _STEP_PEAK_KEYS:
+                    del row[key]
+        return values
 
     def mode(self, name: str) -> ModeEstimate:
         return next(m for m in self.modes if m.mode == name)

@@ -1,0 +1,96 @@
+"""The estimate's whole-step peak (`step_peak_bytes`, estimator/step_peak.py: torch's FSDPMemTracker
+on fake tensors) against the peak live tensor bytes of a real 2-rank gloo FSDP2 step (torch's
+MemTracker around the real step, max over ranks), for the recipe's tiny Qwen2 and a 4-layer
+Llama-shaped model (so the forecast's layer extrapolation is exercised), per_micro_batch,
+deferred, deferred+window and budget, gradient checkpointing off and on, AdamW: within 10%.
+
+One launch per model and checkpointing setting, each running every mode. Run with `-s` to
+print the forecast-vs-measured table docs/estimate.md shows."""
+
+import json
+
+import pytest
+from launcher import launch
+
+from accel_gradsync import GradSyncConfig
+from accel_gradsync.estimator.core import estimate
+from accel_gradsync.estimator.inputs import StepShape
+
+M, MBS, SEQ = 2, 2, 64
+BUDGET = "1GiB"
+TOLERANCE = 0.10
+LLAMA = dict(
+    model_type="llama",
+    vocab_size=2048,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    tie_word_embeddings=False,
+)
+MODELS = ["recipe-default", LLAMA]
+MODES = ["per_micro_batch", "deferred", "deferred+window", "budget"]
+CONFIG = {
+    "distributed_type": "FSDP",
+    "num_processes": 2,
+    "fsdp_config": {"fsdp_version": 2, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP"},
+}
+KNOWN_OUTSIDE: dict[tuple[str, str, bool], str] = {}
+"""(model, mode, checkpointing) combinations measured outside 10%, with why; none is known."""
+
+
+def _name(spec) -> str:
+    return spec if isinstance(spec, str) else f"{spec['model_type']}-{spec['num_hidden_layers']}L"
+
+
+def _row(est, mode: str):
+    """The row of `mode`: its name, or a label it resolved to ("budget -> ...")."""
+    return next(m for m in est.modes if m.mode == mode or m.mode.startswith(mode + " "))
+
+
+@pytest.fixture(
+    scope="module",
+    params=[(spec, gc) for spec in MODELS for gc in (False, True)],
+    ids=[f"{_name(spec)}-{'checkpointing' if gc else 'no-checkpointing'}" for spec in MODELS for gc in (False, True)],
+)
+def compared(request):
+    """(model, mode, checkpointing, forecast, measured max over ranks, forecast phase) per mode.
+    One launch per model: accelerate's plugin keeps the first model's layer class to wrap."""
+    spec, checkpointing = request.param
+    args = ["--models", json.dumps([spec]), "--modes", ",".join(MODES), "--M", str(M)]
+    args += ["--mbs", str(MBS), "--seq", str(SEQ), "--memory-budget", BUDGET]
+    ranks = launch("step_peak", args + (["--checkpointing"] if checkpointing else []), CONFIG)
+    shape = StepShape(MBS, SEQ, "adamw", checkpointing)
+    est = estimate(spec, CONFIG, M, GradSyncConfig(memory_budget=BUDGET), step_shape=shape)
+    rows = []
+    for mode in MODES:
+        peaks = [res["peak_bytes"] for rank in ranks for res in rank["results"] if res["mode"] == mode]
+        assert len(peaks) == 2, mode
+        row = _row(est, mode)
+        rows.append((_name(spec), mode, checkpointing, row.step_peak_bytes, max(peaks), row.step_peak_phase))
+    return rows
+
+
+def test_step_peak_within_ten_percent_of_the_measured_peak(compared):
+    outside, print_rows = [], []
+    for model, mode, checkpointing, forecast, measured, phase in compared:
+        assert forecast is not None and measured > 0
+        error = (forecast - measured) / measured
+        print_rows.append(
+            f"| {model} | {mode} | {'on' if checkpointing else 'off'} | {forecast / 2**20:.2f} MiB | "
+            f"{measured / 2**20:.2f} MiB | {error:+.1%} | {phase} |"
+        )
+        if abs(error) > TOLERANCE and (model, mode, checkpointing) not in KNOWN_OUTSIDE:
+            outside.append((model, mode, checkpointing, forecast, measured, f"{error:+.1%}"))
+    print("\n" + "\n".join(print_rows))
+    assert not outside, outside
+
+
+def test_held_rows_forecast_more_than_per_micro_batch(compared):
+    """Holding unsharded gradients costs memory; the forecast says so for every model."""
+    by = {(m, mode, c): f for m, mode, c, f, _, _ in compared}
+    for model, mode, checkpointing, forecast, _, _ in compared:
+        if mode == "deferred":
+            assert forecast > by[(model, "per_micro_batch", checkpointing)]

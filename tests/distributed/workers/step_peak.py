@@ -1,0 +1,87 @@
+"""Measure what `accel_gradsync.estimator.step_peak` forecasts: for each model spec and sync mode,
+one optimizer step of M micro-batches (AdamW, micro-batches of --mbs x --seq tokens) after a
+warm-up step, under the launched accelerate config (FSDP2), with gradient checkpointing as asked;
+reports the peak live tensor bytes of this rank over the measured step, read by torch's
+`MemTracker` wrapped around the real step (the params and optimizer state it finds already alive
+are registered with `track_external`)."""
+
+import json
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+from common import parse_args, write_result
+from torch.distributed._tools.mem_tracker import MemTracker
+from transformers import AutoModelForCausalLM
+
+import accel_gradsync
+from accel_gradsync.estimator.inputs import load_model_config
+
+args = parse_args(
+    [
+        (("--models",), {"required": True, "help": "JSON list of model specs"}),
+        (("--modes",), {"default": "per_micro_batch,deferred"}),
+        (("--M",), {"type": int, "default": 2}),
+        (("--mbs",), {"type": int, "default": 2}),
+        (("--seq",), {"type": int, "default": 64}),
+        (("--memory-budget",), {"default": "1GiB"}),
+        (("--checkpointing",), {"action": "store_true"}),
+    ]
+)
+accel_gradsync.enable_cpu_fsdp()
+accelerator = Accelerator(gradient_accumulation_steps=args.M)
+
+
+def micro_batch(model, vocab: int, k: int) -> None:
+    ids = torch.randint(0, vocab, (args.mbs, args.seq), generator=torch.Generator().manual_seed(k))
+    accelerator.backward(model(input_ids=ids, labels=ids, use_cache=False).loss)
+
+
+results = []
+for spec in json.loads(args.models):
+    model_config = load_model_config(spec)
+    for mode in args.modes.split(","):
+        set_seed(0)
+        window = mode == "deferred+window"  # the estimate's row for deferral with keep_params_unsharded
+        config = accel_gradsync.GradSyncConfig(
+            sync_mode="deferred" if window else mode, keep_params_unsharded=window, memory_budget=args.memory_budget
+        )
+        handle = accel_gradsync.attach(accelerator, config)
+        model = AutoModelForCausalLM.from_config(model_config)
+        if args.checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        model, optimizer = accelerator.prepare(model, optimizer)
+        vocab = model_config.vocab_size
+        for k in range(args.M):  # warm-up: creates the optimizer state, and the plan of a steady step
+            with accelerator.accumulate(model):
+                micro_batch(model, vocab, k)
+                optimizer.step()
+                optimizer.zero_grad()
+        tracker = MemTracker()
+        tracker.track_external(model, optimizer)
+        with tracker:
+            for k in range(args.M, 2 * args.M):
+                tracker.reset_mod_stats()  # per-module stats refuse a second call; the peak is kept
+                with accelerator.accumulate(model):
+                    micro_batch(model, vocab, k)
+                    optimizer.step()
+                    optimizer.zero_grad()
+        peak = tracker.get_tracker_snapshot("peak")
+        results.append(
+            {
+                "model": spec,
+                "mode": mode,
+                "peak_bytes": max(int(dev["Total"]) for dev in peak.values()),
+                "peak": {
+                    str(dev): {str(getattr(k, "value", k)): int(v) for k, v in s.items()} for dev, s in peak.items()
+                },
+                "stats": {k: v for k, v in handle.stats().items() if k.startswith("last_step/")},
+            }
+        )
+        handle.detach()
+        del model, optimizer, tracker
+        accelerator.free_memory()
+
+write_result(args.out, {"results": results})
