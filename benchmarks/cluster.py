@@ -13,6 +13,7 @@ and `ip`/`tc`; `unavailable_reason()` says why not.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import shutil
@@ -67,29 +68,22 @@ def _sh(*argv: str) -> str:
     return subprocess.run(argv, check=True, capture_output=True, text=True).stdout
 
 
-def remove_leftovers() -> list[str]:
+def remove_leftovers() -> None:
     """Delete the namespaces of clusters whose process no longer exists (with them go the veth ends
     and the bridge inside), and veths a crash left in the root namespace before moving them."""
-    removed = []
     for line in _sh("ip", "netns", "list").splitlines():
         m = _OWN.match(line.split()[0] if line.strip() else "")
         if m and not psutil.pid_exists(int(m.group(1))):
             subprocess.run(["ip", "netns", "del", m.group(0)], capture_output=True)
-            removed.append(m.group(0))
     for line in _sh("ip", "-o", "link", "show").splitlines():
         m = re.match(rf"^\d+: ({PREFIX}(\d+)[vb]\d+)[@:]", line)
         if m and not psutil.pid_exists(int(m.group(2))):
             subprocess.run(["ip", "link", "del", m.group(1)], capture_output=True)
-            removed.append(m.group(1))
-    return removed
 
 
 class Cluster:
-    """N hosts, each a network namespace with one shaped NIC, for the duration of a `with`.
-
-    `hosts`: how many; `link`: each host's NIC bandwidth, in tc's spelling ("1gbit").
-    `cpus_per_host`: pin each host's processes to its own share of this process's cores (as each
-    node has its own CPUs); with fewer cores than hosts, hosts share cores round-robin."""
+    """`hosts` network namespaces, each with one NIC shaped to `link` (tc's spelling), for the duration
+    of a `with`. `cpus_per_host`: each host's processes on its own share of this process's cores."""
 
     def __init__(self, hosts: int, link: str, cpus_per_host: bool = True) -> None:
         if hosts < 1 or hosts > 250:
@@ -183,44 +177,46 @@ class Cluster:
         return [arg for name, value in flags.items() for arg in (f"--{name}", str(value))]
 
     def popen(self, host: int, argv: list[str], env: dict, **kwargs) -> subprocess.Popen:
-        """Start `argv` inside host `host`'s namespace, gloo bound to its NIC, in a session of its
-        own (so a failure elsewhere can stop the whole launch tree)."""
+        """Start `argv` in host `host`'s namespace, gloo bound to its NIC, in a session of its own."""
         cpus = self.host_cpus(host) if self.cpus_per_host else None
         pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
-        argv = ["ip", "netns", "exec", self.namespaces[host], *argv]
-        return subprocess.Popen(
-            argv, env={**env, "GLOO_SOCKET_IFNAME": NIC}, start_new_session=True, preexec_fn=pin, **kwargs
-        )
+        argv, env = ["ip", "netns", "exec", self.namespaces[host], *argv], {**env, "GLOO_SOCKET_IFNAME": NIC}
+        return subprocess.Popen(argv, env=env, start_new_session=True, preexec_fn=pin, **kwargs)
 
     def run(self, argvs: list[list[str]], env: dict, cwd=None, timeout: float = 900,
             echo: Callable[[int, str], None] | None = None) -> list[tuple[int, list[str]]]:  # fmt: skip
-        """One command per host, all at once; (exit code, last 80 output lines) per host. When one
-        host fails or the timeout passes, the others are stopped too: their ranks would otherwise
-        wait in a collective until gloo's own timeout. `echo(host, line)` sees every line."""
+        """One command per host, all at once (`run_all`); (exit code, last 80 output lines) per host."""
         if len(argvs) != self.hosts:
             raise ValueError(f"{len(argvs)} commands for {self.hosts} hosts: one per host")
-        procs, tails, readers = [], [[] for _ in argvs], []
-        try:
-            for h, argv in enumerate(argvs):
-                procs.append(
-                    self.popen(h, argv, env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-                )
-                readers.append(threading.Thread(target=drain, args=(procs[h], tails[h], h, echo), daemon=True))
-                readers[-1].start()
-            deadline = time.time() + timeout
-            while any(p.poll() is None for p in procs):
-                failed = any(p.poll() not in (None, 0) for p in procs)
-                if failed or time.time() > deadline:
-                    if not failed:
-                        tails[0].append(f"killed after {timeout} s\n")
-                    break
-                time.sleep(0.2)
-        finally:
-            for p in procs:
-                stop_tree(p)
-            for r in readers:
-                r.join(timeout=5)
-        return [(p.returncode, tail) for p, tail in zip(procs, tails, strict=True)]
+        pipe = {"cwd": cwd, "stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
+        starts = [functools.partial(self.popen, h, argv, env, **pipe) for h, argv in enumerate(argvs)]
+        return run_all(starts, timeout, echo)
+
+
+def run_all(starts: list[Callable], timeout: float, echo=None, keep: int = 80) -> list[tuple[int, list[str]]]:
+    """Start each process (output piped, own session) and wait for all, keeping each one's last `keep`
+    lines (`echo(index, line)` sees each); when one fails or the timeout passes, stop every tree, as
+    the others' ranks would wait in a collective until gloo's timeout. (exit code, lines) each."""
+    procs, tails, readers = [], [[] for _ in starts], []
+    try:
+        for h, start in enumerate(starts):
+            procs.append(start())
+            readers.append(threading.Thread(target=drain, args=(procs[h], tails[h], h, echo, keep), daemon=True))
+            readers[-1].start()
+        deadline = time.time() + timeout
+        while any(p.poll() is None for p in procs):
+            failed = any(p.poll() not in (None, 0) for p in procs)
+            if failed or time.time() > deadline:
+                if not failed:
+                    tails[0].append(f"killed after {timeout} s\n")
+                break
+            time.sleep(0.2)
+    finally:
+        for p in procs:
+            stop_tree(p)
+        for r in readers:
+            r.join(timeout=5)
+    return [(p.returncode, tail) for p, tail in zip(procs, tails, strict=True)]
 
 
 def _exit_on_sigterm(signum, frame):

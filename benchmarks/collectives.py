@@ -40,9 +40,8 @@ class Traffic:
 
 
 class CollectiveCounter:
-    """Counts real collectives and the bytes this rank sends in them; one per process. `counts`
-    holds the calls per function name since the last `take()`; `paused()` stops counting (a
-    reference computation's collectives)."""
+    """Counts real collectives and the bytes this rank sends in them (one per process): `counts`, the
+    calls per function name since the last `take()`; `paused()` stops counting."""
 
     def __init__(self) -> None:
         self.counts: Counter[str] = Counter()

@@ -1,11 +1,7 @@
-"""One-GPU check of what CPU runs cannot show: the CUDA memory probe `auto` plans from (capacity,
-a peak after a 1 GiB allocation, the reset), and the FSDP2 window on CUDA (world size 1, NCCL):
-flags restored, and the unsharded params freed by the window's last backward, before the
-optimizer step. `python benchmarks/device_check.py` from the repo root on a machine with a GPU;
-writes gpu_check.json to $OUT (or the current folder).
-
-What to read in it: the probe's peak is about 1 GiB after the allocation and near 0 after the
-reset; memory after each backward stays level inside a window and drops by the unsharded fp32
+"""One-GPU check of what CPU runs cannot show: `python benchmarks/device_check.py` from the repo root
+writes gpu_check.json to $OUT (or here). The CUDA memory probe `auto` plans from: its peak is about
+1 GiB after a 1 GiB allocation and near 0 after the reset. The FSDP2 window on CUDA (world size 1,
+NCCL): memory after each backward stays level inside a window and drops by the unsharded fp32
 params (`param_mib_fp32`) after its last one, in both steps; `flags_restored` is true."""
 
 import json
@@ -19,14 +15,6 @@ import torch.distributed as dist
 sys.path.insert(0, os.getcwd())
 from accel_gradsync.planning.memory import DeviceMemoryProbe
 from accel_gradsync.runtime.fsdp import FSDP2Adapter, _sync_flags
-
-
-def sync_flags(model):
-    """Every FSDP2 unit's sync flags, read where the package reads them (FSDP2 has no getters)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    return {n: _sync_flags(m) for n, m in model.named_modules() if isinstance(m, FSDPModule)}
-
 
 out = {"torch": torch.__version__, "device": torch.cuda.get_device_name()}
 dev = torch.device("cuda", 0)
@@ -45,24 +33,23 @@ print(json.dumps(out), flush=True)
 os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
 os.environ.setdefault("MASTER_PORT", "29533")
 dist.init_process_group("nccl", rank=0, world_size=1)
-from torch.distributed.fsdp import fully_shard  # noqa: E402 (after the process group, as on a GPU node)
+from torch.distributed.fsdp import FSDPModule, fully_shard  # noqa: E402 (after the process group, as on a GPU node)
 
 torch.manual_seed(0)
-dim = 4096
+dim, M = 4096, 4
 model = torch.nn.Sequential(*[torch.nn.Linear(dim, dim) for _ in range(4)]).to(dev)
 for layer in model:
     fully_shard(layer)
 fully_shard(model)
 adapter = FSDP2Adapter(model)
 units = adapter.units
-before = sync_flags(model)
-M = 4
-mem = []
+# Every unit's sync flags, read where the package reads them (FSDP2 has no getters).
+sync_flags = lambda: {n: _sync_flags(m) for n, m in model.named_modules() if isinstance(m, FSDPModule)}  # noqa: E731
+before, mem = sync_flags(), []
 x = torch.randn(8, dim, device=dev)
 for _step in range(2):
     for k in range(M):
-        last = k == M - 1
-        if last:
+        if k == M - 1:
             restore = adapter.keep_params_through_forward(units)
             loss = model(x).square().mean()
             restore()
@@ -72,7 +59,7 @@ for _step in range(2):
                 model(x).square().mean().backward()
         torch.cuda.synchronize()
         mem.append(torch.cuda.memory_allocated() / 2**20)
-out["flags_restored"] = sync_flags(model) == before
+out["flags_restored"] = sync_flags() == before
 out["mem_after_each_backward_mib"] = [round(m, 1) for m in mem]
 out["param_mib_fp32"] = sum(p.numel() for p in model.parameters()) * 4 / 2**20
 dist.destroy_process_group()

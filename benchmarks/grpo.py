@@ -76,10 +76,8 @@ def embedded():
 
 
 def build_model_dir(path: Path, size_name: str) -> dict:
-    """Save the benchmark's random-weight Qwen2 and its tokenizer to `path`; return its facts.
-
-    The tokenizer is the recipe's characters plus filler tokens up to the vocabulary size, so the
-    model's output layer has a language model's share of the parameters."""
+    """Save the random-weight Qwen2 and its tokenizer to `path`; return its facts. The tokenizer is the
+    recipe's characters plus fillers up to the vocabulary, so the head has a language model's share."""
     import torch
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
@@ -129,7 +127,7 @@ def merge(ranks_json: list[dict]) -> GrpoRun:
         every = [s for runs in rounds for run in runs for s in run.steps]
         phases = list(rank0[0].phases) if rank0 else []
         rows.append(GrpoRow(
-            config=name, mode=CONFIGS[name]["mode"], lora=CONFIGS[name]["lora"], units=per_rank[0][0].units,
+            config=name, units=per_rank[0][0].units,
             step_time_s=median(s.time_s for _, s in steps), step_times_s=[s.time_s for _, s in steps],
             step_rounds=[r for r, _ in steps],
             phase_time_s={p: median(s.phases[p].time_s for _, s in steps) for p in phases},

@@ -41,13 +41,6 @@ def speedup(run: GrpoRun, config: str, base: str) -> tuple[float, list[float]] |
     return (statistics.median(paired), paired) if paired else None
 
 
-def trained_gathers(row: GrpoRow) -> list[int]:
-    """All-gathers of the trained model per step seen, generation and training together (the
-    log-prob passes of a reference model are a model of their own)."""
-    seen = row.counts_seen
-    return sorted({g + t for g in seen["generation"]["all_gathers"] for t in seen["training"]["all_gathers"]})
-
-
 def write_table(results: GrpoResults) -> str:
     lines = header("GRPO benchmark results", results)
     for run in results.runs:
@@ -116,39 +109,36 @@ def check_targets(results: GrpoResults) -> list[TargetResult]:
         target = targets.GRPO_WINDOW_SPEEDUP.get(run.link)
         for tuning in grpo.TUNINGS:
             window, stock = f"{tuning}/window", f"{tuning}/stock"
-            if target is not None:
-                out.append(check_speedup(run, window, stock, target, quick))
+            if target is not None:  # stock's step / the window's per round, their median against the target
+                what = f"[{where}] {window} {target.name.replace('than stock', f'than {stock}')}"
+                if (sp := speedup(run, window, stock)) is None:
+                    out.append(TargetResult(what, SKIP, "not run"))
+                else:
+                    per_round = "{m:.2f}x (per round: " + ", ".join(f"{x:.2f}x" for x in sp[1]) + ")"
+                    out.append(judged(what, target, sp[1], quick, per_round))
             if window in rows:
                 out.append(check_window_gathers(where, rows[window]))
         out += check_identical(where, rows)
     return out
 
 
-def check_speedup(run: GrpoRun, window: str, stock: str, target: targets.Target, quick: bool) -> TargetResult:
-    """Stock's step / the window's step per round; the median over rounds against the target."""
-    what = f"[{network(run)}] {window} {target.name.replace('than stock', f'than {stock}')}"
-    if (sp := speedup(run, window, stock)) is None:
-        return TargetResult(what, SKIP, "not run")
-    return judged(what, target, sp[1], quick, "{m:.2f}x (per round: " + ", ".join(f"{x:.2f}x" for x in sp[1]) + ")")
-
-
 def check_window_gathers(where: str, row: GrpoRow) -> TargetResult:
-    """The window gathers each unit of the trained model once per step: at generation's first
-    forward, kept through the decode steps and every micro-batch until the optimizer step."""
+    """The window gathers each unit of the trained model once per step (a reference model's log-prob
+    passes are a model of their own): at generation's first forward, kept to the optimizer step."""
     U, seen = row.units, row.counts_seen
+    trained = {g + t for g in seen["generation"]["all_gathers"] for t in seen["training"]["all_gathers"]}
     what = f"[{where}] {row.config}: {targets.GRPO_WINDOW_GATHERS.name}"
     detail = (
         f"U = {U}; every timed step: generation {seen['generation']['all_gathers']}, training "
         f"{seen['training']['all_gathers']} (reference log-prob passes, a model of their own: "
         f"{seen['logprob']['all_gathers']})"
     )
-    return TargetResult(what, PASS if trained_gathers(row) == [U] else FAIL, detail)
+    return TargetResult(what, PASS if trained == {U} else FAIL, detail)
 
 
 def check_identical(where: str, rows: dict[str, GrpoRow]) -> list[TargetResult]:
-    """Every configuration's completions (per-rank digests of the token ids), rewards (as
-    computed, gathered over ranks) and logged losses and rewards equal stock's exactly, at every
-    step of every round."""
+    """Every configuration's completion digests, rewards and logged losses and rewards equal stock's
+    exactly, at every step of every round."""
     out = []
     for tuning in grpo.TUNINGS:
         stock = rows.get(f"{tuning}/stock")

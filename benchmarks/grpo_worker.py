@@ -1,12 +1,10 @@
-"""The GRPO benchmark's worker: one launched process group (2 ranks) runs TRL's real `GRPOTrainer`
-on the model `grpo.py` saved, once per configuration and round, each a short `train()` from the same
-weights, prompts and seed; rounds rotate the configurations' order. Each rank writes `rank<R>.json`.
-
-Each optimizer step is metered (`measure.step_callback`) and split into phases by wrapping bound
+"""The GRPO benchmark's worker: 2 ranks run TRL's real `GRPOTrainer` on the model `grpo.py` saved, a
+short `train()` per configuration and round from the same weights, prompts and seed (rounds rotate
+the order), and write `rank<R>.json`. Each step is metered and split into phases by wrapping bound
 methods of the trainer *instance* (never TRL's class): `_generate` (generation),
 `_get_per_token_logps_and_entropies` without gradients (log-prob passes), the rest of
-`_generate_and_score_completions` (scoring) and what remains (training), collectives counted per
-phase. Completions, rewards and logs are recorded so the report can compare them with stock.
+`_generate_and_score_completions` (scoring), the remainder (training); collectives are counted per
+phase. Completions, rewards and logs are recorded for the report to compare with stock.
 """
 
 from __future__ import annotations

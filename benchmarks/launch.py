@@ -1,26 +1,25 @@
-"""Launch a script on several ranks the way users do, `accelerate launch --config_file` (or
-`torchrun` for CPU DDP, which accelerate launches only through mpirun), and collect the
-`rank<R>.json` each rank writes to the `--out DIR` it is given. The benchmarks and the multi-rank
-tests (tests/distributed/launcher.py) share it; with a `cluster.Cluster` the launch runs once per
-simulated host, as a multi-node job does.
+"""Launch a script on several ranks as users do, `accelerate launch --config_file` (or `torchrun` for
+CPU DDP), and collect the `rank<R>.json` each rank writes to its `--out DIR`. The benchmarks and the
+multi-rank tests (tests/distributed/launcher.py) share it; with a `cluster.Cluster` the launch runs
+once per simulated host, as a multi-node job does.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import socket
 import subprocess
 import sys
 import tempfile
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
 
-from benchmarks.cluster import Cluster, drain, stop_tree
+from benchmarks.cluster import Cluster, run_all
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -63,20 +62,11 @@ def environment(env: dict[str, str] | None = None) -> dict[str, str]:
     return full
 
 
-def launch(
-    script: Path | str,
-    args: list[str],
-    config: dict | None = None,
-    *,
-    nprocs: int = 2,
-    env: dict[str, str] | None = None,
-    timeout: float = 600,
-    hosts: Cluster | None = None,
-    echo: Callable[[int, str], None] | None = None,
-) -> Launched:
-    """`script --out DIR *args` under `accelerate launch` with `config` (None: torchrun with
-    `nprocs` CPU ranks), from the repository root. `echo(host, line)` sees every output line as it
-    comes; on timeout the launch and its ranks are stopped."""
+def launch(script: Path | str, args: list[str], config: dict | None = None, *, nprocs: int = 2,
+           env: dict[str, str] | None = None, timeout: float = 600, hosts: Cluster | None = None,
+           echo: Callable[[int, str], None] | None = None) -> Launched:  # fmt: skip
+    """`script --out DIR *args` under `accelerate launch` with `config` (None: torchrun with `nprocs`
+    CPU ranks), from the repository root; `echo(host, line)` sees every output line as it comes."""
     full_env = environment(env)
     with tempfile.TemporaryDirectory() as out:
         worker = [str(script), "--out", out, *args]
@@ -98,23 +88,9 @@ def launch(
         else:
             if config is not None:
                 command += ["--main_process_port", str(free_port())]
-            code, output = run_streamed([*command, *worker], full_env, timeout, echo)
+            pipe = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True, "start_new_session": True}
+            start = functools.partial(subprocess.Popen, [*command, *worker], env=full_env, cwd=REPO, **pipe)
+            ((code, tail),) = run_all([start], timeout, echo, keep=5000)
+            output = "".join(tail)
         ranks = [json.loads(p.read_text()) for p in sorted(Path(out).glob("rank*.json"))]
     return Launched(code, output, ranks)
-
-
-def run_streamed(argv: list[str], env: dict[str, str], timeout: float, echo) -> tuple[int, str]:
-    """Run `argv` in a session of its own (so a timeout stops its whole tree); (exit code, output)."""
-    proc = subprocess.Popen(argv, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)  # fmt: skip
-    lines: list[str] = []
-    reader = threading.Thread(target=drain, args=(proc, lines, 0, echo, 5000), daemon=True)
-    reader.start()
-    try:
-        proc.wait(timeout)
-    except subprocess.TimeoutExpired:
-        lines.append(f"killed after {timeout} s\n")
-    finally:
-        stop_tree(proc)
-        reader.join(timeout=5)
-    return proc.returncode, "".join(lines)

@@ -1,6 +1,6 @@
-"""What both workers measure from the real tensors and the process, besides the collectives
-(`collectives.py`): one optimizer step's time, the gradient and unsharded parameter bytes held
-after each backward (`StepMeter`; `step_callback` for a Trainer), memory peaks, pinning, versions.
+"""What both workers measure besides the collectives (`collectives.py`): an optimizer step's time,
+the gradient and unsharded parameter bytes held after each backward, read from FSDP2's tensors
+(`StepMeter`; `step_callback` for a Trainer), memory peaks, pinning and versions.
 """
 
 from __future__ import annotations
@@ -20,9 +20,8 @@ from accel_gradsync.planning.memory import peak_rss_bytes, reset_peak_rss
 
 
 def pin_to_core() -> int:
-    """Pin this rank to one core of those it may use (local rank mod count), as each rank owns its
-    device on a GPU node. Unpinned, the ranks' main, autograd and gloo threads migrate between the
-    cores and every collective waits on whichever rank the scheduler last moved."""
+    """Pin this rank to one core (local rank mod count), as each rank owns its device on a GPU node:
+    unpinned, every collective waits on whichever rank the scheduler last moved."""
     cores = sorted(os.sched_getaffinity(0))
     core = cores[int(os.environ.get("LOCAL_RANK", "0")) % len(cores)]
     os.sched_setaffinity(0, {core})
@@ -36,85 +35,70 @@ def versions(*extra: str) -> dict[str, str]:
 
 
 def fsdp2_groups(model: nn.Module) -> list:
-    """Every FSDP2 param group of the model (a unit), once (torch 2.13's private state)."""
+    """Every FSDP2 param group (a unit) of the model, once (torch 2.13's private state)."""
     from torch.distributed.fsdp import FSDPModule
 
     groups = [g for m in model.modules() if isinstance(m, FSDPModule) for g in m._get_fsdp_state()._fsdp_param_groups]
     return list({id(g): g for g in groups}.values())
 
 
-def fsdp2_params(model: nn.Module) -> list:
-    return list({id(fp): fp for g in fsdp2_groups(model) for fp in g.fsdp_params}.values())
-
-
-def _local_nbytes(t: torch.Tensor | None) -> int:
+def _nbytes(t: torch.Tensor | None) -> int:
     t = getattr(t, "_local_tensor", t)
     return 0 if t is None else t.numel() * t.element_size()
 
 
-def held_grad_bytes(model: nn.Module) -> int:
-    """Gradient bytes this rank holds right now: sharded gradients plus every unsharded (deferred)
-    gradient FSDP2 keeps between micro-batches, read from its `FSDPParam` fields (no public getter)."""
-    params = fsdp2_params(model)
-    if not params:  # not FSDP2 (DDP, plain): every .grad is whole
-        return sum(_local_nbytes(p.grad) for p in model.parameters())
-    total = 0
+def held_bytes(model: nn.Module) -> tuple[int, int]:
+    """(gradient, unsharded parameter) bytes this rank holds now. Gradients: sharded plus every
+    unsharded (deferred) one FSDP2 keeps between micro-batches, from its `FSDPParam` fields (no public
+    getter); not FSDP2: every .grad. Params: those whose unsharded storage is allocated."""
+    params = list({id(fp): fp for g in fsdp2_groups(model) for fp in g.fsdp_params}.values())
+    if not params:
+        return sum(_nbytes(p.grad) for p in model.parameters()), 0
+    grads = params_held = 0
     for fp in params:
         unsharded = getattr(fp, "_unsharded_param", None)
-        total += _local_nbytes(getattr(fp, "unsharded_accumulated_grad", None)) + _local_nbytes(fp.sharded_param.grad)
-        total += 0 if unsharded is None else _local_nbytes(unsharded.grad)
-    return total
-
-
-def held_param_bytes(model: nn.Module) -> int:
-    """Unsharded parameter bytes allocated right now (FSDP2 frees them by resizing the storage to 0)."""
-    total = 0
-    for fp in fsdp2_params(model):
-        unsharded = getattr(fp, "_unsharded_param", None)
-        if unsharded is not None and unsharded.untyped_storage().size() > 0:
-            total += unsharded.numel() * unsharded.element_size()
-    return total
-
-
-def _backend(device: str):
-    return getattr(torch, device, None) if device in ("cuda", "npu") else None
+        grads += _nbytes(getattr(fp, "unsharded_accumulated_grad", None)) + _nbytes(fp.sharded_param.grad)
+        if unsharded is not None:
+            grads += _nbytes(unsharded.grad)
+            params_held += unsharded.numel() * unsharded.element_size() if unsharded.untyped_storage().size() else 0
+    return grads, params_held
 
 
 class StepMeter:
     """One optimizer step: `start()`, `probe(model)` after every backward, `stop()` -> the
-    `records.Measured` fields; `scoped`, `peak` and `device_peak` are then the step's memory peaks."""
+    `records.Measured` fields; `device_peak` is then the CUDA/NPU allocator's peak (None on CPU)."""
 
     def __init__(self, device: str = "cpu") -> None:
-        self.device, self.probes, self.probing = device, [], False
+        self.backend = getattr(torch, device) if device in ("cuda", "npu") else None
+        self.probes: list[tuple[int, int]] = []
+        self.probing = False
 
     def start(self) -> None:
-        self.scoped = reset_peak_rss()
-        if (backend := _backend(self.device)) is not None:
-            backend.reset_peak_memory_stats()
+        reset_peak_rss()
+        if self.backend is not None:
+            self.backend.reset_peak_memory_stats()
         self.rss_before = psutil.Process().memory_info().rss
         self.probes, self.probing = [], True
         self.t0, self.cpu0 = time.perf_counter(), time.process_time()
 
     def probe(self, model: nn.Module) -> None:
         if self.probing:
-            self.probes.append((held_grad_bytes(model), held_param_bytes(model)))
+            self.probes.append(held_bytes(model))
 
     def stop(self) -> dict:
-        if (backend := _backend(self.device)) is not None:
-            backend.synchronize()
+        if self.backend is not None:
+            self.backend.synchronize()
         elapsed, cpu = time.perf_counter() - self.t0, time.process_time() - self.cpu0
-        self.probing, self.peak = False, peak_rss_bytes()
-        backend = _backend(self.device)
-        self.device_peak = None if backend is None else int(backend.max_memory_allocated())
+        self.probing = False
+        self.device_peak = None if self.backend is None else int(self.backend.max_memory_allocated())
         return dict(time_s=elapsed, cpu_s=cpu, held_grad_bytes=max((g for g, _ in self.probes), default=0),
                     held_param_bytes=max((p for _, p in self.probes), default=0),
-                    rss_growth_bytes=max(self.peak - self.rss_before, 0))  # fmt: skip
+                    rss_growth_bytes=max(peak_rss_bytes() - self.rss_before, 0))  # fmt: skip
 
 
 def step_callback(meter: StepMeter, before: Callable[[], None], done: Callable[[object, dict], None]):
     """A Trainer callback metering every optimizer step, from `on_step_begin` (after `before()`) to
-    `on_step_end` (`done(state, measured)`), probing `.trainer`'s model after every micro-batch.
-    transformers is imported here: the MLP worker needs it only for its Trainer peer."""
+    `on_step_end` (`done(state, measured)`), probing `.trainer`'s model after every micro-batch."""
     from transformers import TrainerCallback
 
     class Steps(TrainerCallback):

@@ -3,7 +3,7 @@ write (stock accelerate, the transformers Trainer, hand-written FSDP2 loops) on 
 several sizes. This module holds the configurations, presets, launches and the merge of the ranks'
 records; `mlp_worker.py` measures, `mlp_report.py` reports.
 
-A configuration (`CONFIGS`): `loop`, the training loop (`mlp_worker.LOOPS`, or "trainer": a stock
+A configuration (`CONFIGS`): `loop`, the training loop (`mlp_worker.step`, or "trainer": a stock
 `transformers.Trainer`); `gradsync`, the `GradSyncConfig` arguments (a function of the model's
 facts, or None: no plugin); `sync_each_batch` (accelerate's flag); `reshard_after_forward: False`;
 `mesh: "2x2"` (4 ranks as HSDP, else 2 of plain FSDP2); `group` and `label` for the report.
@@ -92,12 +92,6 @@ QUICK = {"sizes": ["small"], "Ms": [1, 2, 4], "reps": 1, "steps": 2, "configs": 
 FULL = {"sizes": ["small", "large"], "Ms": [1, 2, 4, 8], "configs": list(CONFIGS), "reps": 1, "steps": None}
 
 
-def gradsync_kwargs(name: str, facts: dict) -> dict | None:
-    """The GradSyncConfig arguments of a configuration, for this model."""
-    spec = CONFIGS[name]["gradsync"]
-    return spec(facts) if callable(spec) else spec
-
-
 def ranks(name: str) -> int:
     return 4 if CONFIGS[name].get("mesh") == "2x2" else 2
 
@@ -180,12 +174,10 @@ def merge(ranks_json: list[dict]) -> Run:
             f"{k}_per_step": statistics.median(getattr(s, k) for s in rec.steps) for k in (*KINDS, "bytes_sent")
         }
         rows.append(ConfigResult(
-            config=rec.config, M=rec.M, label=CONFIGS[rec.config]["label"], group=CONFIGS[rec.config]["group"],
-            step_time_s=statistics.median(times), step_times_s=times, step_rounds=[s.round for s in rec.steps],
-            step_cpu_s=statistics.median(cpus), step_cpus_s=cpus, **per_step,
+            config=rec.config, M=rec.M, step_time_s=statistics.median(times), step_times_s=times,
+            step_rounds=[s.round for s in rec.steps], step_cpu_s=statistics.median(cpus), step_cpus_s=cpus, **per_step,
             counts_seen_per_step={kind: sorted({getattr(s, kind) for s in rec.steps}) for kind in KINDS},
             **memory_max(every, [s.handle_held_grad_bytes for s in every]),
-            peak_rss_bytes=max(s.peak_rss_bytes for s in every), peak_rss_scope=rec.steps[0].peak_rss_scope,
             device_peak_bytes=max((s.device_peak_bytes or 0) for s in every) or None, stats=rec.stats,
             sync_control_us=max((r.sync_control_us or 0) for r in per_rank) or None))  # fmt: skip
     return Run(size=first.size, facts=first.facts, device=first.device, ranks=len(ranks_), rows=rows,

@@ -193,31 +193,23 @@ def check_overhead(runs: list[Run], a: str, b: str, Ms: list[int], what: str, qu
     return out
 
 
-def step_cost_ratios(run: Run) -> list[float]:
-    """What a reduce-scatter byte cost this run's steps against an all-gather byte, FSDP's copies
-    included, per round at the largest M: the time deferral saved per reduce-scatter it removed, over
-    the time the window then saved per all-gather it removed (the units are all the same size)."""
-    by = index(run)
-    M = max((m for (name, m) in by if name == "window"), default=None)
-    if M is None or not all((n, M) in by for n in ("per_micro_batch", "deferred")):
-        return []
-    pmb, deferred, window = (by[(n, M)] for n in ("per_micro_batch", "deferred", "window"))
-    rs_removed = pmb.reduce_scatters_per_step - deferred.reduce_scatters_per_step
-    ag_removed = deferred.all_gathers_per_step - window.all_gathers_per_step
-    if rs_removed <= 0 or ag_removed <= 0:
-        return []
-    t0, t1, t2 = times_by_round(pmb), times_by_round(deferred), times_by_round(window)
-    per = [
-        ((t0[r] - t1[r]) / rs_removed, (t1[r] - t2[r]) / ag_removed) for r in sorted(t0.keys() & t1.keys() & t2.keys())
-    ]
-    return [rs / ag for rs, ag in per if ag > 0]
-
-
 def check_planner_cost(runs: list[Run], quick: bool) -> list[TargetResult]:
-    """The budget planner's reduce-scatter weight for the backend against what the steps paid."""
+    """The budget planner's reduce-scatter weight for the backend against what the steps paid: per
+    round at the largest M, the time deferral saved per reduce-scatter it removed over the time the
+    window then saved per all-gather it removed (FSDP's copies included; the units are equal)."""
     notes, statuses = [], []
     for run in runs:
-        if not (measured := step_cost_ratios(run)):
+        by = index(run)
+        M = max((m for (name, m) in by if name == "window"), default=None)
+        if M is None or not all((n, M) in by for n in ("per_micro_batch", "deferred")):
+            continue
+        pmb, deferred, window = (by[(n, M)] for n in ("per_micro_batch", "deferred", "window"))
+        rs_removed = pmb.reduce_scatters_per_step - deferred.reduce_scatters_per_step
+        ag_removed = deferred.all_gathers_per_step - window.all_gathers_per_step
+        t0, t1, t2 = times_by_round(pmb), times_by_round(deferred), times_by_round(window)
+        rounds = sorted(t0.keys() & t1.keys() & t2.keys()) if rs_removed > 0 and ag_removed > 0 else []
+        per = [((t0[r] - t1[r]) / rs_removed, (t1[r] - t2[r]) / ag_removed) for r in rounds]
+        if not (measured := [rs / ag for rs, ag in per if ag > 0]):
             continue
         planner = run.facts["planner_reduce_scatter_cost"]
         status, stat = judge(targets.PLANNER_COST, [m / planner for m in measured], quick)
@@ -273,9 +265,8 @@ def check_window_speedup(run: Run, quick: bool) -> TargetResult:
 
 
 def check_frontier(results: Results, runs: list[Run]) -> TargetResult:
-    """Each budget point against the frontier at its held bytes: the line per-micro-batch ->
-    deferred up to full deferral's bytes, then deferred -> window. Per round, (point - frontier) /
-    per-micro-batch step, the frontier drawn from the same round's corners; pooled over M >= 2."""
+    """Each budget point against the frontier (per-micro-batch -> deferred -> window) at its held
+    bytes: per round, (point - frontier) / per-micro-batch step, from that round's corners."""
     what = f"{targets.FRONTIER.name} (memory vs time, paired by round, M >= 2)"
     notes, statuses = [], []
     corners = ("per_micro_batch", "deferred", "window")
@@ -334,7 +325,7 @@ def check_run_time(results: Results) -> TargetResult:
         what = f"run time target (full or quick {'cluster ' if cluster else ''}run only)"
         return TargetResult(what, SKIP, f"custom run: {results.elapsed_s} s")
     limit = targets.RUN_TIME_S[kind]
-    where = f" simulated-cluster run ({', '.join(links_of(results))})" if cluster else " run"
+    where = f" simulated-cluster run ({', '.join(per_link(results))})" if cluster else " run"
     return TargetResult(f"{kind}{where} within {limit} s", PASS if results.elapsed_s <= limit else FAIL,
                         f"{results.elapsed_s} s")  # fmt: skip
 
@@ -356,22 +347,17 @@ def write_report(results: Results, out: Path) -> str:
 
 
 # -- the simulated cluster ------------------------------------------------------------------------
-def links_of(results: Results) -> list[str]:
-    return list(dict.fromkeys(r.link for r in results.runs if r.link is not None))
-
-
-def link_results(results: Results, link: str) -> Results:
-    """The results of one link bandwidth, shaped like a loopback run's results."""
-    return dataclasses.replace(results, runs=[r for r in results.runs if r.link == link])
+def per_link(results: Results) -> dict[str, Results]:
+    """The results of each link bandwidth, shaped like a loopback run's results."""
+    links = dict.fromkeys(r.link for r in results.runs if r.link is not None)
+    return {link: dataclasses.replace(results, runs=[r for r in results.runs if r.link == link]) for link in links}
 
 
 def check_cluster_targets(results: Results) -> list[TargetResult]:
-    """Per link: the loopback targets the link decides (counts, the deferral and window margins,
-    HSDP), the margins a slow link must show, and that the 2-host runs' collectives crossed the
-    shaped link; then the run time. The 2% overhead and frontier targets need loopback's rounds."""
+    """Per link: the targets a link decides (not the 2% overhead and frontier ones: they need loopback's
+    rounds), the margins a slow link must show, and that the collectives crossed it; the run time."""
     quick, out = bool(results.plan.get("quick")), []
-    for link in links_of(results):
-        sub = link_results(results, link)
+    for link, sub in per_link(results).items():
         out += [dataclasses.replace(t, target=f"[{link}] {t.target}") for t in check_targets(sub, True)]
         for run in [r for r in sub.runs if r.ranks == 2]:
             for name in ("deferred", "window"):
@@ -394,8 +380,7 @@ def check_cluster_targets(results: Results) -> list[TargetResult]:
 
 
 def plot_cluster_speedup(results: Results, path: Path) -> None:
-    """Per configuration: per-micro-batch step / its step against the link's Gbit/s, the median
-    over rounds at the largest M."""
+    """Per configuration: per-micro-batch step / its step at the largest M against the link's Gbit/s."""
     M, speedups = max(results.plan["Ms"]), {}
     for run in results.runs:
         base = baseline_of(run)
@@ -416,8 +401,7 @@ def plot_cluster_speedup(results: Results, path: Path) -> None:
 
 def write_cluster_table(results: Results) -> str:
     lines = stats.header("Benchmark results on a simulated cluster", results)
-    for link in links_of(results):
-        sub = link_results(results, link)
+    for link, sub in per_link(results).items():
         lines += [f"## {link} link per host", ""]
         lines += [
             f"- {r.size}, {r.ranks} ranks = {r.hosts} hosts x {r.ranks_per_host}: "

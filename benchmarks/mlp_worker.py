@@ -1,10 +1,7 @@
-"""The MLP benchmark's worker: one launched process group (2 ranks, or 4 for the 2x2 HSDP mesh)
-runs every configuration given, for one model size and every M, and writes `rank<R>.json`.
-
-Each configuration is prepared up front on an `Accelerator` of its own (so the plugin attaches to
-its own model only), and each round runs one optimizer step of every configuration in an order
-rotated per round (`mlp.round_order`, the overhead pairs back to back), so load from other
-processes slows all of them alike. The stock Trainer runs its own loop: it is interleaved per M.
+"""The MLP benchmark's worker: one process group (2 ranks, or 4 for the 2x2 HSDP mesh) runs every
+configuration given, for one model size and every M, and writes `rank<R>.json`. Each configuration
+has an `Accelerator` of its own; each round runs one step of each in an order rotated per round
+(`mlp.round_order`), so load from other processes slows all alike. The Trainer is interleaved per M.
 """
 
 from __future__ import annotations
@@ -110,10 +107,8 @@ class Bench:
 
     def sample(self, measured: dict, **extra: Any) -> StepSample:
         """The step just metered, with its collectives since the counter's last take and its peaks."""
-        m = self.meter
-        return StepSample(**measured, **vars(self.counter.take_traffic()), peak_rss_bytes=m.peak,
-                          peak_rss_scope="step" if m.scoped else "process", device_peak_bytes=m.device_peak,
-                          **extra)  # fmt: skip
+        traffic = vars(self.counter.take_traffic())
+        return StepSample(**measured, **traffic, device_peak_bytes=self.meter.device_peak, **extra)
 
 
 @dataclass
@@ -126,49 +121,36 @@ class Prepared:
     handle: Any = None  # the plugin's handle, for configurations that attach it
 
 
-# -- one optimizer step, per loop -----------------------------------------------------------
-def step_accumulate(bench: Bench, run: Prepared, M: int, window_by_hand: bool = False) -> None:
-    """What the accelerate docs show, `accumulate` around every micro-batch, stepping the optimizer
-    on the micro-batch that syncs, as the Trainer does. `window_by_hand` ("accumulate_window"):
-    `set_reshard_after_backward` on the last micro-batch only (reshard after forward: off at prepare)."""
-    acc, model, optimizer = run.acc, run.model, run.optimizer
+def micro_batch(run: Prepared, last: bool):
+    """What a loop does around a micro-batch besides forward and backward, the sync choice: the raw
+    loops' and the window's flags by hand, else accelerate's `accumulate`."""
+    loop, model = run.spec["loop"], run.model
+    if loop.startswith("raw"):
+        model.set_requires_gradient_sync(last)
+    if loop.endswith("window"):
+        model.set_reshard_after_backward(last)
+    return contextlib.nullcontext() if loop.startswith("raw") else run.acc.accumulate(model)
+
+
+def step(bench: Bench, run: Prepared, M: int) -> None:
+    """One optimizer step of M micro-batches. "accumulate": the accelerate docs' loop, stepping on the
+    micro-batch that syncs, as the Trainer does; "raw": verl's, FSDP2's own switch and the bare torch
+    optimizer, the floor for a wrapper's overhead; "*_window": PyTorch issue 124319 by hand."""
+    raw = run.spec["loop"].startswith("raw")
     for k in range(M):
         x, y = bench.batch(k)
-        if window_by_hand:
-            model.set_reshard_after_backward(k == M - 1)
-        with acc.accumulate(model):
-            acc.backward(model(x, y)["loss"])
-            bench.meter.probe(model)
-            if acc.sync_gradients:
-                optimizer.step()
-                optimizer.zero_grad()
+        with micro_batch(run, k == M - 1):
+            loss = run.model(x, y)["loss"]
+            (loss / M).backward() if raw else run.acc.backward(loss)
+            bench.meter.probe(run.model)
+            if not raw and run.acc.sync_gradients:
+                run.optimizer.step()
+                run.optimizer.zero_grad()
+    if raw:
+        run.optimizer.optimizer.step()
+        run.optimizer.optimizer.zero_grad(set_to_none=True)
 
 
-def step_raw(bench: Bench, run: Prepared, M: int, window: bool = False) -> None:
-    """verl's approach: FSDP2's own switch flipped by hand and the bare torch optimizer, the floor
-    for any wrapper's overhead. `window` ("raw_window", PyTorch issue 124319): also resharded after
-    backward only on the last micro-batch, so each unit all-gathers once per step."""
-    model, optimizer = run.model, run.optimizer.optimizer
-    for k in range(M):
-        x, y = bench.batch(k)
-        model.set_requires_gradient_sync(k == M - 1)
-        if window:
-            model.set_reshard_after_backward(k == M - 1)
-        (model(x, y)["loss"] / M).backward()
-        bench.meter.probe(model)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-
-
-LOOPS = {
-    "accumulate": step_accumulate,
-    "accumulate_window": lambda bench, run, M: step_accumulate(bench, run, M, window_by_hand=True),
-    "raw": step_raw,
-    "raw_window": lambda bench, run, M: step_raw(bench, run, M, window=True),
-}
-
-
-# -- one configuration ----------------------------------------------------------------------
 def prepare(bench: Bench, name: str) -> Prepared:
     """The configuration's own Accelerator, model, optimizer and, with the plugin, its handle. The
     plan is made once, at attach, for the largest M (budget and auto levels depend on M)."""
@@ -178,7 +160,7 @@ def prepare(bench: Bench, name: str) -> Prepared:
     model, optimizer = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=LR))
     if spec.get("reshard_after_forward") is False:  # what `fsdp_reshard_after_forward: false` gives
         model.set_reshard_after_forward(False)
-    handle, kwargs = None, mlp.gradsync_kwargs(name, bench.facts)
+    handle, kwargs = None, spec["gradsync"](bench.facts) if callable(spec["gradsync"]) else spec["gradsync"]
     if kwargs is not None:
         with contextlib.redirect_stdout(open(os.devnull, "w")):  # the one-line decision
             handle = accel_gradsync.attach(acc, accel_gradsync.GradSyncConfig(**kwargs))
@@ -192,38 +174,30 @@ def set_accumulation(run: Prepared, M: int) -> None:
 
 
 def measure_step(bench: Bench, run: Prepared, M: int, rep: int = 0, round_index: int | None = None) -> StepSample:
-    """One optimizer step of M micro-batches: time, collectives, held bytes (probed after every
-    backward: microseconds against a step of seconds) and memory peaks."""
+    """One optimizer step of M micro-batches: time, collectives, held bytes and memory peaks."""
     set_accumulation(run, M)
     dist.barrier()  # every rank starts the step together; not a wrapped collective
     bench.counter.take()
     bench.meter.start()
-    LOOPS[run.spec["loop"]](bench, run, M)
+    step(bench, run, M)
     measured = bench.meter.stop()
     handle_held = None if run.handle is None else run.handle.stats()["last_step/held_grad_bytes"]
     return bench.sample(measured, handle_held_grad_bytes=handle_held, rep=rep, round=round_index)
 
 
 def measure_sync_control(run: Prepared, iterations: int = 100, repeats: int = 5) -> float:
-    """Microseconds per micro-batch spent choosing and applying the sync mode, with no forward or
-    backward: a non-final and a final `accumulate` (the raw loops: their flag calls). The whole of
-    what a wrapper can add, apart from step noise; the minimum over repeats drops interrupted ones."""
-    acc, model, loop = run.acc, run.model, run.spec["loop"]
+    """Microseconds per micro-batch of `micro_batch` alone, a held and a syncing one: the whole of what
+    a wrapper can add, apart from step noise (the minimum over repeats drops interrupted ones)."""
     set_accumulation(run, 2)
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
         for _ in range(iterations):
             for last in (False, True):  # a held micro-batch, then the one that syncs
-                if loop.startswith("raw"):
-                    model.set_requires_gradient_sync(last)
-                if loop.endswith("window"):  # raw_window, accumulate_window: the window's flags by hand
-                    model.set_reshard_after_backward(last)
-                if not loop.startswith("raw"):
-                    with acc.accumulate(model):
-                        pass
+                with micro_batch(run, last):
+                    pass
         best = min(best, (time.perf_counter() - t0) / (2 * iterations) * 1e6)
-    acc.step = 0
+    run.acc.step = 0
     return best
 
 

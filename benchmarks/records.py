@@ -21,12 +21,13 @@ class Record:
 
 
 def build(tp: Any, value: Any) -> Any:
-    """`value` (parsed JSON) as type `tp`: dataclasses, lists, dicts and optionals recursively."""
+    """`value` (parsed JSON) as type `tp`: dataclasses, lists, dicts and optionals recursively; fields
+    the records no longer declare are left out, so older results.json files still redraw."""
     if value is None:
         return None
     if dataclasses.is_dataclass(tp):
         hints = typing.get_type_hints(tp)
-        return tp(**{k: build(hints[k], v) for k, v in value.items()})
+        return tp(**{k: build(hints[k], v) for k, v in value.items() if k in hints})
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin is list:
         return [build(args[0], v) for v in value]
@@ -104,8 +105,6 @@ class StepSample(Measured):
     all_reduces: int
     all_gathers: int
     bytes_sent: float  # by the ring formula on the tensors the collectives were given
-    peak_rss_bytes: int  # over the step where the OS allows resetting the peak, else the process's
-    peak_rss_scope: str  # "step" or "process"
     device_peak_bytes: int | None  # the CUDA/NPU allocator's peak; None on CPU
     handle_held_grad_bytes: int | None = None
     rep: int = 0
@@ -134,8 +133,6 @@ class RankResult(Record):
 @dataclass(kw_only=True)
 class ConfigResult(Row):
     M: int
-    label: str = ""
-    group: str = ""  # plugin, memory-aware, peer or hsdp
     step_cpu_s: float = 0.0
     step_cpus_s: list[float] = field(default_factory=list)
     reduce_scatters_per_step: float = 0
@@ -143,8 +140,6 @@ class ConfigResult(Row):
     all_gathers_per_step: float = 0
     bytes_sent_per_step: float = 0
     counts_seen_per_step: dict[str, list[int]] = field(default_factory=dict)  # kind -> distinct counts seen
-    peak_rss_bytes: int = 0
-    peak_rss_scope: str = "step"
     device_peak_bytes: int | None = None
     sync_control_us: float | None = None  # the slowest rank's
 
@@ -204,8 +199,6 @@ class GrpoRankResult(Record):
 
 @dataclass(kw_only=True)
 class GrpoRow(Row):
-    mode: str = ""
-    lora: bool = False
     units: int = 0
     phase_time_s: dict[str, float] = field(default_factory=dict)  # phase -> median over the steps
     counts_seen: dict[str, dict[str, list[int]]] = field(default_factory=dict)  # phase -> kind -> seen

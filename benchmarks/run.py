@@ -1,11 +1,10 @@
 """The benchmark harness: `python -m benchmarks.run [--quick] [--grpo] [--device cpu|cuda|npu] [--out DIR]`.
 
-The MLP benchmark (`mlp.py`, the default) and the GRPO benchmark (`--grpo`, `grpo.py`) are
-configurations of it: each gives a plan, the networks it runs on and its launches. Every launch
-runs under `accelerate launch` (`launch.py`) over loopback, or with `--cluster HxR --link ...` once
-per link on simulated hosts (`cluster.py`, root only); the ranks' records are merged into a run per
-launch and network and written to results.json, and the benchmark's report writes results.md, the
-PNGs and the PASS/FAIL summary. `--redraw DIR` redraws the report from DIR/results.json.
+The MLP (`mlp.py`, the default) and GRPO (`--grpo`, `grpo.py`) benchmarks are configurations of it:
+a plan, the networks and the launches. Each launch runs under `accelerate launch` (`launch.py`) over
+loopback, or with `--cluster HxR --link ...` once per link on simulated hosts (`cluster.py`); the
+ranks' records become a run each in results.json, and the benchmark's report writes results.md, the
+PNGs and the PASS/FAIL summary (`--redraw DIR`: again from DIR/results.json).
 """
 
 from __future__ import annotations
@@ -60,22 +59,20 @@ class Job(NamedTuple):
     env: dict[str, str]
 
 
-def cluster_shape(spec: str) -> dict:
-    """'2x1' -> 2 hosts, 1 rank each for the 2-rank launches (the 4-rank HSDP mesh: 2 each)."""
+def cluster_of(args: argparse.Namespace) -> tuple[dict, list[str]]:
+    """--cluster HxR: H hosts, R ranks each for the 2-rank launches (the HSDP mesh: 4/H); --link."""
     try:
-        hosts, per_host = (int(x) for x in spec.lower().split("x"))
+        hosts, per_host = (int(x) for x in args.cluster.lower().split("x"))
     except ValueError:
         hosts = per_host = 0
     if hosts < 1 or hosts * per_host != 2:
         raise SystemExit(
-            f"--cluster {spec}: expected HOSTSxRANKS with 2 ranks in all (2x1, or 1x2 for one host); "
+            f"--cluster {args.cluster}: expected HOSTSxRANKS with 2 ranks in all (2x1, or 1x2 for one host); "
             "the HSDP launch then runs 4 ranks as HOSTS x 4/HOSTS"
         )
-    return {"hosts": hosts, "ranks_per_host": per_host}
-
-
-def cluster_links(spec: str) -> list[str]:
-    links = [link.strip() for link in spec.split(",") if link.strip()]
+    if args.grpo and hosts != 2:
+        raise SystemExit(f"--cluster {args.cluster}: the GRPO benchmark runs 2 hosts x 1 rank (2x1)")
+    links = [link.strip() for link in args.link.split(",") if link.strip()]
     try:
         for link in links:
             cluster.link_bits_per_s(link)
@@ -83,21 +80,18 @@ def cluster_links(spec: str) -> list[str]:
         raise SystemExit(f"--link: {e}") from None
     if not links:
         raise SystemExit("--link: give at least one bandwidth, such as 1gbit")
-    return links
+    return {"hosts": hosts, "ranks_per_host": per_host}, links
 
 
 def plan_of(args: argparse.Namespace) -> tuple[dict, list[str | None]]:
-    """The benchmark's plan and the networks it runs on (None: loopback)."""
-    if args.grpo:
-        if args.cluster and args.cluster.lower() != "2x1":
-            cluster_shape(args.cluster)
-            raise SystemExit(f"--cluster {args.cluster}: the GRPO benchmark runs 2 hosts x 1 rank (2x1)")
-        return grpo.plan_of(args), [None, *(cluster_links(args.link) if args.cluster else [])]
-    p = mlp.plan(args)
+    """The benchmark's plan and the networks it runs on (None: loopback; GRPO runs there too)."""
+    p = grpo.plan_of(args) if args.grpo else mlp.plan(args)
     if not args.cluster:
         return p, [None]
-    p.update(cluster=cluster_shape(args.cluster), links=cluster_links(args.link))
-    return p, list(p["links"])
+    shape, links = cluster_of(args)
+    if not args.grpo:
+        p.update(cluster=shape, links=links)
+    return p, [None, *links] if args.grpo else list(links)
 
 
 def jobs_of(p: dict, args: argparse.Namespace, workdir: Path, on_cluster: bool) -> list[Job]:

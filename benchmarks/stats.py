@@ -1,9 +1,7 @@
-"""What both reports share: the paired statistics they judge targets on, the head and targets
-table of a results.md, and the figure helpers of the PNGs (matplotlib imported only to draw).
-
-Two configurations that ran in the same round saw the same machine load, so a ratio per round
-cancels that load where a ratio of medians does not; a target is judged on the median of those
-ratios with a bootstrap interval (`targets.Target.judge`).
+"""What both reports share: the paired statistics they judge targets on, the head and targets table
+of a results.md, and the figure helpers (matplotlib imported only to draw). Two configurations in the
+same round saw the same machine load, so a ratio per round cancels it where a ratio of medians does
+not; a target is judged on the median of those ratios with a bootstrap interval.
 """
 
 from __future__ import annotations
@@ -53,23 +51,19 @@ def judge(target: Target, values: list[float], quick: bool) -> tuple[str, tuple[
     return target.judge(*stat, n=len(values), quick=quick), stat
 
 
-def noted(status: str, measured: str) -> str:
-    """The measured figures, marked when the run was too small to decide on them."""
-    return f"{UNDECIDED_NOTE}: {measured}" if status == UNDECIDED else measured
-
-
 def judged(what: str, target: Target, values: list[float], quick: bool, measured: str) -> TargetResult:
     """One target on paired values; `measured` may use {m}, {lo}, {hi} (the median and interval) and {n}."""
     status, (m, lo, hi) = judge(target, values, quick)
-    return TargetResult(what, status, noted(status, measured.format(m=m, lo=lo, hi=hi, n=len(values))))
+    return verdict(what, [status], [measured.format(m=m, lo=lo, hi=hi, n=len(values))])
 
 
 def verdict(what: str, statuses: list[str], notes: list[str], sep: str = "; ", skip: str = "not run") -> TargetResult:
-    """A target judged in parts: the worst part's status and every part's notes (SKIP: no part)."""
+    """A target judged in parts: the worst part's status and every part's notes, marked when the run
+    was too small to decide on them (SKIP: no part)."""
     if not statuses:
         return TargetResult(what, SKIP, skip)
     status = worst(statuses)
-    return TargetResult(what, status, noted(status, sep.join(notes)))
+    return TargetResult(what, status, (f"{UNDECIDED_NOTE}: " if status == UNDECIDED else "") + sep.join(notes))
 
 
 def fmt_ci(stat: tuple[float, float, float], n: int) -> str:
