@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 
 from accel_gradsync.config.settings import GradSyncConfig, SyncMode, reduce_dtype_for
 from accel_gradsync.estimator.fake_shard import fake_world, shard_like_accelerate
@@ -214,21 +215,22 @@ class StepForecaster:
         whole = model_config is self.model_config
         with fake_world(setup.num_processes):
             model = build_meta_model(model_config, self.model_dtype)
-            if not hasattr(model, "get_output_embeddings") or model.get_output_embeddings() is None:
+            head = getattr(model, "get_output_embeddings", None)
+            if head is None or head() is None:
                 raise ValueError(
                     f"--model: {type(model).__name__} is not a causal LM; the step forecast runs a causal-LM "
                     "forward with labels. Pass a causal-LM config, or drop --micro-batch-size/--seq-len."
                 )
             if shape.gradient_checkpointing:
-                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+                enable_checkpointing(model)
             model.train()
             plugin = build_accelerate_plugin(setup, self.config, model, schedule.mode)
             model = shard_like_accelerate(model, plugin, setup.mixed_precision, setup.replicate_size, setup.shard_size)
             adapter = adapt_model(model)
             assert adapter is not None  # fully_shard wrapped the root
             name = (lambda n: n) if whole else unit_key
-            held = [u.module for u in adapter.units if name(u.name) in schedule.held]
-            windowed = [u.module for u in adapter.units if name(u.name) in schedule.windowed]
+            held = [cast(FSDPModule, u.module) for u in adapter.units if name(u.name) in schedule.held]
+            windowed = [cast(FSDPModule, u.module) for u in adapter.units if name(u.name) in schedule.windowed]
             with FakeTensorMode(allow_non_fake_inputs=True):
                 model.to_empty(device="cpu")
                 params = [p for p in model.parameters() if p.requires_grad]
@@ -268,6 +270,18 @@ class StepForecaster:
             optimizer_state=_category(snapshot, "OptState"),
             activations=_total(snapshot) - sum(_category(snapshot, c) for c in persistent),
         )
+
+
+def enable_checkpointing(model: torch.nn.Module) -> None:
+    """Non-reentrant activation checkpointing of every decoder layer, as a run would switch it on
+    (`activation_checkpointing_enable`; before transformers 5.x `gradient_checkpointing_enable`)."""
+    kwargs = {"use_reentrant": False}
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        legacy: Any = model
+        legacy.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 def _build_optimizer(name: str, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:

@@ -2,7 +2,8 @@
 on fake tensors) against the peak live tensor bytes of a real 2-rank gloo FSDP2 step (torch's
 MemTracker around the real step, max over ranks), for the recipe's tiny Qwen2 and a 4-layer
 Llama-shaped model (so the forecast's layer extrapolation is exercised), per_micro_batch,
-deferred, deferred+window and budget, gradient checkpointing off and on, AdamW: within 10%.
+deferred, deferred+window, budget and auto (measured in its second step, after auto planned from
+the first), gradient checkpointing off and on, AdamW: within 10%.
 
 One launch per model and checkpointing setting, each running every mode. Run with `-s` to
 print the forecast-vs-measured table docs/estimate.md shows."""
@@ -31,7 +32,8 @@ LLAMA = dict(
     tie_word_embeddings=False,
 )
 MODELS = ["recipe-default", LLAMA]
-MODES = ["per_micro_batch", "deferred", "deferred+window", "budget"]
+MODES = ["per_micro_batch", "deferred", "deferred+window", "budget", "auto"]
+FREE = "40GiB"  # auto plans from it at the warm-up step; every model here fits a full window
 CONFIG = {
     "distributed_type": "FSDP",
     "num_processes": 2,
@@ -60,10 +62,10 @@ def compared(request):
     One launch per model: accelerate's plugin keeps the first model's layer class to wrap."""
     spec, checkpointing = request.param
     args = ["--models", json.dumps([spec]), "--modes", ",".join(MODES), "--M", str(M)]
-    args += ["--mbs", str(MBS), "--seq", str(SEQ), "--memory-budget", BUDGET]
+    args += ["--mbs", str(MBS), "--seq", str(SEQ), "--memory-budget", BUDGET, "--free-memory", FREE]
     ranks = launch("step_peak", args + (["--checkpointing"] if checkpointing else []), CONFIG)
     shape = StepShape(MBS, SEQ, "adamw", checkpointing)
-    est = estimate(spec, CONFIG, M, GradSyncConfig(memory_budget=BUDGET), step_shape=shape)
+    est = estimate(spec, CONFIG, M, GradSyncConfig(memory_budget=BUDGET, free_memory=FREE), step_shape=shape)
     rows = []
     for mode in MODES:
         peaks = [res["peak_bytes"] for rank in ranks for res in rank["results"] if res["mode"] == mode]

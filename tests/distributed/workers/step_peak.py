@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM
 
 import accel_gradsync
 from accel_gradsync.estimator.inputs import load_model_config
+from accel_gradsync.estimator.step_peak import enable_checkpointing
 
 args = parse_args(
     [
@@ -25,6 +26,7 @@ args = parse_args(
         (("--mbs",), {"type": int, "default": 2}),
         (("--seq",), {"type": int, "default": 64}),
         (("--memory-budget",), {"default": "1GiB"}),
+        (("--free-memory",), {"default": "40GiB"}),
         (("--checkpointing",), {"action": "store_true"}),
     ]
 )
@@ -44,17 +46,20 @@ for spec in json.loads(args.models):
         set_seed(0)
         window = mode == "deferred+window"  # the estimate's row for deferral with keep_params_unsharded
         config = accel_gradsync.GradSyncConfig(
-            sync_mode="deferred" if window else mode, keep_params_unsharded=window, memory_budget=args.memory_budget
+            sync_mode="deferred" if window else mode,
+            keep_params_unsharded=window,
+            memory_budget=args.memory_budget,
+            free_memory=args.free_memory,
         )
         handle = accel_gradsync.attach(accelerator, config)
         model = AutoModelForCausalLM.from_config(model_config)
         if args.checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            enable_checkpointing(model)  # non-reentrant, every decoder layer, as the forecast's
         model.train()
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         model, optimizer = accelerator.prepare(model, optimizer)
         vocab = model_config.vocab_size
-        for k in range(args.M):  # warm-up: creates the optimizer state, and the plan of a steady step
+        for k in range(args.M):  # warm-up: creates the optimizer state; auto measures it and plans
             with accelerator.accumulate(model):
                 micro_batch(model, vocab, k)
                 optimizer.step()
@@ -78,6 +83,8 @@ for spec in json.loads(args.models):
                     str(dev): {str(getattr(k, "value", k)): int(v) for k, v in s.items()} for dev, s in peak.items()
                 },
                 "stats": {k: v for k, v in handle.stats().items() if k.startswith("last_step/")},
+                "plan": handle.plan().mode if handle.plan() is not None else None,
+                "windowed": len(handle.plan().windowed) if handle.plan() is not None else 0,
             }
         )
         handle.detach()
