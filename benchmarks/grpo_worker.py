@@ -15,7 +15,6 @@ import dataclasses
 import gc
 import hashlib
 import json
-import os
 import tempfile
 import time
 from pathlib import Path
@@ -27,7 +26,7 @@ from transformers import AutoTokenizer
 import accel_gradsync
 from benchmarks import grpo
 from benchmarks.collectives import CollectiveCounter
-from benchmarks.measure import StepMeter, fsdp2_groups, pin_to_core, step_callback, versions
+from benchmarks.measure import StepMeter, attach, fsdp2_groups, pin_to_core, step_callback, versions
 from benchmarks.records import GrpoRankResult, GrpoRankRun, GrpoStep, PhaseTotals
 
 PHASES = ("generation", "logprob", "scoring", "training")
@@ -121,10 +120,7 @@ def run_one(name: str, round_index: int, args: argparse.Namespace, phases: Phase
         peft = get_peft_config(lora) if spec["lora"] else None
         trainer = GRPOTrainer(model=args.model_dir, reward_funcs=[parity_reward], args=config, train_dataset=dataset,
                               processing_class=tokenizer, peft_config=peft, callbacks=[callback])  # fmt: skip
-        callback.trainer, handle = trainer, None
-        if spec["gradsync"] is not None:
-            with contextlib.redirect_stdout(open(os.devnull, "w")):  # the one-line decision
-                handle = accel_gradsync.attach(trainer, accel_gradsync.GradSyncConfig(**spec["gradsync"]))
+        callback.trainer, handle = trainer, attach(trainer, spec["gradsync"])
         wrap(trainer, "_generate", (phases, "generation"), after=digest)
         wrap(
             trainer,

@@ -5,7 +5,9 @@ the gradient and unsharded parameter bytes held after each backward, read from F
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import io
 import os
 import time
 from collections.abc import Callable
@@ -17,6 +19,15 @@ from torch import nn
 
 import accel_gradsync
 from accel_gradsync.planning.memory import peak_rss_bytes, reset_peak_rss
+
+
+def attach(target, kwargs: dict | None):
+    """`accel_gradsync.attach` with these GradSyncConfig arguments (None: no plugin), its one-line
+    decision kept out of the progress output; the handle."""
+    if kwargs is None:
+        return None
+    with contextlib.redirect_stdout(io.StringIO()):
+        return accel_gradsync.attach(target, accel_gradsync.GradSyncConfig(**kwargs))
 
 
 def pin_to_core() -> int:

@@ -12,7 +12,6 @@ import copy
 import dataclasses
 import gc
 import json
-import os
 import tempfile
 import time
 from dataclasses import dataclass
@@ -29,7 +28,7 @@ from torch import nn
 import accel_gradsync
 from benchmarks import mlp
 from benchmarks.collectives import CollectiveCounter
-from benchmarks.measure import StepMeter, pin_to_core, step_callback, versions
+from benchmarks.measure import StepMeter, attach, pin_to_core, step_callback, versions
 from benchmarks.records import RankRecord, RankResult, StepSample
 
 LR = 1e-3
@@ -160,11 +159,8 @@ def prepare(bench: Bench, name: str) -> Prepared:
     model, optimizer = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=LR))
     if spec.get("reshard_after_forward") is False:  # what `fsdp_reshard_after_forward: false` gives
         model.set_reshard_after_forward(False)
-    handle, kwargs = None, spec["gradsync"](bench.facts) if callable(spec["gradsync"]) else spec["gradsync"]
-    if kwargs is not None:
-        with contextlib.redirect_stdout(open(os.devnull, "w")):  # the one-line decision
-            handle = accel_gradsync.attach(acc, accel_gradsync.GradSyncConfig(**kwargs))
-    return Prepared(name, spec, acc, model, optimizer, handle)
+    kwargs = spec["gradsync"](bench.facts) if callable(spec["gradsync"]) else spec["gradsync"]
+    return Prepared(name, spec, acc, model, optimizer, attach(acc, kwargs))
 
 
 def set_accumulation(run: Prepared, M: int) -> None:
