@@ -118,6 +118,12 @@ class StepForecaster:
                 "(fully_shard) as accelerate shards it only; use fsdp_version: 2 in the accelerate config, or drop "
                 "--micro-batch-size/--seq-len."
             )
+        if setup.hsdp:
+            raise ValueError(
+                "--micro-batch-size/--seq-len: the step forecast does not run HSDP meshes yet (its fake step fails on "
+                "them with a shape error in this torch); drop the two flags, or forecast one "
+                f"replica: the config without parallelism_config and --num-processes {setup.shard_size}."
+            )
         self.model_config, self.model_dtype, self.setup, self.config = model_config, model_dtype, setup, config
         self.shape, self.micro_batches = shape, micro_batches
         self.layers = count_layers(model_config)
@@ -129,9 +135,9 @@ class StepForecaster:
         if schedule not in self.simulated:
             layers = self.layers
             if layers is None or layers <= 2:
-                self.simulated[schedule] = self._run(self.model_config, schedule)
+                self.simulated[schedule] = self._run_or_explain(self.model_config, schedule)
             else:
-                one, two = (self._run(with_layers(self.model_config, n), schedule) for n in (1, 2))
+                one, two = (self._run_or_explain(with_layers(self.model_config, n), schedule) for n in (1, 2))
 
                 def extend(a: int, b: int) -> int:
                     return a + (layers - 1) * (b - a)
@@ -205,6 +211,18 @@ class StepForecaster:
         else:
             held, windowed = {u.name for u in plan.held}, {u.name for u in plan.windowed}
         return Schedule(mode, frozenset(held), frozenset(windowed), plan.held_sync if plan.held else GRADIENT_SYNC)
+
+    def _run_or_explain(self, model_config: Any, schedule: Schedule) -> SimulatedStep:
+        """`_run`, with a failure of the fake step (a model or setting that torch's fake tensors or
+        tracker cannot run) as the one-line `ValueError` the CLI prints."""
+        try:
+            return self._run(model_config, schedule)
+        except (RuntimeError, NotImplementedError, TypeError, AssertionError) as err:
+            first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+            raise ValueError(
+                f"--micro-batch-size/--seq-len: the step forecast could not run {model_config.model_type} on fake "
+                f"tensors ({type(err).__name__}: {first}); drop the two flags for the estimate without it."
+            ) from None
 
     def _run(self, model_config: Any, schedule: Schedule) -> SimulatedStep:
         """The tracked fake step of the module docstring, for `model_config` as given."""

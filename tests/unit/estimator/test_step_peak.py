@@ -169,3 +169,8 @@ def test_fsdp1_is_refused_with_what_to_pass(cli_error, tmp_path, capsys, clean_e
     path.write_text(good_text.replace("fsdp_version: 2", "fsdp_version: 1"))
     line = cli_error(capsys, "--accelerate-config", str(path), "--micro-batch-size", "2", "--seq-len", "8")
     assert "FSDPMemTracker" in line and "fsdp_version: 2" in line, line
+
+
+def test_hsdp_is_refused_with_what_to_pass(fsdp):
+    with pytest.raises(ValueError, match=r"HSDP .* --num-processes 2\.$"):
+        estimate("recipe-default", fsdp(processes=4, replicate=2), 2, step_shape=SHAPE)
