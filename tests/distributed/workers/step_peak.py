@@ -45,10 +45,11 @@ for spec in json.loads(args.models):
     for mode in args.modes.split(","):
         set_seed(0)
         window = mode == "deferred+window"  # the estimate's row for deferral with keep_params_unsharded
+        sync_mode, _, budget = mode.partition("@")  # budget@300KiB: a budget of its own
         config = accel_gradsync.GradSyncConfig(
-            sync_mode="deferred" if window else mode,
+            sync_mode="deferred" if window else sync_mode,
             keep_params_unsharded=window,
-            memory_budget=args.memory_budget,
+            memory_budget=budget or args.memory_budget,
             free_memory=args.free_memory,
         )
         handle = accel_gradsync.attach(accelerator, config)
@@ -85,6 +86,7 @@ for spec in json.loads(args.models):
                 "stats": {k: v for k, v in handle.stats().items() if k.startswith("last_step/")},
                 "plan": handle.plan().mode if handle.plan() is not None else None,
                 "windowed": len(handle.plan().windowed) if handle.plan() is not None else 0,
+                "held": len(handle.plan().held) if handle.plan() is not None else 0,
             }
         )
         handle.detach()
