@@ -1,4 +1,6 @@
-"""`@pytest.mark.slow` tests (soak, long property runs) are skipped unless `--slow` or `-m slow`.
+"""`@pytest.mark.slow` tests and params are skipped unless `--slow` or `-m slow`: the default suite
+keeps one short case of each multi-rank scenario (CI stays under 20 minutes), and a module fixture
+that launches many runs at once asks the `slow` fixture whether to launch them all or a short share.
 
 The package alone (`pip install accel-gradsync`, no extras) runs the tests of the package itself:
 the recipe's tests and the multi-rank suite (which trains the recipe's models with TRL and PEFT)
@@ -29,9 +31,19 @@ def pytest_addoption(parser):
     parser.addoption("--slow", action="store_true", default=False, help="also run tests marked slow")
 
 
-def pytest_collection_modifyitems(config, items):
+def runs_slow(config) -> bool:
     markexpr = config.getoption("-m") or ""
-    if config.getoption("--slow") or ("slow" in markexpr and "not slow" not in markexpr):
+    return bool(config.getoption("--slow") or ("slow" in markexpr and "not slow" not in markexpr))
+
+
+@pytest.fixture(scope="session")
+def slow(request) -> bool:
+    """True under `--slow`: a module fixture then launches its full set of runs, else a short one."""
+    return runs_slow(request.config)
+
+
+def pytest_collection_modifyitems(config, items):
+    if runs_slow(config):
         return
     skip = pytest.mark.skip(reason="slow: run with --slow or -m slow")
     for item in items:

@@ -32,7 +32,15 @@ LOOPS = {
 }
 
 
-@pytest.fixture(scope="module", params=[(w, loop) for loop in LOOPS for w in ("fsdp2", "fsdp1", "ddp")], ids=str)
+# The default suite: FSDP2 in every loop, FSDP1 and DDP in accumulate(); the rest with --slow.
+PARAMS = [
+    pytest.param((w, loop), marks=() if w == "fsdp2" or loop == "accumulate" else pytest.mark.slow)
+    for loop in LOOPS
+    for w in ("fsdp2", "fsdp1", "ddp")
+]
+
+
+@pytest.fixture(scope="module", params=PARAMS, ids=str)
 def run(request):
     wrapper, loop = request.param
     config = None if wrapper == "ddp" else accelerate_config(wrapper)

@@ -36,7 +36,7 @@ RUNS = {
 MEASURED: dict[str, dict] = {}
 
 
-@pytest.fixture(scope="module", params=list(RUNS))
+@pytest.fixture(scope="module", params=[pytest.param(k, marks=() if k == "fsdp2" else pytest.mark.slow) for k in RUNS])
 def run(request):
     kind, fsdp, cases = RUNS[request.param]
     config = {**accelerate_config(kind, **fsdp), "mixed_precision": "bf16"}

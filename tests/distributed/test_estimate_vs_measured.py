@@ -45,7 +45,10 @@ def _config(kind: str, mixed_precision: str) -> dict:
     return config
 
 
-@pytest.fixture(scope="module", params=list(RUNS))
+QUICK = ("fsdp1-bf16", "fsdp2-fp32")  # the default suite; every run with --slow
+
+
+@pytest.fixture(scope="module", params=[pytest.param(k, marks=() if k in QUICK else pytest.mark.slow) for k in RUNS])
 def run(request):
     kind, mixed_precision, reduce_dtypes = RUNS[request.param]
     config = _config(kind, mixed_precision)

@@ -95,14 +95,29 @@ def _args(runs, m=M):
     return ["--runs", json.dumps(runs), "--M", str(m), "--steps", str(STEPS), "--tokens", str(T)]
 
 
-@pytest.fixture(scope="module")
-def runs():
-    return launch("generation", _args(RUNS), CONFIG, timeout=900)
+# The default suite's share of RUNS and FROZEN_RUNS (each run with what it compares to); --slow runs all.
+QUICK_RUNS = {
+    "per_micro_batch",
+    "per_micro_batch+gen",
+    "window_inside",
+    "window_inside+gen",
+    "gathered",
+    "raise_in_forward",
+    "raise_in_accumulate",
+}
+QUICK_FROZEN = {"lora_deferred", "lora_window+gen"}
 
 
 @pytest.fixture(scope="module")
-def frozen():
-    return launch("generation", _args(FROZEN_RUNS), CONFIG, timeout=900)
+def runs(slow):
+    chosen = RUNS if slow else [r for r in RUNS if r["name"] in QUICK_RUNS]
+    return launch("generation", _args(chosen), CONFIG, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def frozen(slow):
+    chosen = FROZEN_RUNS if slow else [r for r in FROZEN_RUNS if r["name"] in QUICK_FROZEN]
+    return launch("generation", _args(chosen), CONFIG, timeout=900)
 
 
 @pytest.fixture(scope="module")
@@ -280,7 +295,7 @@ def test_an_exception_inside_the_trainers_no_sync_discards_the_window(trainer, t
         assert out["stats"]["aborted_steps"] == 1, out["stats"]
 
 
-@pytest.mark.parametrize("kind", ["fsdp1", "ddp"])
+@pytest.mark.parametrize("kind", ["fsdp1", pytest.param("ddp", marks=pytest.mark.slow)])
 def test_the_setting_warns_once_where_it_does_not_apply(kind):
     runs = [{"name": "gen", "config": {"defer": True, **GEN}}]
     config = accelerate_config("fsdp1") if kind == "fsdp1" else None  # torchrun: CPU DDP
@@ -303,6 +318,7 @@ def grpo(tmp_path_factory):
     return {gen: run_command(GRPO + gen, tmp_path_factory.mktemp("grpo")) for gen in flags}
 
 
+@pytest.mark.slow  # three recipe runs; the rounds themselves are counted in `runs` above
 def test_grpo_recipe_gathers_per_round_not_per_token(grpo):
     """TRL generates inside the first micro-batch of each step (steps_per_generation = M): with the
     setting each unit is all-gathered once per round, counted from outside the recipe."""
@@ -327,6 +343,7 @@ def test_grpo_recipe_gathers_per_round_not_per_token(grpo):
         assert first_on["loss"] == pytest.approx(first_off["loss"], rel=1e-5, abs=1e-7)
 
 
+@pytest.mark.slow
 def test_grpo_recipe_with_lora_counts_its_frozen_units(grpo):
     """Under LoRA the embeddings and head are frozen FSDP units: they reduce nothing but all-gather,
     in training and in generation; the counters equal what was counted from outside."""

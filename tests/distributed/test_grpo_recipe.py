@@ -69,7 +69,11 @@ def runs(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("command", QUICKSTART)
+# FSDP2's two commands in the default suite, FSDP1's with --slow (the same code per wrapper as FSDP2's).
+COMMANDS = [pytest.param(c, marks=() if "fsdp2.yaml" in c else pytest.mark.slow) for c in QUICKSTART]
+
+
+@pytest.mark.parametrize("command", COMMANDS)
 def test_quickstart_trains_with_real_fsdp_and_the_chosen_sync(runs, command):
     run = runs(command)
     fsdp = "fsdp1" if "fsdp1.yaml" in command else "fsdp2"
@@ -90,7 +94,7 @@ def test_quickstart_trains_with_real_fsdp_and_the_chosen_sync(runs, command):
         assert reduce_scatters == STEPS * units * (1 if defer else MICRO_BATCHES), rank
 
 
-@pytest.mark.parametrize("command", QUICKSTART)
+@pytest.mark.parametrize("command", COMMANDS)
 def test_recipe_logs_agree_with_the_counted_collectives(runs, command):
     run = runs(command)
     fsdp = "fsdp1" if "fsdp1.yaml" in command else "fsdp2"
@@ -107,6 +111,7 @@ def test_recipe_logs_agree_with_the_counted_collectives(runs, command):
     assert len([k for k in last if k.startswith("grad_sync/")]) == 6  # not the ~20 counters of stats()
 
 
+@pytest.mark.slow
 def test_every_counter_is_logged_on_request(runs):
     run = runs(QUICKSTART[0] + " --grad-sync-log-all-counters")
     units = run["ranks"][0]["fsdp2_reducing_groups"]
@@ -117,7 +122,7 @@ def test_every_counter_is_logged_on_request(runs):
     assert last["grad_sync/deferred_micro_batches"] == STEPS * (MICRO_BATCHES - 1)
 
 
-@pytest.mark.parametrize("config", ["fsdp2", "fsdp1"])
+@pytest.mark.parametrize("config", ["fsdp2", pytest.param("fsdp1", marks=pytest.mark.slow)])
 def test_deferring_does_not_change_the_first_step(runs, config):
     deferred, per_micro_batch = (runs(c) for c in QUICKSTART if f"/{config}.yaml" in c)
     first_d, first_p = deferred["logs"][0], per_micro_batch["logs"][0]
@@ -155,6 +160,7 @@ def test_window_mode_in_grpo_gathers_less_and_learns_the_same_first_step(runs):
 AUTO = QUICKSTART[1] + " --grad-sync-mode auto"
 
 
+@pytest.mark.slow  # auto's step 1 and plan: tests/distributed/test_auto.py
 def test_auto_measures_step_one_per_micro_batch_then_follows_its_plan(runs):
     """Counted from outside, step 1 reduce-scatters every micro-batch; step 2 follows the
     plan auto printed after measuring (on this machine's RAM every unit fits: one per unit)."""

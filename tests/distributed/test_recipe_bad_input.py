@@ -58,7 +58,10 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("name", CASES)
+QUICK = ("budget-on-fsdp1", "unknown-mode")  # the default suite; every case with --slow
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in QUICK else pytest.mark.slow) for n in CASES])
 def test_bad_input_stops_the_launch_with_one_line_before_anything_is_written(name, tmp_path):
     command, lines = CASES[name]
     (tmp_path / "empty.jsonl").write_text("")
@@ -100,6 +103,7 @@ def test_resume_on_another_number_of_processes_is_refused_at_start(tmp_path):
     assert sorted(p.name for p in out_dir.iterdir()) == ["checkpoint-4"]  # nothing written
 
 
+@pytest.mark.slow  # check_launch's own tests refuse it in-process (tests/unit/test_launch.py)
 def test_max_restarts_with_a_rendezvous_that_cannot_restart_is_refused_at_start(tmp_path):
     """accelerate's default rendezvous (static) shares the launcher's store across restarts, so a
     restarted group could not form: refused before training, by each attempt's main process."""

@@ -96,7 +96,14 @@ def reduce_scatters(rank: dict) -> int:
     return rank["counts"].get("reduce_scatter_single", 0) + rank["counts"].get("reduce_scatter_tensor", 0)
 
 
-@pytest.mark.parametrize("command", [FSDP2_FOLDER, FSDP1_JSON, YAML], ids=["fsdp2-folder", "fsdp1-json", "yaml"])
+@pytest.mark.parametrize(
+    "command",
+    [
+        pytest.param(FSDP2_FOLDER, id="fsdp2-folder"),
+        pytest.param(FSDP1_JSON, id="fsdp1-json", marks=pytest.mark.slow),
+        pytest.param(YAML, id="yaml", marks=pytest.mark.slow),
+    ],
+)
 def test_a_model_directory_and_a_local_dataset_train_with_real_fsdp(runs, command):
     run = runs(command)
     fsdp = "fsdp1" if "fsdp1.yaml" in command else "fsdp2"
@@ -127,6 +134,7 @@ def test_save_steps_alone_saves_every_n_steps(runs):
         assert json.loads((folder / "checkpoint_complete.json").read_text()) == {"global_step": step, "world_size": 2}
 
 
+@pytest.mark.slow
 def test_the_yaml_keys_reach_the_run(runs, inputs):
     """Every YAML key the command line does not override is what the run used."""
     import torch
@@ -141,6 +149,7 @@ def test_the_yaml_keys_reach_the_run(runs, inputs):
     assert run["output"].count("--dataset_config main is ignored") == 1
 
 
+@pytest.mark.slow
 def test_keep_params_unsharded_on_fsdp1_only_warns(runs):
     run = runs(FSDP1_JSON)
     assert "keep_params_unsharded does not apply on fsdp1" in run["output"]

@@ -84,6 +84,7 @@ def test_a_rank_killed_mid_step_restarts_from_the_last_checkpoint_and_ends_as_if
     assert_restarted_and_equal(proc, out_dir, uninterrupted, resumed_from=4, inputs=inputs)
 
 
+@pytest.mark.slow
 def test_a_checkpoint_cut_short_by_a_kill_is_not_resumed_from(inputs, uninterrupted, tmp_path):
     """Rank 1 dies writing its RNG state into checkpoint-4, after rank 0 has begun its own part:
     the restart resumes from checkpoint-2, the newest whole one."""
@@ -92,6 +93,7 @@ def test_a_checkpoint_cut_short_by_a_kill_is_not_resumed_from(inputs, uninterrup
     assert_restarted_and_equal(proc, out_dir, uninterrupted, resumed_from=2, inputs=inputs)
 
 
+@pytest.mark.slow
 def test_a_kill_right_after_an_old_checkpoint_is_deleted_resumes_from_the_new_one(inputs, uninterrupted, tmp_path):
     """With --save_total_limit 1, saving checkpoint-4 deletes checkpoint-2. The main process is
     killed the moment that deletion returns: checkpoint-4 must already be marked complete, or

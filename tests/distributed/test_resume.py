@@ -130,6 +130,7 @@ def test_auto_resumed_without_its_plan_ends_elsewhere(auto_probe, where):
         assert run["resumed_levels"] != run["levels"], run
 
 
+@pytest.mark.slow  # launches 2 then 4 processes
 def test_auto_checkpoint_resumed_on_another_number_of_processes_is_one_decision(tmp_path):
     """A 2-process auto run's checkpoints resumed on 4 processes: every rank decides from what the
     main process saved. From a step boundary, auto measures its first step again on every rank;
@@ -181,6 +182,7 @@ def test_fsdp1_mid_window_checkpoint_warns_at_save_and_is_refused_at_load(fsdp1,
         assert "saved after 2 of 3 micro-batches" in error and "accel_gradsync_window.json" in error, run
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", list(WHERE))
 @pytest.mark.parametrize("mode", list(DDP_MODES))
 def test_ddp_resume_equals_uninterrupted_run(ddp, mode, where):
@@ -254,7 +256,7 @@ SLOW = pytest.mark.slow
 @pytest.mark.parametrize(
     "sync",
     [
-        pytest.param([], id="per_micro_batch"),
+        pytest.param([], id="per_micro_batch", marks=SLOW),
         pytest.param(["--defer-grad-sync"], id="deferred", marks=SLOW),
         pytest.param(["--grad-sync-mode", "auto", "--grad-sync-free-memory", "64GiB"], id="auto", marks=SLOW),
     ],

@@ -173,6 +173,7 @@ def test_explicit_no_sync_outside_accumulate(fsdp):
         assert torch.allclose(torch.tensor(value), torch.tensor(reference["weights"][key]), atol=1e-6), key
 
 
+@pytest.mark.slow  # 4 processes (a 2x2 mesh)
 @pytest.mark.parametrize(
     ("name", "all_reduce_windows"), [("per_micro_batch", 0), ("defer_all_reduce", STEPS), ("deferred", STEPS)]
 )
@@ -190,7 +191,10 @@ def test_hsdp_modes_apply_and_are_counted(hsdp, name, all_reduce_windows):
         assert counts["reduce_scatter_single"] == stats["reduce_scatters_issued"], (counts, stats)
 
 
-MESHES = [({"fsdp_size": 2}, "fsdp"), ({"fsdp_size": 2, "dp_replicate_size": 2}, "hsdp")]
+MESHES = [
+    ({"fsdp_size": 2}, "fsdp"),
+    pytest.param({"fsdp_size": 2, "dp_replicate_size": 2}, "hsdp", marks=pytest.mark.slow),
+]
 
 
 @pytest.mark.parametrize(("mesh", "runs"), MESHES)
@@ -237,6 +241,7 @@ def test_a_peft_adapter_added_after_load_time_sharding_is_governed_and_counted(l
         assert runs["window"]["losses"] == pytest.approx(runs["per_micro_batch"]["losses"], abs=1e-5)
 
 
+@pytest.mark.slow
 def test_a_trl_trainer_is_governed_too(grpo):
     """GRPOTrainer subclasses the Trainer: the same deferral path, the same governance."""
     for rank in grpo:

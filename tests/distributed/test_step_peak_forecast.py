@@ -57,11 +57,19 @@ def _row(est, mode: str):
     return next(m for m in est.modes if m.mode == mode or m.mode.startswith(mode + " "))
 
 
-@pytest.fixture(
-    scope="module",
-    params=[(spec, gc) for spec in MODELS for gc in (False, True)],
-    ids=[f"{_name(spec)}-{'checkpointing' if gc else 'no-checkpointing'}" for spec in MODELS for gc in (False, True)],
-)
+# The default suite: each model once, checkpointing off for the first and on for the second; --slow: all four.
+PARAMS = [
+    pytest.param(
+        (spec, gc),
+        id=f"{_name(spec)}-{'checkpointing' if gc else 'no-checkpointing'}",
+        marks=() if gc == (i == 1) else pytest.mark.slow,
+    )
+    for i, spec in enumerate(MODELS)
+    for gc in (False, True)
+]
+
+
+@pytest.fixture(scope="module", params=PARAMS)
 def compared(request):
     """(model, mode, checkpointing, forecast, measured max over ranks, forecast phase) per mode.
     One launch per model: accelerate's plugin keeps the first model's layer class to wrap."""

@@ -13,7 +13,7 @@ N = 2  # ranks
 FSDP1_PAD = TinyNet.UNITS * (N - 1) * 4  # FSDP1 pads each unit's flat fp32 gradient to a multiple of N elements
 
 
-@pytest.fixture(scope="module", params=["fsdp2", "fsdp1"])
+@pytest.fixture(scope="module", params=["fsdp2", pytest.param("fsdp1", marks=pytest.mark.slow)])
 def ranks(request):
     return request.param, launch("two_models", ["--M", str(M), "--steps", str(STEPS)], accelerate_config(request.param))
 

@@ -177,6 +177,7 @@ def test_live_counters_of_a_transformers_sharded_model_evaluated_between_steps(s
             assert counted["optimizer_steps"] == SHARDED_STEPS, (name, counted)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", ["bf16_fp32_reduce", "activation_checkpointing"])
 def test_window_with_bf16_fp32_reduce_and_activation_checkpointing(variants, variant):
     for rank in variants[variant]:
