@@ -14,6 +14,10 @@ import pytest
 from benchmarks import grpo
 from benchmarks.records import GrpoResults
 
+# The whole GRPO benchmark over every configuration: with --slow (the MLP smoke test runs the same
+# harness by default, and the GRPO records' round trip is tested in test_grpo_report.py).
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[2]
 
 

@@ -32,9 +32,12 @@ LOOPS = {
 }
 
 
-# The default suite: FSDP2 in every loop, FSDP1 and DDP in accumulate(); the rest with --slow.
+# The default suite: every wrapper in accumulate(), FSDP2 also with two forwards in no_sync; --slow: all.
 PARAMS = [
-    pytest.param((w, loop), marks=() if w == "fsdp2" or loop == "accumulate" else pytest.mark.slow)
+    pytest.param(
+        (w, loop),
+        marks=() if loop == "accumulate" or (w, loop) == ("fsdp2", "two_forwards_no_sync") else pytest.mark.slow,
+    )
     for loop in LOOPS
     for w in ("fsdp2", "fsdp1", "ddp")
 ]

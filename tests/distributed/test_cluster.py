@@ -190,6 +190,7 @@ def test_a_crashed_runs_leftovers_are_removed_by_the_next_cluster():
         assert our_namespaces(proc.pid) == []
 
 
+@pytest.mark.slow  # the whole benchmark over the link; the links themselves are tested above
 @needs_cluster
 def test_quick_benchmark_on_two_simulated_hosts(tmp_path):
     """`python -m benchmarks.run --cluster 2x1 --link 1gbit --quick`: one accelerate launch per

@@ -117,7 +117,8 @@ def test_a_rank_killed_mid_step_ends_the_launch_within_seconds_naming_it(launche
     assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in ranks.values())
 
 
-@pytest.mark.parametrize("config", ["fsdp2", pytest.param("fsdp1", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("config", ["fsdp2", "fsdp1"])
 def test_ctrl_c_stops_every_rank_promptly_and_leaves_no_model(launches, tmp_path, config):
     out_dir = tmp_path / "out"
     launch = launches(config, ["--defer-grad-sync", *LONG], out_dir)

@@ -101,9 +101,7 @@ QUICK_RUNS = {
     "per_micro_batch+gen",
     "window_inside",
     "window_inside+gen",
-    "gathered",
     "raise_in_forward",
-    "raise_in_accumulate",
 }
 QUICK_FROZEN = {"lora_deferred", "lora_window+gen"}
 

@@ -58,7 +58,7 @@ CASES = {
 }
 
 
-QUICK = ("budget-on-fsdp1", "unknown-mode")  # the default suite; every case with --slow
+QUICK = ("budget-on-fsdp1",)  # the default suite; every case with --slow
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in QUICK else pytest.mark.slow) for n in CASES])

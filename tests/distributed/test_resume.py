@@ -162,6 +162,7 @@ def test_fsdp2_resume_with_a_full_state_dict_equals_uninterrupted_run(fsdp2_full
             _assert_exact(run)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", list(FSDP1_MODES))
 def test_fsdp1_resume_from_a_step_boundary_restores_the_optimizer_state(fsdp1, mode):
     for rank in fsdp1:
@@ -172,6 +173,7 @@ def test_fsdp1_resume_from_a_step_boundary_restores_the_optimizer_state(fsdp1, m
         assert not any(f.startswith(("accel_gradsync_grads", "accel_gradsync_window")) for f in run["files"]), run
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", list(FSDP1_MODES))
 def test_fsdp1_mid_window_checkpoint_warns_at_save_and_is_refused_at_load(fsdp1, mode):
     for rank in fsdp1:
