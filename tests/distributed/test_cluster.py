@@ -37,6 +37,9 @@ def our_namespaces(pid: int) -> list[str]:
 
 
 def python_snippet(code: str, **kwargs) -> subprocess.Popen:
+    """Run `code` in a fresh Python with Ctrl-C's default action, as in a terminal: a suite started
+    in the background of a non-interactive shell inherits SIGINT ignored, and Python then installs
+    no KeyboardInterrupt handler."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     return subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(code)],
@@ -45,6 +48,7 @@ def python_snippet(code: str, **kwargs) -> subprocess.Popen:
         text=True,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         **kwargs,
     )
 

@@ -88,6 +88,7 @@ def launch_refused(command: str, out_dir: Path) -> str:
     return output
 
 
+@pytest.mark.slow  # resolve_resume's refusal runs in-process in tests/recipes/test_recipe_errors.py
 def test_resume_on_another_number_of_processes_is_refused_at_start(tmp_path):
     """A checkpoint written by 4 processes, resumed by `auto` on 2: refused before anything is built."""
     out_dir = tmp_path / "output"

@@ -99,7 +99,7 @@ def reduce_scatters(rank: dict) -> int:
 @pytest.mark.parametrize(
     "command",
     [
-        pytest.param(FSDP2_FOLDER, id="fsdp2-folder"),
+        pytest.param(FSDP2_FOLDER, id="fsdp2-folder", marks=pytest.mark.slow),
         pytest.param(FSDP1_JSON, id="fsdp1-json", marks=pytest.mark.slow),
         pytest.param(YAML, id="yaml", marks=pytest.mark.slow),
     ],
@@ -125,6 +125,7 @@ def test_a_model_directory_and_a_local_dataset_train_with_real_fsdp(runs, comman
     assert (run["out_dir"] / "model.safetensors").is_file() == (fsdp == "fsdp2")
 
 
+@pytest.mark.slow
 def test_save_steps_alone_saves_every_n_steps(runs):
     """--save_steps 1 without --save_strategy: a whole checkpoint after each step."""
     out_dir = runs(FSDP2_FOLDER)["out_dir"]

@@ -169,6 +169,7 @@ def sharded_evaluation(tmp_path_factory):
     return launch("sharded_evaluation", args)
 
 
+@pytest.mark.slow
 def test_live_counters_of_a_transformers_sharded_model_evaluated_between_steps(sharded_evaluation):
     for rank in sharded_evaluation:
         for name, res in rank["runs"].items():
