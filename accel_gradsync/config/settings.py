@@ -120,6 +120,9 @@ DEFAULTS: dict[str, Any] = {
     "gather_for_generation": False,
     # A Trainer log line carries the few per-step counters; the ~20 others stay in stats().
     "log_all_counters": False,
+    # No shape, no forecast: auto measures step 1 per micro-batch, which needs no model config.
+    "forecast_micro_batch_size": 0,
+    "forecast_seq_len": 0,
 }
 
 
@@ -159,6 +162,13 @@ class ResolvedConfig:
     reduce_dtype: str
     gather_for_generation: bool
     log_all_counters: bool
+    forecast_micro_batch_size: int
+    forecast_seq_len: int
+
+    @property
+    def forecasts(self) -> bool:
+        """Whether `auto` plans step 1 from the whole-step forecast (both shape settings given)."""
+        return self.forecast_micro_batch_size > 0
 
 
 @dataclass
@@ -256,6 +266,20 @@ class GradSyncConfig:
         nargs="?",
         const=True,
     )
+    forecast_micro_batch_size: int | None = _flag(
+        "forecast_micro_batch_size",
+        "auto mode: sequences per micro-batch for the whole-step forecast (with --grad-sync-forecast-seq-len). "
+        "Given, auto forecasts the step's peak per rank from the model config at bind (as `accel-gradsync "
+        "estimate --micro-batch-size` does) and runs its plan from step 1; 0: step 1 syncs every micro-batch and "
+        "measures its peak.",
+        type=int,
+    )
+    forecast_seq_len: int | None = _flag(
+        "forecast_seq_len",
+        "auto mode: tokens per sequence for the whole-step forecast (the longest a micro-batch holds; GRPO: "
+        "prompt plus completion). 0: no forecast.",
+        type=int,
+    )
 
     def __post_init__(self) -> None:
         given: dict[str, Source] = {}
@@ -306,6 +330,8 @@ class GradSyncConfig:
             "memory_margin": (SyncMode.AUTO,),
             "free_memory": (SyncMode.AUTO, SyncMode.BUDGET),
             "keep_params_unsharded": (SyncMode.DEFERRED, SyncMode.BUDGET, SyncMode.AUTO),
+            "forecast_micro_batch_size": (SyncMode.AUTO,),
+            "forecast_seq_len": (SyncMode.AUTO,),
         }
         for name, modes in used_by.items():
             # A value equal to the default changes nothing, so nothing is lost by ignoring it.
@@ -316,6 +342,16 @@ class GradSyncConfig:
                     GradSyncWarning,
                     stacklevel=4,
                 )
+        if (self.forecast_micro_batch_size > 0) != (self.forecast_seq_len > 0):
+            set_one, missing = (
+                ("forecast_micro_batch_size", "--grad-sync-forecast-seq-len")
+                if self.forecast_micro_batch_size > 0
+                else ("forecast_seq_len", "--grad-sync-forecast-micro-batch-size")
+            )
+            raise ValueError(
+                f"{given[set_one].name}={getattr(self, set_one)!r}: the step forecast needs both the micro-batch "
+                f"size and the sequence length; also set {missing} (or neither, to measure step 1)."
+            )
 
     def resolved(self) -> ResolvedConfig:
         """The settings as resolved in `__post_init__`, typed as such."""
@@ -387,4 +423,15 @@ def _coerce(name: str, value: Any, source: str) -> Any:
         if not 0 <= margin < 1:
             raise ValueError(f"{source}={value!r} is not a valid `memory_margin`; use a fraction 0 <= margin < 1.")
         return margin
+    if name in ("forecast_micro_batch_size", "forecast_seq_len"):
+        try:
+            count = int(value)
+        except (TypeError, ValueError):
+            count = -1
+        if count < 0 or isinstance(value, float) and value != count:
+            raise ValueError(
+                f"{source}={value!r} is not a valid `{name}`; use a whole number of "
+                f"{'sequences' if 'batch' in name else 'tokens'} (0: no forecast)."
+            )
+        return count
     raise AssertionError(f"no validator for field {name!r}")  # invariant: DEFAULTS covers all fields

@@ -84,6 +84,24 @@ def test_wrong_values_name_field_value_and_choices(monkeypatch):
         HfArgumentParser(GradSyncConfig).parse_args_into_dataclasses(["--defer-grad-sync", "maybe"])
 
 
+def test_the_forecast_shape_is_two_whole_numbers_given_together(monkeypatch):
+    resolved = GradSyncConfig(sync_mode="auto", forecast_micro_batch_size=4, forecast_seq_len=512).resolved()
+    assert resolved.forecasts and (resolved.forecast_micro_batch_size, resolved.forecast_seq_len) == (4, 512)
+    assert not GradSyncConfig(sync_mode="auto").resolved().forecasts
+    with pytest.raises(ValueError, match=r"forecast_micro_batch_size=4: .* also set --grad-sync-forecast-seq-len"):
+        GradSyncConfig(sync_mode="auto", forecast_micro_batch_size=4)
+    monkeypatch.setenv("ACCEL_GRADSYNC_FORECAST_SEQ_LEN", "1.5")
+    with pytest.raises(ValueError, match=r"FORECAST_SEQ_LEN='1.5' is not a valid `forecast_seq_len`; use a whole"):
+        GradSyncConfig(sync_mode="auto")
+    monkeypatch.setenv("ACCEL_GRADSYNC_FORECAST_SEQ_LEN", "512")
+    with pytest.raises(ValueError, match=r"ACCEL_GRADSYNC_FORECAST_SEQ_LEN=512: .* --grad-sync-forecast-micro-batch"):
+        GradSyncConfig(sync_mode="auto")
+    parsed = HfArgumentParser(GradSyncConfig).parse_args_into_dataclasses(
+        ["--grad-sync-mode", "auto", "--grad-sync-forecast-micro-batch-size", "2"]
+    )[0]
+    assert (parsed.forecast_micro_batch_size, parsed.forecast_seq_len) == (2, 512)  # the environment fills in
+
+
 REPO = Path(__file__).resolve().parents[3]
 
 
