@@ -26,6 +26,7 @@ from accel_gradsync.compat.teardown import install_exit_guard
 from accel_gradsync.compat.versions import warn_if_untested_torch
 from accel_gradsync.config.errors import GradSyncWarning
 from accel_gradsync.config.settings import GradSyncConfig, SyncMode, dtype_name
+from accel_gradsync.estimator.live import LiveForecaster
 from accel_gradsync.planning.costs import reduce_dtype_policy
 from accel_gradsync.planning.memory import MemoryProbe
 from accel_gradsync.planning.policies import SyncPolicy
@@ -77,7 +78,8 @@ def attach(
             "accel_gradsync.attach() was already called on this accelerator; call `.detach()` on the "
             "handle it returned before attaching again."
         )
-    handle = GradSyncHandle(accelerator, config, trainer, memory_probe)
+    forecaster = LiveForecaster(accelerator, config.resolved())  # auto's step-1 plan, when a shape is set
+    handle = GradSyncHandle(accelerator, config, trainer, memory_probe, forecaster)
     _check_accelerate_config(accelerator, handle.policy)
     install_exit_guard()  # gloo's workers must be done before the interpreter exits (teardown.py)
     reason = _reason_not_applicable(accelerator)

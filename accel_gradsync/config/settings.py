@@ -342,10 +342,11 @@ class GradSyncConfig:
                     GradSyncWarning,
                     stacklevel=4,
                 )
-        if (self.forecast_micro_batch_size > 0) != (self.forecast_seq_len > 0):
+        sequences, tokens = int(self.forecast_micro_batch_size or 0), int(self.forecast_seq_len or 0)
+        if (sequences > 0) != (tokens > 0):
             set_one, missing = (
                 ("forecast_micro_batch_size", "--grad-sync-forecast-seq-len")
-                if self.forecast_micro_batch_size > 0
+                if sequences > 0
                 else ("forecast_seq_len", "--grad-sync-forecast-micro-batch-size")
             )
             raise ValueError(

@@ -46,6 +46,10 @@ class MemoryProbe:
     """A rank's memory as `auto` sees it: `capacity()` bytes it may use, and `peak()` bytes in use
     at the worst moment since `reset_peak()`."""
 
+    counts_tensor_bytes = True
+    """Whether `peak()` counts what the step's tensors take, as a forecast does (a device's
+    allocator); False where it counts something else (the CPU's resident-memory growth)."""
+
     def capacity(self) -> int:
         raise NotImplementedError
 
@@ -78,7 +82,11 @@ class DeviceMemoryProbe(MemoryProbe):
 class CpuMemoryProbe(MemoryProbe):
     """CPU: the RAM available when the probe was made is the capacity, and the peak is how much
     this process's resident memory grew above what it was at the reset (Linux VmHWM, reset
-    through /proc/self/clear_refs, as the benchmarks measure a step)."""
+    through /proc/self/clear_refs, as the benchmarks measure a step). That growth is not what a
+    step's tensors take (the allocator keeps freed pages; what was resident before is left out),
+    so `auto` does not compare it with a forecast."""
+
+    counts_tensor_bytes = False
 
     def __init__(self, capacity: int | None = None) -> None:
         self._capacity = capacity if capacity is not None else psutil.virtual_memory().available

@@ -14,6 +14,12 @@ units first (windowed to deferred, deferred to per micro-batch) until the oversh
 After `QUIET_STEPS` steps in a row with room, it moves back up to what fits with half the
 margin to spare: it never changes plan from one step to the next both ways. Plans change only
 between windows.
+
+Given a `Forecaster` (attach passes the estimator's when the forecast shape is set), step 1 does
+not measure: the forecast peak of a step that syncs every micro-batch stands in for step 1's
+measured one, so step 1 already runs the plan. Each step's measured peak is then compared with
+the forecast of the plan that ran; one more than the margin above it re-plans from the
+measurement, and from then on `auto` plans from measurements only.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
 
 from accel_gradsync.config.settings import ResolvedConfig, SyncMode
 from accel_gradsync.planning.costs import format_bytes, generation_bytes_of
@@ -34,6 +41,22 @@ KEPT_PEAKS = 32
 
 Agree = Callable[[int, int], tuple[int, int]]
 """(this rank's peak, capacity) -> (the largest peak, the smallest capacity) over all ranks."""
+
+
+@dataclass(frozen=True)
+class Forecast:
+    """The forecast peak per rank of an optimizer step that syncs every micro-batch and holds
+    nothing (`peak_bytes`; None: no forecast), and one line on how it was made or why not."""
+
+    peak_bytes: int | None
+    note: str
+
+
+class Forecaster(Protocol):
+    """Forecasts a bound model's step peak from its config (estimator/live.py). Every rank calls
+    it at bind and gets the same answer."""
+
+    def forecast(self, model: Any, micro_batches: int) -> Forecast: ...
 
 
 @dataclass
@@ -56,18 +79,43 @@ class MeasuredAuto:
     measured_steps: int = 0
     quiet: int = 0
     changes: int = 0
-    """Plan changes after the first plan (fall-backs and recoveries)."""
+    """Plan changes after the first plan (fall-backs, recoveries, a re-plan off the forecast)."""
+    unheld_forecast: int | None = None
+    """The forecast peak of a step holding nothing, while `auto` plans from it (None: measured)."""
 
-    def first_plan(self, adapter: Wrapped | None = None) -> Plan:
-        """Step 1: sync every micro-batch while the probe measures the step's peak (generation's
-        gathered params included, `adapter` given)."""
+    def first_plan(
+        self, adapter: Wrapped | None = None, micro_batches: int = 1, forecast: Forecast | None = None
+    ) -> Plan:
+        """Step 1's plan: from `forecast` where it has a peak, else sync every micro-batch while
+        the probe measures the step's peak (generation's gathered params included, `adapter` given)."""
         self.probe.reset_peak()
         generation = 0 if adapter is None else generation_bytes_of(adapter, self.config)
-        return Plan(
-            SyncMode.AUTO,
-            reason="step 1 syncs every micro-batch and measures its peak memory",
-            generation_bytes=generation,
+        if adapter is None or forecast is None or forecast.peak_bytes is None:
+            why = "" if forecast is None else f" ({forecast.note})"
+            return Plan(
+                SyncMode.AUTO,
+                reason=f"step 1 syncs every micro-batch and measures its peak memory{why}",
+                generation_bytes=generation,
+            )
+        self.unheld_forecast = forecast.peak_bytes
+        _, capacity = self.agree(0, self.probe.capacity())
+        limit = int(capacity * (1 - self.config.memory_margin))
+        chosen = plan_within(adapter, limit - forecast.peak_bytes, micro_batches, generation)
+        return replace(
+            chosen,
+            reason=(
+                f"auto planned step 1 from the forecast: peak {format_bytes(forecast.peak_bytes)}/rank syncing "
+                f"every micro-batch ({forecast.note}), {format_bytes(capacity)} free (margin "
+                f"{self.config.memory_margin:g}); holds {format_bytes(chosen.held_bytes())}, step peak "
+                f"{format_bytes(self.forecast_of(chosen) or 0)}/rank forecast"
+                + ("" if self.probe.counts_tensor_bytes else "; CPU: the measured peak is not compared with it")
+            ),
         )
+
+    def forecast_of(self, plan: Plan) -> int | None:
+        """The forecast peak of a step under `plan`: what it holds on top of a step that holds
+        nothing (None once `auto` plans from measurements)."""
+        return None if self.unheld_forecast is None else self.unheld_forecast + plan.held_bytes()
 
     def record(self) -> dict:
         """What a checkpoint keeps of this planner (`restore` takes it back)."""
@@ -79,6 +127,7 @@ class MeasuredAuto:
             "measured_steps": self.measured_steps,
             "quiet": self.quiet,
             "changes": self.changes,
+            "unheld_forecast": self.unheld_forecast,
         }
 
     def restore(self, record: dict) -> None:
@@ -87,6 +136,7 @@ class MeasuredAuto:
         self.peaks.clear()
         self.peaks.extend(record["peaks"])
         self.measured_steps, self.quiet, self.changes = record["measured_steps"], record["quiet"], record["changes"]
+        self.unheld_forecast = record.get("unheld_forecast")
         self.probe = CarriedPeak(self.probe, record["unread_peak"])
 
     def at_window_start(self, adapter: Wrapped, plan: Plan, micro_batches: int) -> Change | None:
@@ -97,7 +147,28 @@ class MeasuredAuto:
         self.measured_steps += 1
         limit = int(capacity * (1 - self.config.memory_margin))
         room = f"peak {format_bytes(peak)}/rank of {format_bytes(capacity)} (margin {self.config.memory_margin:g})"
-        if self.measured_steps == 1:
+        forecast = self.forecast_of(plan)
+        if (
+            forecast is not None
+            and self.probe.counts_tensor_bytes
+            and peak > forecast * (1 + self.config.memory_margin)
+        ):
+            # The forecast missed something this run holds: plan from what was measured, as
+            # after a measured step 1, and stop trusting the forecast.
+            self.unheld_forecast = None
+            self.changes += 1
+            chosen = plan_within(adapter, limit - max(peak - plan.held_bytes(), 0), micro_batches)
+            chosen = replace(
+                chosen,
+                generation_bytes=plan.generation_bytes,
+                reason=f"auto re-planned from step {self.measured_steps}: {room}, forecast {format_bytes(forecast)}",
+            )
+            return Change(
+                chosen,
+                f"grad sync: auto re-plans: step {self.measured_steps} {room} came more than the margin over the "
+                f"forecast {format_bytes(forecast)}; now:",
+            )
+        if self.measured_steps == 1 and self.unheld_forecast is None:
             # The measured peak already holds what generation gathered (gather_for_generation):
             # generation ran in step 1, so it is not taken off a second time.
             chosen = plan_within(adapter, limit - peak, micro_batches)
@@ -178,6 +249,7 @@ class CarriedPeak(MemoryProbe):
 
     def __init__(self, probe: MemoryProbe, carried: int) -> None:
         self.probe, self.carried = probe, carried
+        self.counts_tensor_bytes = probe.counts_tensor_bytes
 
     def capacity(self) -> int:
         return self.probe.capacity()

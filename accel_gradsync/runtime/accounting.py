@@ -190,11 +190,17 @@ class SyncAccounting:
         self.peak_held_grad_bytes = max(self.peak_held_grad_bytes, held_grad_bytes)
 
     def stats(
-        self, mode: str, unit_modes: Mapping[str, str], plan_changes: int = 0, measured_peaks: Sequence[int] = ()
+        self,
+        mode: str,
+        unit_modes: Mapping[str, str],
+        plan_changes: int = 0,
+        measured_peaks: Sequence[int] = (),
+        forecast_peak: int | None = None,
     ) -> dict:
         """Flat dict: totals since attach, and the last finished step under `last_step/`; with
         the plan's `mode` and each unit's level (`unit_modes`, by module name, "" the root) and
-        `auto`'s `plan_changes` and `measured_peaks`, which their owners keep."""
+        `auto`'s `plan_changes`, `measured_peaks` and the current plan's `forecast_peak`, which
+        their owners keep."""
         out = {
             "mode": mode,
             "mode_selected": self.mode_selected,
@@ -209,6 +215,7 @@ class SyncAccounting:
             **{f"units_{level}": list(unit_modes.values()).count(level) for level in Level},
             "measured_peaks": list(measured_peaks),
             **({"measured_peak_bytes": measured_peaks[-1]} if measured_peaks else {}),
+            **({"forecast_peak_bytes": forecast_peak} if forecast_peak is not None else {}),
             **asdict(self.total),
         }
         del out["held_grad_bytes"]  # per step only: see last_step/held_grad_bytes
@@ -219,6 +226,8 @@ class SyncAccounting:
 # How each counter of one model's stats() combines over several bound models. Every model sees
 # every micro-batch of a window, so window counts are each model's (the largest, should one
 # model skip a forward); what the models issue and hold is theirs, added up.
+_PER_PROCESS = ("measured_peak_bytes", "forecast_peak_bytes")
+"""Peaks of the whole process, kept as the first model reports them, not added up."""
 _ONCE_PER_WINDOW = ("optimizer_steps", "aborted_steps", "micro_batches", "deferred_micro_batches")
 
 
@@ -230,7 +239,7 @@ def combined_stats(per_model: dict[str, dict], mode_selected: str) -> dict:
     stats = list(per_model.values())
     out = dict(stats[0])
     for key, value in stats[0].items():
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or key == "measured_peak_bytes":
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or key in _PER_PROCESS:
             continue
         values = [s.get(key, 0) for s in stats]
         out[key] = max(values) if key.removeprefix("last_step/") in _ONCE_PER_WINDOW else sum(values)

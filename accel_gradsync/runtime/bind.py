@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 from accel_gradsync.config.errors import GradSyncWarning
 from accel_gradsync.config.settings import SyncMode
 from accel_gradsync.planning.memory import MemoryProbe, agreed_free_memory, memory_probe
-from accel_gradsync.planning.replan import MeasuredAuto
+from accel_gradsync.planning.replan import Forecast, Forecaster, MeasuredAuto
 from accel_gradsync.runtime.accounting import SyncAccounting
 from accel_gradsync.runtime.decision import describe_decision, warn_about_plan
 from accel_gradsync.runtime.fsdp import ModelAdapter, adapt_model, is_fsdp_wrapped
@@ -40,12 +40,18 @@ class Binder:
     keeps what planning reads once per run (free memory, the memory probe)."""
 
     def __init__(
-        self, state: Attachment, window: Window, generation: GenerationGather, probe: MemoryProbe | None = None
+        self,
+        state: Attachment,
+        window: Window,
+        generation: GenerationGather,
+        probe: MemoryProbe | None = None,
+        forecaster: Forecaster | None = None,
     ) -> None:
         self.state = state
         self.window = window
         self.generation = generation
         self._probe = probe
+        self._forecaster = forecaster
         self._free_memory: int | None = None
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
 
@@ -94,11 +100,18 @@ class Binder:
             return adapter  # nothing trainable (a frozen reference model): no gradient to schedule
         m, auto = state.micro_batches_per_step, None
         if state.policy.name == SyncMode.AUTO and m > 1:
-            # auto measures step 1 and plans from step 2 on (replan.py).
+            # auto plans step 1 from the forecast, or measures step 1 and plans from step 2 on (replan.py).
             if self._probe is None:
                 self._probe = memory_probe(state.accelerator.device, state.config)
             auto = MeasuredAuto(state.settings, self._probe, self._agree_peak)
-            plan = auto.first_plan(adapter)
+            forecast = None
+            if state.settings.forecasts:
+                forecast = (
+                    self._forecaster.forecast(model, m)
+                    if self._forecaster is not None
+                    else Forecast(None, "no forecaster: attach() passes one")
+                )
+            plan = auto.first_plan(adapter, m, forecast)
         else:
             plan = state.policy.plan(adapter, self._agreed_free_memory, m)
         warn_about_plan(plan, adapter, state.settings, m)

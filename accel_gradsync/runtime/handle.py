@@ -15,6 +15,7 @@ from torch import nn
 from accel_gradsync.config.settings import GradSyncConfig
 from accel_gradsync.planning.memory import MemoryProbe
 from accel_gradsync.planning.policies import SyncPolicy
+from accel_gradsync.planning.replan import Forecaster
 from accel_gradsync.planning.units import Plan
 from accel_gradsync.runtime.bind import Binder, wants_binding
 from accel_gradsync.runtime.checkpoint import CheckpointHooks
@@ -35,6 +36,7 @@ class GradSyncHandle:
         config: GradSyncConfig,
         trainer: Any = None,
         memory_probe: MemoryProbe | None = None,
+        forecaster: Forecaster | None = None,
     ) -> None:
         self.accelerator = accelerator
         self.config = config
@@ -42,7 +44,7 @@ class GradSyncHandle:
         self.policy: SyncPolicy = self._state.policy
         self._generation = GenerationGather(self._state)
         self._window = Window(self._state, self._generation)
-        self._binder = Binder(self._state, self._window, self._generation, memory_probe)
+        self._binder = Binder(self._state, self._window, self._generation, memory_probe, forecaster)
         self._checkpoints = CheckpointHooks(self._state)
         self._callback: Any = None  # callback.GradSyncCallback, with a Trainer
         self._original_class: type | None = None

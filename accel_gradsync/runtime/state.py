@@ -62,7 +62,8 @@ class BoundModel:
         levels = {u.name: self.plan.level(u) for u in self.adapter.units}
         if self.auto is None:
             return self.account.stats(self.plan.mode, levels)
-        return self.account.stats(self.plan.mode, levels, self.auto.changes, list(self.auto.peaks))
+        auto = self.auto
+        return self.account.stats(self.plan.mode, levels, auto.changes, list(auto.peaks), auto.forecast_of(self.plan))
 
     def replan(self, micro_batches: int) -> Change | None:
         """At a window's first held micro-batch: under `auto`, read the last finished step's peak

@@ -12,7 +12,7 @@ from accel_gradsync.estimator.inputs import load_model_config, read_accelerate_c
 from accel_gradsync.estimator.meta_model import build_meta_model, estimated_adapter
 from accel_gradsync.planning.costs import format_bytes
 from accel_gradsync.planning.memory import ScriptedMemoryProbe
-from accel_gradsync.planning.replan import QUIET_STEPS, MeasuredAuto
+from accel_gradsync.planning.replan import QUIET_STEPS, Forecast, MeasuredAuto
 
 M = 4
 FSDP2 = {
@@ -30,17 +30,17 @@ def adapter():
     return estimated_adapter(model, read_accelerate_config(FSDP2), CONFIG)
 
 
-def play(adapter, peaks, other_rank_peaks=None, messages=None):
+def play(adapter, peaks, other_rank_peaks=None, messages=None, forecast=None, probe=None):
     """Run the planner over a scripted series of step peaks; return the plan of every step (and
     append each change's line, the one the main process prints, to `messages`)."""
-    probe = ScriptedMemoryProbe(CAPACITY, peaks)
+    probe = ScriptedMemoryProbe(CAPACITY, peaks) if probe is None else probe
     others = iter(other_rank_peaks or [])
 
     def agree(peak, capacity):  # a second rank, scripted too: the largest peak decides
         return max(peak, next(others, 0)), capacity
 
     auto = MeasuredAuto(CONFIG, probe, agree)
-    plan = auto.first_plan()
+    plan = auto.first_plan() if forecast is None else auto.first_plan(adapter, M, forecast)
     plans = [plan]
     for _ in peaks[1:]:
         change = auto.at_window_start(adapter, plan, M)
@@ -111,3 +111,52 @@ def test_each_plan_change_is_one_plain_line_with_the_peak_it_read(adapter):
     ]
     for message in messages:
         assert not re.search(r"\b(\w+) \1\b", message), message  # no word said twice in a row
+
+
+def test_a_forecast_plans_step_one_as_a_measured_step_one_of_that_peak_would(adapter):
+    base = 2 * 2**20
+    measured, _ = play(adapter, [base, base])
+    forecast, auto = play(adapter, [base + measured[1].held_bytes()], forecast=Forecast(base, "scripted"))
+    assert forecast[0].held == measured[1].held and forecast[0].windowed == measured[1].windowed
+    assert forecast[0].held and "from the forecast" in forecast[0].reason
+    assert auto.forecast_of(forecast[0]) == base + forecast[0].held_bytes()
+    # No forecast peak (a model it cannot build): step 1 measures, and the line says why.
+    plans, _ = play(adapter, [base, base], forecast=Forecast(None, "no forecast: a PEFT model"))
+    assert not plans[0].held and "(no forecast: a PEFT model)" in plans[0].reason and plans[1].held
+
+
+def test_a_step_more_than_the_margin_over_the_forecast_re_plans_from_the_measurement(adapter):
+    base = 2 * 2**20
+    first = play(adapter, [base], forecast=Forecast(base, "scripted"))[0][0]
+    expected = base + first.held_bytes()
+    # Within the margin (10%) of the forecast: the plan stays, nothing changes.
+    plans, auto = play(adapter, [int(expected * 1.09)] * 3, forecast=Forecast(base, "scripted"))
+    assert all(p is plans[0] for p in plans) and auto.changes == 0 and auto.unheld_forecast == base
+    # Far over it: re-planned from what was measured, which leaves less room, and auto then
+    # plans from measurements (no forecast any more).
+    overshoot = 9 * 2**20 + 200 * 2**10  # 200 KiB over the limit once what the plan holds is freed
+    messages = []
+    plans, auto = play(adapter, [overshoot, overshoot], forecast=Forecast(base, "scripted"), messages=messages)
+    assert plans[1].held_bytes() < plans[0].held_bytes() and auto.changes == 1
+    assert auto.unheld_forecast is None and auto.forecast_of(plans[1]) is None
+    assert (
+        messages[0].startswith(f"grad sync: auto re-plans: step 1 peak {format_bytes(overshoot)}/rank")
+        and "forecast" in messages[0]
+    )
+    # A restored run goes on planning from the forecast it saved.
+    again = MeasuredAuto(CONFIG, ScriptedMemoryProbe(CAPACITY, [base]), lambda p, c: (p, c))
+    again.restore(play(adapter, [base], forecast=Forecast(base, "scripted"))[1].record())
+    assert again.unheld_forecast == base
+
+
+class _ResidentGrowth(ScriptedMemoryProbe):
+    counts_tensor_bytes = False  # as the CPU probe: resident-memory growth, not tensor bytes
+
+
+def test_a_probe_that_counts_no_tensor_bytes_is_not_compared_with_the_forecast(adapter):
+    base = 2 * 2**20
+    plans, auto = play(
+        adapter, [8 * 2**20] * 3, forecast=Forecast(base, "scripted"), probe=_ResidentGrowth(CAPACITY, [8 * 2**20] * 3)
+    )
+    assert all(p is plans[0] for p in plans) and auto.changes == 0
+    assert "CPU: the measured peak is not compared with it" in plans[0].reason

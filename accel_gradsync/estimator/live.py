@@ -1,0 +1,195 @@
+"""`LiveForecaster`: the whole-step forecast `auto` plans step 1 from, for a model being bound.
+
+The forecast is the estimate's (step_peak.py: a step that syncs every micro-batch and holds
+nothing, in the run's dtypes and reduce dtype). It runs in a fake process group, which cannot
+share a process with the run's real one, so the main process runs it in a child
+(`python -m accel_gradsync.estimator.live SPEC.json`) from the model's config and the launch as
+the Accelerator holds it, and broadcasts the answer: every rank plans from the same number. A
+model the forecast cannot build from its config, or a launch it does not run, gets a `Forecast`
+without a peak that says why, and `auto` measures step 1 as it does without a forecast.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from accelerate import Accelerator
+
+from accel_gradsync.config.settings import DTYPES, GradSyncConfig, ResolvedConfig, SyncMode, dtype_name
+from accel_gradsync.planning.replan import Forecast
+from accel_gradsync.planning.units import Plan
+from accel_gradsync.runtime.fsdp import sharded_by_transformers
+
+CHILD_TIMEOUT_S = 1800
+_LAUNCH_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK")
+_LAUNCH_PREFIXES = ("TORCHELASTIC_", "ACCELERATE_", "FSDP_", "MASTER_", "PARALLELISM_CONFIG_")
+
+
+class LiveForecaster:
+    """`planning.replan.Forecaster` for the models one `attach()` binds."""
+
+    def __init__(self, accelerator: Accelerator, settings: ResolvedConfig) -> None:
+        self.accelerator, self.settings = accelerator, settings
+
+    def forecast(self, model: Any, micro_batches: int) -> Forecast:
+        """The forecast of `model`'s step over `micro_batches`, the same on every rank."""
+        answer: list[Any] = [None]
+        if self.accelerator.is_main_process:
+            start = time.monotonic()
+            try:
+                answer[0] = self._forecast_here(model, micro_batches)
+            except Exception as error:  # noqa: BLE001 - any failure means: measure step 1 instead
+                answer[0] = Forecast(None, f"the forecast failed: {type(error).__name__}: {error}")
+            if answer[0].peak_bytes is not None:
+                answer[0] = Forecast(answer[0].peak_bytes, f"{answer[0].note}, in {time.monotonic() - start:.0f} s")
+        if dist.is_available() and dist.is_initialized():
+            dist.broadcast_object_list(answer, src=0, device=self.accelerator.device)
+        return answer[0]
+
+    def _forecast_here(self, model: Any, micro_batches: int) -> Forecast:
+        spec, why = self._spec(model, micro_batches)
+        if spec is None:
+            return Forecast(None, f"no forecast: {why}")
+        with tempfile.TemporaryDirectory(prefix="accel_gradsync_forecast_") as folder:
+            spec["model_config"].save_pretrained(folder)
+            spec["model_config"] = folder
+            spec_path = Path(folder) / "spec.json"
+            spec_path.write_text(json.dumps(spec))
+            done = subprocess.run(
+                [sys.executable, "-m", "accel_gradsync.estimator.live", str(spec_path)],
+                capture_output=True,
+                text=True,
+                timeout=CHILD_TIMEOUT_S,
+                env=_child_environment(),
+            )
+        if done.returncode != 0:
+            last = (done.stderr.strip().splitlines() or [f"exit code {done.returncode}"])[-1]
+            return Forecast(None, f"the forecast failed: {last}")
+        result = json.loads(done.stdout.strip().splitlines()[-1])
+        left_out = f"; leaves out {'; '.join(result['unmodeled'])}" if result["unmodeled"] else ""
+        return Forecast(int(result["peak_bytes"]), f"{result['shape']}{left_out}")
+
+    def _spec(self, model: Any, micro_batches: int) -> tuple[dict | None, str]:
+        """What the child needs, or None and why the forecast cannot run for this model."""
+        plugin = getattr(self.accelerator.state, "fsdp_plugin", None)
+        if plugin is None or plugin.fsdp_version != 2:
+            return None, "the step forecast runs FSDP2 (fsdp_version: 2) only"
+        if sharded_by_transformers(model):
+            return None, "transformers sharded this model at load time; the forecast shards as accelerate does"
+        inner = self.accelerator.unwrap_model(model)
+        if hasattr(inner, "peft_config"):
+            return None, "a PEFT model: the forecast builds the model from its config, without adapters"
+        model_config = getattr(inner, "config", None)
+        if model_config is None or not hasattr(model_config, "save_pretrained"):
+            return None, f"{type(inner).__name__} has no transformers config to build it from"
+        optimizer = self._optimizer_name()
+        if optimizer is None:
+            return None, "the forecast models AdamW and SGD optimizers only"
+        parallel = getattr(self.accelerator, "parallelism_config", None)
+        replicate = getattr(parallel, "dp_replicate_size", 1) if parallel is not None else 1
+        if replicate > 1:
+            return None, "the step forecast does not run HSDP meshes yet"
+        dtype = next(inner.parameters()).dtype
+        if dtype not in DTYPES.values():
+            return None, f"weights in {dtype}; the forecast builds fp32, bf16 or fp16 models"
+        settings = {k: v for k, v in vars(self.settings).items()}
+        shape = {
+            "micro_batch_size": self.settings.forecast_micro_batch_size,
+            "seq_len": self.settings.forecast_seq_len,
+            "optimizer": optimizer,
+            "gradient_checkpointing": bool(getattr(inner, "is_gradient_checkpointing", False)),
+        }
+        spec = {
+            "model_config": model_config,
+            "model_dtype": dtype_name(dtype),
+            "accelerate_config": {
+                "distributed_type": "FSDP",
+                "num_processes": self.accelerator.num_processes,
+                "mixed_precision": str(self.accelerator.mixed_precision),
+                "fsdp_config": {
+                    "fsdp_version": 2,
+                    "fsdp_auto_wrap_policy": _wrap_policy_name(plugin.auto_wrap_policy),
+                    "fsdp_transformer_layer_cls_to_wrap": plugin.transformer_cls_names_to_wrap,
+                    "fsdp_min_num_params": plugin.min_num_params or 0,
+                    "fsdp_reshard_after_forward": str(plugin.reshard_after_forward).lower(),
+                },
+            },
+            "settings": settings,
+            "shape": shape,
+            "micro_batches": micro_batches,
+        }
+        return spec, ""
+
+    def _optimizer_name(self) -> str | None:
+        """`adamw` or `sgd` for the optimizer accelerate prepared (AdamW, the Trainer's default,
+        before one is prepared); None for another."""
+        optimizers = [getattr(o, "optimizer", o) for o in getattr(self.accelerator, "_optimizers", [])]
+        if not optimizers:
+            return "adamw"
+        if isinstance(optimizers[0], (torch.optim.AdamW, torch.optim.Adam)):
+            return "adamw"
+        return "sgd" if isinstance(optimizers[0], torch.optim.SGD) else None
+
+
+def _wrap_policy_name(policy: Any) -> str:
+    """The accelerate config name of the plugin's wrap policy (a function once accelerate read it)."""
+    if policy is None:
+        return "NO_WRAP"
+    if isinstance(policy, str):
+        return policy.upper()
+    function = policy.func if isinstance(policy, functools.partial) else policy
+    return "SIZE_BASED_WRAP" if "size_based" in getattr(function, "__name__", "") else "TRANSFORMER_BASED_WRAP"
+
+
+def _child_environment() -> dict[str, str]:
+    """This process's environment without the launch's: the child is one process in a fake group,
+    and it touches no accelerator device."""
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARIABLES and not k.startswith(_LAUNCH_PREFIXES)}
+    env.update(CUDA_VISIBLE_DEVICES="", ASCEND_RT_VISIBLE_DEVICES="")
+    return env
+
+
+def forecast_unheld_step(spec: dict) -> dict:
+    """The child's answer: the forecast of a step syncing every micro-batch under `spec`'s launch,
+    with `auto`'s reduce dtype."""
+    from accel_gradsync.estimator.inputs import StepShape, load_model_config, read_accelerate_config
+    from accel_gradsync.estimator.meta_model import build_meta_model, estimated_adapter
+    from accel_gradsync.estimator.step_peak import StepForecaster
+
+    model_config = load_model_config(spec["model_config"])
+    setup = read_accelerate_config(spec["accelerate_config"])
+    config = GradSyncConfig(**spec["settings"])
+    dtype, shape = DTYPES[spec["model_dtype"]], StepShape(**spec["shape"])
+    sim = StepForecaster(model_config, dtype, setup, config, shape, spec["micro_batches"])
+    adapter = estimated_adapter(build_meta_model(model_config, dtype), setup, config, SyncMode.AUTO)
+    peak = sim.row(Plan(SyncMode.PER_MICRO_BATCH), adapter, SyncMode.AUTO)
+    checkpointing = ", gradient checkpointing" if shape.gradient_checkpointing else ""
+    described = (
+        f"{shape.micro_batch_size}x{shape.seq_len} tokens per micro-batch, {shape.optimizer}{checkpointing}: "
+        f"peak at {peak.phase.replace('_', ' ')}"
+    )
+    return {"peak_bytes": peak.peak_bytes, "phase": peak.phase, "unmodeled": peak.unmodeled, "shape": described}
+
+
+def main(argv: list[str]) -> int:
+    spec = json.loads(Path(argv[0]).read_text())
+    try:
+        print(json.dumps(forecast_unheld_step(spec)))
+    except ValueError as error:
+        print(" ".join(str(error).split()), file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
