@@ -31,12 +31,16 @@ ALL_REDUCE_COUNTERS = {
     "all_reduces": "last_step/all_reduces_issued",
     "all_reduces_skipped": "last_step/all_reduces_skipped",
 }
-AUTO_COUNTERS = {"plan_changes": "plan_changes", "measured_peak_bytes": "measured_peak_bytes"}
+AUTO_COUNTERS = {
+    "plan_changes": "plan_changes",
+    "measured_peak_bytes": "measured_peak_bytes",
+    "forecast_peak_bytes": "forecast_peak_bytes",
+}
 
 
 def log_counters(stats: dict, everything: bool = False) -> dict:
     """The `grad_sync/` entries of one Trainer log: the few per-step counters (all-reduces only
-    where there are some: DDP, HSDP; plan changes and the measured peak only under auto), or
+    where there are some: DDP, HSDP; plan changes, the measured and the forecast peak only under auto), or
     with `everything` every numeric counter."""
     if everything:
         return {LOG_PREFIX + k: v for k, v in stats.items() if isinstance(v, (int, float))}

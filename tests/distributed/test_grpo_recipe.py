@@ -176,6 +176,24 @@ def test_auto_measures_step_one_per_micro_batch_then_follows_its_plan(runs):
     assert last["grad_sync/measured_peak_bytes"] > 0  # auto's logs also carry what it measured
 
 
+AUTO_FORECAST = AUTO + " --grad-sync-forecast-micro-batch-size 4 --grad-sync-forecast-seq-len 32"
+
+
+@pytest.mark.slow  # the forecast's plan on real ranks: tests/distributed/test_forecast_auto.py
+def test_auto_with_the_forecast_shape_runs_its_plan_from_step_one(runs):
+    """Given the micro-batch shape, auto forecasts the step at bind: counted from outside, step 1
+    already reduce-scatters once per unit (no measuring step), and the logs carry the forecast."""
+    run = runs(AUTO_FORECAST)
+    assert "auto planned step 1 from the forecast: peak" in run["stdout"]
+    for rank in run["ranks"]:
+        units = rank["fsdp2_reducing_groups"]
+        counts = rank["counts"]
+        assert counts.get("reduce_scatter_single", 0) + counts.get("reduce_scatter_tensor", 0) == STEPS * units
+    last = run["logs"][-1]
+    assert last["grad_sync/units_windowed"] == units and last["grad_sync/plan_changes"] == 0
+    assert last["grad_sync/forecast_peak_bytes"] > 0
+
+
 def fifth_means(logs: list[dict], key: str) -> tuple[float, float]:
     fifth = max(1, len(logs) // 5)
     return sum(e[key] for e in logs[:fifth]) / fifth, sum(e[key] for e in logs[-fifth:]) / fifth
