@@ -14,12 +14,14 @@ from accel_gradsync.estimator.core import estimate
 from accel_gradsync.launch import check_launch
 from accel_gradsync.planning.units import Level, Plan, Unit
 from accel_gradsync.runtime.handle import GradSyncHandle
+from accel_gradsync.runtime.preemption import PREEMPTED_EXIT_CODE
 
 __all__ = [
     "GradSyncConfig",
     "GradSyncHandle",
     "GradSyncWarning",
     "Level",
+    "PREEMPTED_EXIT_CODE",
     "Plan",
     "Unit",
     "attach",

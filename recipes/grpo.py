@@ -21,6 +21,12 @@ Every field of the script arguments, `GRPOConfig`, `ModelConfig` and `GradSyncCo
 and a YAML key (`python recipes/grpo.py --help`). A checkpoint is saved every --save_steps (100)
 steps; `--resume_from_checkpoint auto` continues from the newest complete one. On a machine with
 no GPU/NPU the FSDP configs run as real FSDP over gloo with the processes the config names.
+
+Preemption: on SIGTERM (--grad-sync-save-on-signal SIGUSR1 for `sbatch --signal=USR1@120`; none:
+die at once) every rank finishes the optimizer step it is in, a complete checkpoint is saved
+there and every process exits with code 75 (accel_gradsync.PREEMPTED_EXIT_CODE), without the
+final save; the same command with `--resume_from_checkpoint auto` continues from that step
+(docs/recipe.md, Preemption).
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ from trl import (
 
 import accel_gradsync
 from accel_gradsync.compat.cpu import has_accelerator_device
+from accel_gradsync.config.settings import ENV_PREFIX
 from accel_gradsync.launch import check_restart, launch_setup
 from accel_gradsync.runtime import resume
 
@@ -77,6 +84,10 @@ RECIPE_DEFAULTS = dict(
 
 
 SFT_WARMUP_STEPS = 100
+# The recipe saves on SIGTERM unless the command line, the YAML or the environment says otherwise
+# (GradSyncConfig.save_on_signal; the plugin's own default leaves a Trainer's signals alone).
+RECIPE_SAVE_ON_SIGNAL = "SIGTERM"
+SAVE_ON_SIGNAL_ENV = ENV_PREFIX + "SAVE_ON_SIGNAL"
 
 
 @dataclass
@@ -420,6 +431,8 @@ def make_parser(cpu_fsdp: bool = False) -> TrlParser:
         # the FSDP state enable_cpu_fsdp() built (a YAML/CLI `accelerator_config` must keep it).
         parser.set_defaults(accelerator_config={"use_configured_state": True})
     for action in parser._actions:  # what `auto` means, in --help (GRPOConfig's text predates it)
+        if action.dest == "save_on_signal":  # the recipe's default, set through the environment in run()
+            action.help = action.help.replace("Default: 'none'", f"Default (this recipe): {RECIPE_SAVE_ON_SIGNAL!r}")
         if action.dest == "resume_from_checkpoint":
             action.help = (
                 "A checkpoint-<step> folder to resume from, or 'auto': the newest complete checkpoint in "
@@ -511,6 +524,8 @@ def run(argv: list[str] | None = None) -> None:
     # TRL 1.16's generation (`unwrap_model_for_generation`) reads transformers' deprecated
     # `is_gradient_checkpointing` every round; nothing in the user's settings changes that.
     warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+    # Below an explicit value, as the environment sits (settings.py): the recipe's own default.
+    os.environ.setdefault(SAVE_ON_SIGNAL_ENV, RECIPE_SAVE_ON_SIGNAL)
     try:
         check_restart()  # before parsing forms the process group, which a restart would not form again
         # On a machine without GPU/NPU, turn the FSDP config into real FSDP over gloo (a no-op on

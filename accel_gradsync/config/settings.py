@@ -39,6 +39,9 @@ class SyncMode(str, enum.Enum):
 
 
 SYNC_MODES = tuple(m.value for m in SyncMode)
+SAVE_SIGNALS = ("none", "SIGTERM", "SIGUSR1")
+"""What `save_on_signal` takes: the signal a scheduler warns with before it kills (SLURM, Kubernetes:
+SIGTERM; `sbatch --signal=USR1@120`: SIGUSR1), or none."""
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 """The dtype names settings and tables use, and the torch dtypes they stand for."""
 REDUCE_DTYPES = ("auto", "fp32", "bf16")
@@ -123,6 +126,9 @@ DEFAULTS: dict[str, Any] = {
     # No shape, no forecast: auto measures step 1 per micro-batch, which needs no model config.
     "forecast_micro_batch_size": 0,
     "forecast_seq_len": 0,
+    # A Trainer's signals keep their own meaning unless asked: saving on one is opt-in (the recipe
+    # asks for SIGTERM itself, recipes/grpo.py).
+    "save_on_signal": "none",
 }
 
 
@@ -164,6 +170,7 @@ class ResolvedConfig:
     log_all_counters: bool
     forecast_micro_batch_size: int
     forecast_seq_len: int
+    save_on_signal: str
 
     @property
     def forecasts(self) -> bool:
@@ -279,6 +286,15 @@ class GradSyncConfig:
         "auto mode: tokens per sequence for the whole-step forecast (the longest a micro-batch holds; GRPO: "
         "prompt plus completion). 0: no forecast.",
         type=int,
+    )
+    save_on_signal: str | None = _flag(
+        "save_on_signal",
+        "Trainer: on this signal (SIGTERM, SIGUSR1, or none) every rank finishes the optimizer step it is "
+        "in, the ranks agree, a complete checkpoint is saved and the process exits with code 75 "
+        "(accel_gradsync.PREEMPTED_EXIT_CODE), so that --resume_from_checkpoint continues from that step "
+        "(docs/recipe.md, Preemption). Costs one small collective per optimizer step. none: the signal "
+        "keeps its own meaning.",
+        choices=SAVE_SIGNALS,
     )
 
     def __post_init__(self) -> None:
@@ -400,13 +416,16 @@ def parse_bytes(text: str, source: str = "memory size", fraction_ok: bool = True
     return None, number
 
 
+_CHOICES = {"sync_mode": SYNC_MODES, "reduce_dtype": REDUCE_DTYPES, "save_on_signal": SAVE_SIGNALS}
+
+
 def _coerce(name: str, value: Any, source: str) -> Any:
     """Validate one field, accepting the string spellings a CLI, YAML or environment gives."""
     expected = type(DEFAULTS[name])
     if expected is bool:
         return parse_bool(value, source, name)
-    if name in ("sync_mode", "reduce_dtype"):
-        choices = SYNC_MODES if name == "sync_mode" else REDUCE_DTYPES
+    if name in _CHOICES:
+        choices = _CHOICES[name]
         if value not in choices:
             raise ValueError(f"{source}={value!r} is not a valid `{name}`; valid choices: {', '.join(choices)}.")
         return value

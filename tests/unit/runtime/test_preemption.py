@@ -1,0 +1,144 @@
+"""`save_on_signal` on a real transformers Trainer (one process, CPU): the signal mid-window saves
+a checkpoint at the end of that optimizer step and ends `train()` with `PREEMPTED_EXIT_CODE`;
+`none` leaves the signal alone; every source of the setting agrees with DEFAULTS. The multi-rank
+runs (agreement across ranks, the launcher, resuming byte-equal) are in
+tests/distributed/test_recipe_restart.py."""
+
+from __future__ import annotations
+
+import os
+import signal
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from transformers import Trainer, TrainerCallback, TrainingArguments
+
+import accel_gradsync
+from accel_gradsync import PREEMPTED_EXIT_CODE, GradSyncConfig
+from accel_gradsync.config.settings import DEFAULTS
+from accel_gradsync.runtime.preemption import SaveOnSignal
+
+ENV = "ACCEL_GRADSYNC_SAVE_ON_SIGNAL"
+
+
+class Regression(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 1)
+
+    def forward(self, x, labels):
+        return {"loss": nn.functional.mse_loss(self.linear(x).squeeze(-1), labels)}
+
+
+class SignalAt(TrainerCallback):
+    """Sends `signum` to this process after the first micro-batch of optimizer step `step`."""
+
+    def __init__(self, signum: int, step: int) -> None:
+        self.signum, self.step = signum, step
+
+    def on_substep_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step - 1:
+            os.kill(os.getpid(), self.signum)
+
+
+def trainer(tmp_path, **config) -> Trainer:
+    torch.manual_seed(0)
+    data = [{"x": torch.randn(4), "labels": torch.randn(())} for _ in range(64)]
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        max_steps=6,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=4,
+        save_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        disable_tqdm=True,
+    )
+    t = Trainer(model=Regression(), args=args, train_dataset=data)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # one process: attach says there is no sync to schedule
+        accel_gradsync.attach(t, GradSyncConfig(**config))
+    return t
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch):
+    monkeypatch.delenv(ENV, raising=False)
+    previous = {s: signal.getsignal(s) for s in (signal.SIGUSR1, signal.SIGTERM)}
+    yield
+    for s, handler in previous.items():
+        signal.signal(s, handler)
+
+
+def test_the_signal_mid_window_saves_that_step_and_exits_with_the_code(tmp_path):
+    t = trainer(tmp_path, save_on_signal="SIGUSR1")
+    t.add_callback(SignalAt(signal.SIGUSR1, step=3))
+    with pytest.raises(SystemExit) as exited:
+        t.train()
+    assert exited.value.code == PREEMPTED_EXIT_CODE
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["checkpoint-3"]
+    assert t.state.global_step == 3
+
+
+def test_the_signal_twice_and_during_the_save_makes_one_checkpoint(tmp_path):
+    t = trainer(tmp_path, save_on_signal="SIGUSR1")
+    t.add_callback(SignalAt(signal.SIGUSR1, step=2))
+    t.add_callback(SignalAt(signal.SIGUSR1, step=2))
+    with pytest.raises(SystemExit):
+        t.train()
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["checkpoint-2"]
+
+
+def test_none_adds_no_callback_and_keeps_the_signal_as_it_was(tmp_path):
+    t = trainer(tmp_path)
+    assert not any(isinstance(c, SaveOnSignal) for c in t.callback_handler.callbacks)
+    assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL
+    t.train()  # no exit
+    assert t.state.global_step == 6
+
+
+def test_a_run_that_got_no_signal_gives_the_handler_back(tmp_path):
+    t = trainer(tmp_path, save_on_signal="SIGTERM")
+    assert signal.getsignal(signal.SIGTERM) != signal.SIG_DFL
+    t.train()
+    assert t.state.global_step == 6
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+
+
+def test_every_source_agrees_on_the_setting(monkeypatch):
+    assert DEFAULTS["save_on_signal"] == "none" == GradSyncConfig().save_on_signal
+    monkeypatch.setenv(ENV, "SIGUSR1")
+    assert GradSyncConfig().save_on_signal == "SIGUSR1"
+    assert GradSyncConfig(save_on_signal="none").save_on_signal == "none"  # explicit wins
+    monkeypatch.setenv(ENV, "USR2")
+    with pytest.raises(ValueError, match=f"{ENV}='USR2' is not a valid `save_on_signal`; valid choices: none"):
+        GradSyncConfig()
+
+
+def test_the_recipe_saves_on_sigterm_unless_told_otherwise(monkeypatch, capsys):
+    """recipes/grpo.py's default comes in below an explicit value and the environment, as the
+    environment's own does, and its --help says so."""
+    from accelerate.state import AcceleratorState
+
+    from tests.unit.config.test_settings import _recipe
+
+    recipe = _recipe()
+    # What run() hands on past parsing, seen where train() would start.
+    monkeypatch.setattr(recipe, "prepare", lambda *parsed: parsed[3])
+    monkeypatch.setattr(recipe, "train", lambda grad_sync: print("save_on_signal", grad_sync.save_on_signal))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    for argv, environment, expected in (
+        ([], None, "SIGTERM"),
+        ([], "SIGUSR1", "SIGUSR1"),
+        (["--grad-sync-save-on-signal", "none"], "SIGUSR1", "none"),
+    ):
+        monkeypatch.delenv(ENV, raising=False)
+        if environment is not None:
+            monkeypatch.setenv(ENV, environment)
+        recipe.run([*argv, "--output_dir", "/tmp/unused"])
+        assert capsys.readouterr().out.strip().endswith(f"save_on_signal {expected}")
+    helps = [a.help for a in recipe.make_parser()._actions if a.dest == "save_on_signal"]
+    assert helps and "Default (this recipe): 'SIGTERM'" in helps[0]
+    AcceleratorState._reset_state(reset_partial_state=True)  # GRPOConfig set it up while parsing
