@@ -6,6 +6,13 @@ gradient reduce-scatter, or while the rank writes its part of a checkpoint (the 
 the main process's trainer_state.json but not this rank's RNG state, and must not be resumed
 from), or, with --save_total_limit, the moment the main process has deleted an old checkpoint.
 FSDP2, 2 gloo ranks on CPU, a saved tiny Qwen2 and a local GSM8K-shaped dataset.
+
+A preempted run loses nothing: the scheduler's warning signal (RECIPE_KILL_SIGNAL: sent by a rank
+to its launcher, as Kubernetes and SLURM signal the launcher, or to the rank alone) mid-window of
+step 3 makes every rank finish that step, save a complete checkpoint-3 and exit with
+`PREEMPTED_EXIT_CODE`, without a restart by the agent; the same command resumes from checkpoint-3
+(no step recomputed) and ends with the weights, optimizer, scheduler and RNG states of the
+uninterrupted run.
 """
 
 from __future__ import annotations
@@ -19,12 +26,15 @@ import pytest
 import recipe_inputs
 from launcher import REPO, recipe_launch
 
+from accel_gradsync import PREEMPTED_EXIT_CODE
+from recipes.chaos import compare_checkpoints
+
 KILLER = Path(__file__).parent / "recipe_killer"
 STEPS, SAVE_STEPS, MICRO_BATCHES = 6, 2, 4
 # What the README prescribes for restarts: the c10d rendezvous, with a fresh store per attempt.
 RESTART_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 RESTARTING = (
-    "accelerate launch --max_restarts 1 --rdzv_backend c10d --config_file accelerate_configs/fsdp2.yaml "
+    "accelerate launch --max_restarts {restarts} --rdzv_backend c10d --config_file accelerate_configs/fsdp2.yaml "
     "recipes/grpo.py --model_name_or_path {model} --dataset_name {folder} --prompt_column question "
     f"--max_steps {STEPS} --save_steps {SAVE_STEPS} --resume_from_checkpoint auto "
     "--max_completion_length 8 --logging_steps 1 --disable_tqdm true"
@@ -41,9 +51,19 @@ def inputs(tmp_path_factory) -> dict:
 
 
 def launch(
-    inputs: dict, out_dir: Path, kill_at: str | None = None, kill_rank: int = 1, extra: tuple[str, ...] = ()
+    inputs: dict,
+    out_dir: Path,
+    kill_at: str | None = None,
+    kill_rank: int = 1,
+    extra: tuple[str, ...] = (),
+    signal: str | None = None,
+    to: str = "launcher",
+    restarts: int = 1,
+    finishes: bool = True,
 ) -> subprocess.CompletedProcess:
-    argv = shlex.split(RESTARTING.format(**inputs))[2:] + ["--output_dir", str(out_dir), *extra]
+    """The restarting launch; with `kill_at`, rank `kill_rank` is killed there, or with `signal`
+    sends that signal there (to its launcher, or to itself with `to="rank"`)."""
+    argv = shlex.split(RESTARTING.format(restarts=restarts, **inputs))[2:] + ["--output_dir", str(out_dir), *extra]
     env = dict(RESTART_ENV)
     if kill_at is not None:
         env |= {
@@ -51,9 +71,11 @@ def launch(
             "RECIPE_KILL_AT": kill_at,
             "PYTHONPATH": os.pathsep.join(filter(None, [str(KILLER), os.environ.get("PYTHONPATH")])),
         }
+        env |= {"RECIPE_KILL_SIGNAL": signal, "RECIPE_KILL_SIGNAL_TO": to} if signal is not None else {}
     cmd, env = recipe_launch(argv, env)
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"exit {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-8000:]}"
+    if finishes:
+        assert proc.returncode == 0, f"exit {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-8000:]}"
     return proc
 
 
@@ -102,3 +124,73 @@ def test_a_kill_right_after_an_old_checkpoint_is_deleted_resumes_from_the_new_on
     proc = launch(inputs, out_dir, kill_at="rmtree:checkpoint-2", kill_rank=0, extra=("--save_total_limit", "1"))
     assert_restarted_and_equal(proc, out_dir, uninterrupted, resumed_from=4, inputs=inputs)
     assert sorted(p.name for p in out_dir.glob("checkpoint-*")) == [f"checkpoint-{STEPS}"]  # the limit holds
+
+
+# -- preemption ------------------------------------------------------------------------------------
+PREEMPTED_AT = 3
+MID_STEP_3 = f"reduce_scatter:{(PREEMPTED_AT - 1) * PER_STEP + PER_STEP // 2}"
+
+
+def assert_preempted(proc: subprocess.CompletedProcess, out_dir: Path, step: int, signal: str = "SIGTERM") -> None:
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0, "the launch ended as if training had finished"
+    line = f"accel_gradsync: {signal}: saved checkpoint-{step} in {out_dir}; exiting with code {PREEMPTED_EXIT_CODE}"
+    assert line in output, output[-8000:]
+    assert "Resuming from" not in output, "the agent spent a restart on the preemption"
+    assert (out_dir / f"checkpoint-{step}" / "checkpoint_complete.json").is_file()
+    assert not list(out_dir.glob(f"checkpoint-{step + 1}*"))  # it stopped at that step
+    assert not (out_dir / "model.safetensors").exists()  # no final save: training has not ended
+
+
+def assert_resumed_and_equal(out_dir: Path, uninterrupted: Path, inputs: dict, step: int, restarts: int = 1) -> None:
+    proc = launch(inputs, out_dir, restarts=restarts)
+    assert f"Resuming from {out_dir / f'checkpoint-{step}'}." in proc.stdout + proc.stderr  # no step recomputed
+    assert (out_dir / "model.safetensors").read_bytes() == (uninterrupted / "model.safetensors").read_bytes()
+    last = f"checkpoint-{STEPS}"
+    assert compare_checkpoints(uninterrupted / last, out_dir / last) == []  # weights, optimizer, scheduler, RNG
+
+
+def test_sigterm_to_the_launcher_mid_window_saves_that_step_exits_and_resumes_as_if_uninterrupted(
+    inputs, uninterrupted, tmp_path
+):
+    out_dir = tmp_path / "output"
+    proc = launch(inputs, out_dir, kill_at=MID_STEP_3, signal="SIGTERM", finishes=False)
+    assert_preempted(proc, out_dir, PREEMPTED_AT)
+    # The agent got it, shut down (re-raising it as its own exit) and restarted nothing.
+    assert "SignalException: Process" in proc.stderr and "got signal: 15" in proc.stderr
+    assert_resumed_and_equal(out_dir, uninterrupted, inputs, PREEMPTED_AT)
+
+
+@pytest.mark.slow
+def test_sigusr1_when_configured_reaches_the_ranks_alone_and_each_exits_with_the_code(inputs, uninterrupted, tmp_path):
+    """SIGUSR1 to rank 1 only: rank 0 learns of it at the step's agreement, both save checkpoint-3
+    and exit 75, which the agent, with no restarts to spend, reports for each rank."""
+    out_dir = tmp_path / "output"
+    extra = ("--grad-sync-save-on-signal", "SIGUSR1")
+    proc = launch(inputs, out_dir, MID_STEP_3, extra=extra, signal="SIGUSR1", to="rank", restarts=0, finishes=False)
+    assert_preempted(proc, out_dir, PREEMPTED_AT, signal="SIGUSR1")
+    output = proc.stdout + proc.stderr
+    assert output.count(f"exitcode  : {PREEMPTED_EXIT_CODE}") == 2, output[-6000:]  # torch elastic's report
+    assert_resumed_and_equal(out_dir, uninterrupted, inputs, PREEMPTED_AT, restarts=0)
+
+
+@pytest.mark.slow
+def test_sigterm_while_a_checkpoint_is_written_stops_right_after_it(inputs, uninterrupted, tmp_path):
+    """The signal arrives while rank 1 writes its part of checkpoint-2: that save completes and
+    is the one resumed from."""
+    out_dir = tmp_path / "output"
+    proc = launch(inputs, out_dir, kill_at="save:checkpoint-2/rng_state_1.pth", signal="SIGTERM", finishes=False)
+    assert_preempted(proc, out_dir, 2)
+    assert_resumed_and_equal(out_dir, uninterrupted, inputs, 2)
+
+
+@pytest.mark.slow
+def test_sigterm_twice_saves_once_and_resumes_as_if_uninterrupted(inputs, uninterrupted, tmp_path):
+    """Two SIGTERMs to rank 1 itself, one mid-window and one in the same step: one checkpoint, one exit."""
+    out_dir = tmp_path / "output"
+    second = (
+        f"reduce_scatter:{(PREEMPTED_AT - 1) * PER_STEP + PER_STEP // 2},{(PREEMPTED_AT - 1) * PER_STEP + PER_STEP - 1}"
+    )
+    proc = launch(inputs, out_dir, kill_at=second, signal="SIGTERM", to="rank", finishes=False)
+    assert_preempted(proc, out_dir, PREEMPTED_AT)
+    assert_resumed_and_equal(out_dir, uninterrupted, inputs, PREEMPTED_AT)
