@@ -94,17 +94,18 @@ def test_the_signal_twice_and_during_the_save_makes_one_checkpoint(tmp_path):
 def test_none_adds_no_callback_and_keeps_the_signal_as_it_was(tmp_path):
     t = trainer(tmp_path)
     assert not any(isinstance(c, SaveOnSignal) for c in t.callback_handler.callbacks)
-    assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL
+    assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL  # pytest leaves SIGUSR1 alone
     t.train()  # no exit
     assert t.state.global_step == 6
 
 
 def test_a_run_that_got_no_signal_gives_the_handler_back(tmp_path):
+    before = signal.getsignal(signal.SIGTERM)
     t = trainer(tmp_path, save_on_signal="SIGTERM")
-    assert signal.getsignal(signal.SIGTERM) != signal.SIG_DFL
+    assert signal.getsignal(signal.SIGTERM) != before
     t.train()
     assert t.state.global_step == 6
-    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    assert signal.getsignal(signal.SIGTERM) == before
 
 
 def test_every_source_agrees_on_the_setting(monkeypatch):
