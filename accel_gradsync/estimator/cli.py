@@ -91,6 +91,18 @@ class EstimateArguments:
         default=False,
         metadata={"help": "For the step peak: the model runs with gradient checkpointing (non-reentrant)."},
     )
+    max_completion_length: int = field(
+        default=0,
+        metadata={
+            "help": "For the step peak, GRPO: tokens generated per completion (the end of each --seq-len sequence). "
+            "Adds a generation phase: micro-batch-size x micro-batches sequences per rank decoded token by token "
+            "with their KV cache, units gathered as --grad-sync-gather-for-generation says. 0: no generation."
+        },
+    )
+    num_generations: int = field(
+        default=0,
+        metadata={"help": "For the step peak, GRPO: completions per prompt, checked against the generation batch."},
+    )
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, HfArgumentParser]:
@@ -124,7 +136,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         warnings.simplefilter("ignore", GradSyncWarning)
         try:
             args, config = estimate_parser.parse_args_into_dataclasses(argv[1:], look_for_args_file=False)
-            shape = read_step_shape(args.micro_batch_size, args.seq_len, args.optimizer, args.gradient_checkpointing)
+            shape = read_step_shape(
+                args.micro_batch_size,
+                args.seq_len,
+                args.optimizer,
+                args.gradient_checkpointing,
+                args.max_completion_length,
+                args.num_generations,
+            )
             result = estimate(
                 args.model,
                 args.accelerate_config,

@@ -183,6 +183,11 @@ class StepShape:
     seq_len: int
     optimizer: str = "adamw"
     gradient_checkpointing: bool = False
+    max_completion_length: int = 0
+    """GRPO: tokens generated per completion, the end of each sequence of `seq_len` (the rest is the
+    prompt); 0: no generation phase simulated."""
+    num_generations: int = 0
+    """GRPO: completions per prompt (checked as TRL checks it against the generation batch); 0: not given."""
 
     def __post_init__(self) -> None:
         for flag, value in (("--micro-batch-size", self.micro_batch_size), ("--seq-len", self.seq_len)):
@@ -190,16 +195,45 @@ class StepShape:
                 raise ValueError(f"{flag}={value}: the forecast needs a positive number of sequences/tokens.")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"--optimizer={self.optimizer!r}: the forecast models {' and '.join(OPTIMIZERS)}.")
+        if not 0 <= self.max_completion_length < self.seq_len:
+            raise ValueError(
+                f"--max-completion-length={self.max_completion_length}: the completion is the end of each sequence "
+                f"of --seq-len={self.seq_len} tokens (prompt plus completion); pass a length from 0 to "
+                f"{self.seq_len - 1}."
+            )
+        if self.num_generations < 0 or self.num_generations and not self.max_completion_length:
+            raise ValueError(
+                f"--num-generations={self.num_generations}: it is read with --max-completion-length (GRPO's "
+                "generation); pass both, or neither."
+            )
+
+    def generation_batch(self, micro_batches: int) -> int:
+        """Sequences one rank generates at once: TRL generates for `steps_per_generation` micro-batches
+        at once, by default the gradient accumulation steps."""
+        return self.micro_batch_size * micro_batches
 
 
 def read_step_shape(
-    micro_batch_size: int | None, seq_len: int | None, optimizer: str = "adamw", gradient_checkpointing: bool = False
+    micro_batch_size: int | None,
+    seq_len: int | None,
+    optimizer: str = "adamw",
+    gradient_checkpointing: bool = False,
+    max_completion_length: int = 0,
+    num_generations: int = 0,
 ) -> StepShape | None:
     """The step forecast's `StepShape` from the CLI's flags, or None when neither
     --micro-batch-size nor --seq-len is given (then the flags that only the forecast reads are refused)."""
     if micro_batch_size is None and seq_len is None:
-        if optimizer != "adamw" or gradient_checkpointing:
-            flag = "--gradient-checkpointing" if gradient_checkpointing else f"--optimizer {optimizer}"
+        if optimizer != "adamw" or gradient_checkpointing or max_completion_length or num_generations:
+            flag = (
+                "--gradient-checkpointing"
+                if gradient_checkpointing
+                else f"--max-completion-length {max_completion_length}"
+                if max_completion_length
+                else f"--num-generations {num_generations}"
+                if num_generations
+                else f"--optimizer {optimizer}"
+            )
             raise ValueError(
                 f"{flag} is read only by the step forecast; also pass --micro-batch-size and --seq-len "
                 "(e.g. --micro-batch-size 4 --seq-len 512)."
@@ -211,7 +245,9 @@ def read_step_shape(
             f"the step forecast needs both --micro-batch-size and --seq-len; also pass {missing} "
             "(e.g. --micro-batch-size 4 --seq-len 512)."
         )
-    return StepShape(micro_batch_size, seq_len, optimizer, gradient_checkpointing)
+    return StepShape(
+        micro_batch_size, seq_len, optimizer, gradient_checkpointing, max_completion_length, num_generations
+    )
 
 
 def load_model_config(spec: str | dict) -> Any:

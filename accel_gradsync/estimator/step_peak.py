@@ -9,13 +9,16 @@ then the optimizer step; it reads the tracker's peak per phase. Rows with the sa
 one run. A model of more than 2 layers runs with 1 and 2 and each phase is extrapolated linearly
 (identical layers: every byte of a phase is a + b x layers). A plan that treats some layers one
 way and the rest another cannot be run with fewer layers: it is computed from per_micro_batch's
-step and says so. Generation is a phase of its own; what the forecast cannot compute (its KV
-cache) is named in `unmodeled`, never left out silently.
+step and says so. GRPO's generation (`max_completion_length`) is a phase of its own, decoded on the
+fake model token by token with its KV cache; without it, a row that gathers for generation names
+the KV cache in `unmodeled`, never leaving it out silently.
 """
 
 from __future__ import annotations
 
+import contextlib
 import re
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -124,10 +127,18 @@ class StepForecaster:
                 "them with a shape error in this torch); drop the two flags, or forecast one "
                 f"replica: the config without parallelism_config and --num-processes {setup.shard_size}."
             )
+        if shape.num_generations:
+            total = shape.generation_batch(micro_batches) * setup.num_processes
+            if total % shape.num_generations:
+                raise ValueError(
+                    f"--num-generations={shape.num_generations}: TRL needs the generation batch (micro-batch-size x "
+                    f"micro-batches x processes = {total}) to be a multiple of it; pass a divisor of {total}."
+                )
         self.model_config, self.model_dtype, self.setup, self.config = model_config, model_dtype, setup, config
         self.shape, self.micro_batches = shape, micro_batches
         self.layers = count_layers(model_config)
         self.simulated: dict[Schedule, SimulatedStep] = {}
+        self.generations: dict[bool, int] = {}
 
     def simulate(self, schedule: Schedule) -> SimulatedStep:
         """`schedule`'s step: run as it is for a model of at most 2 layers, else extrapolated
@@ -149,6 +160,18 @@ class StepForecaster:
                     activations=extend(one.activations, two.activations),
                 )
         return self.simulated[schedule]
+
+    def simulate_generation(self, gathered: bool) -> int:
+        """The generation phase's peak (`--max-completion-length`), units kept gathered or not: as
+        `simulate`, whole or extrapolated from 1 and 2 layers."""
+        if gathered not in self.generations:
+            layers = self.layers
+            if layers is None or layers <= 2:
+                self.generations[gathered] = self._generate_or_explain(self.model_config, gathered)
+            else:
+                one, two = (self._generate_or_explain(with_layers(self.model_config, n), gathered) for n in (1, 2))
+                self.generations[gathered] = one + (layers - 1) * (two - one)
+        return self.generations[gathered]
 
     def row(self, plan: Plan, adapter: ModelAdapter, mode: str) -> StepPeak:
         """Row `plan`'s peak: the simulated step of its schedule. A plan that treats some of a
@@ -177,10 +200,13 @@ class StepForecaster:
                 "a plan that holds only some layers, with layers extrapolated: its held bytes are added to the "
                 "per_micro_batch step (not simulated)"
             )
-        if plan.generation_bytes:
+        if self.shape.max_completion_length:
+            phases["generation"] = self.simulate_generation(gathered=plan.generation_bytes > 0)
+        elif plan.generation_bytes:
             phases["generation"] = sim.sharded_params + sim.optimizer_state + plan.generation_bytes
             unmodeled.append(
-                "generation's KV cache and activations (the generation phase counts only the gathered params)"
+                "generation's KV cache and activations (the generation phase counts only the gathered params; "
+                "--max-completion-length simulates them)"
             )
         phase = max(phases, key=lambda p: phases[p])
         all_sharded = count_sharded_grad_bytes(Plan(SyncMode.PER_MICRO_BATCH), adapter)
@@ -192,6 +218,7 @@ class StepForecaster:
             "held_params": plan.held_param_bytes(),
             "activations": sim.activations,
             "generation_params": plan.generation_bytes,
+            **({"generation_peak": phases["generation"]} if "generation" in phases else {}),
         }
         return StepPeak(peak_bytes=int(phases[phase]), phase=phase, parts=parts, unmodeled=unmodeled)
 
@@ -215,8 +242,14 @@ class StepForecaster:
     def _run_or_explain(self, model_config: Any, schedule: Schedule) -> SimulatedStep:
         """`_run`, with a failure of the fake step (a model or setting that torch's fake tensors or
         tracker cannot run) as the one-line `ValueError` the CLI prints."""
+        return self._explain(model_config, lambda: self._run(model_config, schedule))
+
+    def _generate_or_explain(self, model_config: Any, gathered: bool) -> int:
+        return self._explain(model_config, lambda: self._generate(model_config, gathered))
+
+    def _explain(self, model_config: Any, run: Callable[[], Any]) -> Any:
         try:
-            return self._run(model_config, schedule)
+            return run()
         except (RuntimeError, NotImplementedError, TypeError, AssertionError) as err:
             first = (str(err).strip().splitlines() or [type(err).__name__])[0]
             raise ValueError(
@@ -224,13 +257,16 @@ class StepForecaster:
                 f"tensors ({type(err).__name__}: {first}); drop the two flags for the estimate without it."
             ) from None
 
-    def _run(self, model_config: Any, schedule: Schedule) -> SimulatedStep:
-        """The tracked fake step of the module docstring, for `model_config` as given."""
+    @contextlib.contextmanager
+    def _tracked_model(
+        self, model_config: Any, mode: str, checkpointing: bool
+    ) -> Iterator[tuple[torch.nn.Module, ModelAdapter, torch.optim.Optimizer, Any]]:
+        """`model_config`'s model sharded as accelerate shards it for `mode`, on fake tensors in a
+        fake world, with the optimizer state a step after the first holds, inside `FSDPMemTracker`."""
         from torch._subclasses.fake_tensor import FakeTensorMode
         from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
-        shape, setup = self.shape, self.setup
-        whole = model_config is self.model_config
+        setup = self.setup
         with fake_world(setup.num_processes):
             model = build_meta_model(model_config, self.model_dtype)
             head = getattr(model, "get_output_embeddings", None)
@@ -239,48 +275,80 @@ class StepForecaster:
                     f"--model: {type(model).__name__} is not a causal LM; the step forecast runs a causal-LM "
                     "forward with labels. Pass a causal-LM config, or drop --micro-batch-size/--seq-len."
                 )
-            if shape.gradient_checkpointing:
+            if checkpointing:
                 enable_checkpointing(model)
             model.train()
-            plugin = build_accelerate_plugin(setup, self.config, model, schedule.mode)
+            plugin = build_accelerate_plugin(setup, self.config, model, mode)
             model = shard_like_accelerate(model, plugin, setup.mixed_precision, setup.replicate_size, setup.shard_size)
             adapter = adapt_model(model)
             assert adapter is not None  # fully_shard wrapped the root
-            name = (lambda n: n) if whole else unit_key
-            held = [cast(FSDPModule, u.module) for u in adapter.units if name(u.name) in schedule.held]
-            windowed = [cast(FSDPModule, u.module) for u in adapter.units if name(u.name) in schedule.windowed]
             with FakeTensorMode(allow_non_fake_inputs=True):
                 model.to_empty(device="cpu")
                 params = [p for p in model.parameters() if p.requires_grad]
-                optimizer = _build_optimizer(shape.optimizer, params)
+                optimizer = _build_optimizer(self.shape.optimizer, params)
                 tracker = FSDPMemTracker(model, optimizer)
                 with tracker:
                     for p in params:  # the state a step after the first holds (AdamW: both moments)
                         p.grad = torch.zeros_like(p)
                     optimizer.step()
                     optimizer.zero_grad(set_to_none=True)
-                phases: dict[str, int] = {}
-                count = min(self.micro_batches, 2)  # micro-batches after the second repeat the second
-                for k, phase in enumerate(PHASES[:count] if count == 2 else PHASES[:1]):
-                    last = k == count - 1
-                    for module in held:
-                        if schedule.held_sync == GRADIENT_SYNC:
-                            module.set_requires_gradient_sync(last, recurse=False)
-                        else:
-                            module.set_requires_all_reduce(last, recurse=False)
-                    for module in windowed:
-                        module.set_reshard_after_forward(False, False)
-                        module.set_reshard_after_backward(last, recurse=False)
-                    with tracker:  # entering again starts the peak from what is live now
-                        ids = torch.randint(0, model_config.vocab_size, (shape.micro_batch_size, shape.seq_len))
-                        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
-                        del ids
-                        phases[phase] = _total(tracker.get_tracker_snapshot("peak"))
-                        snapshot = tracker.get_tracker_snapshot("peak")
-                with tracker:
-                    optimizer.step()
-                    phases["optimizer_step"] = _total(tracker.get_tracker_snapshot("peak"))
-                    optimizer.zero_grad(set_to_none=True)
+                yield model, adapter, optimizer, tracker
+
+    def _generate(self, model_config: Any, gathered: bool) -> int:
+        """GRPO's generation on the fake model: one rank's generation batch, prompt prefilled with
+        only the last position's logits, then one token at a time with the KV cache, as
+        transformers' `generate` decodes (TRL turns gradient checkpointing off for it); with
+        `gathered`, every unit stays unsharded from its first forward on, as
+        `gather_for_generation` keeps it. The tracker's peak over the loop."""
+        shape = self.shape
+        batch, prompt = shape.generation_batch(self.micro_batches), shape.seq_len - shape.max_completion_length
+        with self._tracked_model(model_config, self.config.mode, checkpointing=False) as (model, adapter, _, tracker):
+            if gathered:
+                for unit in adapter.units:
+                    cast(FSDPModule, unit.module).set_reshard_after_forward(False, recurse=False)
+            with tracker, torch.no_grad():
+                ids = torch.randint(0, model_config.vocab_size, (batch, prompt))
+                out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
+                cache = out.cache
+                for _ in range(shape.max_completion_length - 1):
+                    token = torch.softmax(out.logits[:, -1, :].float(), dim=-1).argmax(-1, keepdim=True)
+                    del out
+                    out = model(input_ids=token, cache=cache, use_cache=True)
+                    cache = out.cache
+                del out, cache
+                return _total(tracker.get_tracker_snapshot("peak"))
+
+    def _run(self, model_config: Any, schedule: Schedule) -> SimulatedStep:
+        """The tracked fake step of the module docstring, for `model_config` as given."""
+        shape = self.shape
+        whole = model_config is self.model_config
+        tracked = self._tracked_model(model_config, schedule.mode, shape.gradient_checkpointing)
+        with tracked as (model, adapter, optimizer, tracker):
+            name = (lambda n: n) if whole else unit_key
+            held = [cast(FSDPModule, u.module) for u in adapter.units if name(u.name) in schedule.held]
+            windowed = [cast(FSDPModule, u.module) for u in adapter.units if name(u.name) in schedule.windowed]
+            phases: dict[str, int] = {}
+            count = min(self.micro_batches, 2)  # micro-batches after the second repeat the second
+            for k, phase in enumerate(PHASES[:count] if count == 2 else PHASES[:1]):
+                last = k == count - 1
+                for module in held:
+                    if schedule.held_sync == GRADIENT_SYNC:
+                        module.set_requires_gradient_sync(last, recurse=False)
+                    else:
+                        module.set_requires_all_reduce(last, recurse=False)
+                for module in windowed:
+                    module.set_reshard_after_forward(False, False)
+                    module.set_reshard_after_backward(last, recurse=False)
+                with tracker:  # entering again starts the peak from what is live now
+                    ids = torch.randint(0, model_config.vocab_size, (shape.micro_batch_size, shape.seq_len))
+                    model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+                    del ids
+                    phases[phase] = _total(tracker.get_tracker_snapshot("peak"))
+                    snapshot = tracker.get_tracker_snapshot("peak")
+            with tracker:
+                optimizer.step()
+                phases["optimizer_step"] = _total(tracker.get_tracker_snapshot("peak"))
+                optimizer.zero_grad(set_to_none=True)
         persistent = ("Sharded Param", "OptState", "Sharded Grad", "Buffer")
         return SimulatedStep(
             phases=phases,

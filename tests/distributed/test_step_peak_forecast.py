@@ -4,7 +4,8 @@ MemTracker around the real step, max over ranks), for the recipe's tiny Qwen2 an
 Llama-shaped model (so the forecast's layer extrapolation is exercised), per_micro_batch,
 deferred, deferred+window, budget and auto (measured in its second step, after auto planned from
 the first) and a budget that holds only some units (`PARTIAL`), gradient checkpointing off and
-on, AdamW: within 10%.
+on, AdamW: within 10%; and GRPO's generation phase (`--max-completion-length`: prefill, then
+one token at a time with the KV cache) against transformers' `generate` measured the same way.
 
 One launch per model and checkpointing setting, each running every mode. Run with `-s` to
 print the forecast-vs-measured table docs/estimate.md shows."""
@@ -12,13 +13,17 @@ print the forecast-vs-measured table docs/estimate.md shows."""
 import json
 
 import pytest
+import torch
 from launcher import launch
 
 from accel_gradsync import GradSyncConfig
 from accel_gradsync.estimator.core import estimate
-from accel_gradsync.estimator.inputs import StepShape
+from accel_gradsync.estimator.inputs import StepShape, load_model_config, read_accelerate_config
+from accel_gradsync.estimator.step_peak import StepForecaster
 
 M, MBS, SEQ = 2, 2, 64
+GENERATED = 48
+"""Tokens generated per sequence in the generation row: M x MBS sequences, prompts of SEQ - GENERATED."""
 BUDGET = "1GiB"
 TOLERANCE = 0.10
 LLAMA = dict(
@@ -76,7 +81,8 @@ def compared(request):
     spec, checkpointing = request.param
     args = ["--models", json.dumps([spec]), "--modes", ",".join([*MODES, PARTIAL[_name(spec)]]), "--M", str(M)]
     args += ["--mbs", str(MBS), "--seq", str(SEQ), "--memory-budget", BUDGET, "--free-memory", FREE]
-    ranks = launch("step_peak", args + (["--checkpointing"] if checkpointing else []), CONFIG)
+    args += ["--checkpointing"] if checkpointing else ["--generate", str(GENERATED)]
+    ranks = launch("step_peak", args, CONFIG)
     shape = StepShape(MBS, SEQ, "adamw", checkpointing)
     est = estimate(spec, CONFIG, M, GradSyncConfig(memory_budget=BUDGET, free_memory=FREE), step_shape=shape)
     partial = PARTIAL[_name(spec)]
@@ -87,6 +93,17 @@ def compared(request):
         assert len(peaks) == 2, mode
         row = _row(partial_est, "budget") if mode == partial else _row(est, mode)
         rows.append((_name(spec), mode, checkpointing, row.step_peak_bytes, max(peaks), row.step_peak_phase))
+    if not checkpointing:  # GRPO's generation (TRL turns checkpointing off for it): the same in every mode
+        measured = max(res["generation_peak_bytes"] for rank in ranks for res in rank["results"])
+        forecaster = StepForecaster(
+            load_model_config(spec),
+            torch.float32,
+            read_accelerate_config(CONFIG),
+            GradSyncConfig(),
+            StepShape(MBS, SEQ, max_completion_length=GENERATED),
+            M,
+        )
+        rows.append((_name(spec), "generation", False, forecaster.simulate_generation(False), measured, "generation"))
     return rows
 
 

@@ -12,7 +12,7 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 from common import parse_args, write_result
 from torch.distributed._tools.mem_tracker import MemTracker
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, LogitsProcessorList
 
 import accel_gradsync
 from accel_gradsync.estimator.inputs import load_model_config
@@ -28,8 +28,11 @@ args = parse_args(
         (("--memory-budget",), {"default": "1GiB"}),
         (("--free-memory",), {"default": "40GiB"}),
         (("--checkpointing",), {"action": "store_true"}),
+        # GRPO's generation after the measured step: M x mbs sequences, the last L of --seq tokens generated.
+        (("--generate",), {"type": int, "default": 0}),
     ]
 )
+assert not (args.generate and args.checkpointing), "TRL generates with gradient checkpointing off"
 accel_gradsync.enable_cpu_fsdp()
 accelerator = Accelerator(gradient_accumulation_steps=args.M)
 
@@ -75,11 +78,31 @@ for spec in json.loads(args.models):
                     optimizer.step()
                     optimizer.zero_grad()
         peak = tracker.get_tracker_snapshot("peak")
+        generation_peak = None
+        if args.generate:
+            prompt = torch.randint(0, vocab, (args.M * args.mbs, args.seq - args.generate))
+            tracker = MemTracker()
+            tracker.track_external(model, optimizer)
+
+            def next_token(input_ids, scores, tracker=tracker):  # MemTracker refuses a module's 2nd forward
+                tracker.reset_mod_stats()  # unless its stats are reset; the peak is kept
+                return scores
+
+            with tracker, torch.no_grad():  # as TRL generates: sampling, checkpointing off, no early stop
+                model.generate(
+                    input_ids=prompt,
+                    do_sample=True,
+                    max_new_tokens=args.generate,
+                    min_new_tokens=args.generate,
+                    logits_processor=LogitsProcessorList([next_token]),
+                )
+            generation_peak = max(int(dev["Total"]) for dev in tracker.get_tracker_snapshot("peak").values())
         results.append(
             {
                 "model": spec,
                 "mode": mode,
                 "peak_bytes": max(int(dev["Total"]) for dev in peak.values()),
+                "generation_peak_bytes": generation_peak,
                 "peak": {
                     str(dev): {str(getattr(k, "value", k)): int(v) for k, v in s.items()} for dev, s in peak.items()
                 },

@@ -133,6 +133,8 @@ def test_json_has_step_peak_only_when_asked(good, capsys, clean_env):
         "seq_len": 32,
         "optimizer": "adamw",
         "gradient_checkpointing": False,
+        "max_completion_length": 0,
+        "num_generations": 0,
     }
     assert all(isinstance(row["step_peak_bytes"], int) for row in forecast["modes"] if row["applicable"])
 
@@ -157,6 +159,13 @@ def test_table_has_the_step_peak_column_only_when_asked(good, capsys, clean_env)
         (["--gradient-checkpointing"], "--gradient-checkpointing"),
         (["--micro-batch-size", "0", "--seq-len", "8"], "--micro-batch-size=0"),
         (["--micro-batch-size", "2", "--seq-len", "-3"], "--seq-len=-3"),
+        (["--max-completion-length", "8"], "--max-completion-length 8"),
+        (["--micro-batch-size", "2", "--seq-len", "8", "--max-completion-length", "8"], "--max-completion-length=8"),
+        (["--micro-batch-size", "2", "--seq-len", "32", "--num-generations", "4"], "--num-generations=4"),
+        (
+            ["--micro-batch-size", "2", "--seq-len", "32", "--max-completion-length", "8", "--num-generations", "3"],
+            "--num-generations=3",
+        ),
     ],
 )
 def test_bad_forecast_flags_get_one_line(cli_error, good, capsys, clean_env, args, names):
@@ -174,3 +183,24 @@ def test_fsdp1_is_refused_with_what_to_pass(cli_error, tmp_path, capsys, clean_e
 def test_hsdp_is_refused_with_what_to_pass(fsdp):
     with pytest.raises(ValueError, match=r"HSDP .* --num-processes 2\.$"):
         estimate("recipe-default", fsdp(processes=4, replicate=2), 2, step_shape=SHAPE)
+
+
+def test_generation_phase_holds_the_kv_cache_of_the_generation_batch(fsdp):
+    """GRPO's generation (`--max-completion-length`): twice the tokens per sequence add about one
+    KV cache of the extra tokens (2 x layers x kv heads x head dim x fp32 per token) for the
+    micro-batch-size x micro-batches sequences one rank generates; gathered units add the
+    unsharded params. The row's phases include it, and nothing is marked unmodeled."""
+    short = _forecaster(fsdp, StepShape(2, 32, max_completion_length=16))
+    long = _forecaster(fsdp, StepShape(2, 64, max_completion_length=32))
+    grown = long.simulate_generation(False) - short.simulate_generation(False)
+    head_dim = SMALL["hidden_size"] // SMALL["num_attention_heads"]
+    per_token = 2 * SMALL["num_hidden_layers"] * SMALL["num_key_value_heads"] * head_dim * 4
+    kv_cache = 2 * 2 * 32 * per_token  # 4 sequences x 32 more tokens
+    # Less than a whole cache where the shorter run peaks in its prefill; more with the cache copy decoding makes.
+    assert 0.8 * kv_cache <= grown <= 1.5 * kv_cache, (grown, kv_cache)
+    assert short.simulate_generation(True) > short.simulate_generation(False)
+    adapter = estimated_adapter(
+        build_meta_model(load_model_config(SMALL)), read_accelerate_config(fsdp()), GradSyncConfig()
+    )
+    peak = short.row(Plan("per_micro_batch"), adapter, "per_micro_batch")
+    assert peak.parts["generation_peak"] == short.simulate_generation(False) and not peak.unmodeled
