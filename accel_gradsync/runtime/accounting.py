@@ -149,6 +149,12 @@ class SyncAccounting:
                 self.gathered.discard(key)
         return total
 
+    def end_step(self) -> None:
+        """An optimizer step ran, for a model no micro-batch is recorded on (a frozen one): what it
+        gathered since the step before is the last step's."""
+        self.optimizer_steps += 1
+        self.last_step, self.current = self.current, StepCounts()
+
     def close_step(self) -> None:
         """The optimizer step ran: the last micro-batch's backward is over."""
         self.step_ending = False

@@ -3,7 +3,10 @@ Trainer's train start, or its first `no_sync`): its wrapper and units (fsdp.py),
 (planning/policies.py; planning/replan.py under `auto`), its counters, the decision line, and the
 window's and generation's hooks on it. Binding waits for `prepare` because only the wrapped model
 says what its units, dtypes and mesh are; a model accelerate did not wrap is remembered as such,
-so accelerate's own `no_sync` keeps applying to it.
+so accelerate's own `no_sync` keeps applying to it. An FSDP2 model nothing trains (a reference
+model: prepared with no trainable parameter, or held by the Trainer besides its model, as TRL
+shards it itself) is bound as a `FrozenModel`: its all-gathers counted apart, its units kept across a pass of forwards
+without gradients where that costs no more peak than one of them (generation.py).
 """
 
 from __future__ import annotations
@@ -15,17 +18,20 @@ import torch.distributed as dist
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, is_compiled_module
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from accel_gradsync.config.errors import GradSyncWarning
 from accel_gradsync.config.settings import SyncMode
 from accel_gradsync.planning.memory import MemoryProbe, agreed_free_memory, memory_probe
 from accel_gradsync.planning.replan import Forecast, Forecaster, MeasuredAuto
 from accel_gradsync.runtime.accounting import SyncAccounting
-from accel_gradsync.runtime.decision import describe_decision, warn_about_plan
+from accel_gradsync.runtime.decision import describe_decision, describe_frozen, warn_about_plan
 from accel_gradsync.runtime.fsdp import ModelAdapter, adapt_model, is_fsdp_wrapped
+from accel_gradsync.runtime.fsdp2_counts import watch_fsdp2
 from accel_gradsync.runtime.generation import GenerationGather
-from accel_gradsync.runtime.state import Attachment, BoundModel, root_of
+from accel_gradsync.runtime.state import Attachment, BoundModel, FrozenModel, root_of
 from accel_gradsync.runtime.window import Window
 
 
@@ -54,17 +60,30 @@ class Binder:
         self._forecaster = forecaster
         self._free_memory: int | None = None
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        self._trainer_seen = False
+        self._step_hook: torch.utils.hooks.RemovableHandle | None = None
 
     def bind(self, model: nn.Module) -> ModelAdapter | None:
         """Adapt, plan, count and watch `model` the first time it is seen; its adapter (None where
-        it is not wrapped)."""
+        it is not wrapped). The first call with a Trainer also binds the frozen FSDP2 models it holds."""
         root = root_of(model)
         if root in self.state.adapters:
-            return self.state.adapters[root]
-        adapter = self._bind(model)
-        if root in self.state.bound:
-            self._handles += self.window.watch(root)
-            self._handles += self.generation.watch(root)
+            adapter = self.state.adapters[root]
+        else:
+            adapter = self._bind(model)
+            if root in self.state.bound:
+                self._handles += self.window.watch(root)
+                self._handles += self.generation.watch(root)
+        if self.state.trainer is not None and not self._trainer_seen:
+            self._trainer_seen = True
+            trained = {root_of(m) for m in (self.state.trainer.model, self.state.trainer.model_wrapped)}
+            for attribute, value in list(vars(self.state.trainer).items()):
+                # TRL's trainers shard a reference model themselves (trl.models.prepare_fsdp), not
+                # through accelerator.prepare, and leave its parameters requiring gradients: an
+                # FSDP2 model the Trainer holds besides the one it trains is one.
+                fsdp2 = isinstance(value, nn.Module) and isinstance(value, FSDPModule)
+                if fsdp2 and value not in trained and value not in self.state.adapters:
+                    self._bind_frozen(value, name=attribute)
         return adapter
 
     def close(self) -> None:
@@ -72,6 +91,7 @@ class Binder:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self._step_hook = None
 
     def _bind(self, model: nn.Module) -> ModelAdapter | None:
         state, root = self.state, root_of(model)
@@ -96,8 +116,10 @@ class Binder:
             state.adapters[root] = None
             return None
         state.adapters[root] = adapter
-        if not adapter.trainable:
-            return adapter  # nothing trainable (a frozen reference model): no gradient to schedule
+        if not adapter.trainable:  # a frozen reference model: no gradient to schedule
+            if adapter.kind == "fsdp2":
+                self._bind_frozen(root, adapter)
+            return adapter
         m, auto = state.micro_batches_per_step, None
         if state.policy.name == SyncMode.AUTO and m > 1:
             # auto plans step 1 from the forecast, or measures step 1 and plans from step 2 on (replan.py).
@@ -115,8 +137,7 @@ class Binder:
         else:
             plan = state.policy.plan(adapter, self._agreed_free_memory, m)
         warn_about_plan(plan, adapter, state.settings, m)
-        name, taken = model_name(root), {b.name for b in state.bound.values()}
-        name = name if name not in taken else f"{name}#{len(taken) + 1}"
+        name = self._unique_name(root)
         account = SyncAccounting(
             state.policy.name, adapter.kind, adapter.collective, hsdp=adapter.hsdp, units=len(adapter.units)
         )
@@ -124,6 +145,43 @@ class Binder:
         # One line at start, on the main process only: this model's decision and what it costs.
         state.accelerator.print(describe_decision(plan, adapter, m))
         return adapter
+
+    def _unique_name(self, root: nn.Module) -> str:
+        """The user's class name, `#n`-suffixed when a model bound before has it (stats() keys)."""
+        name = model_name(root)
+        taken = {b.name for b in self.state.bound.values()} | {f.name for f in self.state.frozen.values()}
+        return name if name not in taken else f"{name}#{len(taken) + 1}"
+
+    def _bind_frozen(self, root: nn.Module, adapter: ModelAdapter | None = None, name: str = "") -> None:
+        """An FSDP2 model nothing trains (`FrozenModel`): count its all-gathers and watch its
+        forwards without gradients. Keeping its units across a pass of them costs no more peak than
+        one of those forwards where it is one unit (the forward gathers the whole model anyway), so
+        that is the default; wrapped per unit, keeping them all holds the whole unsharded model,
+        which only `gather_for_generation` asks for."""
+        adapter = adapter or adapt_model(root)
+        self.state.adapters[root] = adapter  # seen: bind() does not adapt it again
+        if adapter is None or adapter.kind != "fsdp2" or not adapter.units:
+            return
+        keeps = len(adapter.units) == 1 or self.state.settings.gather_for_generation
+        account = SyncAccounting(self.state.policy.name, adapter.kind, adapter.collective, units=len(adapter.units))
+        # Named by the Trainer's attribute (`ref_model`) where found there, else by its class.
+        frozen = FrozenModel(name or self._unique_name(root), adapter, account, keeps)
+        self.state.frozen[root] = frozen
+        self.state.accelerator.print(describe_frozen(frozen.name, model_name(root), adapter, keeps))
+        self._watch_frozen(frozen)
+        self._handles += self.generation.watch(root)
+
+    def _watch_frozen(self, frozen: FrozenModel) -> None:
+        """Count a frozen model's all-gathers as FSDP2 issues them, and end its step at every
+        optimizer step (no micro-batch of it is ever recorded)."""
+        self._handles += watch_fsdp2(frozen.adapter, frozen.account)
+        if self._step_hook is None:
+            self._step_hook = register_optimizer_step_post_hook(self._after_optimizer_step)
+            self._handles.append(self._step_hook)
+
+    def _after_optimizer_step(self, optimizer: object, args: object, kwargs: object) -> None:
+        for frozen in self.state.frozen.values():
+            frozen.account.end_step()
 
     def _agreed_free_memory(self) -> int:
         if self._free_memory is None:  # one collective per run, before the first step

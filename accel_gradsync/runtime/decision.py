@@ -70,6 +70,32 @@ def describe_decision(plan: Plan, adapter: ModelAdapter, micro_batches: int) -> 
     return line
 
 
+def describe_frozen(name: str, model_name: str, adapter: ModelAdapter, keeps: bool) -> str:
+    """One line for an FSDP2 model with no trainable parameter (a reference model): what its
+    forwards without gradients all-gather, kept or not (`FrozenModel.keeps`)."""
+    units = adapter.units
+    n = len(units)
+    per_forward = generation_all_gathers_per(units, kept=False)
+    dtype = _name(units[0].compute_dtype)
+    size = format_bytes(sum(u.param_bytes for u in units))
+    line = f"grad sync: reference model {name} ({model_name}, not trained, {_count(n, 'fsdp2 unit')}) -> "
+    if keeps:
+        why = "what one of its forwards gathers anyway" if n == 1 else "gather_for_generation"
+        return line + (
+            f"{_count(generation_all_gathers_per(units, kept=True), 'all-gather')} per pass of forwards without "
+            f"gradients (a step's log-prob pass) instead of {per_forward} per forward: kept unsharded until "
+            f"training resumes (~{size} unsharded {dtype} params per rank, {why})"
+        )
+    return line + (
+        f"{_count(per_forward, 'all-gather')} per forward without gradients (gather_for_generation keeps its "
+        f"units through a pass: ~{size} unsharded {dtype} params per rank)"
+    )
+
+
+def _count(n: int, what: str) -> str:
+    return f"{n} {what}{'s' if n != 1 else ''}"
+
+
 def _summed_in(plan: Plan, adapter: ModelAdapter) -> str:
     """The dtype the held gradients are summed in over the window, and what it means beside
     per-micro-batch sync, which sums each micro-batch's reduced shard in the sharded params' dtype

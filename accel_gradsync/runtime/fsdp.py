@@ -161,8 +161,11 @@ class FSDP2Adapter(ModelAdapter):
             self.backend = self.backend or str(torch.distributed.get_backend(mesh.get_group(mesh.ndim - 1)))
             self.hsdp = self.hsdp or mesh.ndim == 2
             shard = mesh.size(mesh.ndim - 1)
-            # The root keeps its params after forward (FSDP2's lazy init), whatever it was given.
-            reshards = name != "" and all(g.post_forward_mesh_info is not None for g in groups)
+            # The root keeps its params after forward where fully_shard chose for it (FSDP2's lazy
+            # init: reshard_after_forward None, as accelerate shards its root); a root given True
+            # (TRL's prepare_fsdp of a reference model) reshards like any unit.
+            auto_root = name == "" and state._auto_reshard_after_forward
+            reshards = not auto_root and all(g.post_forward_mesh_info is not None for g in groups)
             reducing = sum(any(_param_now(p).requires_grad for p in g.fsdp_params) for g in groups)
             units.append(
                 Unit(

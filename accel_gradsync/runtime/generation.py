@@ -1,6 +1,8 @@
 """Forwards without gradients (generation, no-grad log-prob passes, evaluation): with
 `gather_for_generation` (or inside `gathered()`) each FSDP2 unit all-gathers once and stays
-unsharded until training resumes, instead of once per forward (per generated token).
+unsharded until training resumes, instead of once per forward (per generated token). A frozen
+model's units (a reference model, `FrozenModel.keeps`: by default where it is one unit) do the
+same without the setting: its log-prob pass gathers it once per step instead of once per forward.
 
 A unit's first forward without gradients sets its `reshard_after_forward` to False (the public
 setter); training resuming puts every flag back and reshards: a forward with gradients, an
@@ -23,7 +25,8 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from accel_gradsync.planning.units import Unit
-from accel_gradsync.runtime.state import Attachment, BoundModel, root_of
+from accel_gradsync.runtime.fsdp import ModelAdapter
+from accel_gradsync.runtime.state import Attachment, BoundModel, FrozenModel, root_of
 
 
 class GenerationGather:
@@ -44,36 +47,45 @@ class GenerationGather:
     def enabled(self) -> bool:
         return self.state.settings.gather_for_generation
 
+    def keeps(self, root: nn.Module) -> bool:
+        """The units of the watched model `root` stay unsharded across its forwards without
+        gradients whatever `gathered()` says: the setting, or a frozen model that keeps."""
+        frozen = self.state.frozen.get(root)
+        return self.enabled or (frozen is not None and frozen.keeps)
+
     # -- hooks --------------------------------------------------------------------------------
     def watch(self, root: nn.Module) -> list[torch.utils.hooks.RemovableHandle]:
-        """Hooks on each unit module of the bound model `root`: count forwards without gradients,
-        keep their units where the setting (or `gathered()`) asks, release when training resumes."""
-        bound = self.state.bound[root]
-        if bound.adapter.kind != "fsdp2" and self.enabled:
+        """Hooks on each unit module of the bound or frozen model `root`: count forwards without
+        gradients, keep their units where the setting, a frozen model or `gathered()` asks,
+        release when training resumes."""
+        adapter = self.state.adapters[root]
+        assert adapter is not None  # bound and frozen models have one
+        if adapter.kind != "fsdp2" and self.enabled:
             instead = {
                 "fsdp1": "under FSDP1 wrap generation in FSDP.summon_full_params(model) yourself, or use "
                 "fsdp_version: 2",
                 "ddp": "DDP never shards parameters",
-            }[bound.adapter.kind]
+            }[adapter.kind]
             self.state.warn_once(
                 "generation_not_fsdp2",
-                f"accel_gradsync: gather_for_generation is ignored on {bound.adapter.kind}: it keeps FSDP2 units "
+                f"accel_gradsync: gather_for_generation is ignored on {adapter.kind}: it keeps FSDP2 units "
                 f"unsharded while generating ({instead}).",
             )
-        if bound.adapter.kind != "fsdp2":
+        if adapter.kind != "fsdp2":
             return []
+        keeps = self.keeps(root)
         handles = []
-        for module, unit in bound.adapter.unit_modules():
-            handles.append(module.register_forward_pre_hook(self._pre_hook(root, bound, unit), prepend=True))
-            if self.enabled:  # gathered() sees its own exceptions
+        for module, unit in adapter.unit_modules():
+            handles.append(module.register_forward_pre_hook(self._pre_hook(root, adapter, unit), prepend=True))
+            if keeps:  # gathered() sees its own exceptions
                 handles.extend(self._watch_for_raise(module))
         # The root too, unit or not: training resumes before the window counts the micro-batch
         # (its hook on the root runs next), and an exception from a later hook of a unit passes
         # only through the root.
         handles.append(root.register_forward_pre_hook(self._resume_hook, prepend=True))
-        if self.enabled:
+        if keeps:
             handles.extend(self._watch_for_raise(root))
-        if self.enabled and self._optimizer_hook is None:
+        if keeps and self._optimizer_hook is None:
             self._optimizer_hook = register_optimizer_step_pre_hook(self._before_step)
             handles.append(self._optimizer_hook)
         return handles
@@ -84,15 +96,17 @@ class GenerationGather:
         if self._kept and torch.is_grad_enabled():
             self.release()
 
-    def _pre_hook(self, key: nn.Module, bound: BoundModel, unit: Unit) -> Callable:
+    def _pre_hook(self, key: nn.Module, adapter: ModelAdapter, unit: Unit) -> Callable:
+        always = self.keeps(key)
+
         def hook(module: nn.Module, args: Any) -> None:
             if torch.is_grad_enabled():
                 self._resume_hook(module, args)  # before FSDP's own pre-forward runs
                 return
-            keep = self.enabled or self._forced[None] > 0 or self._forced[key] > 0
+            keep = always or self._forced[None] > 0 or self._forced[key] > 0
             if keep and id(unit) not in self._kept.setdefault(key, set()):
                 self._kept[key].add(id(unit))
-                self._restores.setdefault(key, []).append(bound.adapter.keep_params_through_forward([unit]))
+                self._restores.setdefault(key, []).append(adapter.keep_params_through_forward([unit]))
 
         return hook
 
@@ -132,14 +146,13 @@ class GenerationGather:
         FSDP leaves them after any forward without gradients: PEFT's `generate` runs the inner
         model without the root's forward and relies on that."""
         for key in list(self._kept) if models is None else [k for k in models if k in self._kept]:
-            bound = self.state.bound.get(key)
+            adapter = self.state.adapters.get(key)
             restores = self._restores.pop(key, [])
             kept = self._kept.pop(key)
             for restore in reversed(restores):
                 restore()
-            if bound is None:
+            if adapter is None:
                 continue
-            adapter = bound.adapter
             if raised and adapter.held_grad_bytes() == 0 and adapter.reset_after_exception():
                 continue  # FSDP's own recovery resharded every unit
             adapter.reshard_unless_kept([u for u in adapter.units if id(u) in kept])
@@ -151,16 +164,13 @@ class GenerationGather:
         then reshard them. Other models' units gather and reshard as without the block. Any
         setting."""
         key = None if model is None else root_of(model)
-        if key is not None and key not in self.state.bound:
+        watched: dict[nn.Module, BoundModel | FrozenModel] = {**self.state.bound, **self.state.frozen}
+        if key is not None and key not in watched:
             raise ValueError(
                 "grad_sync.gathered(model): the model is not bound to this attach() (pass the model "
                 "accelerator.prepare returned, with FSDP2)."
             )
-        kinds = (
-            {b.adapter.kind for b in self.state.bound.values()}
-            if model is None
-            else {self.state.bound[root_of(model)].adapter.kind}
-        )
+        kinds = {w.adapter.kind for w in watched.values()} if key is None else {watched[key].adapter.kind}
         others = ", ".join(sorted(kinds - {"fsdp2"}))
         if others:
             self.state.warn_once(

@@ -103,6 +103,32 @@ class BoundModel:
             hold.flags.close()
 
 
+@dataclass
+class FrozenModel:
+    """An FSDP2 model nothing trains (a reference model): prepared with no trainable parameter, or
+    held by the Trainer besides the model it trains (TRL's `ref_model`, whose parameters keep
+    `requires_grad`). No gradient to schedule, only its all-gathers, counted apart
+    (`reference_all_gathers`), and, where `keeps`, its units kept unsharded across the forwards
+    without gradients of one pass (generation.py)."""
+
+    name: str
+    adapter: ModelAdapter
+    account: SyncAccounting
+    """Its all-gathers, by optimizer step (`SyncAccounting.end_step`)."""
+    keeps: bool
+    """Its units stay unsharded from their first forward without gradients until training resumes:
+    by default where the model is one unit (a forward of it gathers the whole model anyway), with
+    `gather_for_generation` whatever its units."""
+
+    def stats(self) -> dict:
+        return {
+            "units": len(self.adapter.units),
+            "keeps": self.keeps,
+            "all_gathers": self.account.total.generation_all_gathers + self.account.total.all_gathers,
+            "last_step/all_gathers": self.account.last_step.generation_all_gathers + self.account.last_step.all_gathers,
+        }
+
+
 def _ids(units: Sequence[Unit]) -> tuple[int, ...]:
     return tuple(id(u) for u in units)
 
@@ -121,6 +147,8 @@ class Attachment:
     """Every model `bind` inspected; None where it is not wrapped (accelerate's no_sync applies)."""
     bound: dict[nn.Module, BoundModel] = field(default_factory=dict)
     """The models with trainable units, in bind order (the first one is the default of plan())."""
+    frozen: dict[nn.Module, FrozenModel] = field(default_factory=dict)
+    """The FSDP2 models nothing trains (reference models), by `root_of(model)`."""
     warned: set[str] = field(default_factory=set)
     window_seen: int = 0
     """Micro-batches of the first window of a loop that holds them with `no_sync` outside
@@ -139,8 +167,15 @@ class Attachment:
         return int(self.accelerator.gradient_accumulation_steps) if not self.window_seen else self.window_seen
 
     def stats(self) -> dict:
-        """Every bound model's counters, combined (`GradSyncHandle.stats`)."""
-        return combined_stats({b.name: b.stats() for b in self.bound.values()}, self.policy.name)
+        """Every bound model's counters, combined (`GradSyncHandle.stats`), and the frozen
+        models' all-gathers apart (`reference_*`, each one's under `reference_models`)."""
+        out = combined_stats({b.name: b.stats() for b in self.bound.values()}, self.policy.name)
+        frozen = {f.name: f.stats() for f in self.frozen.values()}
+        out["reference_units"] = sum(f["units"] for f in frozen.values())
+        out["reference_all_gathers"] = sum(f["all_gathers"] for f in frozen.values())
+        out["last_step/reference_all_gathers"] = sum(f["last_step/all_gathers"] for f in frozen.values())
+        out["reference_models"] = frozen
+        return out
 
     def writes_shared_files(self) -> bool:
         """This process writes a checkpoint's shared files: the main process, or each node's first

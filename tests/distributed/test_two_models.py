@@ -2,7 +2,8 @@
 with its own optimizer) plus a frozen reference model, one `attach`, deferred, M = 4, 2 optimizer
 steps. What `stats()` says must add up to what ran, counted from outside, the held bytes to the
 gradient bytes of both models' parameters, and each model gets its own decision line and its own
-counters; the frozen model stays out. FSDP2 and FSDP1."""
+counters; the frozen model gets no plan (under FSDP2 a line and counters of its own, apart). FSDP2
+and FSDP1."""
 
 import pytest
 from launcher import accelerate_config, launch
@@ -55,6 +56,9 @@ def test_each_model_has_its_own_counters_and_decision_line(ranks):
         assert sorted(rank["stats"]["unit_modes"]) == sorted(
             f"{name}/{unit}" for name, m in models.items() for unit in m["unit_modes"]
         )
-    decisions = results[0]["decisions"]  # printed on the main process only
+    lines = results[0]["decisions"]  # printed on the main process only
+    decisions = [d for d in lines if not d.startswith("grad sync: reference model")]
     assert len(decisions) == 2 and all(f"on {kind}" in d and "3 deferred" in d for d in decisions), decisions
+    # FSDP2: the frozen model's all-gathers are counted apart, and its line says what it gathers.
+    assert len(lines) - len(decisions) == (kind == "fsdp2"), lines
     assert not results[1]["decisions"]
