@@ -1,8 +1,10 @@
 """The GRPO benchmark: TRL's real `GRPOTrainer` on a communication-bound random-weight Qwen2, stock
-and with each sync mode of the plugin, full fine-tuning and LoRA (`python -m benchmarks.run --grpo`).
-This module holds the shapes, configurations, the saved model and the merge of the ranks' records;
-`grpo_worker.py` measures, `grpo_report.py` reports. Every configuration trains the same saved model
-on the same prompts with the same seed, so completions, rewards and losses must agree exactly.
+and with each sync mode of the plugin, full fine-tuning and LoRA, against DDP, the data-parallel
+floor (`python -m benchmarks.run --grpo [--beta 0.04]`). This module holds the shapes,
+configurations, the saved model and the merge of the ranks' records; `grpo_worker.py` measures,
+`grpo_report.py` reports. Every configuration trains the same saved model on the same prompts with
+the same seed, so completions, rewards and losses must agree exactly. DDP's configurations run in
+a launch of their own (accelerate's state is one per process: FSDP or not), the same rounds.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ AUTO_FREE_MEMORY = "8GiB"
 
 # Sync modes: (the GradSyncConfig arguments, None: no plugin, stock TRL + accelerate; the label).
 MODES: dict[str, tuple[dict[str, Any] | None, str]] = {
+    "ddp": (None, "DDP, no plugin: the same model and GRPO settings, parameters replicated, accelerate's no_sync "
+                  "over the accumulation (the data-parallel floor: one gradient all-reduce per step)"),
     "stock": (None, "stock TRL + accelerate (no plugin; accelerate's no_sync defers on FSDP2)"),
     "per_micro_batch": ({"defer": False}, "plugin, per-micro-batch sync"),
     "deferred": ({"defer": True}, "plugin, deferred sync"),
@@ -53,16 +57,23 @@ CONFIGS: dict[str, dict[str, Any]] = {
     for tuning in TUNINGS
     for mode, (kwargs, _) in MODES.items()
 }
+DDP = "ddp"
 
 
-def grpo_settings(size: dict) -> dict:
+def is_ddp(config: str) -> bool:
+    """The configuration runs under DDP (its own launch), not FSDP2."""
+    return CONFIGS[config]["mode"] == DDP
+
+
+def grpo_settings(size: dict, beta: float = 0.0) -> dict:
     """The GRPOConfig fields every configuration shares (the worker adds output_dir, steps, seed).
     beta = 0, TRL's default: no KL term, no reference model, and with one iteration per generation
-    no separate no-grad log-prob pass either (the column shows 0)."""
+    no separate no-grad log-prob pass either (the column shows 0). beta > 0 (`--beta`): TRL's
+    reference model runs a log-prob pass each step (under LoRA: the policy with its adapter off)."""
     shapes = {"per_device_train_batch_size": size["batch"], "gradient_accumulation_steps": size["M"],
               "num_generations": size["generations"], "max_completion_length": size["completion"]}  # fmt: skip
     # use_configured_state: GRPOConfig would otherwise discard the FSDP state enable_cpu_fsdp() built.
-    return dict(**shapes, beta=0.0, learning_rate=1e-5, lr_scheduler_type="constant", logging_steps=1,
+    return dict(**shapes, beta=beta, learning_rate=1e-5, lr_scheduler_type="constant", logging_steps=1,
                 save_strategy="no", report_to="none", disable_tqdm=True, bf16=False,
                 model_init_kwargs={"dtype": "float32"}, accelerator_config={"use_configured_state": True})  # fmt: skip
 
@@ -108,9 +119,31 @@ def build_model_dir(path: Path, size_name: str) -> dict:
     return facts
 
 
-def worker_args(p: dict, model_dir: Path, pin: bool) -> list[str]:
-    args = ["--model-dir", str(model_dir), "--size", p["size"], "--configs", ",".join(p["configs"])]
-    return args + ["--rounds", str(p["rounds"]), "--steps", str(p["steps"])] + (["--pin-cores"] if pin else [])
+def worker_args(p: dict, model_dir: Path, pin: bool, configs: list[str]) -> list[str]:
+    args = ["--model-dir", str(model_dir), "--size", p["size"], "--configs", ",".join(configs)]
+    args += ["--rounds", str(p["rounds"]), "--steps", str(p["steps"]), "--beta", str(p.get("beta", 0.0))]
+    return args + (["--pin-cores"] if pin else [])
+
+
+def launches(p: dict, on_cluster: bool = False) -> list[list[str]]:
+    """The configurations of each launch: FSDP2's, then DDP's (its own accelerate state; over
+    loopback only: a simulated cluster launches through accelerate's FSDP config)."""
+    fsdp = [c for c in p["configs"] if not is_ddp(c)]
+    ddp = [c for c in p["configs"] if is_ddp(c) and not on_cluster]
+    return [names for names in (fsdp, ddp) if names]
+
+
+def combine(runs: list[GrpoRun]) -> GrpoRun:
+    """The launches of one network as one run: their rows together, in configuration order."""
+    first = runs[0]
+    rows = sorted((r for run in runs for r in run.rows), key=lambda r: list(CONFIGS).index(r.config))
+    out = GrpoRun(size=first.size, facts=first.facts, rows=rows, versions=first.versions,
+                  pinned_cores=first.pinned_cores)  # fmt: skip
+    for name in ("link", "hosts", "ranks_per_host"):
+        setattr(out, name, getattr(first, name))
+    out.wall_s = round(sum(r.wall_s or 0 for r in runs), 1)
+    out.link_bytes = sum(r.link_bytes or 0 for r in runs) if first.link else first.link_bytes
+    return out
 
 
 def merge(ranks_json: list[dict]) -> GrpoRun:
@@ -135,6 +168,7 @@ def merge(ranks_json: list[dict]) -> GrpoRun:
             counts_per_step={p: {k: median(getattr(s.phases[p], k) for s in rank0) for k in (*kinds, "bytes_sent")}
                              for p in phases},
             **memory_max(every, [run.handle_held_grad_bytes for runs in rounds for run in runs]),
+            state_bytes=max((s.state_bytes for s in every), default=0),
             logs=[run.logs for run in per_rank[0]], rewards=[run.rewards for run in per_rank[0]],
             completions=[[run.completions for run in runs] for runs in rounds],
             stats=per_rank[0][-1].stats))  # fmt: skip
@@ -146,7 +180,7 @@ def plan_of(args) -> dict:
     size = "quick" if args.quick else "full"
     rounds, steps = args.reps or SIZES[size]["rounds"], args.steps or SIZES[size]["steps"]
     p = {"size": size, "configs": args.configs.split(",") if args.configs else list(CONFIGS), "rounds": rounds,
-         "steps": steps, "quick": bool(args.quick)}  # fmt: skip
+         "steps": steps, "quick": bool(args.quick), "beta": args.beta}  # fmt: skip
     if unknown := [c for c in p["configs"] if c not in CONFIGS]:
         raise SystemExit(f"--configs: unknown GRPO configuration(s) {', '.join(unknown)}; valid: {', '.join(CONFIGS)}")
     if p["steps"] < 2:

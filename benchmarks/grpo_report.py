@@ -45,7 +45,7 @@ def write_table(results: GrpoResults) -> str:
     lines = header("GRPO benchmark results", results)
     for run in results.runs:
         f = run.facts
-        units = sorted({r.units for r in run.rows})
+        units = sorted({r.units for r in run.rows if not grpo.is_ddp(r.config)})
         lines += [
             f"### {network(run)}: Qwen2 {f['params'] / 1e6:.2f} M params (hidden {f['hidden']}, {f['layers']} layers, "
             f"vocab {f['vocab']}), FSDP2 units U = {'/'.join(map(str, units))} (full/LoRA), 2 ranks, M = {f['M']}, "
@@ -53,30 +53,37 @@ def write_table(results: GrpoResults) -> str:
             + (f"; {run.link_bytes / MiB:.0f} MiB through the shaped NICs" if run.link_bytes else ""),
             "",
             "Step ms: median wall time of an optimizer step (slowest rank). Speedup: stock's step / this step, per "
-            "round, median over rounds. Phase ms: medians of the same steps. All-gathers per step on one rank in "
-            "generation / log-prob passes / training; reduce-scatters and MiB sent (ring formula) over the whole "
-            "step. Held: gradient and unsharded parameter bytes on one rank after a backward (the plugin's own "
-            "held-gradient measure in brackets); RSS: the step's peak resident growth.",
+            "round, median over rounds; x DDP: this step / DDP's, the same way (DDP runs in its own launch). Phase "
+            "ms: medians of the same steps. All-gathers per step on one rank in generation / log-prob passes "
+            "(the reference model's, or LoRA's policy with the adapter off, when beta > 0) / training; "
+            "reduce-scatters and MiB sent (ring formula) over the whole step (DDP's all-reduces run inside its "
+            "reducer, uncounted). Held: gradient and unsharded parameter bytes on one rank after a backward (the "
+            "plugin's own held-gradient measure in brackets); state: params, grads and optimizer state of both "
+            "models on one rank after the optimizer step, and against DDP's; RSS: the step's peak resident growth.",
             "",
-            "| configuration | step ms | speedup | generation ms | log-prob ms | scoring ms | training ms | "
+            "| configuration | step ms | speedup | x DDP | generation ms | log-prob ms | scoring ms | training ms | "
             "all-gathers gen / log-prob / train | reduce-scatters | MiB sent | held grad MiB | held params MiB | "
-            "RSS growth MiB |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "state MiB | state x DDP | RSS growth MiB |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         rows = rows_of(run)
         for name in [n for n in grpo.CONFIGS if n in rows]:
             r = rows[name]
             tuning = name.split("/")[0]
             sp = speedup(run, name, f"{tuning}/stock")
+            floor = speedup(run, f"{tuning}/{grpo.DDP}", name)  # this step / DDP's
+            ddp = rows.get(f"{tuning}/{grpo.DDP}")
+            state = f"{r.state_bytes / ddp.state_bytes:.2f}x" if ddp and ddp.state_bytes else "-"
             c, ph = r.counts_per_step, r.phase_time_s
             held = fmt_held(r.held_grad_bytes, r.handle_held_grad_bytes)
             lines.append(
                 f"| {name} | {r.step_time_s * 1e3:.0f} | {sp[0] if sp else math.nan:.2f}x | "
+                f"{f'{floor[0]:.2f}x' if floor else '-'} | "
                 + " | ".join(f"{ph[p] * 1e3:.0f}" for p in PHASES)
                 + f" | {' / '.join(fmt_count(c[p]['all_gathers']) for p in ('generation', 'logprob', 'training'))} | "
                 f"{fmt_count(sum(c[p]['reduce_scatters'] for p in PHASES))} | "
                 f"{sum(c[p]['bytes_sent'] for p in PHASES) / MiB:.0f} | {held} | {r.held_param_bytes / MiB:.2f} | "
-                f"{r.rss_growth_bytes / MiB:.0f} |"
+                f"{r.state_bytes / MiB:.2f} | {state} | {r.rss_growth_bytes / MiB:.0f} |"
             )
         lines.append("")
     lines += ["Configurations (each for full fine-tuning and for LoRA on q_proj, v_proj):", ""]
@@ -118,8 +125,25 @@ def check_targets(results: GrpoResults) -> list[TargetResult]:
                     out.append(judged(what, target, sp[1], quick, per_round))
             if window in rows:
                 out.append(check_window_gathers(where, rows[window]))
+            out += check_floor(run, where, tuning, quick)
         out += check_identical(where, rows)
     return out
+
+
+def check_floor(run: GrpoRun, where: str, tuning: str, quick: bool) -> list[TargetResult]:
+    """The window against DDP, the data-parallel floor: its step time within 1.10x, its memory
+    between optimizer steps below DDP's (sharded)."""
+    rows, window, ddp = rows_of(run), f"{tuning}/window", f"{tuning}/{grpo.DDP}"
+    time_what = f"[{where}] {window} {targets.GRPO_DDP_FLOOR.name.replace('DDP', ddp)}"
+    state_what = f"[{where}] {window}: {targets.GRPO_SHARDED_STATE.name.replace('DDP', ddp)}"
+    if window not in rows or ddp not in rows:
+        return [TargetResult(time_what, SKIP, "not run"), TargetResult(state_what, SKIP, "not run")]
+    ratio = speedup(run, ddp, window)
+    assert ratio is not None  # both ran, in the same rounds
+    per_round = "{m:.2f}x (per round: " + ", ".join(f"{x:.2f}x" for x in ratio[1]) + ")"
+    w, d = rows[window].state_bytes, rows[ddp].state_bytes
+    state = TargetResult(state_what, PASS if w < d else FAIL, f"{w / MiB:.2f} MiB against {d / MiB:.2f} MiB per rank")
+    return [judged(time_what, targets.GRPO_DDP_FLOOR, ratio[1], quick, per_round), state]
 
 
 def check_window_gathers(where: str, row: GrpoRow) -> TargetResult:

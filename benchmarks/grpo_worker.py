@@ -4,7 +4,9 @@ the order), and write `rank<R>.json`. Each step is metered and split into phases
 methods of the trainer *instance* (never TRL's class): `_generate` (generation),
 `_get_per_token_logps_and_entropies` without gradients (log-prob passes), the rest of
 `_generate_and_score_completions` (scoring), the remainder (training); collectives are counted per
-phase. Completions, rewards and logs are recorded for the report to compare with stock.
+phase. Completions, rewards and logs are recorded for the report to compare with stock, and after
+each optimizer step what the rank keeps between steps (`state_bytes`). Launched with FSDP2's
+accelerate config, or for DDP's configurations by torchrun with accelerate on CPU (MULTI_CPU).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from transformers import AutoTokenizer
 import accel_gradsync
 from benchmarks import grpo
 from benchmarks.collectives import CollectiveCounter
-from benchmarks.measure import StepMeter, attach, fsdp2_groups, pin_to_core, step_callback, versions
+from benchmarks.measure import StepMeter, attach, fsdp2_groups, held_bytes, nbytes, pin_to_core, step_callback, versions
 from benchmarks.records import GrpoRankResult, GrpoRankRun, GrpoStep, PhaseTotals
 
 PHASES = ("generation", "logprob", "scoring", "training")
@@ -40,6 +42,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--configs", required=True, help="comma-separated names from grpo.CONFIGS")
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--steps", type=int, default=3, help="optimizer steps per run; the first is untimed")
+    p.add_argument("--beta", type=float, default=0.0, help="GRPO's KL coefficient (> 0: a reference model)")
     p.add_argument("--pin-cores", action="store_true")
     return p.parse_args()
 
@@ -98,6 +101,19 @@ def wrap(trainer: Any, name: str, phase: tuple[Phases, str] | None = None, when=
     setattr(trainer, name, wrapped)
 
 
+def state_bytes(trainer: Any) -> int:
+    """What this rank keeps between optimizer steps: the trained and the reference model's
+    parameters as stored (FSDP2: the local shard, plus any unsharded storage still allocated;
+    DDP: every parameter), their gradients, and the optimizer's state."""
+    models = [m for m in (trainer.model_wrapped, getattr(trainer, "ref_model", None)) if m is not None]
+    params = {id(p): p for m in models for p in m.parameters()}
+    total = sum(nbytes(p) + nbytes(p.grad) for p in params.values())
+    total += sum(held_bytes(m)[1] for m in models)  # FSDP2 params left unsharded
+    for state in trainer.optimizer.state.values():
+        total += sum(nbytes(v) for v in state.values() if isinstance(v, torch.Tensor))
+    return total
+
+
 def run_one(name: str, round_index: int, args: argparse.Namespace, phases: Phases, dataset, tokenizer) -> GrpoRankRun:
     """One `GRPOTrainer.train()` of `args.steps` steps for configuration `name`."""
     from trl import GRPOConfig, GRPOTrainer, ModelConfig, get_peft_config
@@ -109,14 +125,15 @@ def run_one(name: str, round_index: int, args: argparse.Namespace, phases: Phase
     rewards: list[list[float]] = []
 
     def done(state, measured: dict) -> None:
-        steps.append(GrpoStep(step=state.global_step, phases=phases.take(), **measured))
+        held = state_bytes(callback.trainer)
+        steps.append(GrpoStep(step=state.global_step, phases=phases.take(), state_bytes=held, **measured))
 
     def digest(out) -> None:  # each generation's completion ids, as a digest per rank
         completions.append(hashlib.sha256(json.dumps(out[1]).encode()).hexdigest())
 
     callback = step_callback(StepMeter(), phases.reset, done)
     with tempfile.TemporaryDirectory() as tmp:
-        config = GRPOConfig(output_dir=tmp, max_steps=args.steps, seed=0, **grpo.grpo_settings(size))
+        config = GRPOConfig(output_dir=tmp, max_steps=args.steps, seed=0, **grpo.grpo_settings(size, args.beta))
         peft = get_peft_config(lora) if spec["lora"] else None
         trainer = GRPOTrainer(model=args.model_dir, reward_funcs=[parity_reward], args=config, train_dataset=dataset,
                               processing_class=tokenizer, peft_config=peft, callbacks=[callback])  # fmt: skip
@@ -146,10 +163,13 @@ def run_one(name: str, round_index: int, args: argparse.Namespace, phases: Phase
 def main() -> None:
     args = parse_args()
     core = pin_to_core() if args.pin_cores else None
-    accel_gradsync.enable_cpu_fsdp()
+    fsdp = accel_gradsync.enable_cpu_fsdp()
     from accelerate import PartialState
 
-    state, phases = PartialState(), Phases(CollectiveCounter())
+    # DDP's launch (torchrun, no accelerate config): accelerate's MULTI_CPU state, as
+    # Accelerator(cpu=True) builds it, for the GRPOConfig to use.
+    state = PartialState() if fsdp or torch.cuda.is_available() else PartialState(cpu=True)
+    phases = Phases(CollectiveCounter())
     tokenizer, dataset = AutoTokenizer.from_pretrained(args.model_dir), grpo.embedded().build_dataset(n=512)
     names, runs = args.configs.split(","), []
     for r in range(args.rounds):

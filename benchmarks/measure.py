@@ -53,7 +53,8 @@ def fsdp2_groups(model: nn.Module) -> list:
     return list({id(g): g for g in groups}.values())
 
 
-def _nbytes(t: torch.Tensor | None) -> int:
+def nbytes(t: torch.Tensor | None) -> int:
+    """The bytes of a tensor as stored on this rank (a DTensor: its local shard; None: 0)."""
     t = getattr(t, "_local_tensor", t)
     return 0 if t is None else t.numel() * t.element_size()
 
@@ -64,13 +65,13 @@ def held_bytes(model: nn.Module) -> tuple[int, int]:
     getter); not FSDP2: every .grad. Params: those whose unsharded storage is allocated."""
     params = list({id(fp): fp for g in fsdp2_groups(model) for fp in g.fsdp_params}.values())
     if not params:
-        return sum(_nbytes(p.grad) for p in model.parameters()), 0
+        return sum(nbytes(p.grad) for p in model.parameters()), 0
     grads = params_held = 0
     for fp in params:
         unsharded = getattr(fp, "_unsharded_param", None)
-        grads += _nbytes(getattr(fp, "unsharded_accumulated_grad", None)) + _nbytes(fp.sharded_param.grad)
+        grads += nbytes(getattr(fp, "unsharded_accumulated_grad", None)) + nbytes(fp.sharded_param.grad)
         if unsharded is not None:
-            grads += _nbytes(unsharded.grad)
+            grads += nbytes(unsharded.grad)
             params_held += unsharded.numel() * unsharded.element_size() if unsharded.untyped_storage().size() else 0
     return grads, params_held
 

@@ -171,6 +171,7 @@ class PhaseTotals(Record):
 class GrpoStep(Measured):
     step: int  # the Trainer's global step
     phases: dict[str, PhaseTotals]  # generation, logprob, scoring, training
+    state_bytes: int = 0  # after the optimizer step: this rank's params, grads and optimizer state, both models
 
 
 @dataclass(kw_only=True)
@@ -200,6 +201,7 @@ class GrpoRankResult(Record):
 @dataclass(kw_only=True)
 class GrpoRow(Row):
     units: int = 0
+    state_bytes: int = 0  # the most `GrpoStep.state_bytes` over ranks and steps: what stays between steps
     phase_time_s: dict[str, float] = field(default_factory=dict)  # phase -> median over the steps
     counts_seen: dict[str, dict[str, list[int]]] = field(default_factory=dict)  # phase -> kind -> seen
     counts_per_step: dict[str, dict[str, float]] = field(default_factory=dict)  # phase -> kind -> median

@@ -37,6 +37,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--sizes", help="comma-separated, from mlp.SIZES")
     add("--Ms", help="comma-separated micro-batch counts")
     add("--configs", help="comma-separated, from mlp.CONFIGS (with --grpo: grpo.CONFIGS)")
+    add("--beta", type=float, default=0.0, help="with --grpo: GRPO's KL coefficient (> 0: a reference model)")
     add("--reps", type=int, help="interleaved repetitions of every configuration (GRPO: rounds)")
     add("--steps", type=int, help="timed optimizer steps per repetition and M (default: per model size)")
     add("--no-pin", action="store_true", help="CPU: leave the ranks unpinned (default: one core per rank)")
@@ -54,7 +55,7 @@ class Job(NamedTuple):
     what: str  # the progress line's description
     script: Path
     args: list[str]
-    config: dict  # the accelerate config
+    config: dict | None  # the accelerate config (None: torchrun, DDP on CPU)
     merge: Callable[[list[dict]], RunBase]
     env: dict[str, str]
 
@@ -106,8 +107,12 @@ def jobs_of(p: dict, args: argparse.Namespace, workdir: Path, on_cluster: bool) 
         what = f"{len(p['configs'])} configurations, {p['rounds']} round(s) of {p['steps']} steps"
         print(f"[benchmarks] GRPO {p['size']} model, {facts['params'] / 1e6:.2f} M params: {what}", flush=True)
     pin = not args.no_pin and not on_cluster  # a cluster pins each host's launch to the host's cores
-    return [Job("GRPO", grpo.WORKER, grpo.worker_args(p, workdir, pin), fsdp2_config(grpo.LAYER_CLASS, 2),
-                grpo.merge, {"CUDA_VISIBLE_DEVICES": ""})]  # fmt: skip
+    # DDP's configurations: no accelerate config, torchrun with accelerate on CPU (launch.py), which
+    # makes it DDP over gloo (accelerate's MULTI_CPU launcher would want mpirun).
+    return [Job(f"GRPO {'DDP' if grpo.is_ddp(names[0]) else 'FSDP2'}: {', '.join(names)}", grpo.WORKER,
+                grpo.worker_args(p, workdir, pin, names),
+                None if grpo.is_ddp(names[0]) else fsdp2_config(grpo.LAYER_CLASS, 2),
+                grpo.merge, {"CUDA_VISIBLE_DEVICES": ""}) for names in grpo.launches(p, on_cluster)]  # fmt: skip
 
 
 def run_jobs(jobs: list[Job], network: str | None, p: dict, args: argparse.Namespace) -> list[RunBase]:
@@ -120,7 +125,7 @@ def run_jobs(jobs: list[Job], network: str | None, p: dict, args: argparse.Names
     runs = []
     with cluster.Cluster(hosts, network, cpus_per_host=not args.no_pin) if network else nullcontext() as c:
         for job in jobs:
-            nranks = job.config["num_processes"]
+            nranks = job.config["num_processes"] if job.config else 2
             print(f"[benchmarks] {f'{network} link, {c.hosts} hosts' if c else 'loopback'}, {job.what}", flush=True)
             t0, sent0 = time.time(), sum(c.link_bytes()) if c else 0
             env = {**env, **job.env}
@@ -134,7 +139,7 @@ def run_jobs(jobs: list[Job], network: str | None, p: dict, args: argparse.Names
                 run.link, run.hosts, run.ranks_per_host = (network, c.hosts, nranks // c.hosts)
                 run.link_bytes = sum(c.link_bytes()) - sent0
             runs.append(run)
-    return runs
+    return [grpo.combine(runs)] if args.grpo else runs  # GRPO: FSDP2's and DDP's launches as one run
 
 
 def echo_progress(host: int, line: str) -> None:

@@ -131,6 +131,14 @@ GRPO_WINDOW_SPEEDUP = {
 GRPO_WINDOW_GATHERS = Target("the trained model's all-gathers per optimizer step = U exactly",
     "generation's and training's all-gathers of the trained model on every timed step",
     "the window gathers each unit once, at generation's first forward, and keeps it to the optimizer step")
+GRPO_DDP_FLOOR = Target("within 1.10x of DDP's GRPO step (the data-parallel floor)",
+    "the window's step / DDP's step, the median over rounds of each round's medians (DDP: its own launch, "
+    "the round of the same index)",
+    "DDP replicates the parameters and all-reduces the gradients once per step: the same bytes as the window's U "
+    "all-gathers and U reduce-scatters; no data-parallel step does better on a model that fits", upper=1.10)
+GRPO_SHARDED_STATE = Target("memory between optimizer steps sharded: below DDP's",
+    "each rank's params, grads and optimizer state (both models) after every timed optimizer step, the max",
+    "the window gathers within a step only; between steps it keeps FSDP's 1/N shard where DDP keeps everything")
 GRPO_IDENTICAL = Target("completions, rewards and losses identical to stock at every logged step (exact)",
     "every configuration's completion digests, rewards and logged losses against stock's",
     "the sync mode changes when gradients are reduced, never what is computed")

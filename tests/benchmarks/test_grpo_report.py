@@ -60,6 +60,24 @@ def test_a_quick_run_decides_the_speedup_only_when_the_interval_is_on_one_side()
     assert speedup_status([0.9])[0] == "N/D"  # one round: no interval at all
 
 
+def test_the_window_is_judged_against_ddp_on_time_and_on_memory_between_steps():
+    def floor(window_times, window_state, ddp_state=1000):
+        rounds = list(range(len(window_times)))
+        ddp = dataclasses.replace(row("full/ddp", [1.0] * len(rounds), rounds), state_bytes=ddp_state)
+        window = dataclasses.replace(row("full/window", window_times, rounds), state_bytes=window_state)
+        checked = grpo_report.check_targets(results([ddp, window]))
+        ((time_status, measured),) = status(checked, "[loopback] full/window within 1.10x").values()
+        ((state_status, _),) = status(checked, "[loopback] full/window: memory between").values()
+        return time_status, measured, state_status
+
+    # 1.05x and 1.2x DDP's step per round: the median over rounds, 1.125x, misses the floor target.
+    assert floor([1.05, 1.2], 500)[:2] == ("FAIL", "1.12x (per round: 1.05x, 1.20x)")
+    assert floor([1.05, 1.08], 500) == ("PASS", "1.06x (per round: 1.05x, 1.08x)", "PASS")
+    assert floor([1.0], 1000)[2] == "FAIL"  # as much as DDP between steps: not sharded
+    skipped = status(grpo_report.check_targets(results([row("full/window", [1.0], [0])])), "[loopback] full/window")
+    assert {s for k, (s, _) in skipped.items() if "ddp" in k} == {"SKIP"}  # no DDP run
+
+
 def test_window_gathers_count_generation_and_training_together():
     ok = row("full/window", [1.0], [0], gen_gathers=6, train_gathers=0)
     frozen = row("lora/window", [1.0], [0], gen_gathers=22, train_gathers=11, units=7)

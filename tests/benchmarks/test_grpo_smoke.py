@@ -1,7 +1,8 @@
-"""Smoke test of the GRPO benchmark: `python -m benchmarks.run --grpo --quick` end to end (TRL's
-real GRPOTrainer, 2 gloo ranks, FSDP2, every configuration; under a minute). It checks the
-outputs, the exact collective counts and that every configuration reproduces stock's
-completions, rewards and losses; it never asserts on timings."""
+"""Smoke test of the GRPO benchmark: `python -m benchmarks.run --grpo --quick --beta 0.04` end to end
+(TRL's real GRPOTrainer with a reference model, 2 gloo ranks, FSDP2, every configuration, and DDP in
+a launch of its own; about two minutes). It checks the outputs, the exact collective counts, the
+DDP floor's lines and that every configuration reproduces stock's completions, rewards and losses;
+it never asserts on timings."""
 
 import json
 import os
@@ -26,12 +27,12 @@ def quick_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("grpo_bench")
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.run", "--grpo", "--quick", "--out", str(out)],
+        [sys.executable, "-m", "benchmarks.run", "--grpo", "--quick", "--beta", "0.04", "--out", str(out)],
         cwd=REPO,
         env=env,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=600,
     )
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     results = GrpoResults.from_dict(json.loads((out / "results.json").read_text()))
@@ -80,6 +81,25 @@ def test_the_window_gathers_each_unit_once_per_step_under_full_fine_tuning(quick
     assert stock.counts_seen["generation"]["all_gathers"][0] > 2 * U
     assert window.held_param_bytes > 0 and stock.held_param_bytes == 0
     assert "[PASS] [loopback] full/window: the trained model's all-gathers per optimizer step = U exactly" in stdout
+
+
+def test_the_reference_model_gathers_once_per_step_with_the_plugin(quick_run):
+    _, _, rows, run = quick_run
+    M = run.facts["M"]
+    # TRL's reference model: one unit, one forward per micro-batch's completions, stock re-gathers it each time.
+    assert rows["full/stock"].counts_seen["logprob"]["all_gathers"] == [M]
+    for mode in ("per_micro_batch", "deferred", "window", "auto", "deferred_gen_resident"):
+        assert rows[f"full/{mode}"].counts_seen["logprob"]["all_gathers"] == [1], mode
+
+
+def test_ddp_is_the_floor_every_configuration_is_measured_against(quick_run):
+    _, stdout, rows, _ = quick_run
+    for tuning in grpo.TUNINGS:
+        ddp, window = rows[f"{tuning}/ddp"], rows[f"{tuning}/window"]
+        assert ddp.units == 0 and ddp.counts_seen["training"]["all_gathers"] == [0]  # parameters replicated
+        assert 0 < window.state_bytes < ddp.state_bytes  # sharded between optimizer steps
+        assert f"[loopback] {tuning}/window within 1.10x of {tuning}/ddp's GRPO step" in stdout
+        assert f"[PASS] [loopback] {tuning}/window: memory between optimizer steps sharded" in stdout
 
 
 def test_every_configuration_reproduces_stock_exactly(quick_run):
