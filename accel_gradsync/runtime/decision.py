@@ -17,6 +17,7 @@ from accel_gradsync.planning.costs import (
     all_gathers_per_step,
     collectives_per_step,
     format_bytes,
+    generation_all_gathers,
     generation_all_gathers_per,
     narrower_than_reduce,
 )
@@ -130,23 +131,30 @@ def _kept_params(plan: Plan) -> str:
 
 
 def _generation_cost(plan: Plan, adapter: ModelAdapter) -> str:
-    """What generation all-gathers apart from training: once per unit per round when its units
-    are kept unsharded (`gather_for_generation`), else every resharding unit on every token, but
-    for the units a window keeps unsharded while generation runs inside it."""
+    """What generation all-gathers apart from training, as `stats()` counts it
+    (`generation_all_gathers`): its first forward gathers every unit; with its units kept
+    (`gather_for_generation`) nothing more that round, else each forward after it (each token,
+    and each forward of TRL's no-grad log-prob passes) every unit that reshards after forward. Inside
+    a window (TRL generates in its first micro-batch) the windowed units stay unsharded: the first
+    forward makes the window's all-gathers of that step, which training then does not make."""
     units = adapter.units
+    first = generation_all_gathers(units, 1, kept=False)
     if plan.generation_bytes:
         dtype = str(units[0].compute_dtype).removeprefix("torch.")
         return (
-            f"generation {generation_all_gathers_per(units, kept=True)} all-gathers per round "
-            f"(gather_for_generation: ~{format_bytes(plan.generation_bytes)} unsharded {dtype} params per rank "
-            "while generating)"
+            f"generation {first} all-gathers per round (gather_for_generation: ~{format_bytes(plan.generation_bytes)} "
+            f"unsharded {dtype} params per rank while generating)"
         )
-    line = f"generation {generation_all_gathers_per(units, kept=False)} all-gathers per token"
+    per_token = generation_all_gathers_per(units, kept=False)
+    line = f"generation {per_token} all-gathers per token after its first forward's {first}"
     if plan.windowed:
-        # TRL generates inside the window's first micro-batch, where windowed units stay unsharded.
         rest = [u for u in units if not any(u is w for w in plan.windowed)]
         inside = generation_all_gathers_per(rest, kept=False)
-        line += f" outside the window, {inside} inside it (windowed units stay unsharded)"
+        windowed = generation_all_gathers(plan.windowed, 1, kept=False)
+        line += (
+            f" outside a window; inside one (TRL generates in its first micro-batch) {inside} per token, its "
+            f"first forward making the window's {windowed} of the step (stats() counts them as generation's)"
+        )
     return line
 
 

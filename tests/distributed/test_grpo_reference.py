@@ -8,6 +8,8 @@ decision line say so, and losses, KL, completions and rewards equal stock TRL's 
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from launcher import accelerate_config, launch
 
@@ -50,3 +52,53 @@ def test_the_reference_model_gathers_once_per_step_and_changes_nothing(modes):
             assert run["rewards"] == stock["rewards"], mode
             assert [e["kl"] for e in run["logs"]] == [e["kl"] for e in stock["logs"]], mode
             assert [e["loss"] for e in run["logs"]] == pytest.approx([e["loss"] for e in stock["logs"]], rel=1e-5)
+
+
+LINE = re.compile(
+    r"generation (\d+) all-gathers per token after its first forward's (\d+)"
+    r"(?: outside a window; inside one \(TRL generates in its first micro-batch\) (\d+) per token)?"
+)
+ROUND = re.compile(r"generation (\d+) all-gathers per round \(gather_for_generation")
+T = 8  # forwards per generation round: the quick model never stops before max_completion_length
+
+
+# (worker arguments, micro-batches, whether TRL generates inside a window's held micro-batch, the
+# forwards of TRL's old-policy log-prob pass per round: one per micro-batch of the generation batch,
+# run when a round serves more than one optimizer step)
+PLACEMENTS = {
+    "inside the window": ([], M, True, 0),
+    "steps_per_generation = 2M": (["--steps-per-generation", str(2 * M)], M, True, 2 * M),
+    "num_iterations = 2": (["--num-iterations", "2"], M, True, M),
+    "outside any window (M = 1)": ([], 1, False, 0),
+}
+
+
+@pytest.mark.slow  # four launches of TRL, about a minute and a half each
+@pytest.mark.parametrize("placement", list(PLACEMENTS))
+def test_the_decision_lines_generation_figures_are_what_runs(placement):
+    """The generation figures of each mode's decision line, per round of T forwards, equal the
+    all-gathers counted from outside in TRL's `_generate`, and each forward of its no-grad log-prob
+    pass (num_iterations > 1) costs what a token does; stats() counts both as generation's."""
+    extra, m, inside, logprob_forwards = PLACEMENTS[placement]
+    modes = ["per_micro_batch", "window", "gather_for_generation"]
+    args = ["--modes", ",".join(modes), "--micro-batches", str(m), "--steps", "2", "--beta", "0", *extra]
+    (rank, *_) = launch("grpo_reference", args, CONFIG, timeout=900)
+    for mode in modes:
+        run = rank[mode]
+        line = next(d for d in run["decision"] if not d.startswith("grad sync: reference model"))
+        if (kept := ROUND.search(line)) is not None:
+            first, per_token = int(kept[1]), 0
+        else:
+            found = LINE.search(line)
+            assert found is not None, line
+            per_token, first = int(found[1]), int(found[2])
+            if found[3] is not None and inside:
+                per_token = int(found[3])
+        rounds = [s for s in run["steps"] if s["generation"]]
+        assert len(rounds) == (1 if logprob_forwards else 2), run["steps"]  # a round per step, else one
+        for step in rounds:
+            assert step["generation"] == first + (T - 1) * per_token, (mode, line, run["steps"])
+            # TRL's old-policy log-prob pass: each forward costs what a token does.
+            assert step["logprob"] == logprob_forwards * per_token, (mode, line, run["steps"])
+        counted = sum(s["generation"] + s["logprob"] for s in run["steps"])
+        assert run["stats"]["generation_all_gathers"] == counted, mode
