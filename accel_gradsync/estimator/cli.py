@@ -19,7 +19,7 @@ from accel_gradsync.config.errors import GradSyncWarning
 from accel_gradsync.config.settings import DTYPES, GradSyncConfig
 from accel_gradsync.estimator.core import estimate
 from accel_gradsync.estimator.formatting import format_json, format_table
-from accel_gradsync.estimator.inputs import OPTIMIZERS, RECIPE_DEFAULT, read_step_shape
+from accel_gradsync.estimator.inputs import OPTIMIZERS, RECIPE_DEFAULT, read_lora, read_step_shape
 
 
 @dataclass
@@ -99,6 +99,17 @@ class EstimateArguments:
             "with their KV cache, units gathered as --grad-sync-gather-for-generation says. 0: no generation."
         },
     )
+    lora_r: int = field(
+        default=0,
+        metadata={
+            "help": "A LoRA fine-tune (PEFT) of rank R: only the adapters train, so units, held gradients, optimizer "
+            "state and the step peak are those of the adapters, the frozen base sharded. 0: full fine-tuning."
+        },
+    )
+    lora_target_modules: str = field(
+        default="",
+        metadata={"help": "With --lora-r: comma-separated module names (default: PEFT's for the architecture)."},
+    )
     num_generations: int = field(
         default=0,
         metadata={"help": "For the step peak, GRPO: completions per prompt, checked against the generation batch."},
@@ -154,6 +165,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 mixed_precision=args.mixed_precision,
                 distributed_config=args.distributed_config,
                 step_shape=shape,
+                lora=read_lora(args.lora_r, args.lora_target_modules),
             )
         except ValueError as err:
             estimate_parser.error(str(err))  # exits 2 with the usage line

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from accel_gradsync.config.settings import GradSyncConfig, SyncMode, dtype_name, reduce_dtype_for
-from accel_gradsync.estimator.inputs import FSDPSetup, StepShape, load_model_config, read_launch_setup
+from accel_gradsync.estimator.inputs import FSDPSetup, LoraSpec, StepShape, load_model_config, read_launch_setup
 from accel_gradsync.estimator.meta_model import build_meta_model, estimated_adapter
 from accel_gradsync.estimator.results import Estimate, ModeEstimate
 from accel_gradsync.estimator.row_costs import (
@@ -48,6 +48,7 @@ def estimate(
     mixed_precision: str | None = None,
     distributed_config: str | os.PathLike | dict | None = None,
     step_shape: StepShape | None = None,
+    lora: LoraSpec | None = None,
 ) -> Estimate:
     """What each sync mode would cost per optimizer step, before launch, planned by the
     runtime's own policies over the units a launched run would have.
@@ -67,6 +68,7 @@ def estimate(
             load time (JSON text, a JSON/YAML file, or a dict).
         step_shape (`StepShape`, *optional*): the micro-batch and optimizer; with it every row
             also gets the whole step's peak per rank (`step_peak_bytes`, step_peak.py).
+        lora (`LoraSpec`, *optional*): a LoRA fine-tune (PEFT): only its adapters are trainable.
 
     Returns:
         `Estimate`: the model, mesh and units, and one `ModeEstimate` per mode of
@@ -81,11 +83,11 @@ def estimate(
         raise ValueError(f"micro_batches={micro_batches}: needs at least 1 micro-batch per optimizer step.")
     config = GradSyncConfig() if config is None else config
     setup = read_launch_setup(accelerate_config, distributed_config, num_processes, mixed_precision)
-    adapters = _AdaptersByReduceDtype(load_model_config(model_spec), model_dtype, setup, config)
+    adapters = _AdaptersByReduceDtype(load_model_config(model_spec), model_dtype, setup, config, lora)
     result = _describe_launch(model_spec, setup, config, adapters.for_mode(config.mode), micro_batches)
     sim = None
     if step_shape is not None:
-        sim = StepForecaster(adapters.model_config, model_dtype, setup, config, step_shape, micro_batches)
+        sim = StepForecaster(adapters.model_config, model_dtype, setup, config, step_shape, micro_batches, lora)
         result.step_shape = dataclasses.asdict(step_shape)
     result.modes = [_estimate_row(name, policy, config, adapters, setup, micro_batches, sim) for name, policy in _ROWS]
     return result
@@ -97,8 +99,16 @@ class _AdaptersByReduceDtype:
     writes it per mode. Nothing reaches a model transformers shards, and without mixed precision
     there is nothing to widen: one adapter serves every row."""
 
-    def __init__(self, model_config: Any, model_dtype: torch.dtype, setup: FSDPSetup, config: GradSyncConfig):
+    def __init__(
+        self,
+        model_config: Any,
+        model_dtype: torch.dtype,
+        setup: FSDPSetup,
+        config: GradSyncConfig,
+        lora: LoraSpec | None = None,
+    ):
         self.model_config, self.model_dtype, self.setup, self.config = model_config, model_dtype, setup, config
+        self.lora = lora
         self.chosen = config.resolved().reduce_dtype
         self.same = bool(setup.distributed_config) or setup.mixed_precision == "no"
         self.adapters: dict[str, ModelAdapter] = {}
@@ -106,7 +116,7 @@ class _AdaptersByReduceDtype:
     def for_mode(self, mode: str) -> ModelAdapter:
         dtype = self.chosen if self.same else reduce_dtype_for(mode, self.chosen)
         if dtype not in self.adapters:
-            model = build_meta_model(self.model_config, self.model_dtype)
+            model = build_meta_model(self.model_config, self.model_dtype, self.lora)
             self.adapters[dtype] = estimated_adapter(model, self.setup, self.config, mode)
         return self.adapters[dtype]
 

@@ -213,6 +213,29 @@ class StepShape:
         return self.micro_batch_size * micro_batches
 
 
+@dataclass(frozen=True)
+class LoraSpec:
+    """A LoRA fine-tune of the model (PEFT `LoraConfig`): only the adapters train, the base is frozen."""
+
+    r: int
+    target_modules: tuple[str, ...] | None = None
+    """None: PEFT's default modules for the architecture (q_proj and v_proj for Llama and Qwen2)."""
+
+    def __post_init__(self) -> None:
+        if self.r < 1:
+            raise ValueError(f"--lora-r={self.r}: the LoRA rank must be at least 1 (or leave --lora-r out).")
+
+
+def read_lora(r: int, target_modules: str = "") -> LoraSpec | None:
+    """The CLI's `--lora-r` / `--lora-target-modules` (comma-separated), or None for full fine-tuning."""
+    if not r:
+        if target_modules:
+            raise ValueError(f"--lora-target-modules={target_modules!r} is read with --lora-r; pass a rank too.")
+        return None
+    names = tuple(n.strip() for n in target_modules.split(",") if n.strip())
+    return LoraSpec(r, names or None)
+
+
 def read_step_shape(
     micro_batch_size: int | None,
     seq_len: int | None,

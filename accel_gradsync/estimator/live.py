@@ -5,8 +5,9 @@ nothing, in the run's dtypes and reduce dtype). It runs in a fake process group,
 share a process with the run's real one, so the main process runs it in a child
 (`python -m accel_gradsync.estimator.live SPEC.json`) from the model's config and the launch as
 the Accelerator holds it, and broadcasts the answer: every rank plans from the same number. A
-model the forecast cannot build from its config, or a launch it does not run, gets a `Forecast`
-without a peak that says why, and `auto` measures step 1 as it does without a forecast.
+LoRA model is built with its adapters. A model the forecast cannot build from its config, or a
+launch it does not run, gets a `Forecast` without a peak that says why, and `auto` measures step 1
+as it does without a forecast.
 """
 
 from __future__ import annotations
@@ -87,8 +88,9 @@ class LiveForecaster:
         if sharded_by_transformers(model):
             return None, "transformers sharded this model at load time; the forecast shards as accelerate does"
         inner = self.accelerator.unwrap_model(model)
-        if hasattr(inner, "peft_config"):
-            return None, "a PEFT model: the forecast builds the model from its config, without adapters"
+        lora, why = _lora_of(inner)
+        if why:
+            return None, why
         model_config = getattr(inner, "config", None)
         if model_config is None or not hasattr(model_config, "save_pretrained"):
             return None, f"{type(inner).__name__} has no transformers config to build it from"
@@ -107,7 +109,7 @@ class LiveForecaster:
             "micro_batch_size": self.settings.forecast_micro_batch_size,
             "seq_len": self.settings.forecast_seq_len,
             "optimizer": optimizer,
-            "gradient_checkpointing": bool(getattr(inner, "is_gradient_checkpointing", False)),
+            "gradient_checkpointing": _checkpointing(inner),
         }
         spec = {
             "model_config": model_config,
@@ -124,6 +126,7 @@ class LiveForecaster:
                     "fsdp_reshard_after_forward": str(plugin.reshard_after_forward).lower(),
                 },
             },
+            "lora": lora,
             "settings": settings,
             "shape": shape,
             "micro_batches": micro_batches,
@@ -139,6 +142,32 @@ class LiveForecaster:
         if isinstance(optimizers[0], (torch.optim.AdamW, torch.optim.Adam)):
             return "adamw"
         return "sgd" if isinstance(optimizers[0], torch.optim.SGD) else None
+
+
+def _lora_of(model: Any) -> tuple[dict | None, str]:
+    """A PEFT model's LoRA rank and modules (None: not a PEFT model), or why it cannot be forecast."""
+    configs = getattr(model, "peft_config", None)
+    if not configs:
+        return None, ""
+    if len(configs) != 1:
+        return None, f"a PEFT model with {len(configs)} adapters; the forecast builds one LoRA adapter"
+    (peft_config,) = configs.values()
+    if type(peft_config).__name__ != "LoraConfig":
+        return None, f"a PEFT {type(peft_config).__name__} model; the forecast builds LoRA adapters only"
+    targets = peft_config.target_modules
+    if isinstance(targets, str):  # PEFT's regular-expression form: not a list of module names
+        return None, f"LoRA target_modules given as the pattern {targets!r}; the forecast takes module names"
+    return {"r": int(peft_config.r), "target_modules": sorted(targets) if targets else None}, ""
+
+
+def _checkpointing(model: Any) -> bool:
+    """Whether activation checkpointing is on (transformers 5's name, then the older one), read on
+    the transformers model (under PEFT, its base model)."""
+    model = model.get_base_model() if hasattr(model, "get_base_model") else model
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+        if hasattr(type(model), name) or name in getattr(model, "__dict__", {}):
+            return bool(getattr(model, name))
+    return False
 
 
 def _wrap_policy_name(policy: Any) -> str:
@@ -162,7 +191,7 @@ def _child_environment() -> dict[str, str]:
 def forecast_unheld_step(spec: dict) -> dict:
     """The child's answer: the forecast of a step syncing every micro-batch under `spec`'s launch,
     with `auto`'s reduce dtype."""
-    from accel_gradsync.estimator.inputs import StepShape, load_model_config, read_accelerate_config
+    from accel_gradsync.estimator.inputs import LoraSpec, StepShape, load_model_config, read_accelerate_config
     from accel_gradsync.estimator.meta_model import build_meta_model, estimated_adapter
     from accel_gradsync.estimator.step_peak import StepForecaster
 
@@ -170,10 +199,16 @@ def forecast_unheld_step(spec: dict) -> dict:
     setup = read_accelerate_config(spec["accelerate_config"])
     config = GradSyncConfig(**spec["settings"])
     dtype, shape = DTYPES[spec["model_dtype"]], StepShape(**spec["shape"])
-    sim = StepForecaster(model_config, dtype, setup, config, shape, spec["micro_batches"])
-    adapter = estimated_adapter(build_meta_model(model_config, dtype), setup, config, SyncMode.AUTO)
+    lora = (
+        None
+        if spec["lora"] is None
+        else LoraSpec(spec["lora"]["r"], tuple(spec["lora"]["target_modules"] or ()) or None)
+    )
+    sim = StepForecaster(model_config, dtype, setup, config, shape, spec["micro_batches"], lora)
+    adapter = estimated_adapter(build_meta_model(model_config, dtype, lora), setup, config, SyncMode.AUTO)
     peak = sim.row(Plan(SyncMode.PER_MICRO_BATCH), adapter, SyncMode.AUTO)
     checkpointing = ", gradient checkpointing" if shape.gradient_checkpointing else ""
+    checkpointing += f", LoRA r={lora.r}" if lora else ""
     described = (
         f"{shape.micro_batch_size}x{shape.seq_len} tokens per micro-batch, {shape.optimizer}{checkpointing}: "
         f"peak at {peak.phase.replace('_', ' ')}"

@@ -17,20 +17,36 @@ from torch import nn
 
 from accel_gradsync.config.settings import GradSyncConfig
 from accel_gradsync.estimator.fake_shard import fake_world, shard_like_accelerate, shard_like_transformers
-from accel_gradsync.estimator.inputs import FSDPSetup
+from accel_gradsync.estimator.inputs import FSDPSetup, LoraSpec
 from accel_gradsync.planning.costs import reduce_dtype_policy
 from accel_gradsync.runtime.fsdp import ModelAdapter, adapt_model
 
 
-def build_meta_model(config: Any, dtype: torch.dtype = torch.float32) -> nn.Module:
-    """The model of `config` with every parameter on the meta device: shapes, no storage."""
+def build_meta_model(config: Any, dtype: torch.dtype = torch.float32, lora: LoraSpec | None = None) -> nn.Module:
+    """The model of `config` with every parameter on the meta device: shapes, no storage; with
+    `lora`, wrapped by PEFT as a LoRA fine-tune would be (base frozen, adapters trainable)."""
     from transformers import AutoModel, AutoModelForCausalLM
 
     with torch.device("meta"):
         try:
-            return AutoModelForCausalLM.from_config(config, dtype=dtype)
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
         except ValueError:  # not a causal LM (encoders, vision towers): the bare model
-            return AutoModel.from_config(config, dtype=dtype)
+            model = AutoModel.from_config(config, dtype=dtype)
+    if lora is None:
+        return model
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError:
+        raise ValueError(
+            "--lora-r: the LoRA model is built with PEFT; pip install peft, or leave --lora-r out."
+        ) from None
+    targets = list(lora.target_modules) if lora.target_modules else None
+    try:
+        with torch.device("meta"):
+            return get_peft_model(model, LoraConfig(r=lora.r, target_modules=targets, task_type="CAUSAL_LM"))
+    except ValueError as err:  # no default modules for the architecture, or a name it does not have
+        first = str(err).strip().splitlines()[0]
+        raise ValueError(f"--lora-target-modules: PEFT cannot apply LoRA to {config.model_type}: {first}") from None
 
 
 def estimated_adapter(

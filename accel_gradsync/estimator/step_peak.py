@@ -27,7 +27,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from accel_gradsync.config.settings import GradSyncConfig, SyncMode, reduce_dtype_for
 from accel_gradsync.estimator.fake_shard import fake_world, shard_like_accelerate
-from accel_gradsync.estimator.inputs import FSDPSetup, StepShape
+from accel_gradsync.estimator.inputs import FSDPSetup, LoraSpec, StepShape
 from accel_gradsync.estimator.meta_model import build_accelerate_plugin, build_meta_model
 from accel_gradsync.estimator.row_costs import count_sharded_grad_bytes
 from accel_gradsync.planning.units import GRADIENT_SYNC, Plan
@@ -114,6 +114,7 @@ class StepForecaster:
         config: GradSyncConfig,
         shape: StepShape,
         micro_batches: int,
+        lora: LoraSpec | None = None,
     ) -> None:
         if setup.fsdp_version != 2 or setup.distributed_config:
             raise ValueError(
@@ -135,7 +136,7 @@ class StepForecaster:
                     f"micro-batches x processes = {total}) to be a multiple of it; pass a divisor of {total}."
                 )
         self.model_config, self.model_dtype, self.setup, self.config = model_config, model_dtype, setup, config
-        self.shape, self.micro_batches = shape, micro_batches
+        self.shape, self.micro_batches, self.lora = shape, micro_batches, lora
         self.layers = count_layers(model_config)
         self.simulated: dict[Schedule, SimulatedStep] = {}
         self.generations: dict[bool, int] = {}
@@ -268,7 +269,7 @@ class StepForecaster:
 
         setup = self.setup
         with fake_world(setup.num_processes):
-            model = build_meta_model(model_config, self.model_dtype)
+            model = build_meta_model(model_config, self.model_dtype, self.lora)
             head = getattr(model, "get_output_embeddings", None)
             if head is None or head() is None:
                 raise ValueError(
@@ -313,6 +314,7 @@ class StepForecaster:
                 for _ in range(shape.max_completion_length - 1):
                     token = torch.softmax(out.logits[:, -1, :].float(), dim=-1).argmax(-1, keepdim=True)
                     del out
+                    tracker.reset_mod_stats()  # the root's next forward (a PEFT root refuses it); the peak is kept
                     out = model(input_ids=token, cache=cache, use_cache=True)
                     cache = out.cache
                 del out, cache
@@ -339,6 +341,7 @@ class StepForecaster:
                 for module in windowed:
                     module.set_reshard_after_forward(False, False)
                     module.set_reshard_after_backward(last, recurse=False)
+                tracker.reset_mod_stats()  # per-module stats refuse a second iteration; the peak is kept
                 with tracker:  # entering again starts the peak from what is live now
                     ids = torch.randint(0, model_config.vocab_size, (shape.micro_batch_size, shape.seq_len))
                     model(input_ids=ids, labels=ids, use_cache=False).loss.backward()

@@ -18,7 +18,7 @@ from launcher import launch
 
 from accel_gradsync import GradSyncConfig
 from accel_gradsync.estimator.core import estimate
-from accel_gradsync.estimator.inputs import StepShape, load_model_config, read_accelerate_config
+from accel_gradsync.estimator.inputs import LoraSpec, StepShape, load_model_config, read_accelerate_config
 from accel_gradsync.estimator.step_peak import StepForecaster
 
 M, MBS, SEQ = 2, 2, 64
@@ -38,7 +38,7 @@ LLAMA = dict(
     tie_word_embeddings=False,
 )
 MODELS = ["recipe-default", LLAMA]
-PARTIAL = {"recipe-default": "budget@300KiB", "llama-4L": "budget@3MiB"}
+PARTIAL = {"recipe-default": "budget@300KiB", "llama-4L": "budget@3MiB", "recipe-default-lora": "budget@8KiB"}
 """A budget that holds some units and not others. recipe: 2 of 3 units windowed, simulated as
 it is; llama: the embedding windowed, layer 0 deferred, layers 1-3 and the root per micro-batch,
 which cannot run with fewer layers, so its row is per_micro_batch's step plus the held bytes."""
@@ -62,14 +62,25 @@ def _row(est, mode: str):
     return next(m for m in est.modes if m.mode == mode or m.mode.startswith(mode + " "))
 
 
-# The default suite: the recipe's model without checkpointing; --slow: both models, checkpointing off and on.
+LORA_R = 8
+"""The LoRA runs: the recipe's model with rank-8 adapters on PEFT's default modules (q_proj, v_proj)."""
+
+# The default suite: the recipe's model without checkpointing; --slow: both models, checkpointing off
+# and on, and the recipe's model as a LoRA fine-tune.
 PARAMS = [
     pytest.param(
-        (spec, gc),
+        (spec, gc, 0),
         id=f"{_name(spec)}-{'checkpointing' if gc else 'no-checkpointing'}",
         marks=() if (i, gc) == (0, False) else pytest.mark.slow,
     )
     for i, spec in enumerate(MODELS)
+    for gc in (False, True)
+] + [
+    pytest.param(
+        ("recipe-default", gc, LORA_R),
+        id=f"recipe-default-lora-{'checkpointing' if gc else 'no-checkpointing'}",
+        marks=pytest.mark.slow,
+    )
     for gc in (False, True)
 ]
 
@@ -78,22 +89,31 @@ PARAMS = [
 def compared(request):
     """(model, mode, checkpointing, forecast, measured max over ranks, forecast phase) per mode.
     One launch per model: accelerate's plugin keeps the first model's layer class to wrap."""
-    spec, checkpointing = request.param
-    args = ["--models", json.dumps([spec]), "--modes", ",".join([*MODES, PARTIAL[_name(spec)]]), "--M", str(M)]
+    spec, checkpointing, lora_r = request.param
+    name = _name(spec) + ("-lora" if lora_r else "")
+    args = ["--models", json.dumps([spec]), "--modes", ",".join([*MODES, PARTIAL[name]]), "--M", str(M)]
     args += ["--mbs", str(MBS), "--seq", str(SEQ), "--memory-budget", BUDGET, "--free-memory", FREE]
-    args += ["--checkpointing"] if checkpointing else ["--generate", str(GENERATED)]
+    # GRPO's generation (TRL turns checkpointing off for it), measured on the full model: a PEFT model's
+    # generate() calls the base model past the FSDP root, which MemTracker cannot follow.
+    generation = not checkpointing and not lora_r
+    args += ["--checkpointing"] if checkpointing else []
+    args += ["--generate", str(GENERATED)] if generation else []
+    args += ["--lora-r", str(lora_r)] if lora_r else []
+    lora = LoraSpec(lora_r) if lora_r else None
     ranks = launch("step_peak", args, CONFIG)
     shape = StepShape(MBS, SEQ, "adamw", checkpointing)
-    est = estimate(spec, CONFIG, M, GradSyncConfig(memory_budget=BUDGET, free_memory=FREE), step_shape=shape)
-    partial = PARTIAL[_name(spec)]
-    partial_est = estimate(spec, CONFIG, M, GradSyncConfig(memory_budget=partial.partition("@")[2]), step_shape=shape)
+    config = GradSyncConfig(memory_budget=BUDGET, free_memory=FREE)
+    est = estimate(spec, CONFIG, M, config, step_shape=shape, lora=lora)
+    partial = PARTIAL[name]
+    partial_config = GradSyncConfig(memory_budget=partial.partition("@")[2])
+    partial_est = estimate(spec, CONFIG, M, partial_config, step_shape=shape, lora=lora)
     rows = []
     for mode in [*MODES, partial]:
         peaks = [res["peak_bytes"] for rank in ranks for res in rank["results"] if res["mode"] == mode]
         assert len(peaks) == 2, mode
         row = _row(partial_est, "budget") if mode == partial else _row(est, mode)
-        rows.append((_name(spec), mode, checkpointing, row.step_peak_bytes, max(peaks), row.step_peak_phase))
-    if not checkpointing:  # GRPO's generation (TRL turns checkpointing off for it): the same in every mode
+        rows.append((name, mode, checkpointing, row.step_peak_bytes, max(peaks), row.step_peak_phase))
+    if generation:  # the same in every mode
         measured = max(res["generation_peak_bytes"] for rank in ranks for res in rank["results"])
         forecaster = StepForecaster(
             load_model_config(spec),
@@ -102,8 +122,9 @@ def compared(request):
             GradSyncConfig(),
             StepShape(MBS, SEQ, max_completion_length=GENERATED),
             M,
+            lora,
         )
-        rows.append((_name(spec), "generation", False, forecaster.simulate_generation(False), measured, "generation"))
+        rows.append((name, "generation", False, forecaster.simulate_generation(False), measured, "generation"))
     return rows
 
 

@@ -3,7 +3,7 @@ one optimizer step of M micro-batches (AdamW, micro-batches of --mbs x --seq tok
 warm-up step, under the launched accelerate config (FSDP2), with gradient checkpointing as asked;
 reports the peak live tensor bytes of this rank over the measured step, read by torch's
 `MemTracker` wrapped around the real step (the params and optimizer state it finds already alive
-are registered with `track_external`)."""
+are registered with `track_external`; a LoRA model is measured with `FSDPMemTracker`, see `new_tracker`)."""
 
 import json
 
@@ -11,6 +11,8 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 from common import parse_args, write_result
+from peft import LoraConfig, get_peft_model
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed._tools.mem_tracker import MemTracker
 from transformers import AutoModelForCausalLM, LogitsProcessorList
 
@@ -30,11 +32,23 @@ args = parse_args(
         (("--checkpointing",), {"action": "store_true"}),
         # GRPO's generation after the measured step: M x mbs sequences, the last L of --seq tokens generated.
         (("--generate",), {"type": int, "default": 0}),
+        (("--lora-r",), {"type": int, "default": 0}),  # a LoRA fine-tune of this rank (PEFT's default modules)
     ]
 )
 assert not (args.generate and args.checkpointing), "TRL generates with gradient checkpointing off"
 accel_gradsync.enable_cpu_fsdp()
 accelerator = Accelerator(gradient_accumulation_steps=args.M)
+
+
+def new_tracker(model, optimizer):
+    """torch's MemTracker, with the params and optimizer state it finds alive registered; for a LoRA
+    model FSDPMemTracker, since MemTracker hooks the gradient of every param and torch refuses a
+    hook on a frozen one."""
+    if args.lora_r:
+        return FSDPMemTracker(model, optimizer.optimizer)  # the torch optimizer accelerate wraps
+    tracker = MemTracker()
+    tracker.track_external(model, optimizer)
+    return tracker
 
 
 def micro_batch(model, vocab: int, k: int) -> None:
@@ -57,10 +71,12 @@ for spec in json.loads(args.models):
         )
         handle = accel_gradsync.attach(accelerator, config)
         model = AutoModelForCausalLM.from_config(model_config)
+        if args.lora_r:
+            model = get_peft_model(model, LoraConfig(r=args.lora_r, task_type="CAUSAL_LM"))
         if args.checkpointing:
             enable_checkpointing(model)  # non-reentrant, every decoder layer, as the forecast's
         model.train()
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
         model, optimizer = accelerator.prepare(model, optimizer)
         vocab = model_config.vocab_size
         for k in range(args.M):  # warm-up: creates the optimizer state; auto measures it and plans
@@ -68,8 +84,7 @@ for spec in json.loads(args.models):
                 micro_batch(model, vocab, k)
                 optimizer.step()
                 optimizer.zero_grad()
-        tracker = MemTracker()
-        tracker.track_external(model, optimizer)
+        tracker = new_tracker(model, optimizer)
         with tracker:
             for k in range(args.M, 2 * args.M):
                 tracker.reset_mod_stats()  # per-module stats refuse a second call; the peak is kept
@@ -81,8 +96,7 @@ for spec in json.loads(args.models):
         generation_peak = None
         if args.generate:
             prompt = torch.randint(0, vocab, (args.M * args.mbs, args.seq - args.generate))
-            tracker = MemTracker()
-            tracker.track_external(model, optimizer)
+            tracker = new_tracker(model, optimizer)
 
             def next_token(input_ids, scores, tracker=tracker):  # MemTracker refuses a module's 2nd forward
                 tracker.reset_mod_stats()  # unless its stats are reset; the peak is kept

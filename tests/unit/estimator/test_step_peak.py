@@ -11,7 +11,7 @@ import torch
 from accel_gradsync import GradSyncConfig
 from accel_gradsync.estimator.cli import main
 from accel_gradsync.estimator.core import estimate
-from accel_gradsync.estimator.inputs import StepShape, load_model_config, read_accelerate_config
+from accel_gradsync.estimator.inputs import LoraSpec, StepShape, load_model_config, read_accelerate_config
 from accel_gradsync.estimator.meta_model import build_meta_model, estimated_adapter
 from accel_gradsync.estimator.step_peak import Schedule, StepForecaster
 from accel_gradsync.planning.units import Plan
@@ -204,3 +204,37 @@ def test_generation_phase_holds_the_kv_cache_of_the_generation_batch(fsdp):
     )
     peak = short.row(Plan("per_micro_batch"), adapter, "per_micro_batch")
     assert peak.parts["generation_peak"] == short.simulate_generation(False) and not peak.unmodeled
+
+
+def test_a_lora_fine_tune_trains_and_holds_only_its_adapters(fsdp, recipe_rows):
+    lora = estimate(
+        "recipe-default", fsdp(), 4, GradSyncConfig(memory_budget="1GiB"), step_shape=SHAPE, lora=LoraSpec(8)
+    )
+    full = recipe_rows["per_micro_batch"]
+    adapters = 2 * (8 * 64 + 64 * 8 + 8 * 64 + 32 * 8)  # per layer q_proj (64 -> 64) and v_proj (64 -> 32), rank 8
+    assert lora.params == adapters and full.sharded_bytes > 10 * 4 * lora.params / 2
+    row, full_row = lora.mode("deferred"), recipe_rows["deferred"]
+    assert row.held_bytes == 4 * lora.params  # fp32 gradients of the adapters only
+    # AdamW's two fp32 moments of this rank's half of the adapters; the frozen base has none.
+    assert row.step_peak_parts["optimizer_state"] <= 4 * lora.params + 1024
+    # The frozen base stays sharded as in full fine-tuning; the adapters add their own half per rank.
+    assert row.step_peak_parts["sharded_params"] == full_row.step_peak_parts["sharded_params"] + 4 * lora.params // 2
+    assert row.step_peak_bytes < full_row.step_peak_bytes
+
+
+@pytest.mark.parametrize(
+    ("args", "names"),
+    [
+        (["--lora-target-modules", "q_proj"], "--lora-target-modules='q_proj'"),
+        (["--lora-r", "0"], None),
+        (["--lora-r", "-2"], "--lora-r=-2"),
+        (["--lora-r", "4", "--lora-target-modules", "no_such_proj"], "--lora-target-modules"),
+    ],
+)
+def test_bad_lora_flags_get_one_line(cli_error, good, capsys, clean_env, args, names):
+    if names is None:  # rank 0 is full fine-tuning: no error
+        main(["estimate", "--accelerate-config", good, "--micro-batches", "2", *args])
+        assert "trainable params" in capsys.readouterr().out
+        return
+    line = cli_error(capsys, "--accelerate-config", good, *args)
+    assert names in line, line
