@@ -24,7 +24,7 @@ from accel_gradsync.estimator.row_costs import (
     count_sharded_grad_bytes,
 )
 from accel_gradsync.estimator.step_peak import StepForecaster
-from accel_gradsync.planning.costs import all_gathers_per_step, collectives_per_step, generation_all_gathers_per
+from accel_gradsync.planning.costs import all_gathers_per_step, collectives_per_step, generation_cost
 from accel_gradsync.planning.policies import POLICIES, DeferredSync, SyncPolicy
 from accel_gradsync.planning.units import ALL_REDUCE, Plan
 from accel_gradsync.runtime.fsdp import ModelAdapter
@@ -181,9 +181,12 @@ def _count_row(mode: str, plan: Plan, adapter: ModelAdapter, setup: FSDPSetup, m
     """Row `mode`'s counts and bytes per optimizer step for `plan`."""
     rs, ar = collectives_per_step(plan, adapter.units, adapter.hsdp, micro_batches)
     all_gathers, all_gather_bytes = all_gathers_per_step(plan, adapter, micro_batches)
-    generation_all_gathers = generation_all_gathers_per(adapter.units, kept=bool(plan.generation_bytes))
+    generation = generation_cost(plan, adapter.units)
+    generation_all_gathers = generation.first if generation.kept else generation.per_token
+    first, in_window = generation.first, generation.per_token_in_window
     if setup.num_processes == 1:  # FSDP2 issues no collective over one rank, FSDP1 sends nothing
-        rs = ar = all_gathers = generation_all_gathers = 0
+        rs = ar = all_gathers = generation_all_gathers = first = 0
+        in_window = None
     held_dtype = dtype_name(plan.held[0].held_dtype) if plan.held else ""
     return ModeEstimate(
         mode=mode,
@@ -202,6 +205,8 @@ def _count_row(mode: str, plan: Plan, adapter: ModelAdapter, setup: FSDPSetup, m
         all_gather_bytes=all_gather_bytes,
         generation_bytes=plan.generation_bytes,
         generation_all_gathers=generation_all_gathers,
+        generation_first_all_gathers=first,
+        generation_all_gathers_in_window=in_window,
     )
 
 

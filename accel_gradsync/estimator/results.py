@@ -38,6 +38,11 @@ class ModeEstimate:
     """Unsharded parameter bytes per rank held while generating (`gather_for_generation`; 0 when off)."""
     generation_all_gathers: int = 0
     """All-gathers of generation: per token, or per round with `gather_for_generation`."""
+    generation_first_all_gathers: int = 0
+    """All-gathers of generation's first forward (every unit; the decision line's "first forward's")."""
+    generation_all_gathers_in_window: int | None = None
+    """Per token when TRL generates inside the window (windowed units stay unsharded); None without
+    windowed units or with `gather_for_generation`."""
     fits: bool | None = None
     """max(peak_bytes, generation_bytes + held gradients) <= free memory x (1 - memory_margin); None
     without --grad-sync-free-memory."""

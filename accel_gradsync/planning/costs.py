@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -137,6 +138,42 @@ def generation_all_gathers_per(units: Sequence[Unit], kept: bool) -> int:
     if kept:
         return generation_all_gathers(units, 1, kept=True)
     return generation_all_gathers(units, 2, kept=False) - generation_all_gathers(units, 1, kept=False)
+
+
+@dataclass(frozen=True)
+class GenerationCost:
+    """What generation all-gathers apart from training under a plan, as `stats()` counts it
+    (`generation_all_gathers`): its first forward gathers every unit; with its units kept
+    (`gather_for_generation`, `kept`) nothing more that round, else each forward after it (each
+    token, and each forward of TRL's no-grad log-prob passes) every unit that reshards after
+    forward. Inside a window (TRL generates in a held micro-batch) the windowed units stay
+    unsharded: the first forward makes the window's all-gathers of that step (`windowed_first`),
+    which training then does not make, and each token gathers only the other units."""
+
+    first: int
+    per_token: int
+    kept: bool
+    per_token_in_window: int | None = None
+    """None without windowed units."""
+    windowed_first: int = 0
+
+
+def generation_cost(plan: Plan, units: Sequence[Unit]) -> GenerationCost:
+    """The `GenerationCost` of `plan` over `units` (the decision line and the estimate read it)."""
+    first = generation_all_gathers(units, 1, kept=False)
+    if plan.generation_bytes:
+        return GenerationCost(first, 0, kept=True)
+    per_token = generation_all_gathers_per(units, kept=False)
+    if not plan.windowed:
+        return GenerationCost(first, per_token, kept=False)
+    rest = [u for u in units if not any(u is w for w in plan.windowed)]
+    return GenerationCost(
+        first,
+        per_token,
+        kept=False,
+        per_token_in_window=generation_all_gathers_per(rest, kept=False),
+        windowed_first=generation_all_gathers(plan.windowed, 1, kept=False),
+    )
 
 
 def all_gathers_per_step(plan: Plan, adapter: Any, micro_batches: int) -> tuple[int, int]:

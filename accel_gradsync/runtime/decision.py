@@ -17,8 +17,8 @@ from accel_gradsync.planning.costs import (
     all_gathers_per_step,
     collectives_per_step,
     format_bytes,
-    generation_all_gathers,
     generation_all_gathers_per,
+    generation_cost,
     narrower_than_reduce,
 )
 from accel_gradsync.planning.units import ALL_REDUCE, GRADIENT_SYNC, Level, Plan
@@ -131,29 +131,21 @@ def _kept_params(plan: Plan) -> str:
 
 
 def _generation_cost(plan: Plan, adapter: ModelAdapter) -> str:
-    """What generation all-gathers apart from training, as `stats()` counts it
-    (`generation_all_gathers`): its first forward gathers every unit; with its units kept
-    (`gather_for_generation`) nothing more that round, else each forward after it (each token,
-    and each forward of TRL's no-grad log-prob passes) every unit that reshards after forward. Inside
-    a window (TRL generates in its first micro-batch) the windowed units stay unsharded: the first
-    forward makes the window's all-gathers of that step, which training then does not make."""
-    units = adapter.units
-    first = generation_all_gathers(units, 1, kept=False)
-    if plan.generation_bytes:
-        dtype = str(units[0].compute_dtype).removeprefix("torch.")
+    """What generation all-gathers apart from training (`costs.generation_cost`), in words."""
+    cost = generation_cost(plan, adapter.units)
+    if cost.kept:
+        dtype = str(adapter.units[0].compute_dtype).removeprefix("torch.")
+        kept = format_bytes(plan.generation_bytes)
         return (
-            f"generation {first} all-gathers per round (gather_for_generation: ~{format_bytes(plan.generation_bytes)} "
+            f"generation {cost.first} all-gathers per round (gather_for_generation: ~{kept} "
             f"unsharded {dtype} params per rank while generating)"
         )
-    per_token = generation_all_gathers_per(units, kept=False)
-    line = f"generation {per_token} all-gathers per token after its first forward's {first}"
-    if plan.windowed:
-        rest = [u for u in units if not any(u is w for w in plan.windowed)]
-        inside = generation_all_gathers_per(rest, kept=False)
-        windowed = generation_all_gathers(plan.windowed, 1, kept=False)
+    line = f"generation {cost.per_token} all-gathers per token after its first forward's {cost.first}"
+    if cost.per_token_in_window is not None:
         line += (
-            f" outside a window; inside one (TRL generates in its first micro-batch) {inside} per token, its "
-            f"first forward making the window's {windowed} of the step (stats() counts them as generation's)"
+            f" outside a window; inside one (TRL generates in its first micro-batch) {cost.per_token_in_window} per "
+            f"token, its first forward making the window's {cost.windowed_first} of the step (stats() counts them as "
+            "generation's)"
         )
     return line
 

@@ -15,6 +15,7 @@ from accel_gradsync.planning.costs import (
     all_gathers_per_step,
     collectives_per_step,
     generation_all_gathers_per,
+    generation_cost,
     unit_all_gathers,
 )
 from accel_gradsync.planning.policies import BudgetSync, DeferredSync, PerMicroBatchSync, choose_levels
@@ -100,3 +101,52 @@ def test_gather_for_generation_bytes_enter_budget_and_the_decision_line():
     assert off.generation_bytes == 0
     per_token = generation_all_gathers_per(adapter.units, kept=False)
     assert per_token == 2 and f"generation {per_token} all-gathers per token" in describe_decision(off, adapter, M)
+
+
+def test_the_estimate_and_the_decision_line_read_one_generation_cost(fsdp_rows):
+    """The estimate's generation columns and the decision line come from `costs.generation_cost`:
+    per token and the first forward's outside a window; inside one, the other units per token; one
+    round with gather_for_generation."""
+    adapter = fsdp_rows.pop("adapter")
+    for name, row in fsdp_rows.items():
+        plan = row["plan"]
+        cost = generation_cost(plan, adapter.units)
+        est = row["estimate"]
+        assert est.generation_first_all_gathers == cost.first
+        assert est.generation_all_gathers == (cost.first if cost.kept else cost.per_token)
+        assert est.generation_all_gathers_in_window == cost.per_token_in_window
+        line = describe_decision(plan, adapter, M)
+        if cost.kept:
+            assert f"generation {cost.first} all-gathers per round" in line, (name, line)
+        else:
+            assert f"generation {cost.per_token} all-gathers per token after its first forward's {cost.first}" in line
+        if cost.per_token_in_window is not None:
+            assert f"inside one (TRL generates in its first micro-batch) {cost.per_token_in_window} per" in line
+    assert fsdp_rows["deferred+window"]["estimate"].generation_all_gathers_in_window is not None
+    assert fsdp_rows["gather"]["estimate"].generation_all_gathers_in_window is None
+
+
+@pytest.fixture
+def fsdp_rows():
+    """Each row's plan (over the recipe's model, nothing frozen) and the estimate's row of the same mode."""
+    from accel_gradsync.estimator.core import estimate
+
+    adapter = estimated_adapter(
+        build_meta_model(load_model_config("recipe-default")), read_accelerate_config(ACCELERATE), GradSyncConfig()
+    )
+    window = GradSyncConfig(sync_mode="deferred", keep_params_unsharded=True)
+    rows = {
+        "per_micro_batch": (PerMicroBatchSync(GradSyncConfig()), GradSyncConfig(), "per_micro_batch"),
+        "deferred+window": (DeferredSync(window), window, "deferred+window"),
+        "gather": (
+            PerMicroBatchSync(GradSyncConfig(gather_for_generation=True)),
+            GradSyncConfig(gather_for_generation=True),
+            "per_micro_batch",
+        ),
+    }
+    out: dict = {"adapter": adapter}
+    for name, (policy, config, mode) in rows.items():
+        plan = policy.plan(adapter, lambda: 0, M)
+        est = estimate("recipe-default", ACCELERATE, M, config)
+        out[name] = {"plan": plan, "estimate": est.mode(mode)}
+    return out
