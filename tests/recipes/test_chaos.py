@@ -9,7 +9,7 @@ import random
 
 import torch
 
-from recipes.chaos import WHERE, compare_checkpoints, draw_faults, plan_attempts
+from recipes.chaos import WHERE, compare_checkpoints, draw_faults, plan_attempts, unplanned_restarts
 
 
 def test_each_kill_is_a_restart_of_its_launch_and_each_preemption_ends_one():
@@ -41,3 +41,12 @@ def test_the_comparison_sees_one_bit_of_an_optimizer_state(tmp_path):
     torch.save(state, tmp_path / "c" / "optimizer.bin")
     assert compare_checkpoints(tmp_path / "a", tmp_path / "c") == ["optimizer.bin/state/0/exp_avg"]
     assert compare_checkpoints(tmp_path / "a", tmp_path / "missing") != []
+
+
+def test_a_restart_no_kill_caused_is_reported(tmp_path):
+    """A rank failing by itself is restarted by the launch like a killed one: the run must not count as survived."""
+    (tmp_path / "attempts").mkdir()
+    for attempt in ("0-0", "0-1", "1-0", "1-1"):
+        (tmp_path / "attempts" / f"{attempt}.json").write_text('{"start": 0}')
+    fired = [{"attempt": "0-0", "action": "kill"}, {"attempt": "1-0", "action": "preempt"}]
+    assert unplanned_restarts(tmp_path, fired) == ["restart 1-1 without a kill (see log.txt)"]
