@@ -32,7 +32,6 @@ from accel_gradsync.planning.memory import MemoryProbe
 from accel_gradsync.planning.policies import SyncPolicy
 from accel_gradsync.runtime.handle import GradSyncHandle
 from accel_gradsync.runtime.hooks import is_hooked
-from accel_gradsync.runtime.preemption import add_save_on_signal
 
 
 def attach(
@@ -83,7 +82,7 @@ def attach(
     handle = GradSyncHandle(accelerator, config, trainer, memory_probe, forecaster)
     _check_accelerate_config(accelerator, handle.policy)
     install_exit_guard()  # gloo's workers must be done before the interpreter exits (teardown.py)
-    add_save_on_signal(trainer, config.resolved().save_on_signal)  # a Trainer only; also on one process
+    handle._add_save_on_signal()  # a Trainer only; also on one process
     reason = _reason_not_applicable(accelerator)
     if reason is not None:
         warnings.warn(f"accel_gradsync: {reason}; attach() does nothing.", GradSyncWarning, stacklevel=2)

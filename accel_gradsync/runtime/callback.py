@@ -1,7 +1,8 @@
 """The Trainer side of `attach`: bind the prepared model before the first step, put the counters
 into every log so they reach TensorBoard/W&B through `report_to`, and reshard what forwards
 without gradients kept (`gather_for_generation`) when an evaluation, a prediction or training ends:
-otherwise only the next training step releases them, and after the last step none comes."""
+otherwise only the next training step releases them, and after the last step none comes.
+`SaveOnSignal` (`save_on_signal`) saves and stops on the scheduler's signal (preemption.py)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from accel_gradsync.config.settings import SyncMode
 from accel_gradsync.runtime.bind import Binder
 from accel_gradsync.runtime.checkpoint import CheckpointHooks
 from accel_gradsync.runtime.generation import GenerationGather
+from accel_gradsync.runtime.preemption import PREEMPTED_EXIT_CODE, Preemption
 from accel_gradsync.runtime.state import Attachment
 
 LOG_PREFIX = "grad_sync/"
@@ -91,3 +93,34 @@ class GradSyncCallback(TrainerCallback):
         logs.update(counters)  # what the reporting callbacks after us send to report_to
         if state.log_history:
             state.log_history[-1].update(counters)  # the Trainer recorded this entry just before
+
+
+class SaveOnSignal(TrainerCallback):
+    """On `signal_name`, the Trainer saves a checkpoint at the end of the optimizer step in progress
+    (or right after a save already running) and stops; at train end the process exits with
+    `PREEMPTED_EXIT_CODE`, so nothing after `train()` (a final save) runs as if training had ended."""
+
+    def __init__(self, trainer: Any, signal_name: str) -> None:
+        self.accelerator = trainer.accelerator
+        self.preemption = Preemption(signal_name)
+        self.preemption.install()  # from attach on: a signal while the model loads is not lost
+
+    def on_step_end(self, args, state, control, **kwargs: Any):
+        if self.preemption.agree(self.accelerator):
+            control.should_save = True
+            control.should_training_stop = True
+
+    def on_save(self, args, state, control, **kwargs: Any):
+        if self.preemption.agree(self.accelerator):
+            control.should_training_stop = True  # this save is complete once on_save returns (resume.py)
+
+    def on_train_end(self, args, state, control, **kwargs: Any):
+        if not self.preemption.agreed:
+            self.preemption.restore()
+            return
+        name = self.preemption.signum.name
+        self.accelerator.print(
+            f"accel_gradsync: {name}: saved checkpoint-{state.global_step} in {args.output_dir}; exiting with "
+            f"code {PREEMPTED_EXIT_CODE}. --resume_from_checkpoint auto continues from it."
+        )
+        self.preemption.exit(self.accelerator)

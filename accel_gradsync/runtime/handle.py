@@ -23,6 +23,7 @@ from accel_gradsync.runtime.decision import describe_decision
 from accel_gradsync.runtime.fsdp import ModelAdapter, sharded_by_transformers
 from accel_gradsync.runtime.generation import GenerationGather
 from accel_gradsync.runtime.hooks import hook_accelerator, hook_trainer, unhook_accelerator, unhook_trainer
+from accel_gradsync.runtime.preemption import NO_SIGNAL
 from accel_gradsync.runtime.state import Attachment, root_of
 from accel_gradsync.runtime.window import Window
 
@@ -47,6 +48,7 @@ class GradSyncHandle:
         self._binder = Binder(self._state, self._window, self._generation, memory_probe, forecaster)
         self._checkpoints = CheckpointHooks(self._state)
         self._callback: Any = None  # callback.GradSyncCallback, with a Trainer
+        self._save_on_signal: Any = None  # callback.SaveOnSignal, with a Trainer and save_on_signal
         self._original_class: type | None = None
         self._original_trainer_class: type | None = None  # a model transformers sharded (hooks.py)
 
@@ -165,6 +167,10 @@ class GradSyncHandle:
         if self._callback is not None:
             self._state.trainer.remove_callback(self._callback)
             self._callback = None
+        if self._save_on_signal is not None:
+            self._state.trainer.remove_callback(self._save_on_signal)
+            self._save_on_signal.preemption.restore()  # the signal's own handler back
+            self._save_on_signal = None
         if self._original_trainer_class is not None:
             unhook_trainer(self._state.trainer, self._original_trainer_class)
             self._original_trainer_class = None
@@ -176,6 +182,17 @@ class GradSyncHandle:
         self.detach()
 
     # -- set-up (attach.py) -------------------------------------------------------------------
+    def _add_save_on_signal(self) -> None:
+        """A Trainer's `SaveOnSignal`, last in line (the other callbacks' on_train_end run before it
+        exits), when `save_on_signal` names a signal; also on one process."""
+        signal_name, trainer = self._state.settings.save_on_signal, self._state.trainer
+        if trainer is None or signal_name == NO_SIGNAL:
+            return
+        from accel_gradsync.runtime.callback import SaveOnSignal  # imports transformers: only for a Trainer
+
+        self._save_on_signal = SaveOnSignal(trainer, signal_name)
+        trainer.add_callback(self._save_on_signal)
+
     def _connect(self, models: list) -> None:
         """Bind the models prepared before attach, and put the policy behind the accelerator's
         `no_sync` / `accumulate` / `prepare`, its checkpoints and the Trainer's events."""

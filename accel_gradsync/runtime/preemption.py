@@ -1,6 +1,6 @@
-"""Save on the scheduler's warning signal, then exit with `PREEMPTED_EXIT_CODE`: `SaveOnSignal` (a
-Trainer callback, `GradSyncConfig.save_on_signal`), on `Preemption` (the signal flag and the ranks'
-agreement), which a training loop of its own can use too.
+"""Save on the scheduler's warning signal, then exit with `PREEMPTED_EXIT_CODE`: `Preemption` (the
+signal flag and the ranks' agreement), which the Trainer callback `callback.SaveOnSignal`
+(`GradSyncConfig.save_on_signal`) and a training loop of its own use.
 
 The handler only counts the signal: no collective, I/O or lock inside a handler, so a signal during
 generation, a save or a collective changes nothing there. The ranks agree at the end of every
@@ -19,7 +19,6 @@ import time
 from typing import Any
 
 import torch
-from transformers import TrainerCallback
 
 PREEMPTED_EXIT_CODE = 75
 """The exit code of a process that saved on the signal and stopped (EX_TEMPFAIL: try again later)."""
@@ -79,43 +78,3 @@ class Preemption:
                 time.sleep(0.01)
         sys.stdout.flush()
         sys.exit(PREEMPTED_EXIT_CODE)
-
-
-class SaveOnSignal(TrainerCallback):
-    """On `signal_name`, the Trainer saves a checkpoint at the end of the optimizer step in progress
-    (or right after a save already running) and stops; at train end the process exits with
-    `PREEMPTED_EXIT_CODE`, so nothing after `train()` (a final save) runs as if training had ended."""
-
-    def __init__(self, trainer: Any, signal_name: str) -> None:
-        self.accelerator = trainer.accelerator
-        self.preemption = Preemption(signal_name)
-        self.preemption.install()  # from attach on: a signal while the model loads is not lost
-
-    def on_step_end(self, args, state, control, **kwargs: Any):
-        if self.preemption.agree(self.accelerator):
-            control.should_save = True
-            control.should_training_stop = True
-
-    def on_save(self, args, state, control, **kwargs: Any):
-        if self.preemption.agree(self.accelerator):
-            control.should_training_stop = True  # this save is complete once on_save returns (resume.py)
-
-    def on_train_end(self, args, state, control, **kwargs: Any):
-        if not self.preemption.agreed:
-            self.preemption.restore()
-            return
-        name = self.preemption.signum.name
-        self.accelerator.print(
-            f"accel_gradsync: {name}: saved checkpoint-{state.global_step} in {args.output_dir}; exiting with "
-            f"code {PREEMPTED_EXIT_CODE}. --resume_from_checkpoint auto continues from it."
-        )
-        self.preemption.exit(self.accelerator)
-
-
-def add_save_on_signal(trainer: Any, signal_name: str) -> None:
-    """Give `trainer` one `SaveOnSignal` (last in line: the other callbacks' on_train_end run before
-    it exits), unless `signal_name` is `none` or it has one."""
-    if trainer is None or signal_name == NO_SIGNAL:
-        return
-    if not any(isinstance(c, SaveOnSignal) for c in trainer.callback_handler.callbacks):
-        trainer.add_callback(SaveOnSignal(trainer, signal_name))

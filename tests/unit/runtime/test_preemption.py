@@ -18,7 +18,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 import accel_gradsync
 from accel_gradsync import PREEMPTED_EXIT_CODE, GradSyncConfig
 from accel_gradsync.config.settings import DEFAULTS
-from accel_gradsync.runtime.preemption import SaveOnSignal
+from accel_gradsync.runtime.callback import SaveOnSignal
 
 ENV = "ACCEL_GRADSYNC_SAVE_ON_SIGNAL"
 
@@ -106,6 +106,21 @@ def test_a_run_that_got_no_signal_gives_the_handler_back(tmp_path):
     t.train()
     assert t.state.global_step == 6
     assert signal.getsignal(signal.SIGTERM) == before
+
+
+def test_detach_removes_the_callback_and_gives_the_handler_back(tmp_path):
+    before = signal.getsignal(signal.SIGUSR1)
+    torch.manual_seed(0)
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), use_cpu=True, report_to="none", save_strategy="no")
+    t = Trainer(model=Regression(), args=args, train_dataset=[{"x": torch.randn(4), "labels": torch.randn(())}])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # one process: attach says there is no sync to schedule
+        handle = accel_gradsync.attach(t, GradSyncConfig(save_on_signal="SIGUSR1"))
+    assert any(isinstance(c, SaveOnSignal) for c in t.callback_handler.callbacks)
+    assert signal.getsignal(signal.SIGUSR1) != before
+    handle.detach()
+    assert not any(isinstance(c, SaveOnSignal) for c in t.callback_handler.callbacks)
+    assert signal.getsignal(signal.SIGUSR1) == before
 
 
 def test_every_source_agrees_on_the_setting(monkeypatch):
