@@ -67,10 +67,11 @@ class GradSyncHandle:
             syncs), `all_gathers` (training) and `generation_all_gathers` (forwards without
             gradients), `replicated_all_reduces` (those transformers' Trainer issues itself for
             an adapter added after load-time sharding), `bytes_reduced`, `peak_held_grad_bytes`,
-            the plan's `mode` and each
-            unit's level (`unit_modes`, `units_<level>`), under `auto` its `measured_peaks` and
-            `plan_changes`; the same counts for the last finished optimizer step under
-            `last_step/`; with several models, each one's under `models`.
+            the plan's `mode` and each unit's level (`unit_modes`, `units_<level>`), under `auto`
+            its `measured_peaks`, `plan_changes` and the plan's `forecast_peak_bytes` (with the
+            forecast shape); a frozen reference model's all-gathers apart (`reference_all_gathers`,
+            `reference_units`, `reference_models`); the same counts for the last finished optimizer
+            step under `last_step/`; with several models, each one's under `models`.
         """
         return self._state.stats()
 
