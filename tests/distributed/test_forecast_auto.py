@@ -20,14 +20,18 @@ CONFIG = {  # the layer class to wrap is the model's own (_no_split_modules), as
 OVER = 2**30  # a step peak far above any forecast of this model, far below the scripted capacity
 
 
+def _launch(run: dict) -> list[dict]:
+    return launch("forecast_auto", ["--runs", json.dumps([run]), "--M", str(M), "--steps", str(STEPS)], CONFIG)
+
+
 @pytest.fixture(scope="module")
 def ranks():
-    runs = [
-        {"name": "forecast", "config": SHAPE},
-        {"name": "overshoot", "config": SHAPE, "probe": {"capacity": 40 * 2**30, "peaks": [OVER]}},
-    ]
-    args = ["--runs", json.dumps(runs), "--M", str(M), "--steps", str(STEPS)]
-    return launch("forecast_auto", args, CONFIG)
+    return _launch({"name": "forecast", "config": SHAPE})
+
+
+@pytest.fixture(scope="module")
+def overshoot():
+    return _launch({"name": "overshoot", "config": SHAPE, "probe": {"capacity": 40 * 2**30, "peaks": [OVER]}})
 
 
 def test_step_one_runs_the_forecast_plan_with_no_measuring_step(ranks):
@@ -48,7 +52,9 @@ def test_step_one_runs_the_forecast_plan_with_no_measuring_step(ranks):
     assert ranks[1]["runs"]["forecast"]["printed"] == ""  # the main process prints
 
 
-def test_a_step_over_the_forecast_re_plans_once_from_what_was_measured(ranks):
+@pytest.mark.slow  # the re-plan on a scripted device is also unit-tested (tests/unit/planning/test_replan.py)
+def test_a_step_over_the_forecast_re_plans_once_from_what_was_measured(overshoot):
+    ranks = overshoot
     for rank in ranks:
         run = rank["runs"]["overshoot"]
         units = run["units"]

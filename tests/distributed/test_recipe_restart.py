@@ -97,6 +97,7 @@ def assert_restarted_and_equal(proc, out_dir: Path, uninterrupted: Path, resumed
     assert final != (inputs["model"] / "model.safetensors").read_bytes()  # it did train
 
 
+@pytest.mark.slow  # the default suite's restart check is the SIGTERM case below (a save, an exit, a resume)
 def test_a_rank_killed_mid_step_restarts_from_the_last_checkpoint_and_ends_as_if_uninterrupted(
     inputs, uninterrupted, tmp_path
 ):

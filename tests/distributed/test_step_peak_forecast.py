@@ -43,6 +43,8 @@ PARTIAL = {"recipe-default": "budget@300KiB", "llama-4L": "budget@3MiB", "recipe
 it is; llama: the embedding windowed, layer 0 deferred, layers 1-3 and the root per micro-batch,
 which cannot run with fewer layers, so its row is per_micro_batch's step plus the held bytes."""
 MODES = ["per_micro_batch", "deferred", "deferred+window", "budget", "auto"]
+QUICK_MODES = ["per_micro_batch", "deferred"]
+"""The default suite's: the step without and with held gradients (test_held_rows_forecast_more...)."""
 FREE = "40GiB"  # auto plans from it at the warm-up step; every model here fits a full window
 CONFIG = {
     "distributed_type": "FSDP",
@@ -86,12 +88,14 @@ PARAMS = [
 
 
 @pytest.fixture(scope="module", params=PARAMS)
-def compared(request):
+def compared(request, slow):
     """(model, mode, checkpointing, forecast, measured max over ranks, forecast phase) per mode.
-    One launch per model: accelerate's plugin keeps the first model's layer class to wrap."""
+    One launch per model: accelerate's plugin keeps the first model's layer class to wrap. The
+    default suite's case runs QUICK_MODES (and generation), --slow every mode."""
     spec, checkpointing, lora_r = request.param
     name = _name(spec) + ("-lora" if lora_r else "")
-    args = ["--models", json.dumps([spec]), "--modes", ",".join([*MODES, PARTIAL[name]]), "--M", str(M)]
+    modes = [*MODES, PARTIAL[name]] if slow else QUICK_MODES
+    args = ["--models", json.dumps([spec]), "--modes", ",".join(modes), "--M", str(M)]
     args += ["--mbs", str(MBS), "--seq", str(SEQ), "--memory-budget", BUDGET, "--free-memory", FREE]
     # GRPO's generation (TRL turns checkpointing off for it), measured on the full model: a PEFT model's
     # generate() calls the base model past the FSDP root, which MemTracker cannot follow.
@@ -105,13 +109,15 @@ def compared(request):
     config = GradSyncConfig(memory_budget=BUDGET, free_memory=FREE)
     est = estimate(spec, CONFIG, M, config, step_shape=shape, lora=lora)
     partial = PARTIAL[name]
-    partial_config = GradSyncConfig(memory_budget=partial.partition("@")[2])
-    partial_est = estimate(spec, CONFIG, M, partial_config, step_shape=shape, lora=lora)
     rows = []
-    for mode in [*MODES, partial]:
+    for mode in modes:
         peaks = [res["peak_bytes"] for rank in ranks for res in rank["results"] if res["mode"] == mode]
         assert len(peaks) == 2, mode
-        row = _row(partial_est, "budget") if mode == partial else _row(est, mode)
+        if mode == partial:
+            partial_config = GradSyncConfig(memory_budget=partial.partition("@")[2])
+            row = _row(estimate(spec, CONFIG, M, partial_config, step_shape=shape, lora=lora), "budget")
+        else:
+            row = _row(est, mode)
         rows.append((name, mode, checkpointing, row.step_peak_bytes, max(peaks), row.step_peak_phase))
     if generation:  # the same in every mode
         measured = max(res["generation_peak_bytes"] for rank in ranks for res in rank["results"])

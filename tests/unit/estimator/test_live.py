@@ -40,6 +40,11 @@ def test_the_child_forecasts_the_per_micro_batch_step_as_the_estimate_does():
     est = estimate("recipe-default", LAUNCH, 4, GradSyncConfig(sync_mode="auto"), step_shape=StepShape(2, 32))
     assert answer["peak_bytes"] == est.mode("per_micro_batch").step_peak_bytes
     assert answer["unmodeled"] == [] and answer["shape"].startswith("2x32 tokens per micro-batch, adamw")
+
+
+@pytest.mark.slow  # a second forecast; the LoRA forecast itself is in test_step_peak.py
+def test_the_child_forecasts_a_lora_model_with_its_adapters():
+    answer = forecast_unheld_step(_spec())
     lora = forecast_unheld_step(_spec({"r": 8, "target_modules": ["q_proj", "v_proj"]}))
     assert lora["peak_bytes"] < answer["peak_bytes"] and "LoRA r=8" in lora["shape"]
     lora_est = estimate(

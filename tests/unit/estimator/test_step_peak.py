@@ -96,6 +96,7 @@ def test_layer_extrapolation_equals_the_whole_model(fsdp, held):
     assert peak.parts["sharded_params"] == exact.parts["sharded_params"]
 
 
+@pytest.mark.slow  # the 7B timing claim; the parts it checks are the small models' above too
 def test_qwen2_7b_takes_seconds(fsdp, qwen2_7b):
     began = time.perf_counter()
     est = estimate(qwen2_7b, fsdp(mixed_precision="bf16"), 4, step_shape=StepShape(4, 512))
@@ -185,6 +186,7 @@ def test_hsdp_is_refused_with_what_to_pass(fsdp):
         estimate("recipe-default", fsdp(processes=4, replicate=2), 2, step_shape=SHAPE)
 
 
+@pytest.mark.slow  # against real generate(): tests/distributed/test_step_peak_forecast.py, default suite
 def test_generation_phase_holds_the_kv_cache_of_the_generation_batch(fsdp):
     """GRPO's generation (`--max-completion-length`): twice the tokens per sequence add about one
     KV cache of the extra tokens (2 x layers x kv heads x head dim x fp32 per token) for the
