@@ -206,9 +206,10 @@ class GradSyncConfig:
     sync_mode: str | None = _flag(
         "sync_mode",
         "Sync mode: per_micro_batch (sync every micro-batch), deferred (sync once per optimizer "
-        "step), auto (step 1 syncs every micro-batch and measures its peak memory; then each unit "
-        "windowed, deferred or per micro-batch as what is left allows, on an HSDP mesh else "
-        "defer_all_reduce; falls back when peaks grow), budget (FSDP2: per unit, what fits "
+        "step), auto (step 1 syncs every micro-batch and measures its peak memory, or with "
+        "--grad-sync-forecast-micro-batch-size/--grad-sync-forecast-seq-len runs the plan of the forecast peak "
+        "from step 1; then each unit windowed, deferred or per micro-batch as what is left allows, on an HSDP "
+        "mesh else defer_all_reduce; falls back when peaks grow), budget (FSDP2: per unit, what fits "
         "--grad-sync-memory-budget; the default when a budget is given), defer_all_reduce (HSDP: "
         "reduce-scatter every micro-batch, all-reduce across replicas once per step).",
         choices=SYNC_MODES,
@@ -269,7 +270,7 @@ class GradSyncConfig:
         "Trainer logs (console and report_to): every grad_sync/ counter (totals since attach and the "
         "last step's), instead of the few per-step ones: reduce-scatters (HSDP/DDP: all-reduces) "
         "issued and skipped in the step, held gradient bytes, units at each level (auto: plan "
-        "changes and the measured peak). stats() always has everything.",
+        "changes, the measured and the forecast peak). stats() always has everything.",
         nargs="?",
         const=True,
     )
