@@ -8,6 +8,7 @@ policies.py's counting functions, which `accel-gradsync estimate` uses too, so t
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 
 import torch
 
@@ -21,7 +22,7 @@ from accel_gradsync.planning.costs import (
     generation_cost,
     narrower_than_reduce,
 )
-from accel_gradsync.planning.units import ALL_REDUCE, GRADIENT_SYNC, Level, Plan
+from accel_gradsync.planning.units import ALL_REDUCE, GRADIENT_SYNC, Level, Plan, Unit
 from accel_gradsync.runtime.fsdp import ModelAdapter
 
 
@@ -69,6 +70,15 @@ def describe_decision(plan: Plan, adapter: ModelAdapter, micro_batches: int) -> 
     if plan.reason:
         line += f" [{plan.reason}]"
     return line
+
+
+def frozen_keeps(units: Sequence[Unit], gather_for_generation: bool) -> bool:
+    """Whether a frozen (reference) model's units stay unsharded across a pass of forwards without
+    gradients (`FrozenModel.keeps`): where it is one unit, as that costs no more peak than one of
+    those forwards (it gathers the whole model anyway); wrapped per unit, keeping them all holds
+    the whole unsharded model, which only `gather_for_generation` asks for. Binding and the
+    estimate both decide with it."""
+    return len(units) == 1 or gather_for_generation
 
 
 def describe_frozen(name: str, model_name: str, adapter: ModelAdapter, keeps: bool) -> str:
