@@ -114,6 +114,15 @@ class EstimateArguments:
         default=0,
         metadata={"help": "For the step peak, GRPO: completions per prompt, checked against the generation batch."},
     )
+    beta: float = field(
+        default=0.0,
+        metadata={
+            "help": "GRPO's KL coefficient (GRPOConfig beta). Above 0 TRL keeps a frozen reference model, sharded "
+            "as one FSDP2 unit: the estimate adds its line (what a live run prints), its all-gathers per step with "
+            "and without the plugin and its bytes, and its sharded params to every step peak; under --lora-r "
+            "it is the policy with its adapter off (no second model). 0: no reference model."
+        },
+    )
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, HfArgumentParser]:
@@ -166,6 +175,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 distributed_config=args.distributed_config,
                 step_shape=shape,
                 lora=read_lora(args.lora_r, args.lora_target_modules),
+                beta=args.beta,
             )
         except ValueError as err:
             estimate_parser.error(str(err))  # exits 2 with the usage line

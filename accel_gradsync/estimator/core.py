@@ -16,7 +16,8 @@ import torch
 from accel_gradsync.config.settings import GradSyncConfig, SyncMode, dtype_name, reduce_dtype_for
 from accel_gradsync.estimator.inputs import FSDPSetup, LoraSpec, StepShape, load_model_config, read_launch_setup
 from accel_gradsync.estimator.meta_model import build_meta_model, estimated_adapter
-from accel_gradsync.estimator.results import Estimate, ModeEstimate
+from accel_gradsync.estimator.reference import add_reference, check_beta, estimate_reference
+from accel_gradsync.estimator.results import Estimate, ModeEstimate, ReferenceEstimate
 from accel_gradsync.estimator.row_costs import (
     count_held_bytes_in_compute_dtype,
     count_peak_grad_bytes,
@@ -49,6 +50,7 @@ def estimate(
     distributed_config: str | os.PathLike | dict | None = None,
     step_shape: StepShape | None = None,
     lora: LoraSpec | None = None,
+    beta: float = 0.0,
 ) -> Estimate:
     """What each sync mode would cost per optimizer step, before launch, planned by the
     runtime's own policies over the units a launched run would have.
@@ -69,6 +71,8 @@ def estimate(
         step_shape (`StepShape`, *optional*): the micro-batch and optimizer; with it every row
             also gets the whole step's peak per rank (`step_peak_bytes`, step_peak.py).
         lora (`LoraSpec`, *optional*): a LoRA fine-tune (PEFT): only its adapters are trainable.
+        beta (`float`): GRPO's KL coefficient; above 0 TRL keeps a reference model, estimated
+            apart (`Estimate.reference`, reference.py) and resident in every row's step peak.
 
     Returns:
         `Estimate`: the model, mesh and units, and one `ModeEstimate` per mode of
@@ -77,19 +81,24 @@ def estimate(
     Raises:
         `ValueError`: an input a launch would also fail on, named with what to change (both or
             neither of the two configs, a config accelerate cannot shard, M below 1, a process
-            that already has a torch.distributed group).
+            that already has a torch.distributed group, a negative beta).
     """
+    check_beta(beta)
     if micro_batches < 1:
         raise ValueError(f"micro_batches={micro_batches}: needs at least 1 micro-batch per optimizer step.")
     config = GradSyncConfig() if config is None else config
     setup = read_launch_setup(accelerate_config, distributed_config, num_processes, mixed_precision)
     adapters = _AdaptersByReduceDtype(load_model_config(model_spec), model_dtype, setup, config, lora)
     result = _describe_launch(model_spec, setup, config, adapters.for_mode(config.mode), micro_batches)
+    result.reference = estimate_reference(beta, adapters.model_config, model_dtype, setup, config, micro_batches, lora)
     sim = None
     if step_shape is not None:
         sim = StepForecaster(adapters.model_config, model_dtype, setup, config, step_shape, micro_batches, lora)
         result.step_shape = dataclasses.asdict(step_shape)
-    result.modes = [_estimate_row(name, policy, config, adapters, setup, micro_batches, sim) for name, policy in _ROWS]
+    result.modes = [
+        _estimate_row(name, policy, config, adapters, setup, micro_batches, sim, result.reference)
+        for name, policy in _ROWS
+    ]
     return result
 
 
@@ -150,9 +159,10 @@ def _estimate_row(
     setup: FSDPSetup,
     micro_batches: int,
     sim: StepForecaster | None = None,
+    reference: ReferenceEstimate | None = None,
 ) -> ModeEstimate:
     """Row `name`: the plan `policy_cls` makes for this launch, or why it makes none; with `sim`
-    also its whole-step peak."""
+    also its whole-step peak, the `reference` model's bytes in it."""
     windowed = config.sync_mode == SyncMode.DEFERRED and config.keep_params_unsharded
     selected = name == (WINDOW_ROW if windowed else config.sync_mode)
     try:
@@ -171,7 +181,7 @@ def _estimate_row(
     row.selected = selected
     row.fits = _check_fits(row, config)
     if sim is not None:
-        peak = sim.row(plan, adapter, policy_cls.name)
+        peak = add_reference(sim.row(plan, adapter, policy_cls.name), reference)
         row.step_peak_bytes, row.step_peak_phase = peak.peak_bytes, peak.phase
         row.step_peak_parts, row.step_peak_unmodeled = peak.parts, peak.unmodeled
     return row

@@ -1,8 +1,9 @@
-"""Shard a meta-device model as `Accelerator.prepare` (or transformers' `from_pretrained`) would, by
-running those libraries' own sharding code inside `fake_world`: a fake process group of the planned
-world size whose collectives do nothing. Only what accelerate keeps inline in `prepare_model` is
-written out here (each function says what). The mesh is a CPU mesh whatever the machine has: a
-unit's sizes and dtypes do not depend on the device type, and the estimate should not touch a GPU.
+"""Shard a meta-device model as `Accelerator.prepare` (or transformers' `from_pretrained`, or TRL's
+`prepare_fsdp` for a reference model) would, by running those libraries' own sharding code inside
+`fake_world`: a fake process group of the planned world size whose collectives do nothing. Only
+what accelerate keeps inline in `prepare_model` is written out here (each function says what). The
+mesh is a CPU mesh whatever the machine has: a unit's sizes and dtypes do not depend on the device
+type, and the estimate should not touch a GPU.
 """
 
 from __future__ import annotations
@@ -98,6 +99,31 @@ def _shard_fsdp2(
             f"accelerate's fsdp2_prepare_model reads more of the Accelerator than the estimate gives it ({err}); "
             "this accelerate release is newer than accel_gradsync knows (see constraints.txt)."
         ) from err
+
+
+def shard_like_trl(
+    model: nn.Module, plugin: Any, mixed_precision: str, replicate_size: int, shard_size: int
+) -> nn.Module:
+    """A reference model (on the meta device) sharded as TRL shards it for GRPO's `beta` > 0: TRL's
+    own `trl.models.utils.prepare_fsdp` with accelerate's `plugin` (FSDP2: one `fully_shard` at the
+    root, the plugin's reshard_after_forward and mixed precision, accelerate's FSDP mesh). Must run
+    inside `fake_world`; the model is modified in place."""
+    try:
+        from trl.models.utils import prepare_fsdp
+    except ImportError:
+        raise ValueError(
+            "--beta: the reference model is sharded with TRL's own prepare_fsdp; pip install trl (the "
+            "recipes extra), or leave --beta out."
+        ) from None
+    from accelerate import ParallelismConfig
+
+    parallelism = ParallelismConfig(dp_replicate_size=replicate_size, dp_shard_size=shard_size)
+    accelerator = _PreparingAccelerator(plugin, parallelism.build_device_mesh("cpu"), parallelism, mixed_precision)
+    with warnings.catch_warnings():
+        # TRL slices accelerate's flattened mesh (a launched run warns the same); not the user's to fix.
+        warnings.filterwarnings("ignore", message="Slicing a flattened dim", category=UserWarning)
+        prepare_fsdp(model, accelerator)  # FSDP2 shards `model` in place (FSDP1 is not estimated: reference.py)
+    return model
 
 
 def _shard_fsdp1(model: nn.Module, plugin: Any, mixed_precision: str) -> nn.Module:

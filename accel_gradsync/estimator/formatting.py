@@ -1,5 +1,6 @@
-"""An `Estimate` as the CLI prints it: `format_table` (a header line, one row per mode, then the
-n/a reasons and what the held dtype means) or `format_json` (every field of `Estimate.to_dict`).
+"""An `Estimate` as the CLI prints it: `format_table` (a header line, with `--beta` the reference
+model's line, one row per mode, then the n/a reasons and what the held dtype means) or
+`format_json` (every field of `Estimate.to_dict`).
 Tests and docs quote the table: a change to a header or note shows in both.
 """
 
@@ -45,7 +46,7 @@ def format_table(est: Estimate) -> str:
         elif m.reason:
             notes.append(f"{m.mode}: {m.reason}")
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    lines = [_describe_launch(est), ""]
+    lines = [_describe_launch(est), *([est.reference.line] if est.reference is not None else []), ""]
     for r in [header, *rows]:
         lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
     lines += ["", "* the mode GradSyncConfig selects", *notes, *_explain_held_dtype(est), *_explain_step_peak(est)]
@@ -71,6 +72,11 @@ def _explain_step_peak(est: Estimate) -> list[str]:
         "(sharded and held), windowed/generation params and one micro-batch's activations, from torch's "
         "FSDPMemTracker on fake tensors (docs/estimate.md); in brackets the phase it falls in."
     ]
+    if est.reference is not None and est.reference.sharded_param_bytes:
+        lines[0] += (
+            f" With --beta, the reference model's {format_bytes(est.reference.sharded_param_bytes)} of sharded "
+            "params in every phase, and its log-prob pass as a phase (reference_pass)."
+        )
     for m in est.modes:
         if m.applicable and m.step_peak_unmodeled:
             lines.append(f"{m.mode}: step peak +: not modeled: {'; '.join(m.step_peak_unmodeled)}")

@@ -51,11 +51,39 @@ class ModeEstimate:
     """The whole optimizer step's peak bytes per rank (step_peak.py); None where it was not asked
     for (--micro-batch-size/--seq-len) or could not be computed (`step_peak_unmodeled` says why)."""
     step_peak_phase: str = ""
-    """Where the peak falls: first_micro_batch, later_micro_batch, optimizer_step or generation."""
+    """Where the peak falls: first_micro_batch, later_micro_batch, optimizer_step, generation or
+    reference_pass (`--beta`)."""
     step_peak_parts: dict = field(default_factory=dict)
     """The peak's persistent parts and one micro-batch's activations, bytes per rank."""
     step_peak_unmodeled: list = field(default_factory=list)
     """Components the forecast could not compute: not in `step_peak_bytes`."""
+
+
+@dataclass
+class ReferenceEstimate:
+    """GRPO's reference model (`--beta` > 0), the same in every row: the plugin gathers it once per
+    step in every mode (reference.py). Counts and bytes per rank per optimizer step."""
+
+    beta: float
+    line: str
+    """The header's line: a live run's own (`decision.describe_frozen`), or why there is none."""
+    estimated: bool = True
+    """False where the launch's reference model is not built here (FSDP1, transformers-sharded)."""
+    policy_adapter_off: bool = False
+    """LoRA: no second model, the reference pass is the policy with its adapter disabled."""
+    units: int = 0
+    keeps: bool = False
+    """Its units stay unsharded across the step's log-prob pass (`decision.frozen_keeps`)."""
+    all_gathers_per_step: int = 0
+    """With the plugin: `reference_all_gathers` per step in stats()."""
+    stock_all_gathers_per_step: int = 0
+    """Without it: one log-prob forward per micro-batch, each gathering every unit."""
+    sharded_param_bytes: int = 0
+    """Its sharded params, resident the whole step."""
+    unsharded_param_bytes: int = 0
+    """What its log-prob pass holds unsharded: every unit where it keeps them, else its largest unit."""
+    send_bytes_per_step: int = 0
+    """Bytes one rank sends for its all-gathers with the plugin (ring: (N-1)/N of each gather)."""
 
 
 _STEP_PEAK_KEYS = ("step_peak_bytes", "step_peak_phase", "step_peak_parts", "step_peak_unmodeled")
@@ -84,11 +112,15 @@ class Estimate:
     step_shape: dict | None = None
     """The forecast's inputs (micro-batch size, sequence length, optimizer, gradient
     checkpointing) when a step peak was asked for; None (and no step_peak keys) otherwise."""
+    reference: ReferenceEstimate | None = None
+    """GRPO's reference model with `--beta` > 0; None (and no `reference` key) without one."""
 
     def to_dict(self) -> dict:
-        """Every field; without a step forecast the step_peak keys are left out, so the JSON is
-        what it was before the forecast existed."""
+        """Every field; without a step forecast the step_peak keys are left out, and without
+        `--beta` the reference key, so the JSON is what it was before either existed."""
         values = asdict(self)
+        if self.reference is None:
+            del values["reference"]
         if self.step_shape is None:
             del values["step_shape"]
             for row in values["modes"]:

@@ -1,0 +1,149 @@
+"""`estimator.reference` (`--beta`): the reference model's line and counts are what a live run binding
+TRL's reference model computes (the same meta model sharded here with `fully_shard` as TRL's
+prepare_fsdp calls it, read by the runtime's adapter), LoRA has no second model, FSDP1 and
+transformers-sharded launches say they are not estimated, a negative beta is the CLI's error line,
+and the reference's sharded params are in every step peak."""
+
+import json
+
+import pytest
+import torch
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from accel_gradsync import GradSyncConfig
+from accel_gradsync.estimator.cli import main
+from accel_gradsync.estimator.core import estimate
+from accel_gradsync.estimator.fake_shard import fake_world
+from accel_gradsync.estimator.inputs import RECIPE_DEFAULT, LoraSpec, load_model_config, read_accelerate_config
+from accel_gradsync.estimator.meta_model import build_meta_model
+from accel_gradsync.estimator.reference import PASS_UNMODELED, add_reference, estimate_reference
+from accel_gradsync.estimator.results import ReferenceEstimate
+from accel_gradsync.estimator.step_peak import StepPeak
+from accel_gradsync.runtime.bind import model_name
+from accel_gradsync.runtime.decision import describe_frozen, frozen_keeps
+from accel_gradsync.runtime.fsdp import adapt_model
+
+pytestmark = [
+    pytest.mark.usefixtures("clean_env"),
+    pytest.mark.filterwarnings("ignore::accel_gradsync.config.errors.GradSyncWarning"),
+]
+M, BETA = 3, 0.04
+
+
+@pytest.fixture(scope="module")
+def bf16(fsdp):
+    return fsdp(2, "bf16")
+
+
+@pytest.fixture(scope="module")
+def with_beta(bf16):
+    return estimate(RECIPE_DEFAULT, bf16, M, beta=BETA)
+
+
+def live_binding(mixed_precision: torch.dtype | None, processes: int = 2) -> tuple[str, int, bool, int]:
+    """(decision line, units, keeps, sharded bytes on rank 0) of the recipe's model as a live run
+    binds TRL's reference model: `fully_shard` at the root with the plugin's settings, as
+    prepare_fsdp calls it, its params left requiring grad as TRL leaves them."""
+    model = build_meta_model(load_model_config(RECIPE_DEFAULT))
+    policy = MixedPrecisionPolicy(param_dtype=mixed_precision, reduce_dtype=mixed_precision)
+    with fake_world(processes):
+        fully_shard(model, reshard_after_forward=True, mp_policy=policy)
+        adapter = adapt_model(model)
+        assert adapter is not None
+        keeps = frozen_keeps(adapter.units, GradSyncConfig().resolved().gather_for_generation)
+        line = describe_frozen("ref_model", model_name(model), adapter, keeps)
+        sharded = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
+    return line, len(adapter.units), keeps, sharded
+
+
+def test_the_reference_is_what_a_live_run_binds(with_beta):
+    line, units, keeps, sharded = live_binding(torch.bfloat16)
+    ref = with_beta.reference
+    assert ref is not None and ref.estimated and not ref.policy_adapter_off
+    assert (ref.line, ref.units, ref.keeps, ref.sharded_param_bytes) == (line, units, keeps, sharded)
+    assert units == 1 and keeps  # TRL's one unit, kept across the log-prob pass
+    # The plugin gathers its one unit once per step; stock FSDP2 once per micro-batch's log-prob forward.
+    assert (ref.all_gathers_per_step, ref.stock_all_gathers_per_step) == (1, M)
+    params = sum(u["numel"] for u in with_beta.units)  # the trained model's, the same architecture
+    assert ref.unsharded_param_bytes == params * 2  # bf16 compute
+    assert ref.send_bytes_per_step == params * 2 // 2  # ring: (N-1)/N of one gather over 2 ranks
+
+
+def test_the_table_and_json_carry_the_reference_only_with_beta(bf16, with_beta, good, capsys):
+    main(["estimate", "--accelerate-config", good, "--micro-batches", str(M), "--beta", str(BETA), "--json"])
+    assert json.loads(capsys.readouterr().out)["reference"]["all_gathers_per_step"] == 1
+    main(["estimate", "--accelerate-config", good, "--micro-batches", str(M), "--beta", str(BETA)])
+    assert capsys.readouterr().out.splitlines()[1].startswith("grad sync: reference model ref_model (")
+    without = estimate(RECIPE_DEFAULT, bf16, M)
+    assert without.reference is None and "reference" not in without.to_dict()
+    assert with_beta.to_dict()["reference"]["line"] == with_beta.reference.line
+
+
+@pytest.mark.parametrize("beta", ["-0.04", "nan"])
+def test_a_negative_beta_is_the_clis_error_line(cli_error, good, capsys, beta):
+    line = cli_error(capsys, "--accelerate-config", good, "--beta", beta)
+    assert f"--beta={float(beta)}" in line and "0 (TRL's default: no reference model) or positive" in line, line
+
+
+def test_lora_has_no_second_model(fsdp):
+    setup = read_accelerate_config(fsdp(2))
+    ref = estimate_reference(
+        BETA, load_model_config(RECIPE_DEFAULT), torch.float32, setup, GradSyncConfig(), M, LoraSpec(8)
+    )
+    assert ref is not None and ref.policy_adapter_off and ref.units == ref.all_gathers_per_step == 0
+    assert "policy with its adapter disabled" in ref.line
+
+
+@pytest.mark.parametrize(
+    "launch",
+    [
+        pytest.param({"accelerate": 1}, id="fsdp1"),
+        pytest.param({"distributed": {"fsdp_size": 2}}, id="transformers-sharded"),
+    ],
+)
+def test_launches_the_plugin_does_not_bind_say_so(fsdp, launch):
+    est = estimate(
+        RECIPE_DEFAULT,
+        fsdp(launch["accelerate"]) if "accelerate" in launch else None,
+        M,
+        distributed_config=launch.get("distributed"),
+        beta=BETA,
+    )
+    assert est.reference is not None and not est.reference.estimated
+    assert est.reference.line.startswith("grad sync: reference model: not estimated")
+
+
+def test_one_process_sends_nothing(fsdp):
+    setup = read_accelerate_config(fsdp(2, processes=1))
+    ref = estimate_reference(BETA, load_model_config(RECIPE_DEFAULT), torch.float32, setup, GradSyncConfig(), M)
+    assert ref is not None and ref.units == 1
+    assert ref.all_gathers_per_step == ref.stock_all_gathers_per_step == ref.send_bytes_per_step == 0
+
+
+def test_the_reference_is_resident_in_every_phase_and_its_pass_is_a_phase():
+    peak = StepPeak(1000, "later_micro_batch", {"sharded_params": 100, "optimizer_state": 200, "generation_peak": 900})
+    ref = ReferenceEstimate(BETA, "", units=1, keeps=True, sharded_param_bytes=50, unsharded_param_bytes=100)
+    with_ref = add_reference(peak, ref)
+    assert (with_ref.peak_bytes, with_ref.phase) == (1050, "later_micro_batch")
+    assert with_ref.parts["reference_params"] == 50 and with_ref.parts["generation_peak"] == 950
+    assert with_ref.parts["reference_pass"] == 100 + 200 + 50 + 100
+    assert with_ref.unmodeled == [PASS_UNMODELED]
+    big = add_reference(peak, ReferenceEstimate(BETA, "", units=1, sharded_param_bytes=50, unsharded_param_bytes=2000))
+    assert (big.peak_bytes, big.phase) == (100 + 200 + 50 + 2000, "reference_pass")
+    lora = ReferenceEstimate(BETA, "", policy_adapter_off=True)
+    assert add_reference(peak, lora) is peak and add_reference(peak, None) is peak
+
+
+def test_every_rows_step_peak_holds_the_sharded_reference(good, capsys):
+    args = ["estimate", "--accelerate-config", good, "--micro-batches", "1", "--micro-batch-size", "1"]
+    main([*args, "--seq-len", "8", "--beta", str(BETA), "--json"])
+    with_ref = json.loads(capsys.readouterr().out)
+    main([*args, "--seq-len", "8", "--json"])
+    without = {m["mode"]: m for m in json.loads(capsys.readouterr().out)["modes"]}
+    sharded = with_ref["reference"]["sharded_param_bytes"]
+    assert sharded > 0
+    for row in with_ref["modes"]:
+        if row["step_peak_bytes"] is None:
+            continue
+        assert row["step_peak_parts"]["reference_params"] == sharded
+        assert row["step_peak_bytes"] == without[row["mode"]]["step_peak_bytes"] + sharded, row["mode"]
