@@ -39,7 +39,11 @@ class SyncPolicy:
     def __init__(self, config: GradSyncConfig | ResolvedConfig) -> None:
         self.config = config if isinstance(config, ResolvedConfig) else config.resolved()
 
-    def plan(self, adapter: Wrapped, free_memory: FreeMemory, micro_batches: int) -> Plan:
+    def plan(self, adapter: Wrapped, free_memory: FreeMemory, micro_batches: int, reserved: int = 0) -> Plan:
+        """The plan for `adapter`'s model. `reserved`: unsharded param bytes per rank other models
+        keep while it generates, beyond what one of their forwards gathers anyway (a reference model
+        kept per unit: `FrozenModel.kept_bytes`); the policies that plan within memory (budget,
+        auto) take it off what they may hold, the others hold what they hold regardless."""
         raise NotImplementedError
 
 
@@ -69,7 +73,7 @@ class PerMicroBatchSync(SyncPolicy):
     name = SyncMode.PER_MICRO_BATCH
     description = "reduce-scatter after every micro-batch (sharded grads, lowest memory)"
 
-    def plan(self, adapter: Wrapped, free_memory: FreeMemory, micro_batches: int) -> Plan:
+    def plan(self, adapter: Wrapped, free_memory: FreeMemory, micro_batches: int, reserved: int = 0) -> Plan:
         return Plan(self.name, generation_bytes=generation_bytes_of(adapter, self.config))
 
 
@@ -87,7 +91,7 @@ class DeferredSync(SyncPolicy):
     name = SyncMode.DEFERRED
     description = "reduce-scatter once per optimizer step (unsharded grads held)"
 
-    def plan(self, adapter: Wrapped, free_memory: FreeMemory, micro_batches: int) -> Plan:
+    def plan(self, adapter: Wrapped, free_memory: FreeMemory, micro_batches: int, reserved: int = 0) -> Plan:
         window = self.config.keep_params_unsharded and adapter.kind == "fsdp2"
         # Frozen units have nothing to hold; they are held only to be windowed (they all-gather).
         held = [u for u in adapter.units if window or not u.frozen]
@@ -104,7 +108,7 @@ class BudgetSync(SyncPolicy):
     description = "defer (and window) only the units whose held bytes fit a memory budget"
     needs_fsdp2 = "per-unit requires_gradient_sync"
 
-    def plan(self, adapter: Wrapped, free_memory: FreeMemory, micro_batches: int) -> Plan:
+    def plan(self, adapter: Wrapped, free_memory: FreeMemory, micro_batches: int, reserved: int = 0) -> Plan:
         check_wrapper(self.name, adapter.kind, adapter.hsdp)
         absolute, fraction = parse_bytes(self.config.memory_budget, "GradSyncConfig.memory_budget")
         if absolute is not None:
@@ -114,12 +118,14 @@ class BudgetSync(SyncPolicy):
             budget = int(fraction * free_memory())
         generation = generation_bytes_of(adapter, self.config)
         plan = choose_levels(
-            self.name, adapter.units, budget, micro_batches, reduce_scatter_cost_of(adapter), generation
+            self.name, adapter.units, budget - reserved, micro_batches, reduce_scatter_cost_of(adapter), generation
         )
         reason = (
             f"{_level_counts(plan, adapter.units)} within the {format_bytes(budget)} budget "
             f"({format_bytes(plan.held_bytes())} held"
-            + (f", {format_bytes(generation)} of params while generating)" if generation else ")")
+            + (f", {format_bytes(generation)} of params while generating" if generation else "")
+            + (f", {format_bytes(reserved)} kept by reference models" if reserved else "")
+            + ")"
         )
         return replace(plan, reason=reason)
 
@@ -187,7 +193,7 @@ class DeferAllReduceSync(SyncPolicy):
     needs_fsdp2 = "set_requires_all_reduce"
     needs_hsdp = True
 
-    def plan(self, adapter: Wrapped, free_memory: FreeMemory, micro_batches: int) -> Plan:
+    def plan(self, adapter: Wrapped, free_memory: FreeMemory, micro_batches: int, reserved: int = 0) -> Plan:
         check_wrapper(self.name, adapter.kind, adapter.hsdp)
         trainable = [u for u in adapter.units if not u.frozen]
         return Plan(
@@ -209,15 +215,17 @@ class AutoSync(SyncPolicy):
         "else defer_all_reduce (HSDP), else per_micro_batch"
     )
 
-    def plan(self, adapter: Wrapped, free_memory: FreeMemory, micro_batches: int) -> Plan:
+    def plan(self, adapter: Wrapped, free_memory: FreeMemory, micro_batches: int, reserved: int = 0) -> Plan:
         free = free_memory()
         usable = int(free * (1 - self.config.memory_margin))
-        choice = plan_within(adapter, usable, micro_batches, generation_bytes_of(adapter, self.config))
+        choice = plan_within(adapter, usable - reserved, micro_batches, generation_bytes_of(adapter, self.config))
         full = Plan(self.name, [u for u in adapter.units if not u.frozen])
         reason = (
             f"auto chose {_level_counts(choice, adapter.units)}: full deferral holds "
             f"{format_bytes(full.held_bytes())}/rank, {format_bytes(usable)} usable of {format_bytes(free)} free "
-            f"(margin {self.config.memory_margin:g}); the plan holds {format_bytes(choice.held_bytes())}"
+            f"(margin {self.config.memory_margin:g})"
+            + (f", {format_bytes(reserved)} of it kept by reference models" if reserved else "")
+            + f"; the plan holds {format_bytes(choice.held_bytes())}"
         )
         if narrower_than_reduce(adapter):
             unit = next(u for u in adapter.units if not u.frozen)

@@ -84,10 +84,16 @@ class MeasuredAuto:
     """The forecast peak of a step holding nothing, while `auto` plans from it (None: measured)."""
 
     def first_plan(
-        self, adapter: Wrapped | None = None, micro_batches: int = 1, forecast: Forecast | None = None
+        self,
+        adapter: Wrapped | None = None,
+        micro_batches: int = 1,
+        forecast: Forecast | None = None,
+        reserved: int = 0,
     ) -> Plan:
         """Step 1's plan: from `forecast` where it has a peak, else sync every micro-batch while
-        the probe measures the step's peak (generation's gathered params included, `adapter` given)."""
+        the probe measures the step's peak (generation's gathered params included, `adapter` given).
+        `reserved`: what reference models keep (`SyncPolicy.plan`), which the forecast does not
+        see; a measured peak holds it already."""
         self.probe.reset_peak()
         generation = 0 if adapter is None else generation_bytes_of(adapter, self.config)
         if adapter is None or forecast is None or forecast.peak_bytes is None:
@@ -100,13 +106,15 @@ class MeasuredAuto:
         self.unheld_forecast = forecast.peak_bytes
         _, capacity = self.agree(0, self.probe.capacity())
         limit = int(capacity * (1 - self.config.memory_margin))
-        chosen = plan_within(adapter, limit - forecast.peak_bytes, micro_batches, generation)
+        chosen = plan_within(adapter, limit - forecast.peak_bytes - reserved, micro_batches, generation)
         return replace(
             chosen,
             reason=(
                 f"auto planned step 1 from the forecast: peak {format_bytes(forecast.peak_bytes)}/rank syncing "
                 f"every micro-batch ({forecast.note}), {format_bytes(capacity)} free (margin "
-                f"{self.config.memory_margin:g}); holds {format_bytes(chosen.held_bytes())}, step peak "
+                f"{self.config.memory_margin:g})"
+                + (f", {format_bytes(reserved)} kept by reference models" if reserved else "")
+                + f"; holds {format_bytes(chosen.held_bytes())}, step peak "
                 f"{format_bytes(self.forecast_of(chosen) or 0)}/rank forecast"
                 + ("" if self.probe.counts_tensor_bytes else "; CPU: the measured peak is not compared with it")
             ),

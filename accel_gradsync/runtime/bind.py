@@ -6,7 +6,9 @@ says what its units, dtypes and mesh are; a model accelerate did not wrap is rem
 so accelerate's own `no_sync` keeps applying to it. An FSDP2 model nothing trains (a reference
 model: prepared with no trainable parameter, or held by the Trainer besides its model, as TRL
 shards it itself) is bound as a `FrozenModel`: its all-gathers counted apart, its units kept across a pass of forwards
-without gradients where that costs no more peak than one of them (generation.py).
+without gradients where that costs no more peak than one of them (generation.py). Frozen models bind
+first where the binder can see them (a Trainer's attributes, one `prepare` call), because budget and
+auto plan the trained models within memory less what those keep; one bound later re-plans them.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from accel_gradsync.config.errors import GradSyncWarning
 from accel_gradsync.config.settings import SyncMode
 from accel_gradsync.planning.memory import MemoryProbe, agreed_free_memory, memory_probe
 from accel_gradsync.planning.replan import Forecast, Forecaster, MeasuredAuto
+from accel_gradsync.planning.units import Plan
 from accel_gradsync.runtime.accounting import SyncAccounting
 from accel_gradsync.runtime.decision import describe_decision, describe_frozen, warn_about_plan
 from accel_gradsync.runtime.fsdp import ModelAdapter, adapt_model, is_fsdp_wrapped
@@ -61,22 +64,18 @@ class Binder:
         self._free_memory: int | None = None
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._trainer_seen = False
+        self._forecasts: dict[nn.Module, Forecast] = {}
+        """auto's step-1 forecast per trained model, kept for a plan made again (`_replan_for`)."""
         self._step_hook: torch.utils.hooks.RemovableHandle | None = None
 
     def bind(self, model: nn.Module) -> ModelAdapter | None:
         """Adapt, plan, count and watch `model` the first time it is seen; its adapter (None where
         it is not wrapped). The first call with a Trainer also binds the frozen FSDP2 models it holds."""
         root = root_of(model)
-        if root in self.state.adapters:
-            adapter = self.state.adapters[root]
-        else:
-            adapter = self._bind(model)
-            if root in self.state.bound:
-                self._handles += self.window.watch(root)
-                self._handles += self.generation.watch(root)
         if self.state.trainer is not None and not self._trainer_seen:
+            # Before the trained model's plan, which budget and auto make within what they keep.
             self._trainer_seen = True
-            trained = {root_of(m) for m in (self.state.trainer.model, self.state.trainer.model_wrapped)}
+            trained = {root_of(m) for m in (self.state.trainer.model, self.state.trainer.model_wrapped, model)}
             for attribute, value in list(vars(self.state.trainer).items()):
                 # TRL's trainers shard a reference model themselves (trl.models.prepare_fsdp), not
                 # through accelerator.prepare, and leave its parameters requiring gradients: an
@@ -84,6 +83,12 @@ class Binder:
                 fsdp2 = isinstance(value, nn.Module) and isinstance(value, FSDPModule)
                 if fsdp2 and value not in trained and value not in self.state.adapters:
                     self._bind_frozen(value, name=attribute)
+        if root in self.state.adapters:
+            return self.state.adapters[root]
+        adapter = self._bind(model)
+        if root in self.state.bound:
+            self._handles += self.window.watch(root)
+            self._handles += self.generation.watch(root)
         return adapter
 
     def close(self) -> None:
@@ -126,16 +131,13 @@ class Binder:
             if self._probe is None:
                 self._probe = memory_probe(state.accelerator.device, state.config)
             auto = MeasuredAuto(state.settings, self._probe, self._agree_peak)
-            forecast = None
             if state.settings.forecasts:
-                forecast = (
+                self._forecasts[root] = (
                     self._forecaster.forecast(model, m)
                     if self._forecaster is not None
                     else Forecast(None, "no forecaster: attach() passes one")
                 )
-            plan = auto.first_plan(adapter, m, forecast)
-        else:
-            plan = state.policy.plan(adapter, self._agreed_free_memory, m)
+        plan = self._plan(root, adapter, auto)
         warn_about_plan(plan, adapter, state.settings, m)
         name = self._unique_name(root)
         account = SyncAccounting(
@@ -145,6 +147,27 @@ class Binder:
         # One line at start, on the main process only: this model's decision and what it costs.
         state.accelerator.print(describe_decision(plan, adapter, m))
         return adapter
+
+    def _plan(self, root: nn.Module, adapter: ModelAdapter, auto: MeasuredAuto | None) -> Plan:
+        """The first plan of the trained model `root`, within memory less what the frozen models
+        bound so far keep (`FrozenModel.kept_bytes`)."""
+        m = self.state.micro_batches_per_step
+        reserved = sum(f.kept_bytes for f in self.state.frozen.values())
+        if auto is not None:
+            return auto.first_plan(adapter, m, self._forecasts.get(root), reserved)
+        return self.state.policy.plan(adapter, self._agreed_free_memory, m, reserved)
+
+    def _replan_for(self, frozen: FrozenModel) -> None:
+        """A frozen model that keeps more than one forward gathers, bound after a trained model
+        budget or auto planned and before its first micro-batch: plan that model again."""
+        if not frozen.kept_bytes or self.state.policy.name not in (SyncMode.BUDGET, SyncMode.AUTO):
+            return
+        for root, bound in self.state.bound.items():
+            if not bound.started:
+                bound.take_plan(self._plan(root, bound.adapter, bound.auto))
+                self.state.accelerator.print(
+                    describe_decision(bound.plan, bound.adapter, self.state.micro_batches_per_step)
+                )
 
     def _unique_name(self, root: nn.Module) -> str:
         """The user's class name, `#n`-suffixed when a model bound before has it (stats() keys)."""
@@ -170,6 +193,7 @@ class Binder:
         self.state.accelerator.print(describe_frozen(frozen.name, model_name(root), adapter, keeps))
         self._watch_frozen(frozen)
         self._handles += self.generation.watch(root)
+        self._replan_for(frozen)
 
     def _watch_frozen(self, frozen: FrozenModel) -> None:
         """Count a frozen model's all-gathers as FSDP2 issues them, and end its step at every

@@ -62,9 +62,11 @@ def hook_accelerator(accelerator: Accelerator, binder: Binder, window: Window, d
         def prepare(self, *args, **kwargs):
             result = super().prepare(*args, **kwargs)
             # One object comes back alone; several as a tuple (a list under FSDP2).
-            for obj in result if isinstance(result, (tuple, list)) else (result,):
-                if isinstance(obj, nn.Module) and wants_binding(self, obj):
-                    binder.bind(obj)
+            objs = result if isinstance(result, (tuple, list)) else (result,)
+            models = [obj for obj in objs if isinstance(obj, nn.Module) and wants_binding(self, obj)]
+            # Frozen models first: budget and auto plan the trained ones within what those keep.
+            for model in sorted(models, key=lambda m: any(p.requires_grad for p in m.parameters())):
+                binder.bind(model)
             return result
 
     GradSyncAccelerator.__name__ = GradSyncAccelerator.__qualname__ = f"GradSync{base.__name__}"

@@ -65,6 +65,17 @@ class BoundModel:
         auto = self.auto
         return self.account.stats(self.plan.mode, levels, auto.changes, list(auto.peaks), auto.forecast_of(self.plan))
 
+    @property
+    def started(self) -> bool:
+        """A micro-batch of it has run: its plan is in use."""
+        return self.account.total.micro_batches + self.account.current.micro_batches > 0
+
+    def take_plan(self, plan: Plan) -> None:
+        """Replace the plan before the model's first micro-batch (a reference model bound after
+        it changed what budget or auto may hold)."""
+        assert not self.started and self.hold is None  # nothing applied the old plan yet
+        self.plan = plan
+
     def replan(self, micro_batches: int) -> Change | None:
         """At a window's first held micro-batch: under `auto`, read the last finished step's peak
         once and take the plan it gives."""
@@ -119,6 +130,16 @@ class FrozenModel:
     """Its units stay unsharded from their first forward without gradients until training resumes:
     by default where the model is one unit (a forward of it gathers the whole model anyway), with
     `gather_for_generation` whatever its units."""
+
+    @property
+    def kept_bytes(self) -> int:
+        """Unsharded param bytes per rank it keeps through a pass beyond what one of its forwards
+        gathers anyway (its largest unit): 0 for one unit or where it does not keep. Budget and
+        auto plan the trained models within memory less this (`SyncPolicy.plan`'s `reserved`)."""
+        if not self.keeps:
+            return 0
+        sizes = [u.param_bytes for u in self.adapter.units]
+        return sum(sizes) - max(sizes, default=0)
 
     def stats(self) -> dict:
         return {

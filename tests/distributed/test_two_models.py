@@ -3,11 +3,17 @@ with its own optimizer) plus a frozen reference model, one `attach`, deferred, M
 steps. What `stats()` says must add up to what ran, counted from outside, the held bytes to the
 gradient bytes of both models' parameters, and each model gets its own decision line and its own
 counters; the frozen model gets no plan (under FSDP2 a line and counters of its own, apart). FSDP2
-and FSDP1."""
+and FSDP1. Under budget with gather_for_generation the reference model, wrapped per unit, keeps
+its whole unsharded params through its no-grad forwards: the trained models are planned within
+the budget less what it keeps beyond one unit's."""
+
+import json
 
 import pytest
 from launcher import accelerate_config, launch
 from workers.common import TinyNet
+
+from accel_gradsync.planning.costs import format_bytes
 
 M, STEPS = 4, 2
 N = 2  # ranks
@@ -62,3 +68,28 @@ def test_each_model_has_its_own_counters_and_decision_line(ranks):
     # FSDP2: the frozen model's all-gathers are counted apart, and its line says what it gathers.
     assert len(lines) - len(decisions) == (kind == "fsdp2"), lines
     assert not results[1]["decisions"]
+
+
+def test_budget_plans_within_what_a_kept_reference_model_holds():
+    """The reference model (3 units) is bound after the trained ones (attach after prepare), so
+    their plans are made again. Budget 2T (T: a TinyNet's bytes): gather_for_generation takes T,
+    full deferral T more, so without the reference every unit would be held; the reference keeps T
+    less its largest unit, which must come off first."""
+    net = TinyNet()
+    unit_bytes = [sum(p.numel() * p.element_size() for p in u.parameters()) for u in (*net.blocks, net.head)]
+    total, reserved = sum(unit_bytes), sum(unit_bytes) - max(unit_bytes)
+    sync = {"sync_mode": "budget", "memory_budget": f"{2 * total}B", "gather_for_generation": True}
+    results = launch("two_models", ["--M", str(M), "--steps", str(STEPS), "--sync", json.dumps(sync)],
+                     accelerate_config("fsdp2"))  # fmt: skip
+    for rank in results:
+        assert rank["unit_bytes"] == unit_bytes
+        assert len(rank["plans"]) == 2
+        for plan in rank["plans"]:
+            assert plan["generation_bytes"] == total
+            assert 0 < plan["held"] < TinyNet.UNITS, plan  # all three would fit without the reference
+            assert plan["generation_bytes"] + plan["held_grad_bytes"] <= 2 * total - reserved, plan
+        assert rank["stats"]["reference_units"] == TinyNet.UNITS
+    lines = results[0]["decisions"]
+    assert any(line.startswith("grad sync: reference model") and "gather_for_generation" in line for line in lines)
+    replanned = [line for line in lines if f"{format_bytes(reserved)} kept by reference models" in line]
+    assert len(replanned) == 2, lines  # each trained model's plan, made again

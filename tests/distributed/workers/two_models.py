@@ -1,11 +1,12 @@
 """Two trained models on one accelerator (a policy and a value model, each prepared with its own
 optimizer as accelerate's FSDP2 requires) and a frozen reference model, one `attach`, deferred
-sync: what the handle counts against the collectives counted from outside, the gradient bytes of
-each model's trainable parameters (what a deferred model holds unsharded), and the decision lines
-it printed."""
+sync (or `--sync`'s settings): what the handle counts against the collectives counted from
+outside, the gradient bytes of each model's trainable parameters (what a deferred model holds
+unsharded), each unit's parameter bytes, each trained model's plan, and the decision lines it printed."""
 
 import contextlib
 import io
+import json
 
 import torch
 from accelerate import Accelerator
@@ -14,7 +15,13 @@ from common import CollectiveCounter, TinyNet, make_data, parse_args, write_resu
 
 import accel_gradsync
 
-args = parse_args([(("--M",), {"type": int, "default": 4}), (("--steps",), {"type": int, "default": 2})])
+args = parse_args(
+    [
+        (("--M",), {"type": int, "default": 4}),
+        (("--steps",), {"type": int, "default": 2}),
+        (("--sync",), {"default": '{"defer": true}', "help": "GradSyncConfig keys as JSON"}),
+    ]
+)
 accel_gradsync.enable_cpu_fsdp()
 counter = CollectiveCounter()
 accelerator = Accelerator(gradient_accumulation_steps=args.M)
@@ -23,6 +30,8 @@ policy, value, reference = TinyNet(), TinyNet(), TinyNet()
 reference.requires_grad_(False)
 # Read before wrapping, from the parameters themselves: each deferred model holds this unsharded.
 grad_bytes = [sum(p.numel() * p.element_size() for p in m.parameters() if p.requires_grad) for m in (policy, value)]
+# Each FSDP unit's parameter bytes (two blocks, then the root's head), before wrapping.
+unit_bytes = [sum(p.numel() * p.element_size() for p in u.parameters()) for u in (*reference.blocks, reference.head)]
 policy_opt = torch.optim.SGD(policy.parameters(), lr=0.1)
 value_opt = torch.optim.SGD(value.parameters(), lr=0.1)
 policy, policy_opt = accelerator.prepare(policy, policy_opt)
@@ -31,7 +40,7 @@ value, value_opt = accelerator.prepare(value, value_opt)
 reference, _ = accelerator.prepare(reference, torch.optim.SGD(reference.parameters(), lr=0.0))
 printed = io.StringIO()
 with contextlib.redirect_stdout(printed):
-    handle = accel_gradsync.attach(accelerator, accel_gradsync.GradSyncConfig(defer=True))
+    handle = accel_gradsync.attach(accelerator, accel_gradsync.GradSyncConfig(**json.loads(args.sync)))
 X, Y = make_data(args.M * args.steps * 2, seed=accelerator.process_index)
 counter.take()
 for k in range(args.M * args.steps):
@@ -53,6 +62,12 @@ write_result(
         "stats": {k: v for k, v in stats.items() if k != "models"},
         "models": stats["models"],
         "grad_bytes": grad_bytes,
+        "unit_bytes": unit_bytes,
+        "plans": [
+            {"held": len(p.held), "held_grad_bytes": p.held_grad_bytes(), "generation_bytes": p.generation_bytes}
+            for p in (handle.plan(policy), handle.plan(value))
+            if p is not None
+        ],
         "decisions": [line for line in printed.getvalue().splitlines() if line.startswith("grad sync:")],
     },
 )

@@ -55,3 +55,21 @@ def test_a_plan_is_immutable_and_compared_by_value():
     with pytest.raises(dataclasses.FrozenInstanceError):
         first.reason = "changed"  # type: ignore[misc]
     assert dataclasses.replace(first, reason="changed") != first
+
+
+@pytest.mark.parametrize("mode", ["budget", "auto"])
+def test_budget_and_auto_plan_within_what_reference_models_keep(mode):
+    """`reserved` (what a reference model keeps unsharded beyond one unit's, FrozenModel.kept_bytes)
+    comes off the budget or the usable memory first; the reason says how much."""
+    from accel_gradsync import GradSyncConfig
+    from accel_gradsync.planning.policies import POLICIES
+
+    adapter = ModelAdapter.__new__(ModelAdapter)  # the policies read units, kind, hsdp and backend
+    adapter.units, adapter.kind, adapter.hsdp, adapter.backend = _units(), "fsdp2", False, "nccl"
+    settings = {"budget": {"memory_budget": "16000B"}, "auto": {"memory_margin": 0.0}}[mode]
+    config = GradSyncConfig(sync_mode=mode, **settings)
+    policy = POLICIES[mode](config)
+    alone = policy.plan(adapter, lambda: 16000, 8)
+    shared = policy.plan(adapter, lambda: 16000, 8, reserved=8000)
+    assert alone.held_bytes() > 8000 >= shared.held_bytes() > 0
+    assert "kept by reference models" in shared.reason and "reference" not in alone.reason

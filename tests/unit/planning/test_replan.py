@@ -160,3 +160,22 @@ def test_a_probe_that_counts_no_tensor_bytes_is_not_compared_with_the_forecast(a
     )
     assert all(p is plans[0] for p in plans) and auto.changes == 0
     assert "CPU: the measured peak is not compared with it" in plans[0].reason
+
+
+def test_a_forecast_plan_leaves_room_for_what_reference_models_keep(adapter):
+    """The forecast does not see a reference model kept per unit (`reserved`): the plan from it fits
+    what is left after those bytes, and its line says so."""
+    base = 2 * 2**20
+    full = sum(u.held_bytes + u.param_bytes for u in adapter.units)
+    limit = int(CAPACITY * (1 - CONFIG.memory_margin))
+    reserved = limit - base - full // 2  # room for half of what every unit windowed holds
+
+    def first(reserved):
+        auto = MeasuredAuto(CONFIG, ScriptedMemoryProbe(CAPACITY, [base]), lambda p, c: (p, c))
+        return auto.first_plan(adapter, M, Forecast(base, "scripted"), reserved)
+
+    alone, shared = first(0), first(reserved)
+    assert alone.held_bytes() == full  # everything fits without the reference model
+    assert 0 < shared.held_bytes() <= limit - base - reserved < alone.held_bytes()
+    assert f"{format_bytes(reserved)} kept by reference models" in shared.reason
+    assert "reference" not in alone.reason
