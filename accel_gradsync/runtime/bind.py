@@ -30,7 +30,7 @@ from accel_gradsync.planning.memory import MemoryProbe, agreed_free_memory, memo
 from accel_gradsync.planning.replan import Forecast, Forecaster, MeasuredAuto
 from accel_gradsync.planning.units import Plan
 from accel_gradsync.runtime.accounting import SyncAccounting
-from accel_gradsync.runtime.decision import describe_decision, describe_frozen, warn_about_plan
+from accel_gradsync.runtime.decision import describe_decision, describe_frozen, frozen_keeps, warn_about_plan
 from accel_gradsync.runtime.fsdp import ModelAdapter, adapt_model, is_fsdp_wrapped
 from accel_gradsync.runtime.fsdp2_counts import watch_fsdp2
 from accel_gradsync.runtime.generation import GenerationGather
@@ -185,7 +185,7 @@ class Binder:
         self.state.adapters[root] = adapter  # seen: bind() does not adapt it again
         if adapter is None or adapter.kind != "fsdp2" or not adapter.units:
             return
-        keeps = len(adapter.units) == 1 or self.state.settings.gather_for_generation
+        keeps = frozen_keeps(adapter.units, self.state.settings.gather_for_generation)
         account = SyncAccounting(self.state.policy.name, adapter.kind, adapter.collective, units=len(adapter.units))
         # Named by the Trainer's attribute (`ref_model`) where found there, else by its class.
         frozen = FrozenModel(name or self._unique_name(root), adapter, account, keeps)
