@@ -13,6 +13,9 @@ import re
 import pytest
 from launcher import accelerate_config, launch
 
+from accel_gradsync.estimator.core import estimate
+from benchmarks import grpo
+
 CONFIG = accelerate_config("fsdp2", fsdp_transformer_layer_cls_to_wrap="Qwen2DecoderLayer")
 M, STEPS = 3, 2
 
@@ -27,7 +30,9 @@ def runs(modes: list[str]) -> list[dict]:
     "modes",
     [["window"], pytest.param(["per_micro_batch", "deferred", "gather_for_generation"], marks=pytest.mark.slow)],
 )
-def test_the_reference_model_gathers_once_per_step_and_changes_nothing(modes):
+def test_the_reference_model_gathers_once_per_step_and_changes_nothing(modes, tmp_path):
+    grpo.build_model_dir(tmp_path, "quick")  # the worker's model, for `accel-gradsync estimate --beta`
+    estimated = estimate(str(tmp_path), CONFIG, M, beta=0.04).reference
     for index, rank in enumerate(runs(modes)):
         stock = rank["stock"]
         units = stock["reference_groups"]
@@ -38,6 +43,14 @@ def test_the_reference_model_gathers_once_per_step_and_changes_nothing(modes):
             run = rank[mode]
             counted = [s["reference"] for s in run["steps"]]
             assert counted == [units] * STEPS, (mode, run["steps"])
+            # The estimate says what is counted per step, with the plugin and stock, and the line the
+            # main process prints.
+            stock_counted = [s["reference"] for s in stock["steps"]]
+            assert (counted, stock_counted, index > 0 or estimated.line in run["decision"]) == (
+                [estimated.all_gathers_per_step] * STEPS,
+                [estimated.stock_all_gathers_per_step] * STEPS,
+                True,
+            ), (mode, estimated, run["decision"])
             stats = run["stats"]
             assert stats["reference_units"] == units
             assert stats["reference_all_gathers"] == sum(counted)
