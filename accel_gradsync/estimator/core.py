@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from typing import Any
 
 import torch
 
+from accel_gradsync.config.errors import GradSyncWarning
 from accel_gradsync.config.settings import GradSyncConfig, SyncMode, dtype_name, reduce_dtype_for
 from accel_gradsync.estimator.inputs import FSDPSetup, LoraSpec, StepShape, load_model_config, read_launch_setup
 from accel_gradsync.estimator.meta_model import build_meta_model, estimated_adapter
@@ -242,7 +244,10 @@ def _plan_mode(
     if window and adapter.kind != "fsdp2":
         raise ValueError("keeps FSDP2 units' params unsharded through the window; FSDP1's equivalent is SHARD_GRAD_OP.")
     if window is not None:
-        config = dataclasses.replace(config, keep_params_unsharded=window)
+        with warnings.catch_warnings():
+            # The deferred rows set it whatever mode is selected: "ignored in sync mode X" is no news here.
+            warnings.simplefilter("ignore", GradSyncWarning)
+            config = dataclasses.replace(config, keep_params_unsharded=window)
     if policy_cls.name == SyncMode.BUDGET and not config.memory_budget:
         raise ValueError("needs a budget: set --grad-sync-memory-budget (e.g. 12GiB or 0.5 of free memory).")
 

@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ import torch.distributed as dist
 import yaml
 
 from accel_gradsync import GradSyncConfig
+from accel_gradsync.config.errors import GradSyncWarning
 from accel_gradsync.estimator.cli import main
 from accel_gradsync.estimator.core import WINDOW_ROW, estimate
 from accel_gradsync.estimator.inputs import load_model_config, read_accelerate_config
@@ -239,3 +241,12 @@ def test_fsdp2_over_one_rank_issues_no_collective():
         assert counter.take() == {}
     finally:
         dist.destroy_process_group()
+
+
+def test_estimate_from_python_warns_of_no_setting_its_own_rows_change(fsdp):
+    """The deferred rows turn keep_params_unsharded on and off whatever mode is selected: no
+    "ignored in sync mode" warning reaches a caller of `estimate()` for that."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        estimate("recipe-default", fsdp(2), 2)
+    assert not [w for w in caught if issubclass(w.category, GradSyncWarning)], [str(w.message) for w in caught]
