@@ -138,7 +138,7 @@ def combine(runs: list[GrpoRun]) -> GrpoRun:
     first = runs[0]
     rows = sorted((r for run in runs for r in run.rows), key=lambda r: list(CONFIGS).index(r.config))
     out = GrpoRun(size=first.size, facts=first.facts, rows=rows, versions=first.versions,
-                  pinned_cores=first.pinned_cores)  # fmt: skip
+                  pinned_cores=first.pinned_cores, backend_ms=first.backend_ms)  # fmt: skip
     for name in ("link", "hosts", "ranks_per_host"):
         setattr(out, name, getattr(first, name))
     out.wall_s = round(sum(r.wall_s or 0 for r in runs), 1)
@@ -173,7 +173,7 @@ def merge(ranks_json: list[dict]) -> GrpoRun:
             completions=[[run.completions for run in runs] for runs in rounds],
             stats=per_rank[0][-1].stats))  # fmt: skip
     return GrpoRun(size=ranks[0].size, facts=ranks[0].facts, rows=rows, versions=ranks[0].versions,
-                   pinned_cores=[r.pinned_core for r in ranks])  # fmt: skip
+                   pinned_cores=[r.pinned_core for r in ranks], backend_ms=ranks[0].backend_ms)  # fmt: skip
 
 
 def plan_of(args) -> dict:

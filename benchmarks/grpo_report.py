@@ -85,6 +85,7 @@ def write_table(results: GrpoResults) -> str:
                 f"{sum(c[p]['bytes_sent'] for p in PHASES) / MiB:.0f} | {held} | {r.held_param_bytes / MiB:.2f} | "
                 f"{r.state_bytes / MiB:.2f} | {state} | {r.rss_growth_bytes / MiB:.0f} |"
             )
+        lines += ["", backend_line(run)] if run.backend_ms else []
         lines.append("")
     lines += ["Configurations (each for full fine-tuning and for LoRA on q_proj, v_proj):", ""]
     lines += [f"- `{mode}`: {label}" for mode, (_, label) in grpo.MODES.items()]
@@ -130,6 +131,24 @@ def check_targets(results: GrpoResults) -> list[TargetResult]:
     return out
 
 
+def pair_over_all_reduce(run: GrpoRun) -> float | None:
+    """This network's all-gather + reduce-scatter of the model over its all-reduce of the same bytes."""
+    b = run.backend_ms
+    return (b["all_gather"] + b["reduce_scatter"]) / b["all_reduce"] if b and b.get("all_reduce") else None
+
+
+def backend_line(run: GrpoRun) -> str:
+    """What the collectives alone cost on this network: the part of the gap to DDP no sync mode can close."""
+    b, mib = run.backend_ms, run.facts["params"] * 4 / MiB
+    return (
+        f"Collectives alone on this network (rank 0 of the FSDP2 launch, median of 3, the model's {mib:.1f} MiB of "
+        f"fp32 params): all-gather {b['all_gather']:.0f} ms, reduce-scatter {b['reduce_scatter']:.0f} ms, all-reduce "
+        f"{b['all_reduce']:.0f} ms. The window's pair per step moves the bytes of DDP's one all-reduce and costs "
+        f"{pair_over_all_reduce(run):.2f}x it here, before FSDP2's copies in and out; with beta > 0 the reference "
+        "model adds one all-gather per step that DDP, which replicates it, does not need."
+    )
+
+
 def check_floor(run: GrpoRun, where: str, tuning: str, quick: bool) -> list[TargetResult]:
     """The window against DDP, the data-parallel floor: its step time within 1.10x, its memory
     between optimizer steps below DDP's (sharded)."""
@@ -141,6 +160,8 @@ def check_floor(run: GrpoRun, where: str, tuning: str, quick: bool) -> list[Targ
     ratio = speedup(run, ddp, window)
     assert ratio is not None  # both ran, in the same rounds
     per_round = "{m:.2f}x (per round: " + ", ".join(f"{x:.2f}x" for x in ratio[1]) + ")"
+    if (pair := pair_over_all_reduce(run)) is not None:
+        per_round += f"; collectives alone: all-gather + reduce-scatter = {pair:.2f}x all-reduce of the same bytes"
     w, d = rows[window].state_bytes, rows[ddp].state_bytes
     state = TargetResult(state_what, PASS if w < d else FAIL, f"{w / MiB:.2f} MiB against {d / MiB:.2f} MiB per rank")
     return [judged(time_what, targets.GRPO_DDP_FLOOR, ratio[1], quick, per_round), state]

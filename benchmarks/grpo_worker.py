@@ -160,6 +160,34 @@ def run_one(name: str, round_index: int, args: argparse.Namespace, phases: Phase
                        stats={k: v for k, v in stats.items() if isinstance(v, (int, float, str))})  # fmt: skip
 
 
+def time_collectives(numel: int, reps: int = 3) -> dict[str, float]:
+    """Median ms of one all-gather and one reduce-scatter of `numel` fp32 elements (what the window
+    moves for the whole model, each once per step) and of one all-reduce of them (DDP's gradient
+    sync, the same bytes by the ring formula), on this launch's process group: what the backend
+    itself charges for each, apart from FSDP2, TRL and the plugin."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    full = torch.ones(numel - numel % world)
+    shard = torch.ones(full.numel() // world)
+    ops = {
+        "all_gather": lambda: dist.all_gather_into_tensor(full, shard),
+        "reduce_scatter": lambda: dist.reduce_scatter_tensor(shard, full),
+        "all_reduce": lambda: dist.all_reduce(full),
+    }
+    out = {}
+    for name, op in ops.items():
+        op()  # warm-up: the backend's buffers for this size
+        times = []
+        for _ in range(reps):
+            dist.barrier()
+            t0 = time.perf_counter()
+            op()
+            times.append(time.perf_counter() - t0)
+        out[name] = sorted(times)[len(times) // 2] * 1e3
+    return out
+
+
 def main() -> None:
     args = parse_args()
     core = pin_to_core() if args.pin_cores else None
@@ -181,7 +209,9 @@ def main() -> None:
                 ms = ", ".join(f"{s.time_s * 1e3:.0f}" for s in rec.steps)
                 print(f"[bench] grpo {args.size} round {r} {name}: steps {ms} ms ({time.time() - t0:.1f}s)", flush=True)
     facts = json.loads(Path(args.model_dir, "bench_facts.json").read_text())
-    result = GrpoRankResult(size=args.size, facts=facts, pinned_core=core, runs=runs, versions=versions("trl", "peft"))
+    backend = time_collectives(facts["params"])
+    result = GrpoRankResult(size=args.size, facts=facts, pinned_core=core, runs=runs, versions=versions("trl", "peft"),
+                            backend_ms=backend)  # fmt: skip
     Path(args.out, f"rank{state.process_index}.json").write_text(json.dumps(dataclasses.asdict(result), indent=1))
 
 

@@ -196,6 +196,9 @@ class GrpoRankResult(Record):
     pinned_core: int | None
     runs: list[GrpoRankRun]
     versions: dict[str, str]
+    backend_ms: dict[str, float] = field(default_factory=dict)
+    """Median ms of one all-gather, reduce-scatter and all-reduce of the model's fp32 params on
+    this launch's process group (`grpo_worker.time_collectives`)."""
 
 
 @dataclass(kw_only=True)
@@ -214,6 +217,7 @@ class GrpoRow(Row):
 @dataclass(kw_only=True)
 class GrpoRun(RunBase):
     rows: list[GrpoRow]
+    backend_ms: dict[str, float] = field(default_factory=dict)  # rank 0's of the first launch
 
 
 @dataclass(kw_only=True)

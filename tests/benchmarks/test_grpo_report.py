@@ -104,3 +104,20 @@ def test_results_survive_the_json_round_trip():
 
 def full_only(checked):
     return [t for t in checked if "full:" in t.target]
+
+
+def test_the_floor_says_what_the_collectives_alone_cost_on_the_network():
+    """The backend's own price of the window's pair (all-gather + reduce-scatter of the model) against
+    DDP's all-reduce of the same bytes: in the floor target's line and under the table."""
+    ddp, window = row("full/ddp", [1.0], [0]), row("full/window", [1.5], [0])
+    run = GrpoRun(size="quick", facts={"params": 2**20}, rows=[ddp, window],
+                  backend_ms={"all_gather": 30.0, "reduce_scatter": 50.0, "all_reduce": 40.0})  # fmt: skip
+    out = GrpoResults(command="", plan={}, machine={}, elapsed_s=1, runs=[run])
+    ((_, measured),) = status(grpo_report.check_targets(out), "[loopback] full/window within 1.10x").values()
+    assert measured.endswith("collectives alone: all-gather + reduce-scatter = 2.00x all-reduce of the same bytes")
+    line = grpo_report.backend_line(run)
+    assert "all-gather 30 ms, reduce-scatter 50 ms, all-reduce 40 ms" in line and "costs 2.00x it" in line
+    assert "4.0 MiB" in line
+    # A results.json from before the measurement: no line, no note.
+    plain = grpo_report.check_floor(GrpoRun(size="quick", facts={}, rows=[ddp, window]), "loopback", "full", False)
+    assert "collectives alone" not in plain[0].measured

@@ -100,6 +100,7 @@ def test_ddp_is_the_floor_every_configuration_is_measured_against(quick_run):
         assert 0 < window.state_bytes < ddp.state_bytes  # sharded between optimizer steps
         assert f"[loopback] {tuning}/window within 1.10x of {tuning}/ddp's GRPO step" in stdout
         assert f"[PASS] [loopback] {tuning}/window: memory between optimizer steps sharded" in stdout
+    assert "collectives alone: all-gather + reduce-scatter = " in stdout  # the backend's price, measured
 
 
 def test_every_configuration_reproduces_stock_exactly(quick_run):
