@@ -176,6 +176,12 @@ class Cluster:
                  "main_process_port": port}  # fmt: skip
         return [arg for name, value in flags.items() for arg in (f"--{name}", str(value))]
 
+    def torchrun_flags(self, host: int, nprocs: int, port: int = 29500) -> list[str]:
+        """What torchrun needs on each host for a multi-node job of `nprocs` ranks in all (DDP's
+        launch, which has no accelerate config): host 0 is the rendezvous, as in `accelerate_flags`."""
+        return [f"--nnodes={self.hosts}", f"--node_rank={host}", f"--nproc_per_node={nprocs // self.hosts}",
+                f"--master_addr={self.address(0)}", f"--master_port={port}"]  # fmt: skip
+
     def popen(self, host: int, argv: list[str], env: dict, **kwargs) -> subprocess.Popen:
         """Start `argv` in host `host`'s namespace, gloo bound to its NIC, in a session of its own."""
         cpus = self.host_cpus(host) if self.cpus_per_host else None

@@ -125,11 +125,11 @@ def worker_args(p: dict, model_dir: Path, pin: bool, configs: list[str]) -> list
     return args + (["--pin-cores"] if pin else [])
 
 
-def launches(p: dict, on_cluster: bool = False) -> list[list[str]]:
-    """The configurations of each launch: FSDP2's, then DDP's (its own accelerate state; over
-    loopback only: a simulated cluster launches through accelerate's FSDP config)."""
+def launches(p: dict) -> list[list[str]]:
+    """The configurations of each launch: FSDP2's (accelerate launch), then DDP's (torchrun, its own
+    accelerate state), on every network."""
     fsdp = [c for c in p["configs"] if not is_ddp(c)]
-    ddp = [c for c in p["configs"] if is_ddp(c) and not on_cluster]
+    ddp = [c for c in p["configs"] if is_ddp(c)]
     return [names for names in (fsdp, ddp) if names]
 
 

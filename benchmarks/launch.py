@@ -66,13 +66,16 @@ def launch(script: Path | str, args: list[str], config: dict | None = None, *, n
            env: dict[str, str] | None = None, timeout: float = 600, hosts: Cluster | None = None,
            echo: Callable[[int, str], None] | None = None) -> Launched:  # fmt: skip
     """`script --out DIR *args` under `accelerate launch` with `config` (None: torchrun with `nprocs`
-    CPU ranks), from the repository root; `echo(host, line)` sees every output line as it comes."""
+    CPU ranks), from the repository root, once per host of `hosts` (multi-node flags for either
+    launcher); `echo(host, line)` sees every output line as it comes."""
     full_env = environment(env)
     with tempfile.TemporaryDirectory() as out:
         worker = [str(script), "--out", out, *args]
         if config is None:
             full_env["ACCELERATE_USE_CPU"] = "true"
-            launcher = ["torch.distributed.run", f"--nproc_per_node={nprocs}", f"--master_port={free_port()}"]
+            launcher = ["torch.distributed.run"]
+            if hosts is None:
+                launcher += [f"--nproc_per_node={nprocs}", f"--master_port={free_port()}"]
         else:
             config_file = Path(out, "accelerate.yaml")
             if hosts is not None:
@@ -81,7 +84,9 @@ def launch(script: Path | str, args: list[str], config: dict | None = None, *, n
             launcher = ["accelerate.commands.launch", "--config_file", str(config_file)]
         command = [sys.executable, "-m", *launcher]
         if hosts is not None:
-            done = hosts.run([[*command, *hosts.accelerate_flags(h), *worker] for h in range(hosts.hosts)],
+            flags_of = hosts.accelerate_flags if config else functools.partial(hosts.torchrun_flags, nprocs=nprocs)
+            per_host = [flags_of(h) for h in range(hosts.hosts)]
+            done = hosts.run([[*command, *flags, *worker] for flags in per_host],
                              full_env, cwd=REPO, timeout=timeout, echo=echo)  # fmt: skip
             code = next((c for c, _ in done if c != 0), 0)
             output = "".join(f"--- host {h} ---\n" + "".join(tail) for h, (_, tail) in enumerate(done))

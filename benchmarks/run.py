@@ -112,7 +112,7 @@ def jobs_of(p: dict, args: argparse.Namespace, workdir: Path, on_cluster: bool) 
     return [Job(f"GRPO {'DDP' if grpo.is_ddp(names[0]) else 'FSDP2'}: {', '.join(names)}", grpo.WORKER,
                 grpo.worker_args(p, workdir, pin, names),
                 None if grpo.is_ddp(names[0]) else fsdp2_config(grpo.LAYER_CLASS, 2),
-                grpo.merge, {"CUDA_VISIBLE_DEVICES": ""}) for names in grpo.launches(p, on_cluster)]  # fmt: skip
+                grpo.merge, {"CUDA_VISIBLE_DEVICES": ""}) for names in grpo.launches(p)]  # fmt: skip
 
 
 def run_jobs(jobs: list[Job], network: str | None, p: dict, args: argparse.Namespace) -> list[RunBase]:
