@@ -51,6 +51,14 @@ MODES: dict[str, tuple[dict[str, Any] | None, str]] = {
     "deferred_gen_resident": ({"defer": True, "gather_for_generation": True},
                               "plugin, deferred + gather_for_generation (params gathered once per generation)"),
 }  # fmt: skip
+# Modes that sum a step's gradients in another floating-point order than stock (accelerate's no_sync
+# defers on FSDP2: each rank adds its micro-batches, then one reduce-scatter): per-micro-batch sync
+# adds each micro-batch's reduced shard, auto's measured step 1 syncs per micro-batch, DDP divides
+# before its all-reduce. Their logged values match stock's within LOG_RTOL, not bit for bit: the
+# rounding reaches ~1e-5 relative on KL (~1e-4 itself after two steps at lr 1e-5), while a lost or
+# doubled micro-batch changes an update by 1/M, orders of magnitude more.
+REORDERED = ("ddp", "per_micro_batch", "auto")
+LOG_RTOL = 1e-4
 TUNINGS = ("full", "lora")
 CONFIGS: dict[str, dict[str, Any]] = {
     f"{tuning}/{mode}": {"mode": mode, "lora": tuning == "lora", "gradsync": kwargs}

@@ -182,8 +182,9 @@ def check_window_gathers(where: str, row: GrpoRow) -> TargetResult:
 
 
 def check_identical(where: str, rows: dict[str, GrpoRow]) -> list[TargetResult]:
-    """Every configuration's completion digests, rewards and logged losses and rewards equal stock's
-    exactly, at every step of every round."""
+    """Every configuration's completion digests and rewards equal stock's exactly, at every step of
+    every round, and its logged values too, within `grpo.LOG_RTOL` for the modes that sum gradients
+    in another order (`grpo.REORDERED`)."""
     out = []
     for tuning in grpo.TUNINGS:
         stock = rows.get(f"{tuning}/stock")
@@ -192,16 +193,24 @@ def check_identical(where: str, rows: dict[str, GrpoRow]) -> list[TargetResult]:
         if stock is None or not others:
             out.append(TargetResult(what, SKIP, "stock or no other configuration run"))
             continue
-        ref, bad = recorded(stock, 0), []
+        ref, bad, rel = recorded(stock, 0), [], 0.0
         for name, k in [(n, k) for n in others for k in range(len(rows[n].logs))]:
-            got = recorded(rows[name], k)
-            if diff := [key for key in ref if got[key] != ref[key]]:
+            got, reordered = recorded(rows[name], k), grpo.CONFIGS[name]["mode"] in grpo.REORDERED
+            diff = [key for key in ref if got[key] != ref[key] and not (key == "logs" and reordered)]
+            if reordered:
+                off = log_difference(got["logs"], ref["logs"])
+                if off is None or off > grpo.LOG_RTOL:
+                    diff.append("logs")
+                else:
+                    rel = max(rel, off)
+            if diff:
                 bad.append(f"{name} round {k}: {', '.join(diff)} differ{first_difference(got, ref)}")
         if any(recorded(stock, k) != ref for k in range(len(stock.logs))):
             bad.append("stock differs between its own rounds")
         measured = (
             f"{', '.join(others)} vs stock: {len(ref['logs'])} steps x {len(stock.logs)} round(s), "
             "losses and rewards logged, completions and rewards recorded"
+            + (f"; {'/'.join(grpo.REORDERED)}'s logged values at most {rel:.1e} relative off" if rel else "")
         )
         out.append(TargetResult(what, FAIL, "; ".join(bad)) if bad else TargetResult(what, PASS, measured))
     return out
@@ -210,6 +219,19 @@ def check_identical(where: str, rows: dict[str, GrpoRow]) -> list[TargetResult]:
 def recorded(row: GrpoRow, k: int) -> dict:
     """What round k of a configuration must share with stock: logs, rewards, completion digests."""
     return {"logs": row.logs[k], "rewards": row.rewards[k], "completions": row.completions[k]}
+
+
+def log_difference(got: list[dict], ref: list[dict]) -> float | None:
+    """The largest relative difference between two runs' logged values, step by step; None when
+    they log different steps or keys (that is no rounding)."""
+    if [sorted(a) for a in got] != [sorted(b) for b in ref]:
+        return None
+    off = 0.0
+    for a, b in zip(got, ref, strict=True):
+        for key, x in a.items():
+            y = b[key]
+            off = max(off, abs(x - y) / max(abs(x), abs(y), 1e-30)) if x != y else off
+    return off
 
 
 def first_difference(got: dict, ref: dict) -> str:

@@ -95,6 +95,24 @@ def test_one_differing_loss_fails_the_identity_target():
     assert [t.status for t in full_only(grpo_report.check_identical("loopback", rows))] == ["PASS"]
 
 
+def test_modes_that_sum_in_another_order_match_stock_within_rounding_and_no_further():
+    """per_micro_batch, auto (its measured step 1) and DDP add the same gradients in another
+    floating-point order: their logged values may differ from stock's in the last digits (within
+    1e-4 relative), never more; deferral's configurations must match exactly."""
+    stock = row("full/stock", [1.0], [0], loss=8.025467650440987e-06)
+    rounded = [row(f"full/{m}", [1.0], [0], loss=8.025485840335023e-06) for m in ("ddp", "per_micro_batch", "auto")]
+    rows = {r.config: r for r in (stock, *rounded)}
+    ((s, measured),) = [(t.status, t.measured) for t in full_only(grpo_report.check_identical("loopback", rows))]
+    assert s == "PASS" and "at most 2.3e-06 relative off" in measured, measured
+    rows["full/deferred"] = row("full/deferred", [1.0], [0], loss=8.025485840335023e-06)  # sums as stock: exact
+    ((s, measured),) = [(t.status, t.measured) for t in full_only(grpo_report.check_identical("loopback", rows))]
+    assert s == "FAIL" and measured.startswith("full/deferred round 0: logs differ"), measured
+    del rows["full/deferred"]
+    rows["full/ddp"] = row("full/ddp", [1.0], [0], loss=8.03e-06)  # 5e-4 off: more than rounding
+    ((s, measured),) = [(t.status, t.measured) for t in full_only(grpo_report.check_identical("loopback", rows))]
+    assert s == "FAIL" and "full/ddp round 0: logs differ" in measured
+
+
 def test_results_survive_the_json_round_trip():
     stock = row("full/stock", [1.0, 1.2], [0, 1])
     stock.phase_time_s, stock.handle_held_grad_bytes = {"generation": 0.5, "training": 0.5}, None
