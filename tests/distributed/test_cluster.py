@@ -247,6 +247,21 @@ def test_quick_benchmark_on_two_simulated_hosts(tmp_path):
     assert "## 1gbit link per host" in (tmp_path / "results.md").read_text()
 
 
+@needs_cluster
+def test_a_launch_without_an_accelerate_config_is_one_torchrun_per_host():
+    """DDP's launch in the GRPO benchmark (torchrun, no accelerate config) on 2 hosts: one rank each,
+    host 0 the rendezvous, one process group whose all-reduce crosses the shaped link."""
+    from benchmarks.launch import launch
+
+    with Cluster(2, "1gbit") as c:
+        before = sum(c.link_bytes())
+        done = launch(Path(__file__).parent / "workers" / "link_all_reduce.py", [], None, hosts=c, timeout=180)
+        sent = sum(c.link_bytes()) - before
+    assert done.returncode == 0, done.output
+    assert [(r["rank"], r["world"], r["sum"]) for r in done.ranks] == [(0, 2, 2.0), (1, 2, 2.0)]
+    assert sent >= 2 * 8 * 2**20  # each host sent at least the 8 MiB (2(N-1)/N of it, N = 2)
+
+
 # -- the multi-node recipe path ---------------------------------------------------------------
 STEPS, MICRO_BATCHES = 2, 4  # the recipe's default gradient_accumulation_steps
 RECIPE_FLAGS = ["--max_steps", str(STEPS), "--logging_steps", "1", "--save_strategy", "no", "--disable_tqdm", "true"]
