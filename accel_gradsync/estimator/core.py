@@ -183,7 +183,9 @@ def _estimate_row(
     row.selected = selected
     row.fits = _check_fits(row, config)
     if sim is not None:
-        peak = add_reference(sim.row(plan, adapter, policy_cls.name), reference)
+        # The window (or gather_for_generation) keeps the trained params from generation through the pass.
+        kept = max(plan.held_param_bytes(), plan.generation_bytes)
+        peak = add_reference(sim.row(plan, adapter, policy_cls.name), reference, kept)
         row.step_peak_bytes, row.step_peak_phase = peak.peak_bytes, peak.phase
         row.step_peak_parts, row.step_peak_unmodeled = peak.parts, peak.unmodeled
     return row

@@ -116,12 +116,13 @@ def count_reference(
     )
 
 
-def add_reference(peak: StepPeak, reference: ReferenceEstimate | None) -> StepPeak:
+def add_reference(peak: StepPeak, reference: ReferenceEstimate | None, policy_kept: int = 0) -> StepPeak:
     """A row's step peak with the reference model in it: its sharded params resident in every
     phase (`reference_params`), and its log-prob pass as a phase of its own (`reference_pass`:
-    the trained model's sharded params and optimizer state, the reference's sharded params and
-    what the pass holds unsharded; no gradients live between steps). The pass's activations are
-    not simulated: `unmodeled` says so."""
+    the trained model's sharded params and optimizer state, `policy_kept` (the trained model's
+    params the row's plan keeps unsharded from generation on: its window, or
+    `gather_for_generation`), the reference's sharded params and what the pass holds unsharded;
+    no gradients live between steps). The pass's activations are not simulated: `unmodeled` says so."""
     if reference is None or not reference.sharded_param_bytes:
         return peak
     resident = reference.sharded_param_bytes
@@ -129,7 +130,11 @@ def add_reference(peak: StepPeak, reference: ReferenceEstimate | None) -> StepPe
     if "generation_peak" in parts:
         parts["generation_peak"] += resident
     parts["reference_pass"] = (
-        parts.get("sharded_params", 0) + parts.get("optimizer_state", 0) + resident + reference.unsharded_param_bytes
+        parts.get("sharded_params", 0)
+        + parts.get("optimizer_state", 0)
+        + policy_kept
+        + resident
+        + reference.unsharded_param_bytes
     )
     peak_bytes, phase = peak.peak_bytes + resident, peak.phase
     if parts["reference_pass"] > peak_bytes:

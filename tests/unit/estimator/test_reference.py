@@ -132,6 +132,9 @@ def test_the_reference_is_resident_in_every_phase_and_its_pass_is_a_phase():
     assert (big.peak_bytes, big.phase) == (100 + 200 + 50 + 2000, "reference_pass")
     lora = ReferenceEstimate(BETA, "", policy_adapter_off=True)
     assert add_reference(peak, lora) is peak and add_reference(peak, None) is peak
+    # A window keeps the trained model's params unsharded from generation through the pass.
+    windowed = add_reference(peak, ref, policy_kept=700)
+    assert windowed.parts["reference_pass"] == 100 + 200 + 700 + 50 + 100 and windowed.phase == "reference_pass"
 
 
 def test_every_rows_step_peak_holds_the_sharded_reference(good, capsys):
@@ -147,3 +150,16 @@ def test_every_rows_step_peak_holds_the_sharded_reference(good, capsys):
             continue
         assert row["step_peak_parts"]["reference_params"] == sharded
         assert row["step_peak_bytes"] == without[row["mode"]]["step_peak_bytes"] + sharded, row["mode"]
+
+
+def test_the_window_row_holds_the_trained_params_through_the_reference_pass(good, capsys):
+    """The window keeps the trained model's units unsharded from generation's first forward to the
+    window's end, so its reference pass holds them beside the reference model; deferral does not."""
+    args = ["estimate", "--accelerate-config", good, "--micro-batches", "3", "--micro-batch-size", "1"]
+    main([*args, "--seq-len", "8", "--beta", str(BETA), "--json"])
+    rows = {m["mode"]: m for m in json.loads(capsys.readouterr().out)["modes"]}
+    window, deferred = rows["deferred+window"], rows["deferred"]
+    assert window["held_param_bytes"] > 0 and deferred["held_param_bytes"] == 0
+    passes = [r["step_peak_parts"]["reference_pass"] for r in (window, deferred)]
+    extra = window["step_peak_parts"]["optimizer_state"] - deferred["step_peak_parts"]["optimizer_state"]
+    assert passes[0] - passes[1] == window["held_param_bytes"] + extra
