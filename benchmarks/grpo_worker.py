@@ -20,6 +20,7 @@ import json
 import tempfile
 import time
 from pathlib import Path
+from statistics import median
 from typing import Any
 
 import torch
@@ -184,7 +185,7 @@ def time_collectives(numel: int, reps: int = 3) -> dict[str, float]:
             t0 = time.perf_counter()
             op()
             times.append(time.perf_counter() - t0)
-        out[name] = sorted(times)[len(times) // 2] * 1e3
+        out[name] = median(times) * 1e3
     return out
 
 
