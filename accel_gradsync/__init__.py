@@ -6,15 +6,61 @@ Layers, each importing only those before it: `config` < `compat` (shims for othe
 `estimator`; `attach` composes them.
 """
 
-from accel_gradsync.attach import attach
-from accel_gradsync.compat.cpu import enable_cpu_fsdp
-from accel_gradsync.config.errors import GradSyncWarning
-from accel_gradsync.config.settings import GradSyncConfig
-from accel_gradsync.estimator.core import estimate
-from accel_gradsync.launch import check_launch
-from accel_gradsync.planning.units import Level, Plan, Unit
-from accel_gradsync.runtime.handle import GradSyncHandle
-from accel_gradsync.runtime.preemption import PREEMPTED_EXIT_CODE
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from accel_gradsync.attach import attach
+    from accel_gradsync.compat.cpu import enable_cpu_fsdp
+    from accel_gradsync.config.errors import GradSyncWarning
+    from accel_gradsync.config.settings import GradSyncConfig
+    from accel_gradsync.estimator.core import estimate
+    from accel_gradsync.launch import check_launch
+    from accel_gradsync.planning.units import Level, Plan, Unit
+    from accel_gradsync.runtime.handle import GradSyncHandle
+    from accel_gradsync.runtime.preemption import PREEMPTED_EXIT_CODE
+
+# Imported on first use (PEP 562), so `accel-gradsync estimate` can refuse a bad flag before
+# accelerate and transformers' models are imported: name -> the module that defines it.
+_LAZY = {
+    "attach": "accel_gradsync.attach",
+    "enable_cpu_fsdp": "accel_gradsync.compat.cpu",
+    "GradSyncWarning": "accel_gradsync.config.errors",
+    "GradSyncConfig": "accel_gradsync.config.settings",
+    "estimate": "accel_gradsync.estimator.core",
+    "check_launch": "accel_gradsync.launch",
+    "Level": "accel_gradsync.planning.units",
+    "Plan": "accel_gradsync.planning.units",
+    "Unit": "accel_gradsync.planning.units",
+    "GradSyncHandle": "accel_gradsync.runtime.handle",
+    "PREEMPTED_EXIT_CODE": "accel_gradsync.runtime.preemption",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value
+    return value
+
+
+class _Package(types.ModuleType):
+    """This package: `attach` names the function, also once its submodule is imported (the import
+    system sets a submodule as an attribute of its package; here that would hide the function)."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "attach" and isinstance(value, types.ModuleType):
+            return  # `accel_gradsync.attach` is the function, got through __getattr__
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
+
 
 __all__ = [
     "GradSyncConfig",

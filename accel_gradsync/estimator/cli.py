@@ -1,7 +1,9 @@
 """`accel-gradsync` (also `python -m accel_gradsync`): commands run before launch.
 
 `estimate` takes its sync settings from `GradSyncConfig` through `HfArgumentParser`, so its flags,
-defaults and environment variables are exactly the recipe's and `attach`'s.
+defaults and environment variables are exactly the recipe's and `attach`'s. Every flag is read and
+checked before the estimate's model machinery (transformers' models, accelerate, PEFT, FSDP) is
+imported, so a refusal is quick: one usage line and one error line, exit 2.
 """
 
 from __future__ import annotations
@@ -17,8 +19,6 @@ from transformers import HfArgumentParser
 
 from accel_gradsync.config.errors import GradSyncWarning
 from accel_gradsync.config.settings import DTYPES, GradSyncConfig
-from accel_gradsync.estimator.core import estimate
-from accel_gradsync.estimator.formatting import format_json, format_table
 from accel_gradsync.estimator.inputs import OPTIMIZERS, RECIPE_DEFAULT, read_lora, read_step_shape
 
 
@@ -91,27 +91,27 @@ class EstimateArguments:
         default=False,
         metadata={"help": "For the step peak: the model runs with gradient checkpointing (non-reentrant)."},
     )
-    max_completion_length: int = field(
-        default=0,
+    max_completion_length: int | None = field(
+        default=None,
         metadata={
             "help": "For the step peak, GRPO: tokens generated per completion (the end of each --seq-len sequence). "
             "Adds a generation phase: micro-batch-size x micro-batches sequences per rank decoded token by token "
-            "with their KV cache, units gathered as --grad-sync-gather-for-generation says. 0: no generation."
+            "with their KV cache, units gathered as --grad-sync-gather-for-generation says. Not given: none."
         },
     )
-    lora_r: int = field(
-        default=0,
+    lora_r: int | None = field(
+        default=None,
         metadata={
             "help": "A LoRA fine-tune (PEFT) of rank R: only the adapters train, so units, held gradients, optimizer "
-            "state and the step peak are those of the adapters, the frozen base sharded. 0: full fine-tuning."
+            "state and the step peak are those of the adapters, the frozen base sharded. Not given: full fine-tuning."
         },
     )
     lora_target_modules: str = field(
         default="",
         metadata={"help": "With --lora-r: comma-separated module names (default: PEFT's for the architecture)."},
     )
-    num_generations: int = field(
-        default=0,
+    num_generations: int | None = field(
+        default=None,
         metadata={"help": "For the step peak, GRPO: completions per prompt, checked against the generation batch."},
     )
     beta: float = field(
@@ -125,13 +125,20 @@ class EstimateArguments:
     )
 
 
+class _EstimateParser(HfArgumentParser):
+    """`estimate`'s parser: an error prints one usage line, not every flag (`--help` lists them)."""
+
+    def format_usage(self) -> str:
+        return f"usage: {self.prog} --micro-batches M [OPTIONS] (--help lists them)\n"
+
+
 def build_parser() -> tuple[argparse.ArgumentParser, HfArgumentParser]:
     """The top-level parser and the `estimate` sub-parser."""
     parser = argparse.ArgumentParser(
         prog="accel-gradsync",
         description="Plan gradient sync under FSDP before launch. See docs/estimate.md.",
     )
-    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=HfArgumentParser)
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=_EstimateParser)
     estimate_parser = commands.add_parser(
         "estimate",
         dataclass_types=[EstimateArguments, GradSyncConfig],
@@ -146,8 +153,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, HfArgumentParser]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run `accel-gradsync ARGV`: 0 after printing the estimate; argparse's exit 2 with one error
-    line for a bad flag or any input the estimate refuses (its `ValueError`)."""
+    """Run `accel-gradsync ARGV`: 0 after printing the estimate; argparse's exit 2 with a usage line
+    and one error line for a bad flag or any input the estimate refuses (its `ValueError`)."""
     argv = _join_negative_values(list(sys.argv[1:] if argv is None else argv))
     parser, estimate_parser = build_parser()
     parser.parse_args(argv)  # --help, a missing or unknown command, bad flags: argparse's own messages
@@ -164,6 +171,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 args.max_completion_length,
                 args.num_generations,
             )
+            lora = read_lora(args.lora_r, args.lora_target_modules)
+            # Only now, with every flag read: the estimate's imports take seconds.
+            from accel_gradsync.estimator.core import estimate
+
             result = estimate(
                 args.model,
                 args.accelerate_config,
@@ -174,11 +185,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 mixed_precision=args.mixed_precision,
                 distributed_config=args.distributed_config,
                 step_shape=shape,
-                lora=read_lora(args.lora_r, args.lora_target_modules),
+                lora=lora,
                 beta=args.beta,
             )
         except ValueError as err:
             estimate_parser.error(str(err))  # exits 2 with the usage line
+    from accel_gradsync.estimator.formatting import format_json, format_table
+
     print(format_json(result) if args.json else format_table(result))
     return 0
 

@@ -83,13 +83,21 @@ def estimate(
     Raises:
         `ValueError`: an input a launch would also fail on, named with what to change (both or
             neither of the two configs, a config accelerate cannot shard, M below 1, a process
-            that already has a torch.distributed group, a negative beta).
+            that already has a torch.distributed group, a negative beta), or a launch the estimate
+            does not model (`lora` on a model transformers shards: the adapter trains outside FSDP).
     """
     check_beta(beta)
     if micro_batches < 1:
         raise ValueError(f"micro_batches={micro_batches}: needs at least 1 micro-batch per optimizer step.")
     config = GradSyncConfig() if config is None else config
     setup = read_launch_setup(accelerate_config, distributed_config, num_processes, mixed_precision)
+    if lora is not None and setup.distributed_config:
+        raise ValueError(
+            f"--lora-r={lora.r} with --distributed-config: PEFT adds the adapter after transformers sharded the "
+            "model, so its weights are plain tensors outside every FSDP unit (the Trainer all-reduces them) and "
+            "no unit trains: nothing to plan, and the estimate does not model that launch. Drop --lora-r for the "
+            "base model's units, or estimate a LoRA model accelerate shards with --accelerate-config."
+        )
     adapters = _AdaptersByReduceDtype(load_model_config(model_spec), model_dtype, setup, config, lora)
     result = _describe_launch(model_spec, setup, config, adapters.for_mode(config.mode), micro_batches)
     result.reference = estimate_reference(beta, adapters.model_config, model_dtype, setup, config, micro_batches, lora)

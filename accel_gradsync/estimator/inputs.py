@@ -201,10 +201,12 @@ class StepShape:
                 f"of --seq-len={self.seq_len} tokens (prompt plus completion); pass a length from 0 to "
                 f"{self.seq_len - 1}."
             )
-        if self.num_generations < 0 or self.num_generations and not self.max_completion_length:
+        if self.num_generations < 0:
+            raise ValueError(f"--num-generations={self.num_generations}: needs at least 1 completion per prompt.")
+        if self.num_generations and not self.max_completion_length:
             raise ValueError(
                 f"--num-generations={self.num_generations}: it is read with --max-completion-length (GRPO's "
-                "generation); pass both, or neither."
+                "generation); pass that too, or leave --num-generations out."
             )
 
     def generation_batch(self, micro_batches: int) -> int:
@@ -226,9 +228,10 @@ class LoraSpec:
             raise ValueError(f"--lora-r={self.r}: the LoRA rank must be at least 1 (or leave --lora-r out).")
 
 
-def read_lora(r: int, target_modules: str = "") -> LoraSpec | None:
-    """The CLI's `--lora-r` / `--lora-target-modules` (comma-separated), or None for full fine-tuning."""
-    if not r:
+def read_lora(r: int | None, target_modules: str = "") -> LoraSpec | None:
+    """The CLI's `--lora-r` / `--lora-target-modules` (comma-separated), or None for full fine-tuning
+    (`r` not given; a given rank below 1 is refused)."""
+    if r is None:
         if target_modules:
             raise ValueError(f"--lora-target-modules={target_modules!r} is read with --lora-r; pass a rank too.")
         return None
@@ -241,11 +244,15 @@ def read_step_shape(
     seq_len: int | None,
     optimizer: str = "adamw",
     gradient_checkpointing: bool = False,
-    max_completion_length: int = 0,
-    num_generations: int = 0,
+    max_completion_length: int | None = None,
+    num_generations: int | None = None,
 ) -> StepShape | None:
     """The step forecast's `StepShape` from the CLI's flags, or None when neither
-    --micro-batch-size nor --seq-len is given (then the flags that only the forecast reads are refused)."""
+    --micro-batch-size nor --seq-len is given (then the flags that only the forecast reads are refused).
+    The two GRPO counts are None when not given; a given one below 1 is refused."""
+    for flag, count in (("--max-completion-length", max_completion_length), ("--num-generations", num_generations)):
+        if count is not None and count < 1:
+            raise ValueError(f"{flag}={count}: needs at least 1 (leave {flag} out for no generation phase).")
     if micro_batch_size is None and seq_len is None:
         if optimizer != "adamw" or gradient_checkpointing or max_completion_length or num_generations:
             flag = (
@@ -269,7 +276,7 @@ def read_step_shape(
             "(e.g. --micro-batch-size 4 --seq-len 512)."
         )
     return StepShape(
-        micro_batch_size, seq_len, optimizer, gradient_checkpointing, max_completion_length, num_generations
+        micro_batch_size, seq_len, optimizer, gradient_checkpointing, max_completion_length or 0, num_generations or 0
     )
 
 

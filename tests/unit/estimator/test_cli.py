@@ -2,6 +2,7 @@
 line and no traceback; negative sizes say they must be >= 0; defer accepts the ints 0 and 1 as it
 accepts "0" and "1"; the console script and the module print the help."""
 
+import json
 import runpy
 import shutil
 import subprocess
@@ -57,3 +58,56 @@ def test_console_script_and_module_help(monkeypatch, capsys):
     with pytest.raises(SystemExit) as exit_info:
         runpy.run_module("accel_gradsync", run_name="__main__")
     assert exit_info.value.code == 0 and "estimate" in capsys.readouterr().out
+
+
+SHAPE = ["--micro-batch-size", "2", "--seq-len", "32"]
+
+
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        ([*SHAPE, "--max-completion-length", "16", "--num-generations", "-2"], "--num-generations=-2"),
+        ([*SHAPE, "--max-completion-length", "16", "--num-generations", "0"], "--num-generations=0"),
+        ([*SHAPE, "--max-completion-length", "0", "--num-generations", "3"], "--max-completion-length=0"),
+        (["--lora-r", "0"], "--lora-r=0"),
+        (["--lora-r", "-4"], "--lora-r=-4"),
+    ],
+)
+def test_a_count_below_one_is_refused_naming_the_flag_and_its_value(cli_error, good, capsys, args, named):
+    """Given is given: 0 is not read as "unset", and a flag that was passed is not called missing."""
+    line = cli_error(capsys, "--accelerate-config", good, *args)
+    assert named in line and "at least 1" in line and "neither" not in line, line
+
+
+# A refusal in a process of its own: what it printed, and which heavy modules it had imported by then.
+_REFUSE = """
+import json, sys
+from accel_gradsync.estimator.cli import main
+try:
+    main(sys.argv[1:])
+except SystemExit as done:
+    code = done.code
+heavy = ("accelerate", "peft", "torch.distributed.fsdp", "transformers.modeling_utils", "accel_gradsync.estimator.core")
+imported = [m for m in heavy if m in sys.modules]
+import accel_gradsync.attach  # the submodule, then the package's function of that name
+import accel_gradsync
+assert callable(accel_gradsync.attach) and callable(accel_gradsync.estimate)
+print(json.dumps({"code": code, "imported": imported}))
+"""
+
+
+def test_a_refusal_is_two_lines_checked_before_the_model_machinery_is_imported(good):
+    args = ["estimate", "--accelerate-config", good, "--micro-batches", "2", "--lora-r", "-4"]
+    out = subprocess.run([sys.executable, "-c", _REFUSE, *args], capture_output=True, text=True, timeout=300)
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["code"] == 2, out.stderr
+    lines = out.stderr.rstrip("\n").splitlines()
+    assert len(lines) == 2 and lines[0].startswith("usage: accel-gradsync estimate "), out.stderr
+    assert lines[1].startswith("accel-gradsync estimate: error: --lora-r=-4"), out.stderr
+    assert result["imported"] == [], result  # nothing that builds or shards a model before the flags are read
+
+
+def test_lora_on_a_model_transformers_shards_is_refused_in_one_line(cli_error, capsys):
+    """PEFT adds the adapter after transformers sharded the base: no FSDP unit trains, nothing to plan."""
+    line = cli_error(capsys, "--distributed-config", '{"fsdp_size": 2}', "--micro-batches", "4", "--lora-r", "8")
+    assert "--lora-r=8" in line and "--distributed-config" in line and "--accelerate-config" in line, line
