@@ -290,8 +290,9 @@ class GradSyncConfig:
     )
     save_on_signal: str | None = _flag(
         "save_on_signal",
-        "Trainer: on this signal (SIGTERM, SIGUSR1, or none) every rank finishes the optimizer step it is "
-        "in, the ranks agree, a complete checkpoint is saved and the process exits with code 75 "
+        "Trainer (or a loop that asks grad_sync.preempted()): on this signal (SIGTERM, SIGUSR1, or none) every "
+        "rank finishes the optimizer step it is in, the ranks agree, a complete checkpoint is saved and the "
+        "process exits with code 75 "
         "(accel_gradsync.PREEMPTED_EXIT_CODE), so that --resume_from_checkpoint continues from that step "
         "(docs/recipe.md, Preemption). Costs one small collective per optimizer step. none: the signal "
         "keeps its own meaning.",

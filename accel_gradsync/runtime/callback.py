@@ -2,16 +2,21 @@
 into every log so they reach TensorBoard/W&B through `report_to`, and reshard what forwards
 without gradients kept (`gather_for_generation`) when an evaluation, a prediction or training ends:
 otherwise only the next training step releases them, and after the last step none comes.
-`SaveOnSignal` (`save_on_signal`) saves and stops on the scheduler's signal (preemption.py)."""
+`SaveOnSignal` (`save_on_signal`) saves and stops on the scheduler's signal (preemption.py); on
+SIGTERM it takes the place of transformers' own `enable_jit_checkpoint`, whose ranks each decide
+on a timer of their own (so may save at different steps)."""
 
 from __future__ import annotations
 
 import os
+import signal
+import warnings
 from typing import Any
 
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+from accel_gradsync.config.errors import GradSyncWarning
 from accel_gradsync.config.settings import SyncMode
 from accel_gradsync.runtime.bind import Binder
 from accel_gradsync.runtime.checkpoint import CheckpointHooks
@@ -100,9 +105,10 @@ class SaveOnSignal(TrainerCallback):
     (or right after a save already running) and stops; at train end the process exits with
     `PREEMPTED_EXIT_CODE`, so nothing after `train()` (a final save) runs as if training had ended."""
 
-    def __init__(self, trainer: Any, signal_name: str) -> None:
+    def __init__(self, trainer: Any, preemption: Preemption) -> None:
         self.accelerator = trainer.accelerator
-        self.preemption = Preemption(signal_name)
+        self.preemption = preemption
+        take_over_jit_checkpoint(trainer, preemption.signum)
         self.preemption.install()  # from attach on: a signal while the model loads is not lost
 
     def on_step_end(self, args, state, control, **kwargs: Any):
@@ -124,3 +130,24 @@ class SaveOnSignal(TrainerCallback):
             f"code {PREEMPTED_EXIT_CODE}. --resume_from_checkpoint auto continues from it."
         )
         self.preemption.exit(self.accelerator)
+
+
+def take_over_jit_checkpoint(trainer: Any, signum: int) -> None:
+    """With `TrainingArguments.enable_jit_checkpoint` and `save_on_signal` both on SIGTERM, only
+    `save_on_signal` acts (its ranks agree on the step), with one warning: transformers' callback
+    leaves the Trainer, and its own `on_train_end` gives SIGTERM back the handler it had before the
+    Trainer was built, which `Preemption.install` then replaces."""
+    if signum != signal.SIGTERM or not getattr(trainer.args, "enable_jit_checkpoint", False):
+        return
+    from transformers.trainer_jit_checkpoint import JITCheckpointCallback
+
+    for callback in [c for c in trainer.callback_handler.callbacks if isinstance(c, JITCheckpointCallback)]:
+        trainer.remove_callback(callback)
+        callback.on_train_end(trainer.args, trainer.state, trainer.control)
+    warnings.warn(
+        "accel_gradsync: TrainingArguments.enable_jit_checkpoint and save_on_signal='SIGTERM' both save on "
+        "SIGTERM; save_on_signal acts alone (every rank saves at the same optimizer step), transformers' JIT "
+        "checkpoint is off for this Trainer.",
+        GradSyncWarning,
+        stacklevel=5,  # attach()'s caller
+    )

@@ -1,7 +1,8 @@
 """`GradSyncHandle`: what `attach` returns. It builds one attach's owners (state.py's `Attachment`
 and bound models, bind.py's `Binder`, window.py's `Window`, generation.py's `GenerationGather`,
 checkpoint.py's `CheckpointHooks`), connects them to the Accelerator and Trainer (hooks.py,
-callback.py), and answers for them: `stats()`, `plan()`, `units()`, `gathered()`, `detach()`.
+callback.py), and answers for them: `stats()`, `plan()`, `units()`, `gathered()`, `detach()`;
+with `save_on_signal`, a loop of its own asks `preempted()` and calls `exit_preempted()` (preemption.py).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from accel_gradsync.runtime.decision import describe_decision
 from accel_gradsync.runtime.fsdp import ModelAdapter, sharded_by_transformers
 from accel_gradsync.runtime.generation import GenerationGather
 from accel_gradsync.runtime.hooks import hook_accelerator, hook_trainer, unhook_accelerator, unhook_trainer
-from accel_gradsync.runtime.preemption import NO_SIGNAL
+from accel_gradsync.runtime.preemption import NO_SIGNAL, PREEMPTED_EXIT_CODE, Preemption
 from accel_gradsync.runtime.state import Attachment, root_of
 from accel_gradsync.runtime.window import Window
 
@@ -49,6 +50,7 @@ class GradSyncHandle:
         self._checkpoints = CheckpointHooks(self._state)
         self._callback: Any = None  # callback.GradSyncCallback, with a Trainer
         self._save_on_signal: Any = None  # callback.SaveOnSignal, with a Trainer and save_on_signal
+        self._preemption: Preemption | None = None  # with save_on_signal: the Trainer's or the loop's
         self._original_class: type | None = None
         self._original_trainer_class: type | None = None  # a model transformers sharded (hooks.py)
 
@@ -154,6 +156,38 @@ class GradSyncHandle:
         """
         return self._generation.gathered(model)
 
+    def preempted(self) -> bool:
+        """A loop of its own with `save_on_signal`: True, on every rank alike, at the end of the
+        optimizer step in which any rank got the signal; then save (`accelerator.save_state`) and
+        call `exit_preempted()`. Call it on every rank after every micro-batch (or at least after
+        each one that ends an optimizer step): it is a collective there, and answers False without
+        one inside an accumulation window. False without a collective when `save_on_signal` is
+        `none`. (A Trainer asks by itself.)
+
+        Returns:
+            `bool`: whether to save and exit now.
+        """
+        return self._preemption is not None and self._preemption.ask(self.accelerator)
+
+    def exit_preempted(self, checkpoint: str | None = None) -> None:
+        """After `preempted()` said True and the checkpoint is saved on every rank: print one line
+        (naming `checkpoint`) and exit with `PREEMPTED_EXIT_CODE` on every rank; under torch
+        elastic with `--max_restarts`, without the agent spending a restart (docs/recipe.md).
+
+        Raises:
+            `ValueError`: `preempted()` has not said True.
+        """
+        if self._preemption is None or not self._preemption.agreed:
+            raise ValueError(
+                "grad_sync.exit_preempted() is for after grad_sync.preempted() returned True and the "
+                "checkpoint is saved; call it only then."
+            )
+        saved = f"saved {checkpoint}" if checkpoint is not None else "saved"
+        self.accelerator.print(
+            f"accel_gradsync: {self._preemption.signum.name}: {saved}; exiting with code {PREEMPTED_EXIT_CODE}."
+        )
+        self._preemption.exit(self.accelerator)
+
     def detach(self) -> None:
         """Undo `attach`: every unit's flags as they were, units kept for generation resharded,
         the accelerator's (and a Trainer's) own class, hooks and callback removed. The counters
@@ -170,8 +204,10 @@ class GradSyncHandle:
             self._callback = None
         if self._save_on_signal is not None:
             self._state.trainer.remove_callback(self._save_on_signal)
-            self._save_on_signal.preemption.restore()  # the signal's own handler back
             self._save_on_signal = None
+        if self._preemption is not None:
+            self._preemption.restore()  # the signal's own handler back
+            self._preemption = None
         if self._original_trainer_class is not None:
             unhook_trainer(self._state.trainer, self._original_trainer_class)
             self._original_trainer_class = None
@@ -184,14 +220,20 @@ class GradSyncHandle:
 
     # -- set-up (attach.py) -------------------------------------------------------------------
     def _add_save_on_signal(self) -> None:
-        """A Trainer's `SaveOnSignal`, last in line (the other callbacks' on_train_end run before it
-        exits), when `save_on_signal` names a signal; also on one process."""
+        """When `save_on_signal` names a signal, also on one process: a Trainer's `SaveOnSignal`,
+        last in line (the other callbacks' on_train_end run before it exits); for a loop of its
+        own, the handler and the watch for a loop that never asks `preempted()`."""
         signal_name, trainer = self._state.settings.save_on_signal, self._state.trainer
-        if trainer is None or signal_name == NO_SIGNAL:
+        if signal_name == NO_SIGNAL:
+            return
+        self._preemption = Preemption(signal_name)
+        if trainer is None:
+            self._preemption.install()
+            self._preemption.watch_loop()
             return
         from accel_gradsync.runtime.callback import SaveOnSignal  # imports transformers: only for a Trainer
 
-        self._save_on_signal = SaveOnSignal(trainer, signal_name)
+        self._save_on_signal = SaveOnSignal(trainer, self._preemption)
         trainer.add_callback(self._save_on_signal)
 
     def _connect(self, models: list) -> None:

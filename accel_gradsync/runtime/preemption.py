@@ -1,13 +1,20 @@
 """Save on the scheduler's warning signal, then exit with `PREEMPTED_EXIT_CODE`: `Preemption` (the
 signal flag and the ranks' agreement), which the Trainer callback `callback.SaveOnSignal`
-(`GradSyncConfig.save_on_signal`) and a training loop of its own use.
+(`GradSyncConfig.save_on_signal`) and a training loop of its own (`GradSyncHandle.preempted()` /
+`exit_preempted()`) use.
 
 The handler only counts the signal: no collective, I/O or lock inside a handler, so a signal during
 generation, a save or a collective changes nothing there. The ranks agree at the end of every
 optimizer step and after every checkpoint save (a MAX over the ranks' flags, one small collective);
 when one rank got the signal, all save at that step, then exit. Under torch elastic with
 `--max_restarts`, the main process of each node first tells its agent (SIGTERM), so that the agent
-shuts down instead of spending a restart on the exit (docs/recipe.md, Preemption).
+shuts down instead of spending a restart on the exit (docs/recipe.md, Preemption). From the exit on,
+the signals are ignored: the agent closes the ranks still running with SIGTERM once one has exited,
+and a rank already finalizing (Python's handlers gone) would otherwise report -15 instead of 75.
+
+A loop of its own must ask; one that never does is found at the second step of an optimizer
+(`watch_loop`): one warning, and the signal gets its own action back (one that came meanwhile is
+raised again), so that setting it changes nothing for such a loop.
 """
 
 from __future__ import annotations
@@ -16,9 +23,14 @@ import os
 import signal
 import sys
 import time
+import warnings
+import weakref
 from typing import Any
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from accel_gradsync.config.errors import GradSyncWarning
 
 PREEMPTED_EXIT_CODE = 75
 """The exit code of a process that saved on the signal and stopped (EX_TEMPFAIL: try again later)."""
@@ -35,21 +47,25 @@ class Preemption:
         self.signum = signal.Signals[signal_name]
         self.received = 0
         self.agreed = False
+        self.asked = False  # a loop of its own asked `ask` at least once
         self._previous: dict[int, Any] = {}
+        self._stepped: weakref.WeakSet = weakref.WeakSet()  # optimizers seen stepping (watch_loop)
+        self._watch: Any = None  # the optimizer post-step hook of `watch_loop`
 
     def install(self) -> None:
         """Count the signal from now on, instead of its own action (main thread only)."""
         self._catch(self.signum)
 
     def restore(self) -> None:
-        """The signals' own handlers back."""
+        """The signals' own handlers back, and no more watching of the loop."""
+        self._unwatch()
         for signum, previous in self._previous.items():
             signal.signal(signum, previous)
         self._previous.clear()
 
     def _catch(self, signum: int) -> None:
-        if signum not in self._previous:
-            self._previous[signum] = signal.signal(signum, self._count)
+        previous = signal.signal(signum, self._count)  # also over a handler another library put back meanwhile
+        self._previous.setdefault(signum, previous)
 
     def _count(self, signum: int, frame: Any) -> None:
         self.received += 1  # the whole handler: see the module docstring
@@ -61,6 +77,41 @@ class Preemption:
             flag = torch.tensor([1 if self.received else 0], device=accelerator.device)
             self.agreed = bool(accelerator.gather(flag).max().item())
         return self.agreed
+
+    def ask(self, accelerator: Any) -> bool:
+        """A loop of its own: `agree` at the end of an optimizer step (False without a collective
+        inside an accumulation window, where `accelerator.sync_gradients` is False on every rank)."""
+        self.asked = True
+        self._unwatch()
+        return accelerator.sync_gradients and self.agree(accelerator)
+
+    def watch_loop(self) -> None:
+        """Warn once, at the second step of an optimizer, when the loop has not asked by then."""
+        self._watch = register_optimizer_step_post_hook(self._check_asked)
+
+    def _unwatch(self) -> None:
+        if self._watch is not None:
+            self._watch.remove()
+            self._watch = None
+
+    def _check_asked(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if optimizer not in self._stepped:
+            self._stepped.add(optimizer)
+            return
+        self._unwatch()
+        name = self.signum.name
+        warnings.warn(
+            f"accel_gradsync: save_on_signal={name!r} is set, but this loop never asked grad_sync.preempted(), so "
+            f"nothing would be saved: {name} keeps its own action. A Trainer asks by itself; a loop of its own "
+            f"asks after every micro-batch: `if grad_sync.preempted(): accelerator.save_state(dir); "
+            f"grad_sync.exit_preempted(dir)` (docs/modes.md, Preemption).",
+            GradSyncWarning,
+            stacklevel=2,
+        )
+        received = self.received
+        self.restore()
+        if received:
+            signal.raise_signal(self.signum)  # what it would have done had the plugin not counted it
 
     def exit(self, accelerator: Any) -> None:
         """After the checkpoint: leave the agent out of restarting, then exit with `PREEMPTED_EXIT_CODE`."""
@@ -76,5 +127,7 @@ class Preemption:
             end = time.monotonic() + _AGENT_ACK_S
             while self.received == before and time.monotonic() < end:
                 time.sleep(0.01)
+        for signum in {signal.SIGTERM, self.signum}:
+            signal.signal(signum, signal.SIG_IGN)  # nothing left to stop: see the module docstring
         sys.stdout.flush()
         sys.exit(PREEMPTED_EXIT_CODE)

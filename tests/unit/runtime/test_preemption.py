@@ -16,7 +16,7 @@ from torch import nn
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 import accel_gradsync
-from accel_gradsync import PREEMPTED_EXIT_CODE, GradSyncConfig
+from accel_gradsync import PREEMPTED_EXIT_CODE, GradSyncConfig, GradSyncWarning
 from accel_gradsync.config.settings import DEFAULTS
 from accel_gradsync.runtime.callback import SaveOnSignal
 
@@ -43,7 +43,9 @@ class SignalAt(TrainerCallback):
             os.kill(os.getpid(), self.signum)
 
 
-def trainer(tmp_path, **config) -> Trainer:
+def trainer(tmp_path, jit: bool = False, caught: list | None = None, **config) -> Trainer:
+    """A Trainer on one process with the plugin attached; `jit`: transformers' own
+    `enable_jit_checkpoint` too; `caught` collects the plugin's warnings at attach."""
     torch.manual_seed(0)
     data = [{"x": torch.randn(4), "labels": torch.randn(())} for _ in range(64)]
     args = TrainingArguments(
@@ -55,11 +57,15 @@ def trainer(tmp_path, **config) -> Trainer:
         report_to="none",
         use_cpu=True,
         disable_tqdm=True,
+        enable_jit_checkpoint=jit,
     )
     t = Trainer(model=Regression(), args=args, train_dataset=data)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # one process: attach says there is no sync to schedule
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
         accel_gradsync.attach(t, GradSyncConfig(**config))
+    ours = [str(w.message) for w in record if issubclass(w.category, GradSyncWarning)]
+    if caught is not None:  # one process: attach also says there is no sync to schedule
+        caught.extend(m for m in ours if "single process" not in m)
     return t
 
 
@@ -106,6 +112,41 @@ def test_a_run_that_got_no_signal_gives_the_handler_back(tmp_path):
     t.train()
     assert t.state.global_step == 6
     assert signal.getsignal(signal.SIGTERM) == before
+
+
+def test_transformers_jit_checkpoint_on_the_same_signal_gives_way_with_one_line(tmp_path):
+    """`enable_jit_checkpoint` saves on SIGTERM too (a timer per rank, so ranks may save at different
+    steps): with both on SIGTERM, the plugin's acts alone and says so once; one checkpoint is saved."""
+    from transformers.trainer_jit_checkpoint import JITCheckpointCallback
+
+    caught: list[str] = []
+    t = trainer(tmp_path, jit=True, caught=caught, save_on_signal="SIGTERM")
+    assert len(caught) == 1 and "\n" not in caught[0], caught
+    assert "enable_jit_checkpoint" in caught[0] and "save_on_signal" in caught[0], caught[0]
+    assert not any(isinstance(c, JITCheckpointCallback) for c in t.callback_handler.callbacks)
+    t.add_callback(SignalAt(signal.SIGTERM, step=3))
+    with pytest.raises(SystemExit) as exited:
+        t.train()
+    assert exited.value.code == PREEMPTED_EXIT_CODE
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["checkpoint-3"]
+    assert not (tmp_path / "out" / "checkpoint-3" / "checkpoint-is-incomplete.txt").exists()
+
+
+def test_with_transformers_jit_checkpoint_a_run_without_the_signal_gives_back_the_handler_from_before(tmp_path):
+    before = signal.getsignal(signal.SIGTERM)
+    t = trainer(tmp_path, jit=True, save_on_signal="SIGTERM")
+    t.train()
+    assert t.state.global_step == 6
+    assert signal.getsignal(signal.SIGTERM) == before
+
+
+def test_transformers_jit_checkpoint_on_another_signal_is_left_alone(tmp_path):
+    from transformers.trainer_jit_checkpoint import JITCheckpointCallback
+
+    caught: list[str] = []
+    t = trainer(tmp_path, jit=True, caught=caught, save_on_signal="SIGUSR1")
+    assert caught == []
+    assert any(isinstance(c, JITCheckpointCallback) for c in t.callback_handler.callbacks)
 
 
 def test_detach_removes_the_callback_and_gives_the_handler_back(tmp_path):

@@ -1,0 +1,55 @@
+"""`save_on_signal` in a loop of its own (workers/preemption_loop.py, FSDP2 deferred, 2 gloo ranks
+under `accelerate launch`, no restarts): SIGTERM to rank 1 alone in the middle of step 2's window
+makes both ranks learn it at the end of step 2 (`grad_sync.preempted()`), save there with
+`accelerator.save_state` and exit with `PREEMPTED_EXIT_CODE`, which torch elastic's agent reports
+for each rank; a launch that loads that checkpoint ends with parameters and optimizer state equal,
+bit for bit, to an uninterrupted run's.
+"""
+
+from __future__ import annotations
+
+import pytest
+from launcher import WORKERS, accelerate_config
+
+from accel_gradsync import PREEMPTED_EXIT_CODE
+from benchmarks.launch import launch
+
+M = 3  # micro-batches per optimizer step (the worker's)
+SIGNAL_AT = 4  # 0-based: the second micro-batch of step 2
+STEP = (SIGNAL_AT // M) + 1  # the step in progress when the signal comes: every rank saves at its end
+
+
+@pytest.fixture(scope="module")
+def preempted(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("preemption_loop")
+    paths = ["--checkpoint", str(tmp / "checkpoint"), "--reference", str(tmp)]
+    done = launch(
+        WORKERS / "preemption_loop.py",
+        ["--phase", "preempt", *paths, "--signal-at", str(SIGNAL_AT)],
+        accelerate_config("fsdp2"),
+        timeout=600,
+    )
+    return done, tmp, paths
+
+
+def test_sigterm_to_one_rank_saves_every_rank_at_that_step_and_each_exits_with_the_code(preempted):
+    done, tmp, _ = preempted
+    output = done.output
+    assert done.returncode != 0, output[-6000:]
+    assert [r["step"] for r in done.ranks] == [STEP, STEP], output[-6000:]  # both told at the same step
+    line = f"accel_gradsync: SIGTERM: saved {tmp / 'checkpoint'}; exiting with code {PREEMPTED_EXIT_CODE}"
+    assert output.count(line) == 1, output[-6000:]  # printed by the main process
+    assert (tmp / "checkpoint" / "micro_batches.json").is_file()
+    # torch elastic's report, one entry per rank: each rank exited with the code, none died of a
+    # SIGTERM the agent sent to close the ranks still running after the first exit.
+    assert output.count(f"exitcode  : {PREEMPTED_EXIT_CODE} ") == 2, output[-6000:]
+    assert "exitcode  : -15" not in output, output[-6000:]
+
+
+def test_resuming_from_that_checkpoint_ends_as_if_uninterrupted(preempted):
+    _, _, paths = preempted
+    done = launch(WORKERS / "preemption_loop.py", ["--phase", "resume", *paths], accelerate_config("fsdp2"))
+    assert done.returncode == 0, done.output[-6000:]
+    assert len(done.ranks) == 2
+    for rank in done.ranks:
+        assert rank["tensors"] > 0 and rank["differs"] == [], rank
