@@ -47,7 +47,6 @@ class Preemption:
         self.signum = signal.Signals[signal_name]
         self.received = 0
         self.agreed = False
-        self.asked = False  # a loop of its own asked `ask` at least once
         self._previous: dict[int, Any] = {}
         self._stepped: weakref.WeakSet = weakref.WeakSet()  # optimizers seen stepping (watch_loop)
         self._watch: Any = None  # the optimizer post-step hook of `watch_loop`
@@ -81,8 +80,7 @@ class Preemption:
     def ask(self, accelerator: Any) -> bool:
         """A loop of its own: `agree` at the end of an optimizer step (False without a collective
         inside an accumulation window, where `accelerator.sync_gradients` is False on every rank)."""
-        self.asked = True
-        self._unwatch()
+        self._unwatch()  # it asks
         return accelerator.sync_gradients and self.agree(accelerator)
 
     def watch_loop(self) -> None:
