@@ -9,6 +9,9 @@ shards it itself) is bound as a `FrozenModel`: its all-gathers counted apart, it
 without gradients where that costs no more peak than one of them (generation.py). Frozen models bind
 first where the binder can see them (a Trainer's attributes, one `prepare` call), because budget and
 auto plan the trained models within memory less what those keep; one bound later re-plans them.
+What a model trains is read again once per optimizer step, between windows (`Binder.refresh`): a
+model whose parameters' `requires_grad` changed is bound again (a reference model becomes a
+trained one; a trained one is planned for the units it trains now).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from accelerate.utils import DistributedType, is_compiled_module
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
-from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from accel_gradsync.config.errors import GradSyncWarning
 from accel_gradsync.config.settings import SyncMode
@@ -66,12 +69,21 @@ class Binder:
         self._trainer_seen = False
         self._forecasts: dict[nn.Module, Forecast] = {}
         """auto's step-1 forecast per trained model, kept for a plan made again (`_replan_for`)."""
-        self._step_hook: torch.utils.hooks.RemovableHandle | None = None
+        self._watching: dict[nn.Module, list[torch.utils.hooks.RemovableHandle]] = {}
+        """By bound or frozen model: the hooks on it, removed when it is bound again (`refresh`)."""
+        self._trainable: dict[nn.Module, tuple[nn.Module, tuple[bool, ...]]] = {}
+        """By model bound: the model as bound and `requires_grad` of each of its parameters then
+        (`refresh`)."""
+        self._checked: set[nn.Module] = set()
+        """The models `refresh` read since the last optimizer step."""
 
     def bind(self, model: nn.Module) -> ModelAdapter | None:
         """Adapt, plan, count and watch `model` the first time it is seen; its adapter (None where
         it is not wrapped). The first call with a Trainer also binds the frozen FSDP2 models it holds."""
         root = root_of(model)
+        if not self._handles:  # the optimizer step hooks, shared by every model
+            self._handles.append(register_optimizer_step_pre_hook(self._before_optimizer_step))
+            self._handles.append(register_optimizer_step_post_hook(self._after_optimizer_step))
         if self.state.trainer is not None and not self._trainer_seen:
             # Before the trained model's plan, which budget and auto make within what they keep.
             self._trainer_seen = True
@@ -84,21 +96,67 @@ class Binder:
                 if fsdp2 and value not in trained and value not in self.state.adapters:
                     self._bind_frozen(value, name=attribute)
         if root in self.state.adapters:
+            self.refresh(root)  # a no_sync: perhaps a window's first micro-batch
             return self.state.adapters[root]
         adapter = self._bind(model)
-        if root in self.state.bound:
-            self._handles += self.window.watch(root)
-            self._handles += self.generation.watch(root)
+        self._watch(root)
         return adapter
+
+    def refresh(self, model: nn.Module) -> None:
+        """Bind `model` again where the `requires_grad` of its parameters changed since it was
+        bound (progressive unfreezing, a model frozen whole): a reference model given trainable
+        parameters becomes a trained model (planned, counted, its decision line printed); a
+        trained model is planned again for the units it trains now (frozen whole, it stays a
+        trained model with every unit frozen: its counters go on). Read once per optimizer step,
+        at the first of a window's `no_sync` or `accumulate()` and before each optimizer step
+        (where a window ran neither: it counts from the next window), never inside a window."""
+        root = root_of(model)
+        bound = self.state.bound.get(root)
+        if root in self._checked or root not in self._trainable:
+            return
+        if bound is not None and (bound.hold is not None or bound.account.current.micro_batches):
+            return  # inside a window: its plan stays to its end
+        self._checked.add(root)
+        model, trainable = self._trainable[root]
+        if trainable_params(root) != trainable:
+            self._rebind(model)
 
     def close(self) -> None:
         """Detach: remove every hook binding put on the models."""
-        for handle in self._handles:
-            handle.remove()
+        for handles in (self._handles, *self._watching.values()):
+            for handle in handles:
+                handle.remove()
         self._handles.clear()
-        self._step_hook = None
+        self._watching.clear()
+        self.window.close()
 
-    def _bind(self, model: nn.Module) -> ModelAdapter | None:
+    def _watch(self, root: nn.Module) -> None:
+        """The window's and generation's hooks on the bound model `root` (a frozen one gets its own)."""
+        if root in self.state.bound:
+            self._watching.setdefault(root, []).extend(self.window.watch(root) + self.generation.watch(root))
+
+    def _rebind(self, model: nn.Module) -> None:
+        """`model`'s trainable parameters changed, at a window boundary: unwatch it and bind it
+        again under the name it had. A trained model keeps its counters; a reference model's go
+        into the trained model's totals."""
+        root = root_of(model)
+        self.generation.release(models=[root])  # flags it kept for generation back, on the old units
+        for handle in self._watching.pop(root, []):
+            handle.remove()
+        old = self.state.bound.pop(root, None) or self.state.frozen.pop(root, None)
+        del self.state.adapters[root]
+        if old is None:  # an FSDP1 or DDP model bound with nothing trainable: no name or counters yet
+            self._bind(model)
+        else:
+            self._bind(model, name=old.name, account=old.account if isinstance(old, BoundModel) else None)
+        self._watch(root)
+        new = self.state.bound.get(root) or self.state.frozen.get(root)
+        if old is not None and new is not None and new.account is not old.account:
+            new.account.total.add(old.account.total)
+
+    def _bind(self, model: nn.Module, name: str = "", account: SyncAccounting | None = None) -> ModelAdapter | None:
+        """Adapt, plan, count and print `model`; `name` and `account` where it is bound again
+        (`_rebind`): a trained model given its `account` stays one, all its units frozen or not."""
         state, root = self.state, root_of(model)
         adapter = adapt_model(model)
         expects_fsdp = state.accelerator.distributed_type == DistributedType.FSDP
@@ -121,9 +179,10 @@ class Binder:
             state.adapters[root] = None
             return None
         state.adapters[root] = adapter
-        if not adapter.trainable:  # a frozen reference model: no gradient to schedule
+        self._trainable[root] = (model, trainable_params(root))
+        if not adapter.trainable and account is None:  # a frozen reference model: no gradient to schedule
             if adapter.kind == "fsdp2":
-                self._bind_frozen(root, adapter)
+                self._bind_frozen(root, adapter, name)
             return adapter
         m, auto = state.micro_batches_per_step, None
         if state.policy.name == SyncMode.AUTO and m > 1:
@@ -139,8 +198,8 @@ class Binder:
                 )
         plan = self._plan(root, adapter, auto)
         warn_about_plan(plan, adapter, state.settings, m)
-        name = self._unique_name(root)
-        account = SyncAccounting(
+        name = name or self._unique_name(root)
+        account = account or SyncAccounting(
             state.policy.name, adapter.kind, adapter.collective, hsdp=adapter.hsdp, units=len(adapter.units)
         )
         state.bound[root] = BoundModel(name, adapter, plan, account, auto)
@@ -170,10 +229,13 @@ class Binder:
                 )
 
     def _unique_name(self, root: nn.Module) -> str:
-        """The user's class name, `#n`-suffixed when a model bound before has it (stats() keys)."""
+        """The user's class name, `#n`-suffixed for the n-th model of that class bound (stats() keys)."""
         name = model_name(root)
         taken = {b.name for b in self.state.bound.values()} | {f.name for f in self.state.frozen.values()}
-        return name if name not in taken else f"{name}#{len(taken) + 1}"
+        n = 1
+        while (f"{name}#{n}" if n > 1 else name) in taken:
+            n += 1
+        return f"{name}#{n}" if n > 1 else name
 
     def _bind_frozen(self, root: nn.Module, adapter: ModelAdapter | None = None, name: str = "") -> None:
         """An FSDP2 model nothing trains (`FrozenModel`): count its all-gathers and watch its
@@ -185,25 +247,26 @@ class Binder:
         self.state.adapters[root] = adapter  # seen: bind() does not adapt it again
         if adapter is None or adapter.kind != "fsdp2" or not adapter.units:
             return
+        self._trainable[root] = (root, trainable_params(root))
         keeps = frozen_keeps(adapter.units, self.state.settings.gather_for_generation)
         account = SyncAccounting(self.state.policy.name, adapter.kind, adapter.collective, units=len(adapter.units))
         # Named by the Trainer's attribute (`ref_model`) where found there, else by its class.
         frozen = FrozenModel(name or self._unique_name(root), adapter, account, keeps)
         self.state.frozen[root] = frozen
         self.state.accelerator.print(describe_frozen(frozen.name, model_name(root), adapter, keeps))
-        self._watch_frozen(frozen)
-        self._handles += self.generation.watch(root)
+        # Its all-gathers as FSDP2 issues them; its step ends at every optimizer step (no
+        # micro-batch of it is ever recorded: `_after_optimizer_step`).
+        self._watching[root] = watch_fsdp2(adapter, account) + self.generation.watch(root)
         self._replan_for(frozen)
 
-    def _watch_frozen(self, frozen: FrozenModel) -> None:
-        """Count a frozen model's all-gathers as FSDP2 issues them, and end its step at every
-        optimizer step (no micro-batch of it is ever recorded)."""
-        self._handles += watch_fsdp2(frozen.adapter, frozen.account)
-        if self._step_hook is None:
-            self._step_hook = register_optimizer_step_post_hook(self._after_optimizer_step)
-            self._handles.append(self._step_hook)
+    def _before_optimizer_step(self, optimizer: object, args: object, kwargs: object) -> None:
+        """A model whose trainable parameters changed in a window with no `no_sync` or
+        `accumulate()` to see it is bound again here, for the next window."""
+        for root in list(self._trainable):
+            self.refresh(root)
 
     def _after_optimizer_step(self, optimizer: object, args: object, kwargs: object) -> None:
+        self._checked.clear()
         for frozen in self.state.frozen.values():
             frozen.account.end_step()
 
@@ -219,6 +282,11 @@ class Binder:
         value = torch.tensor([peak, -capacity], dtype=torch.int64, device=self.state.accelerator.device)
         dist.all_reduce(value, op=dist.ReduceOp.MAX)
         return int(value[0].item()), -int(value[1].item())
+
+
+def trainable_params(root: nn.Module) -> tuple[bool, ...]:
+    """`requires_grad` of each of the model's parameters, in order: what `refresh` compares."""
+    return tuple(p.requires_grad for p in root.parameters())
 
 
 def model_name(root: nn.Module) -> str:

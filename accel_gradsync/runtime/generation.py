@@ -57,7 +57,7 @@ class GenerationGather:
     def watch(self, root: nn.Module) -> list[torch.utils.hooks.RemovableHandle]:
         """Hooks on each unit module of the bound or frozen model `root`: count forwards without
         gradients, keep their units where the setting, a frozen model or `gathered()` asks,
-        release when training resumes."""
+        release when training resumes. Removing them unwatches `root` alone (a model bound again)."""
         adapter = self.state.adapters[root]
         assert adapter is not None  # bound and frozen models have one
         if adapter.kind != "fsdp2" and self.enabled:
@@ -85,9 +85,8 @@ class GenerationGather:
         handles.append(root.register_forward_pre_hook(self._resume_hook, prepend=True))
         if keeps:
             handles.extend(self._watch_for_raise(root))
-        if keeps and self._optimizer_hook is None:
+        if keeps and self._optimizer_hook is None:  # shared by every model: `close` removes it
             self._optimizer_hook = register_optimizer_step_pre_hook(self._before_step)
-            handles.append(self._optimizer_hook)
         return handles
 
     def _resume_hook(self, module: nn.Module, args: Any) -> None:

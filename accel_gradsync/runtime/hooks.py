@@ -49,6 +49,8 @@ def hook_accelerator(accelerator: Accelerator, binder: Binder, window: Window, d
 
         @contextlib.contextmanager
         def accumulate(self, *models):
+            for model in models:
+                binder.refresh(model)  # at a window's first micro-batch: trainable parameters changed?
             with super().accumulate(*models):
                 if self.sync_gradients:
                     window.end_hold()  # before the last forward: the flags the window held come back

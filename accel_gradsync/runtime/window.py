@@ -44,9 +44,10 @@ class Window:
         self._step_hook: torch.utils.hooks.RemovableHandle | None = None
 
     def watch(self, root: nn.Module) -> list[torch.utils.hooks.RemovableHandle]:
-        """Count `root`'s micro-batches from its forward (hooks inside DDP's wrapper), FSDP2's
+        """Count `root`'s micro-batches from its forward (hooks inside DDP's wrapper) and FSDP2's
         collectives from its units' state (fsdp2_counts.py), and end every micro-batch at an
-        optimizer step."""
+        optimizer step (one hook for every model, until `close`). Removing the handles returned
+        unwatches `root` alone (a model bound again)."""
         bound = self.state.bound[root]
         handles = [root.register_forward_pre_hook(self.on_forward), root.register_forward_hook(self.after_forward)]
         handles.extend(watch_fsdp2(bound.adapter, bound.account))
@@ -54,8 +55,13 @@ class Window:
         handles.extend(watch_replicated_all_reduces(trainer, replicated, bound.account.record_replicated_all_reduce))
         if self._step_hook is None:
             self._step_hook = register_optimizer_step_post_hook(self._after_optimizer_step)
-            handles.append(self._step_hook)
         return handles
+
+    def close(self) -> None:
+        """Detach: remove the optimizer step hook (`watch`'s handles remove the rest)."""
+        if self._step_hook is not None:
+            self._step_hook.remove()
+            self._step_hook = None
 
     def _after_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         """Global optimizer post-step hook: the micro-batch that ended the window is over."""
