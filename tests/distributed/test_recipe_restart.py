@@ -155,8 +155,12 @@ def test_sigterm_to_the_launcher_mid_window_saves_that_step_exits_and_resumes_as
     inputs, uninterrupted, tmp_path
 ):
     out_dir = tmp_path / "output"
-    proc = launch(inputs, out_dir, kill_at=MID_STEP_3, signal="SIGTERM", finishes=False)
-    assert_preempted(proc, out_dir, PREEMPTED_AT)
+    # transformers' own JIT checkpoint on SIGTERM as well: the plugin's acts alone, saying so once per rank.
+    jit = ("--enable_jit_checkpoint", "true")
+    proc = launch(inputs, out_dir, kill_at=MID_STEP_3, signal="SIGTERM", finishes=False, extra=jit)
+    assert_preempted(proc, out_dir, PREEMPTED_AT)  # one checkpoint, at the same step on every rank
+    assert (proc.stdout + proc.stderr).count("enable_jit_checkpoint and save_on_signal='SIGTERM'") == 2
+    assert not list(out_dir.rglob("checkpoint-is-incomplete.txt"))  # transformers' JIT save never started
     # The agent got it, shut down (re-raising it as its own exit) and restarted nothing.
     assert "SignalException: Process" in proc.stderr and "got signal: 15" in proc.stderr
     assert_resumed_and_equal(out_dir, uninterrupted, inputs, PREEMPTED_AT)
