@@ -1,28 +1,29 @@
-"""`planning.costs`: the closed-form all-gather counts equal a micro-batch by micro-batch walk."""
+"""`planning.costs`: the closed-form all-gather counts equal a micro-batch by micro-batch walk
+written here from what FSDP does, and a few counts worked out by hand."""
 
 import dataclasses
 
 import pytest
 import torch
 
-from accel_gradsync.planning.costs import micro_batch_all_gathers, unit_all_gathers
+from accel_gradsync.planning.costs import unit_all_gathers
 from accel_gradsync.planning.units import Level, Unit
 
 
 def _walked_all_gathers(unit, level, m, keeps_params_when_held):
-    """A step's all-gathers walked micro-batch by micro-batch with `micro_batch_all_gathers`, as
-    the live counters see them: every micro-batch but the last is held by a held level, a window
-    keeps the params through every forward, and a held backward keeps them where a window (or
-    FSDP1 SHARD_GRAD_OP's no_sync) does."""
+    """A step's all-gathers walked micro-batch by micro-batch from what FSDP does, not with the
+    package's functions: a forward gathers the params unless the micro-batch before left them
+    unsharded; its backward gathers them again when the forward freed them (a unit that reshards
+    after forward, unless a window keeps them through it); after a backward they stay unsharded
+    only where the micro-batch holds its sync (every one but the step's last, under a held level)
+    and a window, or FSDP1 SHARD_GRAD_OP's no_sync, keeps them."""
     held = level in (Level.DEFERRED, Level.WINDOWED, Level.DEFER_ALL_REDUCE)
     windowed = level == Level.WINDOWED
-    count, gathered = 0, False
+    count, unsharded = 0, False
     for k in range(m):
-        held_now = held and k < m - 1
-        n, gathered = micro_batch_all_gathers(
-            unit, gathered, windowed, held_now and (windowed or keeps_params_when_held)
-        )
-        count += n
+        count += 0 if unsharded else 1  # forward
+        count += 1 if unit.reshards_after_forward and not windowed else 0  # backward
+        unsharded = held and k < m - 1 and (windowed or keeps_params_when_held)
     return count
 
 
@@ -40,3 +41,16 @@ def test_all_gathers_in_closed_form_equal_the_walk(reshards, frozen):
                     keeps,
                     m,
                 )
+
+
+def test_all_gathers_worked_out_by_hand():
+    """A Block that reshards after forward, over M = 4: two per micro-batch (forward, backward)
+    syncing or deferred; one per step windowed; with FSDP1 SHARD_GRAD_OP's no_sync keeping params
+    after each held backward, one forward gather, then a backward gather per micro-batch. A root
+    (no reshard after forward): one per micro-batch, one per step windowed."""
+    block = Unit("block", torch.nn.Linear(2, 2), 6, 1, reshards_after_forward=True)
+    root = Unit("", torch.nn.Linear(2, 2), 6, 1)
+    assert [unit_all_gathers(block, level, 4) for level in ("per_micro_batch", "deferred", "windowed")] == [8, 8, 1]
+    assert unit_all_gathers(block, Level.DEFERRED, 4, keeps_params_when_held=True) == 1 + 4
+    assert [unit_all_gathers(root, level, 4) for level in ("per_micro_batch", "deferred", "windowed")] == [4, 4, 1]
+    assert unit_all_gathers(block, Level.WINDOWED, 1) == 1  # kept from its forward to its backward

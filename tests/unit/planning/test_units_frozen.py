@@ -104,26 +104,39 @@ def test_gather_for_generation_bytes_enter_budget_and_the_decision_line():
 
 
 def test_the_estimate_and_the_decision_line_read_one_generation_cost(fsdp_rows):
-    """The estimate's generation columns and the decision line come from `costs.generation_cost`:
-    per token and the first forward's outside a window; inside one, the other units per token; one
-    round with gather_for_generation."""
+    """The estimate's generation columns, the decision line and `costs.generation_cost` give the
+    all-gathers worked out here from the model: accelerate makes each decoder layer a unit that
+    reshards after forward, and the root (embeddings, final norm, tied head) one that FSDP2 keeps
+    after forward. A generation round's first forward gathers every unit and each token after it
+    every layer again; inside a window (every unit windowed) nothing per token; with
+    gather_for_generation every unit once per round."""
     adapter = fsdp_rows.pop("adapter")
+    layers = load_model_config("recipe-default").num_hidden_layers
+    units = layers + 1
+    assert len(adapter.units) == units
+    # row: (first forward, per token or per round, per token inside a window, kept for the round)
+    expected = {
+        "per_micro_batch": (units, layers, None, False),
+        "deferred+window": (units, layers, 0, False),
+        "gather": (units, units, None, True),
+    }
+    assert sorted(fsdp_rows) == sorted(expected)
     for name, row in fsdp_rows.items():
-        plan = row["plan"]
-        cost = generation_cost(plan, adapter.units)
+        first, per, in_window, kept = expected[name]
+        cost = generation_cost(row["plan"], adapter.units)
+        assert (cost.first, cost.per_token_in_window, cost.kept) == (first, in_window, kept), (name, cost)
+        assert cost.kept or cost.per_token == per, (name, cost)
         est = row["estimate"]
-        assert est.generation_first_all_gathers == cost.first
-        assert est.generation_all_gathers == (cost.first if cost.kept else cost.per_token)
-        assert est.generation_all_gathers_in_window == cost.per_token_in_window
-        line = describe_decision(plan, adapter, M)
-        if cost.kept:
-            assert f"generation {cost.first} all-gathers per round" in line, (name, line)
+        assert est.generation_first_all_gathers == first, (name, est)
+        assert est.generation_all_gathers == per, (name, est)
+        assert est.generation_all_gathers_in_window == in_window, (name, est)
+        line = describe_decision(row["plan"], adapter, M)
+        if kept:
+            assert f"generation {per} all-gathers per round" in line, (name, line)
         else:
-            assert f"generation {cost.per_token} all-gathers per token after its first forward's {cost.first}" in line
-        if cost.per_token_in_window is not None:
-            assert f"inside one (TRL generates in its first micro-batch) {cost.per_token_in_window} per" in line
-    assert fsdp_rows["deferred+window"]["estimate"].generation_all_gathers_in_window is not None
-    assert fsdp_rows["gather"]["estimate"].generation_all_gathers_in_window is None
+            assert f"generation {per} all-gathers per token after its first forward's {first}" in line, (name, line)
+        if in_window is not None:
+            assert f"inside one (TRL generates in its first micro-batch) {in_window} per" in line, (name, line)
 
 
 @pytest.fixture
