@@ -3,7 +3,7 @@ under `accelerate launch`, no restarts): SIGTERM to rank 1 alone in the middle o
 makes both ranks learn it at the end of step 2 (`grad_sync.preempted()`), save there with
 `accelerator.save_state` and exit with `PREEMPTED_EXIT_CODE`, which torch elastic's agent reports
 for each rank; a launch that loads that checkpoint ends with parameters and optimizer state equal,
-bit for bit, to an uninterrupted run's.
+bit for bit, to an uninterrupted run's (`--slow`).
 """
 
 from __future__ import annotations
@@ -46,6 +46,9 @@ def test_sigterm_to_one_rank_saves_every_rank_at_that_step_and_each_exits_with_t
     assert "exitcode  : -15" not in output, output[-6000:]
 
 
+# A second launch; the default suite resumes FSDP2 deferral from a step boundary's save_state in
+# test_resume.py and test_reliability_edge.py, this case only adds who chose the step.
+@pytest.mark.slow
 def test_resuming_from_that_checkpoint_ends_as_if_uninterrupted(preempted):
     _, _, paths = preempted
     done = launch(WORKERS / "preemption_loop.py", ["--phase", "resume", *paths], accelerate_config("fsdp2"))
