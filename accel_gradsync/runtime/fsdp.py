@@ -5,12 +5,13 @@ for FSDP2, holds the gradient sync of any subset of them for one micro-batch. FS
 can only defer everything at once, through the root's `no_sync()`, which accelerate already
 calls correctly; `root_only` tells the caller to reuse it.
 
-FSDP2 has setters for its per-unit flags but no getters (torch 2.13), so `_sync_flags` reads
-them back from the param groups the setters write. Those reads, a param group's sharded and
-training state and pending all-gather (the live counters, fsdp2_counts.py), the dtypes, held
-gradient tensors and owning modules of FSDP2's params and FSDP1's flat parameter are the only
-private torch attributes this package reads, all in this module. It writes private state in two
-places only, both where torch has no API and would otherwise give wrong gradients or crash:
+FSDP2 has setters for its per-unit flags but no getters, so `_sync_flags` reads them back from
+the param groups the setters write. Those reads, a param group's sharded and training state and
+pending all-gather (the live counters, fsdp2_counts.py), the dtypes, held gradient tensors and
+owning modules of FSDP2's params and FSDP1's flat parameter are the only private torch attributes
+this package reads, all in this module; FSDP2's go through `compat/fsdp2.py`, which says where each
+torch series keeps them (`internals.read(obj, name)`). It writes private state in two places
+only, both where torch has no API and would otherwise give wrong gradients or crash:
 `even_out_held_grads` (FSDP2's uniform-dtype assertion) and `drop_held_grads` (gradients of
 an aborted accumulation that `zero_grad` cannot reach).
 """
@@ -27,7 +28,8 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
 from torch.nn.parallel import DistributedDataParallel
 
-from accel_gradsync.compat.versions import TESTED_TORCH
+from accel_gradsync.compat import fsdp2 as internals
+from accel_gradsync.compat.versions import describe_tested_torch
 from accel_gradsync.planning.costs import unit_dtypes
 from accel_gradsync.planning.units import Unit
 
@@ -147,13 +149,13 @@ class FSDP2Adapter(ModelAdapter):
                 continue
             seen.add(id(state))
             groups = _groups(state)
-            everything = [p for g in groups for p in g.fsdp_params]
+            everything = [p for g in groups for p in _params(g)]
             if not everything:
                 continue  # a module fully_shard gave no parameter of its own: nothing to gather
             params = [p for p in everything if _param_now(p).requires_grad]
-            numel = sum(p.sharded_param.numel() for p in params)  # DTensor: the global size
-            policy = groups[0].mp_policy
-            first = (params or everything)[0].sharded_param
+            numel = sum(_sharded(p).numel() for p in params)  # DTensor: the global size
+            policy = internals.read(groups[0], "mp_policy")
+            first = _sharded((params or everything)[0])
             held, reduce, compute = unit_dtypes("fsdp2", first.dtype, policy.param_dtype, policy.reduce_dtype)
             if not params:
                 held = reduce = compute  # a frozen unit holds and reduces nothing
@@ -164,9 +166,9 @@ class FSDP2Adapter(ModelAdapter):
             # The root keeps its params after forward where fully_shard chose for it (FSDP2's lazy
             # init: reshard_after_forward None, as accelerate shards its root); a root given True
             # (TRL's prepare_fsdp of a reference model) reshards like any unit.
-            auto_root = name == "" and state._auto_reshard_after_forward
-            reshards = not auto_root and all(g.post_forward_mesh_info is not None for g in groups)
-            reducing = sum(any(_param_now(p).requires_grad for p in g.fsdp_params) for g in groups)
+            auto_root = name == "" and internals.read(state, "auto_reshard_after_forward")
+            reshards = not auto_root and all(internals.read(g, "post_forward_mesh_info") is not None for g in groups)
+            reducing = sum(any(_param_now(p).requires_grad for p in _params(g)) for g in groups)
             units.append(
                 Unit(
                     name,
@@ -177,8 +179,8 @@ class FSDP2Adapter(ModelAdapter):
                     reduce_dtype=reduce,
                     compute_dtype=compute,
                     shard_size=shard,
-                    sharded_numel=sum(dim0_shard_numel(p.sharded_param.shape, shard) for p in params),
-                    param_numel=sum(p.sharded_param.numel() for p in everything),
+                    sharded_numel=sum(dim0_shard_numel(_sharded(p).shape, shard) for p in params),
+                    param_numel=sum(_sharded(p).numel() for p in everything),
                     reshards_after_forward=reshards,
                 )
             )
@@ -189,13 +191,11 @@ class FSDP2Adapter(ModelAdapter):
         for unit in self.units:
             for group in _groups(_fsdp2(unit.module)._get_fsdp_state()):
                 # HSDP with the all-reduce held: the sharded partial sum of the reduce-scatters.
-                partial = group._partial_reduce_output
+                partial = internals.read(group, "partial_reduce_output")
                 if partial is not None:
                     total += partial.numel() * partial.element_size()
-                for p in group.fsdp_params:
-                    grad = p.unsharded_accumulated_grad
-                    if grad is None and hasattr(p, "_unsharded_param"):  # absent until first all-gather
-                        grad = p._unsharded_param.grad
+                for p in _params(group):
+                    grad = _held_grad(p)
                     if grad is not None:
                         total += grad.numel() * grad.element_size()
         return total
@@ -208,7 +208,7 @@ class FSDP2Adapter(ModelAdapter):
             u
             for u in units
             if u.held_dtype == u.compute_dtype
-            or all(hasattr(p, "_unsharded_param") for p in _fsdp_params(_fsdp2(u.module)))
+            or all(internals.has(p, "unsharded_param") for p in _fsdp_params(_fsdp2(u.module)))
         ]
 
     def even_out_held_grads(self, units: Sequence[Unit]) -> int:
@@ -222,18 +222,19 @@ class FSDP2Adapter(ModelAdapter):
             if unit.held_dtype == unit.compute_dtype:
                 continue
             params = _fsdp_params(_fsdp2(unit.module))
-            if not any(p.unsharded_accumulated_grad is not None for p in params):
+            if not any(internals.read(p, "unsharded_accumulated_grad") is not None for p in params):
                 continue
             for p in params:
                 if (
-                    p.unsharded_accumulated_grad is None
-                    and hasattr(p, "_unsharded_param")
-                    and p._unsharded_param.grad is None
-                    and p.sharded_param.requires_grad
+                    internals.read(p, "unsharded_accumulated_grad") is None
+                    and internals.has(p, "unsharded_param")
+                    and internals.read(p, "unsharded_param").grad is None
+                    and _sharded(p).requires_grad
                 ):
-                    p.unsharded_accumulated_grad = torch.zeros(
-                        p._orig_size, dtype=unit.held_dtype, device=p.sharded_param.device
+                    zeros = torch.zeros(
+                        internals.read(p, "orig_size"), dtype=unit.held_dtype, device=_sharded(p).device
                     )
+                    internals.write(p, "unsharded_accumulated_grad", zeros)
                     filled += 1
         return filled
 
@@ -241,29 +242,27 @@ class FSDP2Adapter(ModelAdapter):
         self.model.zero_grad(set_to_none=True)
         for unit in self.units:
             for group in _groups(_fsdp2(unit.module)._get_fsdp_state()):
-                group._partial_reduce_output = None
-                for p in group.fsdp_params:
-                    p.unsharded_accumulated_grad = None
-                    if hasattr(p, "_unsharded_param"):
-                        p._unsharded_param.grad = None
+                internals.write(group, "partial_reduce_output", None)
+                for p in _params(group):
+                    internals.write(p, "unsharded_accumulated_grad", None)
+                    if internals.has(p, "unsharded_param"):
+                        internals.read(p, "unsharded_param").grad = None
 
     def grad_state(self) -> list:
         state = []
         for unit in self.units:
             for group in _groups(_fsdp2(unit.module)._get_fsdp_state()):
                 params = []
-                for p in group.fsdp_params:
-                    held = p.unsharded_accumulated_grad
-                    if held is None and hasattr(p, "_unsharded_param"):
-                        held = p._unsharded_param.grad
-                    sharded = p.sharded_param.grad
+                for p in _params(group):
+                    held = _held_grad(p)
+                    sharded = _sharded(p).grad
                     params.append(
                         (
                             None if held is None else held.detach().clone(),
                             None if sharded is None else sharded.to_local().detach().clone(),
                         )
                     )
-                partial = group._partial_reduce_output
+                partial = internals.read(group, "partial_reduce_output")
                 state.append((params, None if partial is None else partial.detach().clone()))
         return state
 
@@ -278,14 +277,14 @@ class FSDP2Adapter(ModelAdapter):
                 "saved from, or delete its accel_gradsync_grads_rank*.pt files to resume at the last optimizer step."
             )
         for group, (params, partial) in zip(groups, state, strict=True):
-            group._partial_reduce_output = partial
-            for p, (held, sharded) in zip(group.fsdp_params, params, strict=True):
+            internals.write(group, "partial_reduce_output", partial)
+            for p, (held, sharded) in zip(_params(group), params, strict=True):
                 # FSDP2 adds later micro-batches' gradients to `unsharded_accumulated_grad` and
                 # reduce-scatters it on the last one, whatever the dtypes.
-                p.unsharded_accumulated_grad = held
+                internals.write(p, "unsharded_accumulated_grad", held)
                 if sharded is not None:
-                    sp = p.sharded_param
-                    p.sharded_param.grad = DTensor.from_local(
+                    sp = _sharded(p)
+                    sp.grad = DTensor.from_local(
                         sharded.to(sp.device),
                         sp.device_mesh,
                         sp.placements,
@@ -325,16 +324,23 @@ class FSDP2Adapter(ModelAdapter):
         # torch's setter cannot express what it replaces (the root's automatic False, or a
         # reshard to a smaller mesh), so the exact previous state is put back directly.
         states = [_fsdp2(u.module)._get_fsdp_state() for u in units if u.reshards_after_forward]
-        saved = [(s, s._auto_reshard_after_forward, [g.post_forward_mesh_info for g in _groups(s)]) for s in states]
+        saved = [
+            (
+                s,
+                internals.read(s, "auto_reshard_after_forward"),
+                [internals.read(g, "post_forward_mesh_info") for g in _groups(s)],
+            )
+            for s in states
+        ]
         for u in units:
             if u.reshards_after_forward:
                 _fsdp2(u.module).set_reshard_after_forward(False, False)  # `recurse` is positional in torch 2.13
 
         def restore() -> None:
             for state, auto, infos in saved:
-                state._auto_reshard_after_forward = auto
+                internals.write(state, "auto_reshard_after_forward", auto)
                 for group, info in zip(_groups(state), infos, strict=True):
-                    group.post_forward_mesh_info = info
+                    internals.write(group, "post_forward_mesh_info", info)
 
         return restore
 
@@ -352,7 +358,8 @@ class FSDP2Adapter(ModelAdapter):
 
     def reshards_now(self, unit: Unit) -> bool:
         # No public getter for reshard_after_forward: read it where its setter writes it.
-        return all(g.post_forward_mesh_info is not None for g in _groups(_fsdp2(unit.module)._get_fsdp_state()))
+        groups = _groups(_fsdp2(unit.module)._get_fsdp_state())
+        return all(internals.read(g, "post_forward_mesh_info") is not None for g in groups)
 
     def fsdp_root(self) -> nn.Module:
         """The outermost FSDP2 module: its post-forward completes the units left incomplete."""
@@ -382,12 +389,12 @@ def pending_all_gathers(unit: Unit) -> Callable[[], int]:
     groups = param_groups(unit)
     if unit.shard_size == 1:
         return lambda: 0
-    return lambda: sum(not g.is_unsharded for g in groups)
+    return lambda: sum(not internals.read(g, "is_unsharded") for g in groups)
 
 
 def unsharded(group) -> bool:
     """`group`'s params are unsharded now (a prefetch not waited for yet does not count)."""
-    return bool(group.is_unsharded)
+    return bool(internals.read(group, "is_unsharded"))
 
 
 def param_groups(unit: Unit) -> list:
@@ -399,36 +406,34 @@ def pending_reduction(unit: Unit, group, hsdp: bool) -> tuple[int, int, int]:
     """(reduce-scatters, all-reduces, gradient bytes) that `group`'s post-backward issues if it
     runs now: none while its sync is held; else one of each (the all-reduce under HSDP while
     not held) when it finds a gradient, held from earlier micro-batches or computed since."""
-    if not group.reduce_grads:
+    if not internals.read(group, "reduce_grads"):
         return 0, 0, 0
     numel = sum(
-        p.sharded_param.numel()
-        for p in group.fsdp_params
-        if hasattr(p, "_unsharded_param")
-        and (p.unsharded_accumulated_grad is not None or p._unsharded_param.grad is not None)
+        _sharded(p).numel() for p in _params(group) if internals.has(p, "unsharded_param") and _held_grad(p) is not None
     )
     if not numel:
         return 0, 0, 0
-    return int(unit.shard_size > 1), int(hsdp and group.all_reduce_grads), numel * unit.reduce_dtype.itemsize
+    all_reduces = int(hsdp and internals.read(group, "all_reduce_grads"))
+    return int(unit.shard_size > 1), all_reduces, numel * unit.reduce_dtype.itemsize
 
 
 def forwards_left(unit: Unit) -> bool:
     """A grouped unit (`fully_shard([a, b])`) some of whose modules did not run this forward:
     FSDP completes its post-forward in the root's, with its pre-backward on the root's outputs."""
-    return bool(getattr(_fsdp2(unit.module)._get_fsdp_state(), "_modules_to_run_forward", ()))
+    return bool(internals.read(_fsdp2(unit.module)._get_fsdp_state(), "modules_to_run_forward", ()))
 
 
 def unused_prefetch(unit: Unit, group) -> bool:
     """At the end of a backward: `group` was all-gathered ahead of use (a backward prefetch of a
     unit this backward does not run, e.g. the one an evaluation ran last) and nothing waited for
     it; FSDP drops it at its end-of-backward callback."""
-    return unit.shard_size > 1 and group._all_gather_result is not None
+    return unit.shard_size > 1 and internals.read(group, "all_gather_result") is not None
 
 
 def ran_post_backward(group) -> bool:
     """`group` ran its post-backward in the backward in progress (FSDP's end-of-backward
     callback then skips it)."""
-    return group._training_state.name == "POST_BACKWARD"
+    return internals.read(group, "training_state").name == "POST_BACKWARD"
 
 
 def post_backward_group(node) -> object | None:
@@ -565,53 +570,26 @@ def is_fsdp_wrapped(model: nn.Module) -> bool:
     return any(isinstance(m, (FSDPModule, FSDP1)) for m in model.modules())
 
 
-# The private FSDP2 attributes this module reads or writes, by object (see the module docstring).
-_FSDP2_INTERNALS = {
-    "param group": (
-        "fsdp_params",
-        "mp_policy",
-        "reduce_grads",
-        "all_reduce_grads",
-        "reshard_after_backward",
-        "post_forward_mesh_info",
-        "_partial_reduce_output",
-        "is_unsharded",
-        "_training_state",
-        "_all_gather_result",
-    ),
-    "FSDPParam": ("sharded_param", "unsharded_accumulated_grad", "_orig_size", "_module_info"),
-}
-
-
 def check_fsdp2_internals(model: nn.Module) -> None:
     """Raise, naming the torch version and what is missing, when this torch's FSDP2 lacks a private
-    attribute the adapter relies on (they change between releases; the ones read are those of
-    torch 2.13, with 2.11's single param group also understood)."""
+    attribute the adapter relies on where `compat/fsdp2.py` says this torch series keeps it (a
+    series with no entry there is checked against the newest one)."""
     for module in model.modules():
         if not isinstance(module, FSDPModule):
             continue
         state = module._get_fsdp_state()
-        missing: str | None = None
-        if not hasattr(state, "_fsdp_param_groups") and not hasattr(state, "_fsdp_param_group"):
-            missing = "FSDPState._fsdp_param_groups"
-        else:
+        missing = internals.missing({internals.STATE: state})
+        if missing is None:
             groups = _groups(state)
             if not groups:
                 continue
-            objects = {"param group": groups[0], "FSDPParam": next(iter(groups[0].fsdp_params), None)}
-            gone = [
-                f"{kind}.{a}"
-                for kind, obj in objects.items()
-                if obj is not None
-                for a in _FSDP2_INTERNALS[kind]
-                if not hasattr(obj, a)
-            ]
-            missing = gone[0] if gone else None
+            params = _params(groups[0])
+            missing = internals.missing({internals.GROUP: groups[0], internals.PARAM: next(iter(params), None)})
         if missing is not None:
             raise RuntimeError(
                 f"accel_gradsync reads FSDP2's private {missing}, which torch {torch.__version__} does not "
-                f"have (tested: torch {TESTED_TORCH}, see constraints.txt). Install torch=={TESTED_TORCH}.0, or "
-                "use sync_mode 'per_micro_batch' without attach()."
+                f"have (tested: {describe_tested_torch()}; accel_gradsync/compat/fsdp2.py says where each keeps it). "
+                "Install a tested torch, or use sync_mode 'per_micro_batch' without attach()."
             )
         return  # one unit tells: every FSDP2 state of a torch release has the same fields
 
@@ -629,13 +607,27 @@ def _fsdp2(module: nn.Module) -> FSDPModule:
 
 
 def _groups(state) -> list:
-    """An FSDP2 state's param groups: torch 2.13 keeps a list (`_fsdp_param_groups`), earlier
-    releases (2.11 was checked) one group or None (`_fsdp_param_group`)."""
-    groups = getattr(state, "_fsdp_param_groups", None)
-    if groups is not None:
-        return groups
-    group = state._fsdp_param_group
-    return [] if group is None else [group]
+    """An FSDP2 state's param groups."""
+    return internals.read(state, "param_groups")
+
+
+def _params(group) -> list:
+    """The FSDPParams of one param group."""
+    return internals.read(group, "fsdp_params")
+
+
+def _sharded(p) -> Any:
+    """An FSDPParam's sharded parameter (a DTensor)."""
+    return internals.read(p, "sharded_param")
+
+
+def _held_grad(p) -> torch.Tensor | None:
+    """The unsharded gradient an FSDPParam holds: accumulated in `reduce_dtype`, else on its
+    unsharded parameter (absent until its first all-gather); None when it holds none."""
+    grad = internals.read(p, "unsharded_accumulated_grad")
+    if grad is None and internals.has(p, "unsharded_param"):
+        grad = internals.read(p, "unsharded_param").grad
+    return grad
 
 
 def _param_now(p) -> nn.Parameter:
@@ -643,13 +635,13 @@ def _param_now(p) -> nn.Parameter:
     sharding puts the loaded weights in after `fully_shard`, and FSDP2 takes the new parameter up
     as `sharded_param` only at its lazy init (the first forward): until then `sharded_param` is
     the replaced one, whose `requires_grad` PEFT's freezing never reached."""
-    info = p._module_info
+    info = internals.read(p, "module_info")
     return getattr(info.module, info.param_name)
 
 
 def _fsdp_params(module: FSDPModule) -> list:
     """The FSDPParams one FSDP2 unit manages directly."""
-    return [p for g in _groups(module._get_fsdp_state()) for p in g.fsdp_params]
+    return [p for g in _groups(module._get_fsdp_state()) for p in _params(g)]
 
 
 def _sync_flags(module: FSDPModule) -> tuple[bool, bool, bool]:
@@ -657,9 +649,9 @@ def _sync_flags(module: FSDPModule) -> tuple[bool, bool, bool]:
     as its setters left them."""
     groups = _groups(module._get_fsdp_state())
     return (
-        all(g.reduce_grads for g in groups),
-        all(g.all_reduce_grads for g in groups),
-        all(g.reshard_after_backward for g in groups),
+        all(internals.read(g, "reduce_grads") for g in groups),
+        all(internals.read(g, "all_reduce_grads") for g in groups),
+        all(internals.read(g, "reshard_after_backward") for g in groups),
     )
 
 

@@ -1,4 +1,4 @@
-"""The tested torch release: which version strings count as it, and the one warning attach gives
+"""The tested torch series: which version strings count as one, and the one warning attach gives
 for any other (the missing-attribute error itself is tests/unit/runtime/test_fsdp.py's)."""
 
 import warnings
@@ -6,40 +6,48 @@ import warnings
 import pytest
 import torch
 
-from accel_gradsync.compat.versions import TESTED_TORCH, is_tested_torch, warn_if_untested_torch
+from accel_gradsync.compat.versions import TESTED_TORCH, describe_tested_torch, is_tested_torch, warn_if_untested_torch
 from accel_gradsync.config.errors import GradSyncWarning
 
 
-@pytest.mark.parametrize(
-    "version",
-    [
-        f"{TESTED_TORCH}.0",
-        f"{TESTED_TORCH}.0+cpu",
-        f"{TESTED_TORCH}.2+cu128",
-        f"{TESTED_TORCH}.0a0+git1a2b3c",
-        f"{TESTED_TORCH}.0.dev20260101",
-    ],
-)
-def test_builds_and_patch_releases_of_the_tested_series_count(version):
-    assert is_tested_torch(version)
+def test_the_tested_series_are_the_two_that_vllm_pins():
+    """vLLM 0.31/0.32 pin torch 2.13.0, vLLM 0.33 torch 2.14.0 (README, Install)."""
+    assert TESTED_TORCH == ("2.13", "2.14")
+    assert describe_tested_torch() == "torch 2.13 or 2.14"
 
 
-@pytest.mark.parametrize("version", ["2.11.0", "2.12.1+cpu", "2.14.0", "2.130.0", "3.13.0", "2", "", "nightly"])
+@pytest.mark.parametrize("series", TESTED_TORCH)
+@pytest.mark.parametrize("suffix", [".0", ".0+cpu", ".2+cu128", ".0+cu130", ".0a0+git1a2b3c", ".0.dev20260101"])
+def test_builds_and_patch_releases_of_a_tested_series_count(series, suffix):
+    assert is_tested_torch(series + suffix)
+
+
+@pytest.mark.parametrize("version", ["2.11.0", "2.12.1+cpu", "2.15.0", "2.130.0", "3.13.0", "2", "", "nightly"])
 def test_other_series_do_not(version):
     assert not is_tested_torch(version)
 
 
-def test_this_torch_is_the_tested_one():
-    """The suite runs on the pinned torch (constraints.txt), so attach warns nothing here."""
+@pytest.mark.compat
+def test_this_torch_is_a_tested_one():
+    """The suite runs on a pinned torch (constraints.txt, stacks/*.txt), so attach warns nothing here."""
     assert is_tested_torch(torch.__version__)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         warn_if_untested_torch()
 
 
-def test_an_untested_torch_is_named_once_with_the_tested_one():
-    with pytest.warns(GradSyncWarning, match=rf"torch 2\.11\.0\+cpu is not .* tested on \(torch {TESTED_TORCH};"):
-        warn_if_untested_torch("2.11.0+cpu")
+def test_torch_2_14_gets_no_warning():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        warn_if_untested_torch("2.11.0+cpu")  # once per process
+        warn_if_untested_torch("2.14.0+cu130")
+        warn_if_untested_torch("2.14.1")
+
+
+def test_an_untested_torch_is_named_once_with_the_tested_ones():
+    with pytest.warns(
+        GradSyncWarning, match=r"torch 2\.15\.0 is not a release it was tested on \(torch 2\.13 or 2\.14;"
+    ):
+        warn_if_untested_torch("2.15.0")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warn_if_untested_torch("2.15.0")  # once per process
