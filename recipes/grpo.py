@@ -54,6 +54,7 @@ from trl import (
 
 import accel_gradsync
 from accel_gradsync.compat.cpu import has_accelerator_device
+from accel_gradsync.compat.releases import training_arg
 from accel_gradsync.config.settings import ENV_PREFIX
 from accel_gradsync.launch import check_restart, launch_setup
 from accel_gradsync.runtime import resume
@@ -78,8 +79,9 @@ RECIPE_DEFAULTS = dict(
     save_steps=100,
     report_to="none",
     # Two small layers gain nothing from recomputing activations (TRL turns it on by default, under
-    # transformers' deprecated name `gradient_checkpointing`); the real-model YAML turns it on.
-    activation_checkpointing=False,
+    # transformers' deprecated name `gradient_checkpointing`, its only one before 5.23); the
+    # real-model YAML turns it on.
+    **{training_arg("activation_checkpointing"): False},
 )
 
 

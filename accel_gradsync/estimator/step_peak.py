@@ -25,6 +25,7 @@ from typing import Any, cast
 import torch
 from torch.distributed.fsdp import FSDPModule
 
+from accel_gradsync.compat.releases import kv_cache_name
 from accel_gradsync.config.settings import GradSyncConfig, SyncMode, reduce_dtype_for
 from accel_gradsync.estimator.fake_shard import fake_world, shard_like_accelerate
 from accel_gradsync.estimator.inputs import FSDPSetup, LoraSpec, StepShape
@@ -310,13 +311,14 @@ class StepForecaster:
             with tracker, torch.no_grad():
                 ids = torch.randint(0, model_config.vocab_size, (batch, prompt))
                 out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
-                cache = out.cache
+                kv = kv_cache_name()  # `cache` from transformers 5.24, `past_key_values` before
+                cache = getattr(out, kv)
                 for _ in range(shape.max_completion_length - 1):
                     token = torch.softmax(out.logits[:, -1, :].float(), dim=-1).argmax(-1, keepdim=True)
                     del out
                     tracker.reset_mod_stats()  # the root's next forward (a PEFT root refuses it); the peak is kept
-                    out = model(input_ids=token, cache=cache, use_cache=True)
-                    cache = out.cache
+                    out = model(input_ids=token, use_cache=True, **{kv: cache})
+                    cache = getattr(out, kv)
                 del out, cache
                 return _total(tracker.get_tracker_snapshot("peak"))
 

@@ -20,11 +20,12 @@ from typing import Any
 from accelerate import Accelerator
 from torch import nn
 
+from accel_gradsync.compat.releases import TRAINER_DEFER, TRAINER_DEFER_SINCE
 from accel_gradsync.runtime.bind import Binder, wants_binding
 from accel_gradsync.runtime.window import Window
 
 _HOOKED_ATTR = "_accel_gradsync_hooked"  # marks the per-instance subclass; it refers to nothing
-_DEFER = "_defer_fsdp_gradient_reduction"  # transformers 5.x, Trainer
+_DEFER = TRAINER_DEFER  # transformers 5.23 on, Trainer
 
 
 def is_hooked(accelerator: Accelerator) -> bool:
@@ -94,9 +95,9 @@ def hook_trainer(trainer: Any, binder: Binder, window: Window) -> type:
         raise ValueError(
             f"accel_gradsync cannot choose the gradient sync of a model sharded at load time "
             f"(DistributedConfig) under transformers {transformers.__version__}: its Trainer has no {_DEFER}(), "
-            "which transformers 5.24 enters on every micro-batch that does not end an optimizer step. Shard the "
-            "model with accelerate instead (fsdp_version: 2 in the accelerate config, from_pretrained without "
-            "distributed_config), or install transformers 5.24."
+            f"which transformers {TRAINER_DEFER_SINCE} and later enter on every micro-batch that does not end an "
+            "optimizer step. Shard the model with accelerate instead (fsdp_version: 2 in the accelerate config, "
+            f"from_pretrained without distributed_config), or install transformers>={TRAINER_DEFER_SINCE}."
         )
 
     class GradSyncTrainer(base):  # type: ignore[misc, valid-type]
