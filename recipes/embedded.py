@@ -14,11 +14,13 @@ operands (100 sums) keep that within reach of 500 steps of 4 prompts each.
 
 from __future__ import annotations
 
+import os
 import random
 import re
 from fractions import Fraction
 from typing import Any
 
+import safetensors.torch
 import torch
 from datasets import Dataset
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
@@ -45,9 +47,21 @@ def build_model(tokenizer: PreTrainedTokenizerFast) -> Qwen2ForCausalLM:
     """Random init; every rank gets the same weights because the caller seeds first (CPU FSDP
     cannot broadcast rank 0's weights, see accel_gradsync/compat/cpu.py)."""
     config = Qwen2Config(**{k: v for k, v in RECIPE_DEFAULT_MODEL.items() if k != "model_type"})
+    config.architectures = [Qwen2ForCausalLM.__name__]  # what a saved model's config names (see reload_from)
     ids = (len(tokenizer), tokenizer.pad_token_id, tokenizer.eos_token_id)
     assert ids == (config.vocab_size, config.pad_token_id, config.eos_token_id), ids  # one character set
     return Qwen2ForCausalLM(config)
+
+
+def reload_from(model: Qwen2ForCausalLM, folder: str) -> Qwen2ForCausalLM:
+    """`model` saved to `folder` and loaded back: the same weights, with `folder` as its
+    `name_or_path`, where TRL's GRPOTrainer loads the reference model from (`beta` > 0: a copy of
+    the policy GRPO starts from, built with `from_pretrained` of the policy's `name_or_path`).
+    Every rank writes its own folder (`save_pretrained` writes on rank 0 only), so ranks on other
+    hosts need no shared file system."""
+    model.config.save_pretrained(folder)
+    safetensors.torch.save_model(model, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    return Qwen2ForCausalLM.from_pretrained(folder)
 
 
 def build_dataset(n: int = 2000, max_operand: int = 9, seed: int = 0) -> Dataset:

@@ -36,6 +36,7 @@ import difflib
 import os
 import shutil
 import sys
+import tempfile
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -161,17 +162,18 @@ def prepare(script_args, training_args, model_args, grad_sync_args) -> PreparedR
 
 
 def train(prepared: PreparedRun) -> None:
-    script_args, training_args, model_args = prepared.script_args, prepared.training_args, prepared.model_args
-    if model_args.model_name_or_path is None:
-        from transformers import set_seed
+    # The built-in model's folder (see load_policy), this rank's own, removed when the run ends.
+    with tempfile.TemporaryDirectory(prefix="grpo-embedded-model-") as folder:
+        model, tokenizer = load_policy(prepared, folder)
+        run_trainer(prepared, model, tokenizer)
 
-        set_seed(training_args.seed)  # every rank must build the same random weights
-        tokenizer = embedded.build_tokenizer()
-        model = embedded.build_model(tokenizer)
-        if script_args.sft_warmup_steps > 0:  # from random weights GRPO collapses onto one answer
-            embedded.warm_up(model, tokenizer, script_args.sft_warmup_steps)
-    else:
-        model, tokenizer = model_args.model_name_or_path, None  # GRPOTrainer loads both
+
+def load_policy(prepared: PreparedRun, folder: str) -> tuple[Any, Any]:
+    """The model and tokenizer to give GRPOTrainer: the built-in ones, or the path it loads both from.
+    With `--beta` above 0 TRL builds the reference model with `from_pretrained` of the policy's
+    `name_or_path`, so the built-in model is saved to `folder` and loaded back from it first."""
+    script_args, training_args, model_args = prepared.script_args, prepared.training_args, prepared.model_args
+    if model_args.model_name_or_path is not None:
         # As TRL's own scripts/grpo.py; GRPOTrainer adds GRPOConfig's trust_remote_code itself.
         training_args.model_init_kwargs = {
             "revision": model_args.model_revision,
@@ -179,7 +181,21 @@ def train(prepared: PreparedRun) -> None:
             "dtype": model_args.dtype,
             **(training_args.model_init_kwargs or {}),
         }
+        return model_args.model_name_or_path, None  # GRPOTrainer loads both
+    from transformers import set_seed
 
+    set_seed(training_args.seed)  # every rank must build the same random weights
+    tokenizer = embedded.build_tokenizer()
+    model = embedded.build_model(tokenizer)
+    if script_args.sft_warmup_steps > 0:  # from random weights GRPO collapses onto one answer
+        embedded.warm_up(model, tokenizer, script_args.sft_warmup_steps)
+    if training_args.beta != 0.0:
+        model = embedded.reload_from(model, folder)
+    return model, tokenizer
+
+
+def run_trainer(prepared: PreparedRun, model: Any, tokenizer: Any) -> None:
+    training_args, model_args = prepared.training_args, prepared.model_args
     save_total_limit = resume.take_over_rotation(training_args)  # deleted once the new one is marked
     trainer = GRPOTrainer(
         model=model,

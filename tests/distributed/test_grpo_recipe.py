@@ -140,6 +140,8 @@ WINDOW = (
 )
 
 
+@pytest.mark.slow  # by default the README's fastest command runs with --beta (below); TRL's GRPO in window
+# mode against stock, step by step: tests/distributed/test_grpo_reference.py
 def test_window_mode_in_grpo_gathers_less_and_learns_the_same_first_step(runs):
     """Generation runs between windows (no-grad forwards); the window must survive it."""
     window, deferred, per_micro_batch = runs(WINDOW), runs(QUICKSTART[0]), runs(QUICKSTART[1])
@@ -155,6 +157,33 @@ def test_window_mode_in_grpo_gathers_less_and_learns_the_same_first_step(runs):
     assert first_w["reward"] == first_p["reward"]
     assert first_w["loss"] == pytest.approx(first_p["loss"], rel=1e-5, abs=1e-7)
     assert first_w["grad_norm"] == pytest.approx(first_p["grad_norm"], rel=1e-4)
+
+
+# The fastest command with GRPO's KL term, as the README's estimate shows `--beta`: TRL builds the
+# reference model from the policy's `name_or_path`, which the built-in model must make a real one.
+BETA = WINDOW + " --beta 0.04"
+
+
+def test_the_default_model_trains_with_a_reference_model(runs):
+    """The built-in model with `--beta 0.04` trains in window mode; TRL's reference model is
+    FSDP2-sharded beside the policy (one unit, trl.models.prepare_fsdp) and reduces no gradient;
+    and it is the policy GRPO starts from, the warmed-up model: at step 1 (one iteration per
+    generation, so the policy has not moved yet) the logged KL is rounding noise, where a random
+    or un-warmed reference is far from it."""
+    run = runs(BETA)
+    assert "windowed" in run["stdout"]  # the decision line
+    for rank in run["ranks"]:
+        roots = [m for m in rank["fsdp2_modules"] if m.endswith("Qwen2ForCausalLM")]
+        assert len(roots) == 2, rank  # the policy's root unit and the reference model, one unit
+        layers = [m for m in rank["fsdp2_modules"] if m.endswith("Qwen2DecoderLayer")]
+        assert len(layers) == 2, rank  # the policy's
+        units = len(layers) + 1  # the policy's units: its layers and its root
+        counts = rank["counts"]
+        reduce_scatters = counts.get("reduce_scatter_single", 0) + counts.get("reduce_scatter_tensor", 0)
+        assert reduce_scatters == STEPS * units, rank  # once per step, the policy's units only
+    first, last = run["logs"][0], run["logs"][-1]
+    assert first["step"] == 1 and abs(first["kl"]) < 1e-4, first
+    assert last["step"] == STEPS and last["grad_norm"] > 0, last
 
 
 AUTO = QUICKSTART[1] + " --grad-sync-mode auto"
