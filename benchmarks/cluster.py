@@ -172,15 +172,24 @@ class Cluster:
     def accelerate_flags(self, host: int, port: int = 29500) -> list[str]:
         """What `accelerate launch` needs on each host, as on a real cluster
         (recipes/slurm_multi_node.sh): the namespaces have their own ports, so a fixed one works."""
-        flags = {"num_machines": self.hosts, "machine_rank": host, "main_process_ip": self.address(0),
-                 "main_process_port": port}  # fmt: skip
+        flags = {
+            "num_machines": self.hosts,
+            "machine_rank": host,
+            "main_process_ip": self.address(0),
+            "main_process_port": port,
+        }
         return [arg for name, value in flags.items() for arg in (f"--{name}", str(value))]
 
     def torchrun_flags(self, host: int, nprocs: int, port: int = 29500) -> list[str]:
         """What torchrun needs on each host for a multi-node job of `nprocs` ranks in all (DDP's
         launch, which has no accelerate config): host 0 is the rendezvous, as in `accelerate_flags`."""
-        return [f"--nnodes={self.hosts}", f"--node_rank={host}", f"--nproc_per_node={nprocs // self.hosts}",
-                f"--master_addr={self.address(0)}", f"--master_port={port}"]  # fmt: skip
+        return [
+            f"--nnodes={self.hosts}",
+            f"--node_rank={host}",
+            f"--nproc_per_node={nprocs // self.hosts}",
+            f"--master_addr={self.address(0)}",
+            f"--master_port={port}",
+        ]
 
     def popen(self, host: int, argv: list[str], env: dict, **kwargs) -> subprocess.Popen:
         """Start `argv` in host `host`'s namespace, gloo bound to its NIC, in a session of its own."""
@@ -189,8 +198,14 @@ class Cluster:
         argv, env = ["ip", "netns", "exec", self.namespaces[host], *argv], {**env, "GLOO_SOCKET_IFNAME": NIC}
         return subprocess.Popen(argv, env=env, start_new_session=True, preexec_fn=pin, **kwargs)
 
-    def run(self, argvs: list[list[str]], env: dict, cwd=None, timeout: float = 900,
-            echo: Callable[[int, str], None] | None = None) -> list[tuple[int, list[str]]]:  # fmt: skip
+    def run(
+        self,
+        argvs: list[list[str]],
+        env: dict,
+        cwd=None,
+        timeout: float = 900,
+        echo: Callable[[int, str], None] | None = None,
+    ) -> list[tuple[int, list[str]]]:
         """One command per host, all at once (`run_all`); (exit code, last 80 output lines) per host."""
         if len(argvs) != self.hosts:
             raise ValueError(f"{len(argvs)} commands for {self.hosts} hosts: one per host")

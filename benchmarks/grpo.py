@@ -40,17 +40,24 @@ AUTO_FREE_MEMORY = "8GiB"
 
 # Sync modes: (the GradSyncConfig arguments, None: no plugin, stock TRL + accelerate; the label).
 MODES: dict[str, tuple[dict[str, Any] | None, str]] = {
-    "ddp": (None, "DDP, no plugin: the same model and GRPO settings, parameters replicated, accelerate's no_sync "
-                  "over the accumulation (the data-parallel floor: one gradient all-reduce per step)"),
+    "ddp": (
+        None,
+        "DDP, no plugin: the same model and GRPO settings, parameters replicated, accelerate's no_sync "
+        "over the accumulation (the data-parallel floor: one gradient all-reduce per step)",
+    ),
     "stock": (None, "stock TRL + accelerate (no plugin; accelerate's no_sync defers on FSDP2)"),
     "per_micro_batch": ({"defer": False}, "plugin, per-micro-batch sync"),
     "deferred": ({"defer": True}, "plugin, deferred sync"),
     "window": ({"defer": True, "keep_params_unsharded": True}, "plugin, deferred + keep_params_unsharded (the window)"),
-    "auto": ({"sync_mode": "auto", "free_memory": AUTO_FREE_MEMORY},
-             f"plugin, auto with --grad-sync-free-memory {AUTO_FREE_MEMORY}"),
-    "deferred_gen_resident": ({"defer": True, "gather_for_generation": True},
-                              "plugin, deferred + gather_for_generation (params gathered once per generation)"),
-}  # fmt: skip
+    "auto": (
+        {"sync_mode": "auto", "free_memory": AUTO_FREE_MEMORY},
+        f"plugin, auto with --grad-sync-free-memory {AUTO_FREE_MEMORY}",
+    ),
+    "deferred_gen_resident": (
+        {"defer": True, "gather_for_generation": True},
+        "plugin, deferred + gather_for_generation (params gathered once per generation)",
+    ),
+}
 # Modes that sum a step's gradients in another floating-point order than stock (accelerate's no_sync
 # defers on FSDP2: each rank adds its micro-batches, then one reduce-scatter): per-micro-batch sync
 # adds each micro-batch's reduced shard, auto's measured step 1 syncs per micro-batch, DDP divides
@@ -78,12 +85,26 @@ def grpo_settings(size: dict, beta: float = 0.0) -> dict:
     beta = 0, TRL's default: no KL term, no reference model, and with one iteration per generation
     no separate no-grad log-prob pass either (the column shows 0). beta > 0 (`--beta`): TRL's
     reference model runs a log-prob pass each step (under LoRA: the policy with its adapter off)."""
-    shapes = {"per_device_train_batch_size": size["batch"], "gradient_accumulation_steps": size["M"],
-              "num_generations": size["generations"], "max_completion_length": size["completion"]}  # fmt: skip
+    shapes = {
+        "per_device_train_batch_size": size["batch"],
+        "gradient_accumulation_steps": size["M"],
+        "num_generations": size["generations"],
+        "max_completion_length": size["completion"],
+    }
     # use_configured_state: GRPOConfig would otherwise discard the FSDP state enable_cpu_fsdp() built.
-    return dict(**shapes, beta=beta, learning_rate=1e-5, lr_scheduler_type="constant", logging_steps=1,
-                save_strategy="no", report_to="none", disable_tqdm=True, bf16=False,
-                model_init_kwargs={"dtype": "float32"}, accelerator_config={"use_configured_state": True})  # fmt: skip
+    return dict(
+        **shapes,
+        beta=beta,
+        learning_rate=1e-5,
+        lr_scheduler_type="constant",
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        bf16=False,
+        model_init_kwargs={"dtype": "float32"},
+        accelerator_config={"use_configured_state": True},
+    )
 
 
 def embedded():
@@ -108,14 +129,23 @@ def build_model_dir(path: Path, size_name: str) -> dict:
     tok = Tokenizer(models.WordLevel(vocab, unk_token=embedded_.UNK))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=embedded_.PAD, eos_token=embedded_.EOS,
-                                        unk_token=embedded_.UNK)  # fmt: skip
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token=embedded_.PAD, eos_token=embedded_.EOS, unk_token=embedded_.UNK
+    )
     tokenizer.padding_side = "left"
-    config = Qwen2Config(vocab_size=len(vocab), hidden_size=size["hidden"], intermediate_size=size["intermediate"],
-                         num_hidden_layers=size["layers"], num_attention_heads=size["heads"],
-                         num_key_value_heads=size["kv_heads"], max_position_embeddings=128, bos_token_id=None,
-                         tie_word_embeddings=False, pad_token_id=tokenizer.pad_token_id,
-                         eos_token_id=tokenizer.eos_token_id)  # fmt: skip
+    config = Qwen2Config(
+        vocab_size=len(vocab),
+        hidden_size=size["hidden"],
+        intermediate_size=size["intermediate"],
+        num_hidden_layers=size["layers"],
+        num_attention_heads=size["heads"],
+        num_key_value_heads=size["kv_heads"],
+        max_position_embeddings=128,
+        bos_token_id=None,
+        tie_word_embeddings=False,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(config)
     model.save_pretrained(path)
@@ -145,8 +175,14 @@ def combine(runs: list[GrpoRun]) -> GrpoRun:
     """The launches of one network as one run: their rows together, in configuration order."""
     first = runs[0]
     rows = sorted((r for run in runs for r in run.rows), key=lambda r: list(CONFIGS).index(r.config))
-    out = GrpoRun(size=first.size, facts=first.facts, rows=rows, versions=first.versions,
-                  pinned_cores=first.pinned_cores, backend_ms=first.backend_ms)  # fmt: skip
+    out = GrpoRun(
+        size=first.size,
+        facts=first.facts,
+        rows=rows,
+        versions=first.versions,
+        pinned_cores=first.pinned_cores,
+        backend_ms=first.backend_ms,
+    )
     for name in ("link", "hosts", "ranks_per_host"):
         setattr(out, name, getattr(first, name))
     out.wall_s = round(sum(r.wall_s or 0 for r in runs), 1)
@@ -162,33 +198,56 @@ def merge(ranks_json: list[dict]) -> GrpoRun:
     for name in dict.fromkeys(r.config for r in ranks[0].runs):
         per_rank = [[r for r in rank.runs if r.config == name] for rank in ranks]
         rounds = list(zip(*per_rank, strict=True))  # one run per round, on every rank
-        steps = [(runs[0].round, max(same, key=lambda s: s.time_s))
-                 for runs in rounds for same in zip(*(run.steps for run in runs), strict=True)]  # fmt: skip
+        steps = [
+            (runs[0].round, max(same, key=lambda s: s.time_s))
+            for runs in rounds
+            for same in zip(*(run.steps for run in runs), strict=True)
+        ]
         rank0 = [s for run in per_rank[0] for s in run.steps]
         every = [s for runs in rounds for run in runs for s in run.steps]
         phases = list(rank0[0].phases) if rank0 else []
-        rows.append(GrpoRow(
-            config=name, units=per_rank[0][0].units,
-            step_time_s=median(s.time_s for _, s in steps), step_times_s=[s.time_s for _, s in steps],
-            step_rounds=[r for r, _ in steps],
-            phase_time_s={p: median(s.phases[p].time_s for _, s in steps) for p in phases},
-            counts_seen={p: {k: sorted({getattr(s.phases[p], k) for s in rank0}) for k in kinds} for p in phases},
-            counts_per_step={p: {k: median(getattr(s.phases[p], k) for s in rank0) for k in (*kinds, "bytes_sent")}
-                             for p in phases},
-            **memory_max(every, [run.handle_held_grad_bytes for runs in rounds for run in runs]),
-            state_bytes=max((s.state_bytes for s in every), default=0),
-            logs=[run.logs for run in per_rank[0]], rewards=[run.rewards for run in per_rank[0]],
-            completions=[[run.completions for run in runs] for runs in rounds],
-            stats=per_rank[0][-1].stats))  # fmt: skip
-    return GrpoRun(size=ranks[0].size, facts=ranks[0].facts, rows=rows, versions=ranks[0].versions,
-                   pinned_cores=[r.pinned_core for r in ranks], backend_ms=ranks[0].backend_ms)  # fmt: skip
+        rows.append(
+            GrpoRow(
+                config=name,
+                units=per_rank[0][0].units,
+                step_time_s=median(s.time_s for _, s in steps),
+                step_times_s=[s.time_s for _, s in steps],
+                step_rounds=[r for r, _ in steps],
+                phase_time_s={p: median(s.phases[p].time_s for _, s in steps) for p in phases},
+                counts_seen={p: {k: sorted({getattr(s.phases[p], k) for s in rank0}) for k in kinds} for p in phases},
+                counts_per_step={
+                    p: {k: median(getattr(s.phases[p], k) for s in rank0) for k in (*kinds, "bytes_sent")}
+                    for p in phases
+                },
+                **memory_max(every, [run.handle_held_grad_bytes for runs in rounds for run in runs]),
+                state_bytes=max((s.state_bytes for s in every), default=0),
+                logs=[run.logs for run in per_rank[0]],
+                rewards=[run.rewards for run in per_rank[0]],
+                completions=[[run.completions for run in runs] for runs in rounds],
+                stats=per_rank[0][-1].stats,
+            )
+        )
+    return GrpoRun(
+        size=ranks[0].size,
+        facts=ranks[0].facts,
+        rows=rows,
+        versions=ranks[0].versions,
+        pinned_cores=[r.pinned_core for r in ranks],
+        backend_ms=ranks[0].backend_ms,
+    )
 
 
 def plan_of(args) -> dict:
     size = "quick" if args.quick else "full"
     rounds, steps = args.reps or SIZES[size]["rounds"], args.steps or SIZES[size]["steps"]
-    p = {"size": size, "configs": args.configs.split(",") if args.configs else list(CONFIGS), "rounds": rounds,
-         "steps": steps, "quick": bool(args.quick), "beta": args.beta}  # fmt: skip
+    p = {
+        "size": size,
+        "configs": args.configs.split(",") if args.configs else list(CONFIGS),
+        "rounds": rounds,
+        "steps": steps,
+        "quick": bool(args.quick),
+        "beta": args.beta,
+    }
     if unknown := [c for c in p["configs"] if c not in CONFIGS]:
         raise SystemExit(f"--configs: unknown GRPO configuration(s) {', '.join(unknown)}; valid: {', '.join(CONFIGS)}")
     if p["steps"] < 2:

@@ -136,8 +136,15 @@ def run_one(name: str, round_index: int, args: argparse.Namespace, phases: Phase
     with tempfile.TemporaryDirectory() as tmp:
         config = GRPOConfig(output_dir=tmp, max_steps=args.steps, seed=0, **grpo.grpo_settings(size, args.beta))
         peft = get_peft_config(lora) if spec["lora"] else None
-        trainer = GRPOTrainer(model=args.model_dir, reward_funcs=[parity_reward], args=config, train_dataset=dataset,
-                              processing_class=tokenizer, peft_config=peft, callbacks=[callback])  # fmt: skip
+        trainer = GRPOTrainer(
+            model=args.model_dir,
+            reward_funcs=[parity_reward],
+            args=config,
+            train_dataset=dataset,
+            processing_class=tokenizer,
+            peft_config=peft,
+            callbacks=[callback],
+        )
         callback.trainer, handle = trainer, attach(trainer, spec["gradsync"])
         wrap(trainer, "_generate", (phases, "generation"), after=digest)
         wrap(
@@ -155,10 +162,17 @@ def run_one(name: str, round_index: int, args: argparse.Namespace, phases: Phase
             handle.detach()
     del trainer
     gc.collect()
-    return GrpoRankRun(config=name, round=round_index, steps=[s for s in steps if s.step > 1],  # 1: FSDP's lazy init
-                       units=units, logs=logs, completions=completions, rewards=rewards,
-                       handle_held_grad_bytes=stats.get("last_step/held_grad_bytes"),
-                       stats={k: v for k, v in stats.items() if isinstance(v, (int, float, str))})  # fmt: skip
+    return GrpoRankRun(
+        config=name,
+        round=round_index,
+        steps=[s for s in steps if s.step > 1],  # 1: FSDP's lazy init
+        units=units,
+        logs=logs,
+        completions=completions,
+        rewards=rewards,
+        handle_held_grad_bytes=stats.get("last_step/held_grad_bytes"),
+        stats={k: v for k, v in stats.items() if isinstance(v, (int, float, str))},
+    )
 
 
 def time_collectives(numel: int, reps: int = 3) -> dict[str, float]:
@@ -211,8 +225,9 @@ def main() -> None:
                 print(f"[bench] grpo {args.size} round {r} {name}: steps {ms} ms ({time.time() - t0:.1f}s)", flush=True)
     facts = json.loads(Path(args.model_dir, "bench_facts.json").read_text())
     backend = time_collectives(facts["params"])
-    result = GrpoRankResult(size=args.size, facts=facts, pinned_core=core, runs=runs, versions=versions("trl", "peft"),
-                            backend_ms=backend)  # fmt: skip
+    result = GrpoRankResult(
+        size=args.size, facts=facts, pinned_core=core, runs=runs, versions=versions("trl", "peft"), backend_ms=backend
+    )
     Path(args.out, f"rank{state.process_index}.json").write_text(json.dumps(dataclasses.asdict(result), indent=1))
 
 

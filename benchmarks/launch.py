@@ -35,9 +35,13 @@ def fsdp2_config(layer_class: str, nranks: int) -> dict:
     """An accelerate config as a user would write it: FSDP2 wrapping each `layer_class`, no mixed
     precision; 4 ranks are a 2x2 HSDP mesh (replicate x shard). On CPU the worker's
     `enable_cpu_fsdp()` makes it FSDP over gloo; elsewhere accelerate picks NCCL/HCCL."""
-    fsdp = {"fsdp_version": 2, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
-            "fsdp_transformer_layer_cls_to_wrap": layer_class, "fsdp_reshard_after_forward": True,
-            "fsdp_state_dict_type": "SHARDED_STATE_DICT"}  # fmt: skip
+    fsdp = {
+        "fsdp_version": 2,
+        "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+        "fsdp_transformer_layer_cls_to_wrap": layer_class,
+        "fsdp_reshard_after_forward": True,
+        "fsdp_state_dict_type": "SHARDED_STATE_DICT",
+    }
     config = {"distributed_type": "FSDP", "num_processes": nranks, "fsdp_config": fsdp, "mixed_precision": "no"}
     if nranks == 4:
         config["parallelism_config"] = {
@@ -62,9 +66,17 @@ def environment(env: dict[str, str] | None = None) -> dict[str, str]:
     return full
 
 
-def launch(script: Path | str, args: list[str], config: dict | None = None, *, nprocs: int = 2,
-           env: dict[str, str] | None = None, timeout: float = 600, hosts: Cluster | None = None,
-           echo: Callable[[int, str], None] | None = None) -> Launched:  # fmt: skip
+def launch(
+    script: Path | str,
+    args: list[str],
+    config: dict | None = None,
+    *,
+    nprocs: int = 2,
+    env: dict[str, str] | None = None,
+    timeout: float = 600,
+    hosts: Cluster | None = None,
+    echo: Callable[[int, str], None] | None = None,
+) -> Launched:
     """`script --out DIR *args` under `accelerate launch` with `config` (None: torchrun with `nprocs`
     CPU ranks), from the repository root, once per host of `hosts` (multi-node flags for either
     launcher); `echo(host, line)` sees every output line as it comes."""
@@ -86,8 +98,9 @@ def launch(script: Path | str, args: list[str], config: dict | None = None, *, n
         if hosts is not None:
             flags_of = hosts.accelerate_flags if config else functools.partial(hosts.torchrun_flags, nprocs=nprocs)
             per_host = [flags_of(h) for h in range(hosts.hosts)]
-            done = hosts.run([[*command, *flags, *worker] for flags in per_host],
-                             full_env, cwd=REPO, timeout=timeout, echo=echo)  # fmt: skip
+            done = hosts.run(
+                [[*command, *flags, *worker] for flags in per_host], full_env, cwd=REPO, timeout=timeout, echo=echo
+            )
             code = next((c for c, _ in done if c != 0), 0)
             output = "".join(f"--- host {h} ---\n" + "".join(tail) for h, (_, tail) in enumerate(done))
         else:

@@ -103,9 +103,13 @@ class StepMeter:
         elapsed, cpu = time.perf_counter() - self.t0, time.process_time() - self.cpu0
         self.probing = False
         self.device_peak = None if self.backend is None else int(self.backend.max_memory_allocated())
-        return dict(time_s=elapsed, cpu_s=cpu, held_grad_bytes=max((g for g, _ in self.probes), default=0),
-                    held_param_bytes=max((p for _, p in self.probes), default=0),
-                    rss_growth_bytes=max(peak_rss_bytes() - self.rss_before, 0))  # fmt: skip
+        return dict(
+            time_s=elapsed,
+            cpu_s=cpu,
+            held_grad_bytes=max((g for g, _ in self.probes), default=0),
+            held_param_bytes=max((p for _, p in self.probes), default=0),
+            rss_growth_bytes=max(peak_rss_bytes() - self.rss_before, 0),
+        )
 
 
 def step_callback(meter: StepMeter, before: Callable[[], None], done: Callable[[object, dict], None]):

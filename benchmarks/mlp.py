@@ -37,27 +37,37 @@ CONFIGS: dict[str, dict[str, Any]] = {
     # The two modes of the plugin, through accelerate's own `accumulate`.
     "per_micro_batch": config("plugin", "accel_gradsync per-micro-batch", {"defer": False}),
     "deferred": config("plugin", "accel_gradsync deferred", {"defer": True}),
-    "window": config("plugin", "accel_gradsync deferred + window (params unsharded through the window)",
-                     {"defer": True, "keep_params_unsharded": True}),
+    "window": config(
+        "plugin",
+        "accel_gradsync deferred + window (params unsharded through the window)",
+        {"defer": True, "keep_params_unsharded": True},
+    ),
     # Memory-aware modes: each defers only what fits.
-    **{f"budget_{p}": config("memory-aware", f"budget = {p}% of a full window's bytes", budget(p / 100))
-       for p in (25, 50, 75)},
+    **{
+        f"budget_{p}": config("memory-aware", f"budget = {p}% of a full window's bytes", budget(p / 100))
+        for p in (25, 50, 75)
+    },
     "auto": config("memory-aware", "auto (from free memory)", {"sync_mode": "auto"}),
     # The peers a user would otherwise pick.
     "stock_accumulate": config("peer", "stock accelerate accumulate (no plugin)"),
     "stock_sync_each_batch": config("peer", "stock accelerate, sync_each_batch=True", sync_each_batch=True),
     "raw_fsdp2": config("peer", "hand-written set_requires_gradient_sync loop (verl)", loop="raw"),
     "raw_window": config("peer", "hand-written window loop (PyTorch issue 124319)", loop="raw_window", **NO_RESHARD),
-    "stock_window_by_hand": config("peer", "stock accelerate accumulate, window flags by hand (PyTorch issue 124319)",
-                                   loop="accumulate_window", **NO_RESHARD),
+    "stock_window_by_hand": config(
+        "peer",
+        "stock accelerate accumulate, window flags by hand (PyTorch issue 124319)",
+        loop="accumulate_window",
+        **NO_RESHARD,
+    ),
     "stock_no_reshard": config("peer", "stock accelerate accumulate, fsdp_reshard_after_forward: false", **NO_RESHARD),
     "trainer_stock": config("peer", "stock transformers Trainer", loop="trainer"),
     # HSDP on a 2x2 (replicate x shard) mesh, 4 ranks.
     "hsdp_per_micro_batch": config("hsdp", "HSDP 2x2 per-micro-batch", {"defer": False}, mesh="2x2"),
     "hsdp_deferred": config("hsdp", "HSDP 2x2 deferred", {"defer": True}, mesh="2x2"),
-    "hsdp_defer_all_reduce": config("hsdp", "HSDP 2x2 all-reduce deferral", {"sync_mode": "defer_all_reduce"},
-                                    mesh="2x2"),
-}  # fmt: skip
+    "hsdp_defer_all_reduce": config(
+        "hsdp", "HSDP 2x2 all-reduce deferral", {"sync_mode": "defer_all_reduce"}, mesh="2x2"
+    ),
+}
 
 # The overhead pairs: configurations that issue the same collectives on the same bytes, so
 # their step times differ only by what the wrapper costs. The worker runs each pair back to
@@ -85,9 +95,22 @@ SIZES: dict[str, dict[str, int]] = {
 # HSDP runs 4 processes on the machine: one (communication-bound) size shows the trade-off.
 HSDP_SIZE = "medium"
 
-QUICK = {"sizes": ["small"], "Ms": [1, 2, 4], "reps": 1, "steps": 2, "configs": [
-    "per_micro_batch", "deferred", "window", "budget_50", "stock_accumulate", "stock_sync_each_batch", "raw_fsdp2",
-    "raw_window"]}  # fmt: skip
+QUICK = {
+    "sizes": ["small"],
+    "Ms": [1, 2, 4],
+    "reps": 1,
+    "steps": 2,
+    "configs": [
+        "per_micro_batch",
+        "deferred",
+        "window",
+        "budget_50",
+        "stock_accumulate",
+        "stock_sync_each_batch",
+        "raw_fsdp2",
+        "raw_window",
+    ],
+}
 # steps None: each size's own `steps` (a full run must fit 10 minutes on 2 cores).
 FULL = {"sizes": ["small", "large"], "Ms": [1, 2, 4, 8], "configs": list(CONFIGS), "reps": 1, "steps": None}
 
@@ -99,11 +122,33 @@ def ranks(name: str) -> int:
 # The simulated cluster (`--cluster 2x1`), run once per link bandwidth: every sync mode and peer
 # across 2 hosts, and the HSDP mesh as 2 hosts x 2 ranks. The medium model and M = 1, 4, 8 keep a
 # run of two links within the full run's time target on 2 cores.
-CLUSTER = {"sizes": ["medium"], "Ms": [1, 4, 8], "reps": 1, "steps": 2, "configs": [
-    "per_micro_batch", "deferred", "window", "budget_50", "auto", "stock_accumulate", "raw_fsdp2", "raw_window",
-    "hsdp_per_micro_batch", "hsdp_deferred", "hsdp_defer_all_reduce"]}  # fmt: skip
-CLUSTER_QUICK = {"sizes": ["small"], "Ms": [1, 4], "reps": 1, "steps": 1, "hsdp_size": "small", "configs": [
-    "per_micro_batch", "deferred", "window", "hsdp_per_micro_batch", "hsdp_defer_all_reduce"]}  # fmt: skip
+CLUSTER = {
+    "sizes": ["medium"],
+    "Ms": [1, 4, 8],
+    "reps": 1,
+    "steps": 2,
+    "configs": [
+        "per_micro_batch",
+        "deferred",
+        "window",
+        "budget_50",
+        "auto",
+        "stock_accumulate",
+        "raw_fsdp2",
+        "raw_window",
+        "hsdp_per_micro_batch",
+        "hsdp_deferred",
+        "hsdp_defer_all_reduce",
+    ],
+}
+CLUSTER_QUICK = {
+    "sizes": ["small"],
+    "Ms": [1, 4],
+    "reps": 1,
+    "steps": 1,
+    "hsdp_size": "small",
+    "configs": ["per_micro_batch", "deferred", "window", "hsdp_per_micro_batch", "hsdp_defer_all_reduce"],
+}
 
 
 def round_order(names: list[str], k: int) -> list[str]:
@@ -173,12 +218,29 @@ def merge(ranks_json: list[dict]) -> Run:
         per_step = {
             f"{k}_per_step": statistics.median(getattr(s, k) for s in rec.steps) for k in (*KINDS, "bytes_sent")
         }
-        rows.append(ConfigResult(
-            config=rec.config, M=rec.M, step_time_s=statistics.median(times), step_times_s=times,
-            step_rounds=[s.round for s in rec.steps], step_cpu_s=statistics.median(cpus), step_cpus_s=cpus, **per_step,
-            counts_seen_per_step={kind: sorted({getattr(s, kind) for s in rec.steps}) for kind in KINDS},
-            **memory_max(every, [s.handle_held_grad_bytes for s in every]),
-            device_peak_bytes=max((s.device_peak_bytes or 0) for s in every) or None, stats=rec.stats,
-            sync_control_us=max((r.sync_control_us or 0) for r in per_rank) or None))  # fmt: skip
-    return Run(size=first.size, facts=first.facts, device=first.device, ranks=len(ranks_), rows=rows,
-               versions=first.versions, pinned_cores=[rank.pinned_core for rank in ranks_])  # fmt: skip
+        rows.append(
+            ConfigResult(
+                config=rec.config,
+                M=rec.M,
+                step_time_s=statistics.median(times),
+                step_times_s=times,
+                step_rounds=[s.round for s in rec.steps],
+                step_cpu_s=statistics.median(cpus),
+                step_cpus_s=cpus,
+                **per_step,
+                counts_seen_per_step={kind: sorted({getattr(s, kind) for s in rec.steps}) for kind in KINDS},
+                **memory_max(every, [s.handle_held_grad_bytes for s in every]),
+                device_peak_bytes=max((s.device_peak_bytes or 0) for s in every) or None,
+                stats=rec.stats,
+                sync_control_us=max((r.sync_control_us or 0) for r in per_rank) or None,
+            )
+        )
+    return Run(
+        size=first.size,
+        facts=first.facts,
+        device=first.device,
+        ranks=len(ranks_),
+        rows=rows,
+        versions=first.versions,
+        pinned_cores=[rank.pinned_core for rank in ranks_],
+    )

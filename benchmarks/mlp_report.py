@@ -31,8 +31,11 @@ def times_by_round(row: ConfigResult, key: str = "step_times_s") -> dict[int, fl
 def paired_ratios(run: Run, a: str, b: str, Ms: list[int], key: str = "step_times_s") -> dict[int, list[float]]:
     """M -> [a's step / b's step, one per round in which both ran]."""
     by = index(run)
-    per_M = {M: stats.ratios(times_by_round(by[(a, M)], key), times_by_round(by[(b, M)], key))
-             for M in Ms if (a, M) in by and (b, M) in by}  # fmt: skip
+    per_M = {
+        M: stats.ratios(times_by_round(by[(a, M)], key), times_by_round(by[(b, M)], key))
+        for M in Ms
+        if (a, M) in by and (b, M) in by
+    }
     return {M: r for M, r in per_M.items() if r}
 
 
@@ -104,8 +107,9 @@ def plot(results: Results, out: Path) -> None:
             ax.plot(Ms, [by[(name, m)].step_time_s * 1e3 for m in Ms], "--" if peer else "-", marker="o", label=name)
             if (name, M) in by:
                 marker = "s" if name.startswith("budget") else ("^" if peer else "o")
-                ax2.scatter(held_bytes(by[(name, M)]) / MiB, by[(name, M)].step_time_s * 1e3, marker=marker, s=50,
-                            label=name)  # fmt: skip
+                ax2.scatter(
+                    held_bytes(by[(name, M)]) / MiB, by[(name, M)].step_time_s * 1e3, marker=marker, s=50, label=name
+                )
         ax.set_xscale("log", base=2)
         ax.set_xticks(results.plan["Ms"], [str(m) for m in results.plan["Ms"]])
         title = f"{run.size} ({run.facts['params'] / 1e6:.1f} M params, {run.ranks} ranks)"
@@ -130,11 +134,24 @@ OVERHEADS = (
 # Exact (reduce-scatters, all-reduces) per optimizer step, "MU" = M x U; HSDP also all-reduces
 # across replicas on every reduce-scatter it does not defer.
 EXPECTED_COUNTS = {
-    "per_micro_batch": ("MU", 0), "stock_sync_each_batch": ("MU", 0), "hsdp_per_micro_batch": ("MU", "MU"),
-    "hsdp_deferred": ("U", "U"), "hsdp_defer_all_reduce": ("MU", "U"),
-    **dict.fromkeys(("deferred", "stock_accumulate", "raw_fsdp2", "window", "raw_window", "stock_window_by_hand",
-                     "stock_no_reshard"), ("U", 0)),
-}  # fmt: skip
+    "per_micro_batch": ("MU", 0),
+    "stock_sync_each_batch": ("MU", 0),
+    "hsdp_per_micro_batch": ("MU", "MU"),
+    "hsdp_deferred": ("U", "U"),
+    "hsdp_defer_all_reduce": ("MU", "U"),
+    **dict.fromkeys(
+        (
+            "deferred",
+            "stock_accumulate",
+            "raw_fsdp2",
+            "window",
+            "raw_window",
+            "stock_window_by_hand",
+            "stock_no_reshard",
+        ),
+        ("U", 0),
+    ),
+}
 WINDOWED = ("window", "raw_window", "stock_window_by_hand")
 
 
@@ -309,8 +326,11 @@ def check_hsdp(results: Results, hsdp: list[Run]) -> TargetResult:
         if not all(by[(a, M)].held_grad_bytes <= by[(b, M)].held_grad_bytes for M in per_M):
             status = FAIL
         notes = [f"step ratio, paired median {fmt_ci(stat, len(pooled(per_M)))} = {1 / stat[0]:.2f}x faster"]
-        notes += [f"M={M}: {1 / statistics.median(r):.2f}x faster, held {by[(a, M)].held_grad_bytes / MiB:.2f} vs "
-                  f"{by[(b, M)].held_grad_bytes / MiB:.2f} MiB" for M, r in per_M.items()]  # fmt: skip
+        notes += [
+            f"M={M}: {1 / statistics.median(r):.2f}x faster, held {by[(a, M)].held_grad_bytes / MiB:.2f} vs "
+            f"{by[(b, M)].held_grad_bytes / MiB:.2f} MiB"
+            for M, r in per_M.items()
+        ]
         return verdict(targets.HSDP_SPEEDUP.name, [status], notes)
     return TargetResult(targets.HSDP_SPEEDUP.name, SKIP, "not run")
 
@@ -326,8 +346,9 @@ def check_run_time(results: Results) -> TargetResult:
         return TargetResult(what, SKIP, f"custom run: {results.elapsed_s} s")
     limit = targets.RUN_TIME_S[kind]
     where = f" simulated-cluster run ({', '.join(per_link(results))})" if cluster else " run"
-    return TargetResult(f"{kind}{where} within {limit} s", PASS if results.elapsed_s <= limit else FAIL,
-                        f"{results.elapsed_s} s")  # fmt: skip
+    return TargetResult(
+        f"{kind}{where} within {limit} s", PASS if results.elapsed_s <= limit else FAIL, f"{results.elapsed_s} s"
+    )
 
 
 def write_report(results: Results, out: Path) -> str:

@@ -93,11 +93,15 @@ class Bench:
         g = torch.Generator().manual_seed(1)
         rows = (self.world * self.size["rows"] * max(self.Ms), 4 * self.size["dim"])
         self.X, self.Y = torch.randn(*rows, generator=g), torch.randn(*rows, generator=g)
-        self.facts = {"params": params, "units": self.size["layers"] + 1, "world_size": self.world,
-                      "full_defer_grad_bytes": params * 4,  # fp32 params, no mixed precision: fp32 grads
-                      "full_window_bytes": params * 4 * 2,  # and the unsharded fp32 params beside them
-                      "sharded_grad_bytes": params * 4 // self.world,
-                      **{k: v for k, v in self.size.items() if k != "steps"}}  # fmt: skip
+        self.facts = {
+            "params": params,
+            "units": self.size["layers"] + 1,
+            "world_size": self.world,
+            "full_defer_grad_bytes": params * 4,  # fp32 params, no mixed precision: fp32 grads
+            "full_window_bytes": params * 4 * 2,  # and the unsharded fp32 params beside them
+            "sharded_grad_bytes": params * 4 // self.world,
+            **{k: v for k, v in self.size.items() if k != "steps"},
+        }
 
     def batch(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         rows = self.size["rows"]
@@ -218,11 +222,24 @@ def measure_trainer(bench: Bench, M: int, rep: int) -> tuple[list[StepSample], d
 
     callback = step_callback(bench.meter, before, done)
     with tempfile.TemporaryDirectory() as tmp:
-        args = TrainingArguments(output_dir=tmp, per_device_train_batch_size=rows, gradient_accumulation_steps=M,
-            max_steps=total, learning_rate=LR, optim="sgd", lr_scheduler_type="constant", weight_decay=0.0,
+        args = TrainingArguments(
+            output_dir=tmp,
+            per_device_train_batch_size=rows,
+            gradient_accumulation_steps=M,
+            max_steps=total,
+            learning_rate=LR,
+            optim="sgd",
+            lr_scheduler_type="constant",
+            weight_decay=0.0,
             max_grad_norm=0.0,  # clipping adds an all-reduce the other loops do not have
-            logging_strategy="no", save_strategy="no", report_to=[], disable_tqdm=True, seed=0,
-            dataloader_drop_last=True, accelerator_config={"use_configured_state": True})  # fmt: skip
+            logging_strategy="no",
+            save_strategy="no",
+            report_to=[],
+            disable_tqdm=True,
+            seed=0,
+            dataloader_drop_last=True,
+            accelerator_config={"use_configured_state": True},
+        )
         trainer = Trainer(model=copy.deepcopy(bench.template), args=args, train_dataset=data, callbacks=[callback])
         callback.trainer = trainer
         trainer.train()
@@ -263,11 +280,24 @@ def main() -> None:
                 fastest = ", ".join(f"{n} {min(s.time_s for s in samples[(n, M)]) * 1e3:.0f}ms" for n in names)
                 print(f"[bench] {args.size} rep {rep} M={M}: {fastest} ({time.time() - t0:.1f}s)", flush=True)
     stats.update({name: run.handle.stats() if run.handle is not None else {} for name, run in runs.items()})
-    records = [RankRecord(config=name, M=M, steps=steps, sync_control_us=sync_control.get(name),
-                          stats={k: v for k, v in stats[name].items() if isinstance(v, (int, float, str))})
-               for (name, M), steps in samples.items()]  # fmt: skip
-    result = RankResult(size=args.size, facts=bench.facts, device=bench.device.type, pinned_core=core,
-                        records=records, versions=versions())  # fmt: skip
+    records = [
+        RankRecord(
+            config=name,
+            M=M,
+            steps=steps,
+            sync_control_us=sync_control.get(name),
+            stats={k: v for k, v in stats[name].items() if isinstance(v, (int, float, str))},
+        )
+        for (name, M), steps in samples.items()
+    ]
+    result = RankResult(
+        size=args.size,
+        facts=bench.facts,
+        device=bench.device.type,
+        pinned_core=core,
+        records=records,
+        versions=versions(),
+    )
     Path(args.out, f"rank{bench.rank}.json").write_text(json.dumps(dataclasses.asdict(result), indent=1))
 
 

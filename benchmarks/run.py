@@ -99,9 +99,17 @@ def jobs_of(p: dict, args: argparse.Namespace, workdir: Path, on_cluster: bool) 
     """The launches of one network; the GRPO benchmark saves its model once, for every network."""
     if not args.grpo:
         env = {"CUDA_VISIBLE_DEVICES": ""} if args.device == "cpu" else {}  # --device cpu: gloo beside GPUs
-        return [Job(f"{size} model, {n} ranks: {', '.join(names)}", mlp.WORKER,
-                    mlp.worker_args(p, size, names, args.device), fsdp2_config("Block", n), mlp.merge, env)
-                for size, n, names in mlp.launches(p)]  # fmt: skip
+        return [
+            Job(
+                f"{size} model, {n} ranks: {', '.join(names)}",
+                mlp.WORKER,
+                mlp.worker_args(p, size, names, args.device),
+                fsdp2_config("Block", n),
+                mlp.merge,
+                env,
+            )
+            for size, n, names in mlp.launches(p)
+        ]
     if not (workdir / "bench_facts.json").exists():
         facts = grpo.build_model_dir(workdir, p["size"])
         what = f"{len(p['configs'])} configurations, {p['rounds']} round(s) of {p['steps']} steps"
@@ -109,10 +117,17 @@ def jobs_of(p: dict, args: argparse.Namespace, workdir: Path, on_cluster: bool) 
     pin = not args.no_pin and not on_cluster  # a cluster pins each host's launch to the host's cores
     # DDP's configurations: no accelerate config, torchrun with accelerate on CPU (launch.py), which
     # makes it DDP over gloo (accelerate's MULTI_CPU launcher would want mpirun).
-    return [Job(f"GRPO {'DDP' if grpo.is_ddp(names[0]) else 'FSDP2'}: {', '.join(names)}", grpo.WORKER,
-                grpo.worker_args(p, workdir, pin, names),
-                None if grpo.is_ddp(names[0]) else fsdp2_config(grpo.LAYER_CLASS, 2),
-                grpo.merge, {"CUDA_VISIBLE_DEVICES": ""}) for names in grpo.launches(p)]  # fmt: skip
+    return [
+        Job(
+            f"GRPO {'DDP' if grpo.is_ddp(names[0]) else 'FSDP2'}: {', '.join(names)}",
+            grpo.WORKER,
+            grpo.worker_args(p, workdir, pin, names),
+            None if grpo.is_ddp(names[0]) else fsdp2_config(grpo.LAYER_CLASS, 2),
+            grpo.merge,
+            {"CUDA_VISIBLE_DEVICES": ""},
+        )
+        for names in grpo.launches(p)
+    ]
 
 
 def run_jobs(jobs: list[Job], network: str | None, p: dict, args: argparse.Namespace) -> list[RunBase]:
@@ -154,10 +169,16 @@ def machine_facts(device: str) -> dict:
 
     cpuinfo = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []
     models = [line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")]
-    return {"platform": platform.platform(), "python": platform.python_version(), "processor": platform.processor(),
-            "logical_cpus": os.cpu_count(), "physical_cpus": psutil.cpu_count(logical=False),
-            "memory_gib": round(psutil.virtual_memory().total / 2**30, 1), "device": device,
-            **({"cpu_model": models[0]} if models else {})}  # fmt: skip
+    return {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "processor": platform.processor(),
+        "logical_cpus": os.cpu_count(),
+        "physical_cpus": psutil.cpu_count(logical=False),
+        "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
+        "device": device,
+        **({"cpu_model": models[0]} if models else {}),
+    }
 
 
 def redraw(folder: Path) -> str:

@@ -87,8 +87,14 @@ def header(title: str, results: ResultsBase) -> list[str]:
         f"{m.get('cpu_model', m.get('processor', '?'))}, {m.get('logical_cpus')} logical CPUs, "
         f"{m.get('memory_gib')} GiB RAM, {m.get('platform')}, device={m.get('device')}"
     )
-    return [f"# {title}", "", f"Command: `{results.command}`  ", f"Wall time: {results.elapsed_s} s  ",
-            f"Machine: {machine}  ", ""]  # fmt: skip
+    return [
+        f"# {title}",
+        "",
+        f"Command: `{results.command}`  ",
+        f"Wall time: {results.elapsed_s} s  ",
+        f"Machine: {machine}  ",
+        "",
+    ]
 
 
 def write_md(out: Path, parts: list[str], checked: list[TargetResult], images: dict[str, str]) -> None:

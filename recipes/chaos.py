@@ -51,10 +51,10 @@ CONFIGS = {
 # of 8 tokens each, 2 decoder layers), so that a fault fires before the run can end.
 WHERE = {"generation": 8, "forward": 6, "backward": 12, "optimizer": 2, "save": 2, "restart": 1}
 STEPS, SAVE_STEPS = 10, 2
-RECIPE_ARGS = [
-    "--max_steps", str(STEPS), "--save_steps", str(SAVE_STEPS), "--resume_from_checkpoint", "auto",
-    "--logging_steps", "1", "--disable_tqdm", "true", "--sft_warmup_steps", "20",
-]  # fmt: skip
+RECIPE_ARGS = (
+    f"--max_steps {STEPS} --save_steps {SAVE_STEPS} --resume_from_checkpoint auto "
+    "--logging_steps 1 --disable_tqdm true --sft_warmup_steps 20"
+).split()
 # What a checkpoint holds beside the training state compared: the run's settings (its own paths),
 # the Trainer's log (times), the completion mark, the tokenizer and model config.
 NOT_COMPARED = {"training_args.bin", "trainer_state.json", "checkpoint_complete.json"}
@@ -97,11 +97,23 @@ def launch(config: str, out_dir: Path, restarts: int, env: dict, log: Path) -> i
     """One `accelerate launch` of the recipe, as README documents a restarting run; its exit code."""
     accelerate_config, flags, _ = CONFIGS[config]
     cmd = [
-        sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", str(free_port()),
-        "--max_restarts", str(restarts), "--rdzv_backend", "c10d",
-        "--config_file", str(REPO / "accelerate_configs" / accelerate_config),
-        str(REPO / "recipes" / "grpo.py"), *RECIPE_ARGS, *flags, "--output_dir", str(out_dir),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--main_process_port",
+        str(free_port()),
+        "--max_restarts",
+        str(restarts),
+        "--rdzv_backend",
+        "c10d",
+        "--config_file",
+        str(REPO / "accelerate_configs" / accelerate_config),
+        str(REPO / "recipes" / "grpo.py"),
+        *RECIPE_ARGS,
+        *flags,
+        "--output_dir",
+        str(out_dir),
+    ]
     full_env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "HF_HUB_OFFLINE": "1", **env}
     full_env.setdefault("OMP_NUM_THREADS", "1")
     paths = [env.get("PYTHONPATH"), str(REPO), os.environ.get("PYTHONPATH")]

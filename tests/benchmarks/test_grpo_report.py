@@ -128,8 +128,12 @@ def test_the_floor_says_what_the_collectives_alone_cost_on_the_network():
     """The backend's own price of the window's pair (all-gather + reduce-scatter of the model) against
     DDP's all-reduce of the same bytes: in the floor target's line and under the table."""
     ddp, window = row("full/ddp", [1.0], [0]), row("full/window", [1.5], [0])
-    run = GrpoRun(size="quick", facts={"params": 2**20}, rows=[ddp, window],
-                  backend_ms={"all_gather": 30.0, "reduce_scatter": 50.0, "all_reduce": 40.0})  # fmt: skip
+    run = GrpoRun(
+        size="quick",
+        facts={"params": 2**20},
+        rows=[ddp, window],
+        backend_ms={"all_gather": 30.0, "reduce_scatter": 50.0, "all_reduce": 40.0},
+    )
     out = GrpoResults(command="", plan={}, machine={}, elapsed_s=1, runs=[run])
     ((_, measured),) = status(grpo_report.check_targets(out), "[loopback] full/window within 1.10x").values()
     assert measured.endswith("collectives alone: all-gather + reduce-scatter = 2.00x all-reduce of the same bytes")

@@ -79,8 +79,9 @@ def test_budget_plans_within_what_a_kept_reference_model_holds():
     unit_bytes = [sum(p.numel() * p.element_size() for p in u.parameters()) for u in (*net.blocks, net.head)]
     total, reserved = sum(unit_bytes), sum(unit_bytes) - max(unit_bytes)
     sync = {"sync_mode": "budget", "memory_budget": f"{2 * total}B", "gather_for_generation": True}
-    results = launch("two_models", ["--M", str(M), "--steps", str(STEPS), "--sync", json.dumps(sync)],
-                     accelerate_config("fsdp2"))  # fmt: skip
+    results = launch(
+        "two_models", ["--M", str(M), "--steps", str(STEPS), "--sync", json.dumps(sync)], accelerate_config("fsdp2")
+    )
     for rank in results:
         assert rank["unit_bytes"] == unit_bytes
         assert len(rank["plans"]) == 2
