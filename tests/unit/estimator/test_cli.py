@@ -47,9 +47,17 @@ def test_cli_errors_exit_2_with_the_message(tmp_path, capsys):
 
 
 def test_console_script_and_module_help(monkeypatch, capsys):
-    script = shutil.which("accel-gradsync")
+    from importlib.metadata import entry_points
+    from pathlib import Path
+
+    # pip puts it beside the interpreter (a venv's bin/, whether or not that is on PATH).
+    beside = Path(sys.executable).with_name("accel-gradsync")
+    script = str(beside) if beside.is_file() else shutil.which("accel-gradsync")
     if script is None:
-        pytest.skip("console script not installed (pip install -e .)")
+        assert not entry_points(group="console_scripts", name="accel-gradsync"), (
+            f"accel-gradsync is installed but its console script is neither beside {sys.executable} nor on PATH"
+        )
+        pytest.skip("accel-gradsync is not installed (pip install -e .)")
     out = subprocess.run([script, "estimate", "--help"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0
     for flag in ("--accelerate-config", "--micro-batches", "--grad-sync-free-memory", "--json", "--defer-grad-sync"):
