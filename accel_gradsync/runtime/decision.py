@@ -18,6 +18,7 @@ from accel_gradsync.planning.costs import (
     all_gathers_per_step,
     collectives_per_step,
     format_bytes,
+    generation_all_gathers,
     generation_all_gathers_per,
     generation_cost,
     narrower_than_reduce,
@@ -30,7 +31,8 @@ def describe_decision(plan: Plan, adapter: ModelAdapter, micro_batches: int) -> 
     """One line: the mode, each unit's level, the collectives per optimizer step it implies and
     what it holds, gradients and params apart; then what forwards without gradients
     (generation) all-gather, and hold with `gather_for_generation`. Frozen units count in the
-    all-gathers (they reduce nothing)."""
+    all-gathers (they reduce nothing). Where the policy gives a reason (auto's forecast or
+    measurement, the memory it planned within), a second line (`WHY`) says it."""
     m = micro_batches
     plan = plan.over(m)
     rs, ar = collectives_per_step(plan, adapter.units, adapter.hsdp, m)
@@ -67,9 +69,13 @@ def describe_decision(plan: Plan, adapter: ModelAdapter, micro_batches: int) -> 
         line += f"; keeps {_kept_params(plan)} per rank from each forward to its backward"
     if adapter.collective != "all_reduce":
         line += "; " + _generation_cost(plan, adapter)
-    if plan.reason:
-        line += f" [{plan.reason}]"
+    if plan.reason:  # how the mode chose (auto's forecast or measurement, budget's room): a line of its own
+        line += f"\n{WHY}{plan.reason}"
     return line
+
+
+WHY = "grad sync:   why: "
+"""Starts the second line of a decision, the reason its policy gives for the plan (`Plan.reason`)."""
 
 
 def frozen_keeps(units: Sequence[Unit], gather_for_generation: bool) -> bool:
@@ -90,6 +96,13 @@ def describe_frozen(name: str, model_name: str, adapter: ModelAdapter, keeps: bo
     dtype = _name(units[0].compute_dtype)
     size = format_bytes(sum(u.param_bytes for u in units))
     line = f"grad sync: reference model {name} ({model_name}, not trained, {_count(n, 'fsdp2 unit')}) -> "
+    if not per_forward:  # no unit reshards after forward (FSDP2's default for a root): nothing to keep
+        first = generation_all_gathers(units, 1, kept=False)
+        what = "its one unit, the root," if n == 1 else "its units"
+        return line + (
+            f"{_count(first, 'all-gather')} at its first forward without gradients and none per forward after it: "
+            f"FSDP2 leaves {what} unsharded after a forward (~{size} unsharded {dtype} params per rank)"
+        )
     if keeps:
         why = "what one of its forwards gathers anyway" if n == 1 else "gather_for_generation"
         return line + (
