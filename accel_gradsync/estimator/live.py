@@ -1,37 +1,33 @@
 """`LiveForecaster`: the whole-step forecast `auto` plans step 1 from, for a model being bound.
 
 The forecast is the estimate's (step_peak.py: a step that syncs every micro-batch and holds
-nothing, in the run's dtypes and reduce dtype). It runs in a fake process group, which cannot
-share a process with the run's real one, so the main process runs it in a child
-(`python -m accel_gradsync.estimator.live SPEC.json`) from the model's config and the launch as
-the Accelerator holds it, and broadcasts the answer: every rank plans from the same number. A
-LoRA model is built with its adapters. A model the forecast cannot build from its config, or a
-launch it does not run, gets a `Forecast` without a peak that says why, and `auto` measures step 1
-as it does without a forecast.
+nothing, in the run's dtypes and reduce dtype; then the plan `auto` chose from it, simulated as the
+estimate's row for that plan). It runs in a fake process group, which cannot share a process with
+the run's real one, so the main process runs it in a child (forecast_child.py) from the model's
+config and the launch as the Accelerator holds it, and broadcasts each answer: every rank plans
+from the same numbers. A LoRA model is built with its adapters. A model the forecast cannot build
+from its config, or a launch it does not run, gets a `Forecast` without a peak that says why, and
+`auto` measures step 1 as it does without a forecast.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-import json
 import os
-import subprocess
-import sys
-import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from accelerate import Accelerator
 
-from accel_gradsync.config.settings import DTYPES, GradSyncConfig, ResolvedConfig, SyncMode, dtype_name
+from accel_gradsync.config.settings import DTYPES, ResolvedConfig, dtype_name
+from accel_gradsync.estimator.forecast_child import ForecastChild
 from accel_gradsync.planning.replan import Forecast
 from accel_gradsync.planning.units import Plan
 from accel_gradsync.runtime.fsdp import sharded_by_transformers
 
-CHILD_TIMEOUT_S = 1800
 _LAUNCH_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK")
 _LAUNCH_PREFIXES = ("TORCHELASTIC_", "ACCELERATE_", "FSDP_", "MASTER_", "PARALLELISM_CONFIG_")
 
@@ -43,42 +39,51 @@ class LiveForecaster:
         self.accelerator, self.settings = accelerator, settings
 
     def forecast(self, model: Any, micro_batches: int) -> Forecast:
-        """The forecast of `model`'s step over `micro_batches`, the same on every rank."""
+        """The forecast of `model`'s step over `micro_batches`, the same on every rank; its
+        `simulate` forecasts a plan (a collective: every rank calls it with the same plan)."""
         answer: list[Any] = [None]
+        child = None
         if self.accelerator.is_main_process:
             start = time.monotonic()
             try:
-                answer[0] = self._forecast_here(model, micro_batches)
+                answer[0], child = self._forecast_here(model, micro_batches)
             except Exception as error:  # noqa: BLE001 - any failure means: measure step 1 instead
                 answer[0] = Forecast(None, f"the forecast failed: {type(error).__name__}: {error}")
             if answer[0].peak_bytes is not None:
                 answer[0] = Forecast(answer[0].peak_bytes, f"{answer[0].note}, in {time.monotonic() - start:.0f} s")
-        if dist.is_available() and dist.is_initialized():
-            dist.broadcast_object_list(answer, src=0, device=self.accelerator.device)
-        return answer[0]
+        self._broadcast(answer)
+        if answer[0].peak_bytes is None:
+            return answer[0]
+        return dataclasses.replace(answer[0], simulate=functools.partial(self._simulate, child))
 
-    def _forecast_here(self, model: Any, micro_batches: int) -> Forecast:
+    def _forecast_here(self, model: Any, micro_batches: int) -> tuple[Forecast, ForecastChild | None]:
         spec, why = self._spec(model, micro_batches)
         if spec is None:
-            return Forecast(None, f"no forecast: {why}")
-        with tempfile.TemporaryDirectory(prefix="accel_gradsync_forecast_") as folder:
-            spec["model_config"].save_pretrained(folder)
-            spec["model_config"] = folder
-            spec_path = Path(folder) / "spec.json"
-            spec_path.write_text(json.dumps(spec))
-            done = subprocess.run(
-                [sys.executable, "-m", "accel_gradsync.estimator.live", str(spec_path)],
-                capture_output=True,
-                text=True,
-                timeout=CHILD_TIMEOUT_S,
-                env=_child_environment(),
-            )
-        if done.returncode != 0:
-            last = (done.stderr.strip().splitlines() or [f"exit code {done.returncode}"])[-1]
-            return Forecast(None, f"the forecast failed: {last}")
-        result = json.loads(done.stdout.strip().splitlines()[-1])
+            return Forecast(None, f"no forecast: {why}"), None
+        child = ForecastChild(spec, _child_environment())
+        result = child.forecast_unheld()
         left_out = f"; leaves out {'; '.join(result['unmodeled'])}" if result["unmodeled"] else ""
-        return Forecast(int(result["peak_bytes"]), f"{result['shape']}{left_out}")
+        return Forecast(int(result["peak_bytes"]), f"{result['shape']}{left_out}"), child
+
+    def _simulate(self, child: ForecastChild | None, plan: Plan) -> Forecast:
+        """`plan`'s step peak from the child still running for this model (the main process's),
+        broadcast; the child ends with the answer (a plan made again starts another)."""
+        answer: list[Any] = [None]
+        if child is not None:
+            try:
+                result = child.forecast_plan(plan)
+                answer[0] = Forecast(int(result["peak_bytes"]), f"peak at {result['phase'].replace('_', ' ')}")
+            except Exception as error:  # noqa: BLE001 - any failure means: measure step 1 instead
+                answer[0] = Forecast(None, f"the plan's forecast failed: {type(error).__name__}: {error}")
+            finally:
+                child.close()
+        self._broadcast(answer)
+        return answer[0]
+
+    def _broadcast(self, answer: list[Any]) -> None:
+        """The main process's `answer[0]` on every rank."""
+        if dist.is_available() and dist.is_initialized():
+            dist.broadcast_object_list(answer, src=0, device=self.accelerator.device)
 
     def _spec(self, model: Any, micro_batches: int) -> tuple[dict | None, str]:
         """What the child needs, or None and why the forecast cannot run for this model."""
@@ -186,45 +191,3 @@ def _child_environment() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARIABLES and not k.startswith(_LAUNCH_PREFIXES)}
     env.update(CUDA_VISIBLE_DEVICES="", ASCEND_RT_VISIBLE_DEVICES="")
     return env
-
-
-def forecast_unheld_step(spec: dict) -> dict:
-    """The child's answer: the forecast of a step syncing every micro-batch under `spec`'s launch,
-    with `auto`'s reduce dtype."""
-    from accel_gradsync.estimator.inputs import LoraSpec, StepShape, load_model_config, read_accelerate_config
-    from accel_gradsync.estimator.meta_model import build_meta_model, estimated_adapter
-    from accel_gradsync.estimator.step_peak import StepForecaster
-
-    model_config = load_model_config(spec["model_config"])
-    setup = read_accelerate_config(spec["accelerate_config"])
-    config = GradSyncConfig(**spec["settings"])
-    dtype, shape = DTYPES[spec["model_dtype"]], StepShape(**spec["shape"])
-    lora = (
-        None
-        if spec["lora"] is None
-        else LoraSpec(spec["lora"]["r"], tuple(spec["lora"]["target_modules"] or ()) or None)
-    )
-    sim = StepForecaster(model_config, dtype, setup, config, shape, spec["micro_batches"], lora)
-    adapter = estimated_adapter(build_meta_model(model_config, dtype, lora), setup, config, SyncMode.AUTO)
-    peak = sim.row(Plan(SyncMode.PER_MICRO_BATCH), adapter, SyncMode.AUTO)
-    checkpointing = ", gradient checkpointing" if shape.gradient_checkpointing else ""
-    checkpointing += f", LoRA r={lora.r}" if lora else ""
-    described = (
-        f"{shape.micro_batch_size}x{shape.seq_len} tokens per micro-batch, {shape.optimizer}{checkpointing}: "
-        f"peak at {peak.phase.replace('_', ' ')}"
-    )
-    return {"peak_bytes": peak.peak_bytes, "phase": peak.phase, "unmodeled": peak.unmodeled, "shape": described}
-
-
-def main(argv: list[str]) -> int:
-    spec = json.loads(Path(argv[0]).read_text())
-    try:
-        print(json.dumps(forecast_unheld_step(spec)))
-    except ValueError as error:
-        print(" ".join(str(error).split()), file=sys.stderr)
-        return 2
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

@@ -17,9 +17,11 @@ between windows.
 
 Given a `Forecaster` (attach passes the estimator's when the forecast shape is set), step 1 does
 not measure: the forecast peak of a step that syncs every micro-batch stands in for step 1's
-measured one, so step 1 already runs the plan. Each step's measured peak is then compared with
-the forecast of the plan that ran; one more than the margin above it re-plans from the
-measurement, and from then on `auto` plans from measurements only.
+measured one, so step 1 already runs the plan. The forecaster then simulates that plan (the
+estimate's row for it: one number, `forecast_of`), and each step's measured peak under it is
+compared with that; one more than the margin above it re-plans from the measurement, and from
+then on `auto` plans from measurements only. A plan the forecaster cannot simulate is not run
+from the forecast: step 1 measures.
 """
 
 from __future__ import annotations
@@ -50,6 +52,10 @@ class Forecast:
 
     peak_bytes: int | None
     note: str
+    simulate: Callable[[Plan], Forecast] | None = field(default=None, compare=False, repr=False)
+    """The step peak of a plan, simulated as the estimate simulates its row for that plan (None:
+    this forecast cannot). A collective where the forecaster answers on one rank: every rank calls
+    it with the same plan."""
 
 
 class Forecaster(Protocol):
@@ -80,8 +86,11 @@ class MeasuredAuto:
     quiet: int = 0
     changes: int = 0
     """Plan changes after the first plan (fall-backs, recoveries, a re-plan off the forecast)."""
-    unheld_forecast: int | None = None
-    """The forecast peak of a step holding nothing, while `auto` plans from it (None: measured)."""
+    forecast_peak: int | None = None
+    """The simulated peak of the plan step 1 ran from the forecast, while `auto` trusts the
+    forecast (None: planning from measurements)."""
+    forecast_levels: list | None = None
+    """That plan's units by level (`_levels_of`): `forecast_of` answers for that plan only."""
 
     def first_plan(
         self,
@@ -103,10 +112,18 @@ class MeasuredAuto:
                 reason=f"step 1 syncs every micro-batch and measures its peak memory{why}",
                 generation_bytes=generation,
             )
-        self.unheld_forecast = forecast.peak_bytes
         _, capacity = self.agree(0, self.probe.capacity())
         limit = int(capacity * (1 - self.config.memory_margin))
         chosen = plan_within(adapter, limit - forecast.peak_bytes - reserved, micro_batches, generation)
+        simulated = forecast.simulate(chosen) if forecast.simulate is not None else None
+        if simulated is None or simulated.peak_bytes is None:
+            why = "no simulation of a plan" if simulated is None else simulated.note
+            return Plan(
+                SyncMode.AUTO,
+                reason=f"step 1 syncs every micro-batch and measures its peak memory ({forecast.note}; {why})",
+                generation_bytes=generation,
+            )
+        self.forecast_peak, self.forecast_levels = simulated.peak_bytes, _levels_of(chosen)
         return replace(
             chosen,
             reason=(
@@ -115,15 +132,18 @@ class MeasuredAuto:
                 f"{self.config.memory_margin:g})"
                 + (f", {format_bytes(reserved)} kept by reference models" if reserved else "")
                 + f"; holds {format_bytes(chosen.held_bytes())}, step peak "
-                f"{format_bytes(self.forecast_of(chosen) or 0)}/rank forecast"
+                f"{format_bytes(simulated.peak_bytes)}/rank forecast"
                 + ("" if self.probe.counts_tensor_bytes else "; CPU: the measured peak is not compared with it")
             ),
         )
 
     def forecast_of(self, plan: Plan) -> int | None:
-        """The forecast peak of a step under `plan`: what it holds on top of a step that holds
-        nothing (None once `auto` plans from measurements)."""
-        return None if self.unheld_forecast is None else self.unheld_forecast + plan.held_bytes()
+        """The forecast peak of a step under `plan`: the simulated one where `plan` is the plan
+        step 1 ran from the forecast (None for another plan, and once `auto` plans from
+        measurements)."""
+        if self.forecast_peak is None or _levels_of(plan) != self.forecast_levels:
+            return None
+        return self.forecast_peak
 
     def record(self) -> dict:
         """What a checkpoint keeps of this planner (`restore` takes it back)."""
@@ -135,7 +155,8 @@ class MeasuredAuto:
             "measured_steps": self.measured_steps,
             "quiet": self.quiet,
             "changes": self.changes,
-            "unheld_forecast": self.unheld_forecast,
+            "forecast_peak": self.forecast_peak,
+            "forecast_levels": self.forecast_levels,
         }
 
     def restore(self, record: dict) -> None:
@@ -144,7 +165,7 @@ class MeasuredAuto:
         self.peaks.clear()
         self.peaks.extend(record["peaks"])
         self.measured_steps, self.quiet, self.changes = record["measured_steps"], record["quiet"], record["changes"]
-        self.unheld_forecast = record.get("unheld_forecast")
+        self.forecast_peak, self.forecast_levels = record.get("forecast_peak"), record.get("forecast_levels")
         self.probe = CarriedPeak(self.probe, record["unread_peak"])
 
     def at_window_start(self, adapter: Wrapped, plan: Plan, micro_batches: int) -> Change | None:
@@ -163,7 +184,7 @@ class MeasuredAuto:
         ):
             # The forecast missed something this run holds: plan from what was measured, as
             # after a measured step 1, and stop trusting the forecast.
-            self.unheld_forecast = None
+            self.forecast_peak = self.forecast_levels = None
             self.changes += 1
             chosen = plan_within(adapter, limit - max(peak - plan.held_bytes(), 0), micro_batches)
             chosen = replace(
@@ -176,7 +197,7 @@ class MeasuredAuto:
                 f"grad sync: auto re-plans: step {self.measured_steps} {room} came more than the margin over the "
                 f"forecast {format_bytes(forecast)}; now:",
             )
-        if self.measured_steps == 1 and self.unheld_forecast is None:
+        if self.measured_steps == 1 and self.forecast_peak is None:
             # The measured peak already holds what generation gathered (gather_for_generation):
             # generation ran in step 1, so it is not taken off a second time.
             chosen = plan_within(adapter, limit - peak, micro_batches)
@@ -210,6 +231,12 @@ class MeasuredAuto:
             higher = replace(higher, reason=f"auto moved up after {QUIET_STEPS} quiet steps: {room}")
             return Change(higher, f"grad sync: auto moves back up after {QUIET_STEPS} quiet steps ({room}):")
         return None
+
+
+def _levels_of(plan: Plan) -> list:
+    """`plan`'s units by name per level, as a checkpoint keeps it: two plans with equal lists run
+    the same step."""
+    return [[u.name for u in plan.held], [u.name for u in plan.windowed], plan.held_sync, plan.generation_bytes]
 
 
 def fall_back(plan: Plan, adapter: Wrapped, overshoot: int) -> Plan | None:

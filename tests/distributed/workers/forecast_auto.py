@@ -1,11 +1,23 @@
 """`auto` with the forecast shape set: a tiny Qwen2 (FSDP2, AdamW) trained for --steps optimizer
 steps of M micro-batches per run. Reports, per step, the reduce-scatters counted from outside and
 the handle's plan and `auto` counters, and the lines the main process printed. A run may script
-the device (`probe`: capacity and each step's peak), to play a step that overshoots the forecast."""
+the device (`probe`: capacity and each step's peak), to play a step that overshoots the forecast.
+
+A run with `preempt_in_forecast` (and `save_on_signal` in its config) plays a scheduler's
+preemption during the forecast: the main process sends SIGTERM to the forecast's child the moment
+it has one, then to itself, as a scheduler signals every process of a job. Each rank then asks
+`handle.preempted()` after every micro-batch and, when told, writes what it has (the results of
+the runs before, and this run's step), saves and exits with `PREEMPTED_EXIT_CODE`. The run goes
+last: nothing after it runs."""
 
 import contextlib
 import io
 import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
 
 import torch
 from accelerate import Accelerator
@@ -27,6 +39,28 @@ args = parse_args(
 )
 accel_gradsync.enable_cpu_fsdp()
 counter = CollectiveCounter()
+
+
+def signal_the_forecast(seen: dict) -> None:
+    """In a thread: SIGTERM to this process's first child the moment there is one (the forecast's,
+    started at bind), then to this process. `seen["child_running"]`: the child was running when
+    signalled (not yet ended), so the signal came during the forecast."""
+    me, child = os.getpid(), None
+    while child is None:
+        pids = []
+        for task in Path(f"/proc/{me}/task").iterdir():
+            with contextlib.suppress(FileNotFoundError):  # a thread that ended meanwhile
+                pids += [int(pid) for pid in (task / "children").read_text().split()]
+        child = pids[0] if pids else None
+        time.sleep(0.002)
+    try:
+        seen["child_running"] = Path(f"/proc/{child}/stat").read_text().rpartition(") ")[2][0] not in "ZXx"
+        os.kill(child, signal.SIGTERM)
+    except (FileNotFoundError, ProcessLookupError):
+        seen["child_running"] = False
+    os.kill(me, signal.SIGTERM)
+
+
 accelerator = Accelerator(gradient_accumulation_steps=args.M)
 results = {}
 for run in args.runs:
@@ -41,6 +75,9 @@ for run in args.runs:
         model_config = tiny_qwen2_config()
         model = AutoModelForCausalLM.from_config(model_config)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        seen: dict = {}
+        if run.get("preempt_in_forecast") and accelerator.is_main_process:
+            threading.Thread(target=signal_the_forecast, args=(seen,), daemon=True).start()
         model, optimizer = accelerator.prepare(model, optimizer)
         first_plan = handle.plan()
         steps = []
@@ -53,6 +90,16 @@ for run in args.runs:
                     accelerator.backward(model(input_ids=ids, labels=ids, use_cache=False).loss)
                     optimizer.step()
                     optimizer.zero_grad()
+                if run.get("preempt_in_forecast") and handle.preempted():
+                    results[run["name"]] = {"preempted_at_step": step + 1, "micro_batch": k, **seen}
+                    results[run["name"]]["forecast_peak_bytes"] = handle.stats().get("forecast_peak_bytes")
+                    results[run["name"]]["printed"] = printed.getvalue()
+                    # The results so far, without write_result's leaving the group: the save needs it.
+                    mine = Path(args.out, f"rank{accelerator.process_index}.json")
+                    mine.write_text(json.dumps({"runs": results}, default=str))
+                    checkpoint = str(Path(args.out, "checkpoint"))
+                    accelerator.save_state(checkpoint)
+                    handle.exit_preempted(checkpoint)
             counts = counter.take()
             stats = handle.stats()
             steps.append(

@@ -24,6 +24,13 @@ CONFIG = GradSyncConfig(sync_mode="auto", memory_margin=0.1)
 CAPACITY = 10 * 2**20  # a 10 MiB "device": limit 9 MiB with the 10% margin
 
 
+def scripted(base, simulated=None):
+    """A forecast of `base` bytes for a step that holds nothing, whose simulation of a plan gives
+    `simulated(plan)` (default: `base` plus what the plan holds)."""
+    simulated = simulated or (lambda plan: base + plan.held_bytes())
+    return Forecast(base, "scripted", simulate=lambda plan: Forecast(simulated(plan), "simulated"))
+
+
 @pytest.fixture(scope="module")
 def adapter():
     model = build_meta_model(load_model_config("recipe-default"))
@@ -116,10 +123,10 @@ def test_each_plan_change_is_one_plain_line_with_the_peak_it_read(adapter):
 def test_a_forecast_plans_step_one_as_a_measured_step_one_of_that_peak_would(adapter):
     base = 2 * 2**20
     measured, _ = play(adapter, [base, base])
-    forecast, auto = play(adapter, [base + measured[1].held_bytes()], forecast=Forecast(base, "scripted"))
+    forecast, auto = play(adapter, [base + measured[1].held_bytes()], forecast=scripted(base))
     assert forecast[0].held == measured[1].held and forecast[0].windowed == measured[1].windowed
     assert forecast[0].held and "from the forecast" in forecast[0].reason
-    assert auto.forecast_of(forecast[0]) == base + forecast[0].held_bytes()
+    assert auto.forecast_of(forecast[0]) == base + forecast[0].held_bytes()  # what `scripted` simulates
     # No forecast peak (a model it cannot build): step 1 measures, and the line says why.
     plans, _ = play(adapter, [base, base], forecast=Forecast(None, "no forecast: a PEFT model"))
     assert not plans[0].held and "(no forecast: a PEFT model)" in plans[0].reason and plans[1].held
@@ -127,26 +134,54 @@ def test_a_forecast_plans_step_one_as_a_measured_step_one_of_that_peak_would(ada
 
 def test_a_step_more_than_the_margin_over_the_forecast_re_plans_from_the_measurement(adapter):
     base = 2 * 2**20
-    first = play(adapter, [base], forecast=Forecast(base, "scripted"))[0][0]
+    first = play(adapter, [base], forecast=scripted(base))[0][0]
     expected = base + first.held_bytes()
     # Within the margin (10%) of the forecast: the plan stays, nothing changes.
-    plans, auto = play(adapter, [int(expected * 1.09)] * 3, forecast=Forecast(base, "scripted"))
-    assert all(p is plans[0] for p in plans) and auto.changes == 0 and auto.unheld_forecast == base
+    plans, auto = play(adapter, [int(expected * 1.09)] * 3, forecast=scripted(base))
+    assert all(p is plans[0] for p in plans) and auto.changes == 0 and auto.forecast_of(plans[0]) == expected
     # Far over it: re-planned from what was measured, which leaves less room, and auto then
     # plans from measurements (no forecast any more).
     overshoot = 9 * 2**20 + 200 * 2**10  # 200 KiB over the limit once what the plan holds is freed
     messages = []
-    plans, auto = play(adapter, [overshoot, overshoot], forecast=Forecast(base, "scripted"), messages=messages)
+    plans, auto = play(adapter, [overshoot, overshoot], forecast=scripted(base), messages=messages)
     assert plans[1].held_bytes() < plans[0].held_bytes() and auto.changes == 1
-    assert auto.unheld_forecast is None and auto.forecast_of(plans[1]) is None
+    assert auto.forecast_of(plans[1]) is None and auto.forecast_of(plans[0]) is None
     assert (
         messages[0].startswith(f"grad sync: auto re-plans: step 1 peak {format_bytes(overshoot)}/rank")
         and "forecast" in messages[0]
     )
     # A restored run goes on planning from the forecast it saved.
     again = MeasuredAuto(CONFIG, ScriptedMemoryProbe(CAPACITY, [base]), lambda p, c: (p, c))
-    again.restore(play(adapter, [base], forecast=Forecast(base, "scripted"))[1].record())
-    assert again.unheld_forecast == base
+    planned, saved = play(adapter, [base], forecast=scripted(base))
+    again.restore(saved.record())
+    assert again.forecast_of(planned[0]) == expected
+
+
+def test_the_forecast_of_the_plan_is_the_forecasters_simulation_of_it(adapter):
+    """The plan's peak is what the forecaster simulates for that plan (the estimate's row), not the
+    step that holds nothing plus the plan's held bytes: the line, stats() and the overshoot check
+    read that one number. A plan the forecaster cannot simulate is not run from the forecast."""
+    base = 2 * 2**20
+    simulated = {}
+
+    def simulate(plan):  # held gradients and activations need not peak together: less than base + held
+        simulated[len(simulated)] = plan
+        return base + plan.held_bytes() // 2 + 4096
+
+    plans, auto = play(adapter, [base] * 2, forecast=scripted(base, simulate))
+    assert [levels(p, adapter) for p in simulated.values()] == [levels(plans[0], adapter)]  # step 1's, once
+    peak = base + plans[0].held_bytes() // 2 + 4096
+    assert plans[0].held and auto.forecast_of(plans[0]) == peak
+    assert f"step peak {format_bytes(peak)}/rank forecast" in plans[0].reason
+    # Within the margin of the simulated peak, though above base + held/2: no re-plan.
+    plans, auto = play(adapter, [int(peak * 1.09)] * 3, forecast=scripted(base, simulate))
+    assert auto.changes == 0
+    plans, auto = play(adapter, [int(peak * 1.11)] * 2, forecast=scripted(base, simulate))
+    assert auto.changes == 1 and auto.forecast_of(plans[1]) is None
+    # The forecaster could not simulate the plan: step 1 measures, and says why.
+    failing = Forecast(base, "scripted", simulate=lambda plan: Forecast(None, "the simulation failed: X"))
+    plans, _ = play(adapter, [base, base], forecast=failing)
+    assert not plans[0].held and "the simulation failed: X" in plans[0].reason and plans[1].held
 
 
 class _ResidentGrowth(ScriptedMemoryProbe):
@@ -156,7 +191,7 @@ class _ResidentGrowth(ScriptedMemoryProbe):
 def test_a_probe_that_counts_no_tensor_bytes_is_not_compared_with_the_forecast(adapter):
     base = 2 * 2**20
     plans, auto = play(
-        adapter, [8 * 2**20] * 3, forecast=Forecast(base, "scripted"), probe=_ResidentGrowth(CAPACITY, [8 * 2**20] * 3)
+        adapter, [8 * 2**20] * 3, forecast=scripted(base), probe=_ResidentGrowth(CAPACITY, [8 * 2**20] * 3)
     )
     assert all(p is plans[0] for p in plans) and auto.changes == 0
     assert "CPU: the measured peak is not compared with it" in plans[0].reason
@@ -172,7 +207,7 @@ def test_a_forecast_plan_leaves_room_for_what_reference_models_keep(adapter):
 
     def first(reserved):
         auto = MeasuredAuto(CONFIG, ScriptedMemoryProbe(CAPACITY, [base]), lambda p, c: (p, c))
-        return auto.first_plan(adapter, M, Forecast(base, "scripted"), reserved)
+        return auto.first_plan(adapter, M, scripted(base), reserved)
 
     alone, shared = first(0), first(reserved)
     assert alone.held_bytes() == full  # everything fits without the reference model
