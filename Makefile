@@ -39,3 +39,9 @@ quality: setup
 	ruff check .
 	ruff format --check .
 	mypy
+
+# Before a release: each mutant in tools/mutants.py breaks the package in a copy of the repository,
+# and the tests named with it must fail (`python tools/mutants.py --list` names them).
+.PHONY: mutants
+mutants: setup
+	HF_HUB_OFFLINE=1 python tools/mutants.py

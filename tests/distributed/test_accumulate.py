@@ -41,6 +41,9 @@ PARAMS = [
     for loop in LOOPS
     for w in ("fsdp2", "fsdp1", "ddp")
 ]
+# The compatibility suite (-m compat, on every stack in stacks/): FSDP2's and FSDP1's accumulate().
+COMPAT = [("fsdp2", "accumulate"), ("fsdp1", "accumulate")]
+PARAMS = [pytest.param(*p.values, marks=pytest.mark.compat) if p.values[0] in COMPAT else p for p in PARAMS]
 
 
 @pytest.fixture(scope="module", params=PARAMS, ids=str)

@@ -71,6 +71,7 @@ def _rows(run):
             yield result, est, est.mode(result["mode"])
 
 
+@pytest.mark.compat
 def test_held_bytes_within_two_percent_in_the_estimated_dtype(run):
     checked = 0
     for result, est, row in _rows(run):
@@ -106,6 +107,7 @@ def test_window_held_params_and_gradients_are_exact(run):
     assert checked >= 2
 
 
+@pytest.mark.compat
 def test_collective_counts_per_step_are_exact(run):
     for result, est, row in _rows(run):
         counts = result["counts"]

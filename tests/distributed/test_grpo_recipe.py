@@ -71,6 +71,8 @@ def runs(tmp_path_factory):
 
 # FSDP2's two commands in the default suite, FSDP1's with --slow (the same code per wrapper as FSDP2's).
 COMMANDS = [pytest.param(c, marks=() if "fsdp2.yaml" in c else pytest.mark.slow) for c in QUICKSTART]
+# The compatibility suite (-m compat, on every stack in stacks/): the first, with the plugin deferring.
+COMMANDS[0] = pytest.param(QUICKSTART[0], marks=pytest.mark.compat)
 
 
 @pytest.mark.parametrize("command", COMMANDS)

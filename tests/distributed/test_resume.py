@@ -97,6 +97,7 @@ def _assert_exact(run: dict) -> None:
     assert run["save_and_continue_differs"] == [], run  # saving disturbs nothing
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("where", list(WHERE))
 @pytest.mark.parametrize("mode", list(FSDP2_MODES))
 def test_fsdp2_resume_equals_uninterrupted_run(fsdp2, mode, where):

@@ -63,6 +63,7 @@ def variants():
     }
 
 
+@pytest.mark.compat
 def test_window_gathers_each_unit_once_per_step_and_matches_the_reference(fp32):
     for rank in fp32:
         modes = rank["modes"]

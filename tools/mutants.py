@@ -1,0 +1,287 @@
+"""Mutation check: each mutant below breaks the package on purpose, and the tests named with it
+must catch the break (at least one of them fails). Run it before a release (`make mutants`):
+
+    python tools/mutants.py                 # every mutant
+    python tools/mutants.py NAME [NAME...]  # some of them; --list names them all
+
+Each mutant runs in its own copy of the repository (the files git tracks or would track, as they
+are in the working tree), with one exact text replaced by another, and the named tests run there
+with this interpreter, `PYTHONPATH=<copy>`: the copy's package is imported, not the editable
+install's (its finder comes after PYTHONPATH on sys.meta_path), by pytest and by every rank a
+test launches, which inherits the environment. The tool checks the first for every copy; the
+`canary_launched_ranks_import_the_copy` mutant checks the second.
+
+Exit 1 when a mutant is missed, when its text no longer occurs exactly once in its file (the
+code moved: update the mutant), or when its tests could not run. A new mutant is an entry in
+MUTANTS: the files it edits, the exact text and its replacement, and the tests (pytest node ids
+or paths) that must catch it. tests/repo/test_mutants.py keeps the texts matching the code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+# name -> {"what": the break, "edits": [(file, exact old text, new text)], "tests": [...]}
+MUTANTS: dict[str, dict] = {
+    "deferred_plan_holds_nothing": {
+        "what": "DeferredSync.plan holds nothing: deferred behaves as per-micro-batch",
+        "edits": [
+            (
+                "accel_gradsync/planning/policies.py",
+                "return Plan(self.name, held, windowed=held if window else [], generation_bytes=generation)",
+                "return Plan(self.name, [], windowed=[], generation_bytes=generation)",
+            )
+        ],
+        "tests": ["tests/distributed/test_properties.py"],
+    },
+    "all_gathers_ignore_kept_through_forward": {
+        "what": "micro_batch_all_gathers ignores kept_through_forward (a window's backward gathers again)",
+        "edits": [
+            (
+                "accel_gradsync/planning/costs.py",
+                "(1 if unit.reshards_after_forward and not kept_through_forward else 0)",
+                "(1 if unit.reshards_after_forward else 0)",
+            )
+        ],
+        "tests": ["tests/unit/planning/test_costs.py"],
+    },
+    "generation_per_token_plus_one": {
+        "what": "generation_cost counts one all-gather too many per generated token",
+        "edits": [
+            (
+                "accel_gradsync/planning/costs.py",
+                "    per_token = generation_all_gathers_per(units, kept=False)\n",
+                "    per_token = generation_all_gathers_per(units, kept=False) + 1\n",
+            )
+        ],
+        "tests": [
+            "tests/unit/planning/test_units_frozen.py::test_the_estimate_and_the_decision_line_read_one_generation_cost"
+        ],
+    },
+    "bytes_reduced_and_all_reduces_skipped_zero": {
+        "what": "the counters bytes_reduced and all_reduces_skipped always read 0",
+        "edits": [
+            (
+                "accel_gradsync/runtime/accounting.py",
+                'if f.name != "held_grad_bytes")',
+                'if f.name not in ("held_grad_bytes", "bytes_reduced", "all_reduces_skipped"))',
+            ),
+            (
+                "accel_gradsync/runtime/accounting.py",
+                "counts.bytes_reduced += grad_bytes",
+                "counts.bytes_reduced += 0",
+            ),
+        ],
+        "tests": ["tests/unit", "tests/repo", "tests/distributed/test_accumulate.py"],
+    },
+    "deferred_syncs_every_micro_batch": {
+        "what": "a held FSDP2 unit keeps requires_gradient_sync True: deferred reduce-scatters every micro-batch",
+        "edits": [
+            (
+                "accel_gradsync/runtime/fsdp.py",
+                "_fsdp2(u.module).set_requires_gradient_sync(False, recurse=False)",
+                "_fsdp2(u.module).set_requires_gradient_sync(True, recurse=False)",
+            )
+        ],
+        "tests": ["tests/distributed/test_accumulate.py", "tests/distributed/test_window.py"],
+    },
+    "window_reshards_after_backward": {
+        "what": "a windowed FSDP2 unit reshards after every backward (gathers again in the next forward)",
+        "edits": [
+            (
+                "accel_gradsync/runtime/fsdp.py",
+                "_fsdp2(u.module).set_reshard_after_backward(False, recurse=False)",
+                "_fsdp2(u.module).set_reshard_after_backward(True, recurse=False)",
+            )
+        ],
+        "tests": ["tests/distributed/test_accumulate.py", "tests/distributed/test_window.py"],
+    },
+    "budget_takes_units_that_do_not_fit": {
+        "what": "budget's first fit takes a level while the bytes used so far fit, whatever it adds",
+        "edits": [
+            (
+                "accel_gradsync/planning/policies.py",
+                "== needs and used + cost <= budget:",
+                "== needs and used <= budget:",
+            )
+        ],
+        "tests": [
+            "tests/unit/planning/test_policies_levels.py",
+            "tests/unit/planning/test_units_frozen.py",
+            "tests/unit/config/test_budget_selection.py",
+        ],
+    },
+    "frozen_unit_counted_as_trained": {
+        "what": "a unit without trainable parameters (a frozen model's) is counted as trained",
+        "edits": [
+            (
+                "accel_gradsync/planning/units.py",
+                "        return self.numel == 0\n",
+                "        return False\n",
+            )
+        ],
+        "tests": ["tests/unit/planning/test_units_frozen.py", "tests/distributed/test_two_models.py"],
+    },
+    "decision_line_reduce_scatters_off_by_one": {
+        "what": "the decision line says one reduce-scatter per step more than the plan makes",
+        "edits": [
+            (
+                "accel_gradsync/runtime/decision.py",
+                'cost = f"{rs} reduce-scatters and {ag} all-gathers/step',
+                'cost = f"{rs + 1} reduce-scatters and {ag} all-gathers/step',
+            )
+        ],
+        "tests": [
+            "tests/unit/planning/test_units_frozen.py",
+            "tests/unit/runtime/test_decision.py",
+            "tests/unit/estimator/test_core.py",
+        ],
+    },
+    "recipe_reference_without_a_model_path": {
+        "what": "the recipe gives TRL its built-in model with an empty name_or_path: --beta cannot build the "
+        "reference model",
+        "edits": [("recipes/grpo.py", "model = embedded.reload_from(model, folder)", "pass")],
+        "tests": ["tests/distributed/test_grpo_recipe.py::test_the_default_model_trains_with_a_reference_model"],
+    },
+    "canary_launched_ranks_import_the_copy": {
+        "what": "(the tool's own check) the package fails to import in a launched rank: caught only if the "
+        "ranks a test launches import the copy",
+        "edits": [
+            (
+                "accel_gradsync/__init__.py",
+                "\nimport sys\n",
+                '\nimport sys\n\nif "LOCAL_RANK" in __import__("os").environ:\n'
+                '    raise ImportError("mutants canary: a launched rank imported the mutated copy")\n',
+            )
+        ],
+        "tests": ["tests/distributed/test_errors.py::test_fsdp_config_without_cpu_enablement_is_refused"],
+    },
+}
+
+
+def stale(name: str) -> list[str]:
+    """Why mutant `name` no longer applies to REPO's working tree (empty: it applies)."""
+    problems = []
+    for file, old, new in MUTANTS[name]["edits"]:
+        path = REPO / file
+        count = path.read_text().count(old) if path.is_file() else 0
+        if count != 1:
+            problems.append(f"{file}: the text to replace occurs {count} times, not once: {old!r}")
+        if old == new:
+            problems.append(f"{file}: the replacement is the text itself: {old!r}")
+    for test in MUTANTS[name]["tests"]:
+        if not (REPO / test.split("::")[0]).exists():
+            problems.append(f"no test {test}")
+    return problems
+
+
+def copy_repo(dest: Path) -> None:
+    """The files git tracks or would track (not ignored), as they are in REPO's working tree."""
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=REPO,
+        capture_output=True,
+        check=True,
+    ).stdout.split(b"\0")
+    for name in filter(None, (n.decode() for n in listed)):
+        source = REPO / name
+        if source.is_file():  # a tracked file deleted in the working tree is left out
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, dest / name)
+
+
+def mutate(copy: Path, name: str) -> None:
+    for file, old, new in MUTANTS[name]["edits"]:
+        path = copy / file
+        text = path.read_text()
+        assert text.count(old) == 1, (name, file)  # checked by `stale` first
+        path.write_text(text.replace(old, new))
+
+
+def environment(copy: Path) -> dict[str, str]:
+    paths = [str(copy), os.environ.get("PYTHONPATH")]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, paths)), "HF_HUB_OFFLINE": "1"}
+
+
+def check_imports_the_copy(copy: Path, env: dict[str, str]) -> None:
+    where = subprocess.run(
+        [sys.executable, "-c", "import accel_gradsync; print(accel_gradsync.__file__)"],
+        cwd=copy,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    if not Path(where).resolve().is_relative_to(copy.resolve()):
+        raise SystemExit(f"the copy's tests would import accel_gradsync from {where}, not from {copy}")
+
+
+def run_one(name: str, pytest_args: list[str], timeout: float, verbose: bool = False) -> tuple[str, str]:
+    """(caught | missed | error, what pytest said) for mutant `name`; `verbose`: pytest's output too."""
+    with tempfile.TemporaryDirectory(prefix=f"mutant-{name}-") as tmp:
+        copy = Path(tmp) / "repo"
+        copy_repo(copy)
+        env = environment(copy)
+        check_imports_the_copy(copy, env)
+        mutate(copy, name)
+        # test_mutants.py finds the mutated text changed in the copy: a failure that proves nothing.
+        ignore = "--ignore=tests/repo/test_mutants.py"
+        cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-rf", ignore, *pytest_args, *MUTANTS[name]["tests"]]
+        try:
+            done = subprocess.run(cmd, cwd=copy, env=env, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return "error", f"the tests ran over {timeout:.0f} s"
+    if verbose:
+        print(done.stdout[-6000:], done.stderr[-3000:], sep="\n")
+    failed = re.findall(r"^FAILED (\S+)", done.stdout, flags=re.M)
+    summary = done.stdout.strip().splitlines()[-1:] or done.stderr.strip().splitlines()[-1:] or ["(no output)"]
+    if done.returncode == 1:  # tests ran and failed
+        return "caught", failed[0] if failed else summary[0]
+    if done.returncode == 0:
+        return "missed", summary[0]
+    return "error", f"pytest exit {done.returncode}: {summary[0]}"  # a collection error, no tests, ...
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("names", nargs="*", help="mutants to run (default: all)")
+    parser.add_argument("--list", action="store_true", help="name each mutant, what it breaks and its tests")
+    parser.add_argument("--timeout", type=float, default=3600, help="seconds for one mutant's tests")
+    parser.add_argument("--verbose", action="store_true", help="print the end of each mutant's pytest output")
+    parser.add_argument("--pytest-args", default="", help="extra pytest arguments, e.g. '--slow'")
+    args = parser.parse_args(argv)
+    unknown = [n for n in args.names if n not in MUTANTS]
+    if unknown:
+        parser.error(f"unknown mutant(s) {', '.join(unknown)}; --list names them")
+    if args.list:
+        for name, mutant in MUTANTS.items():
+            print(f"{name}: {mutant['what']}\n    tests: {' '.join(mutant['tests'])}")
+        return 0
+    names = args.names or list(MUTANTS)
+    results = {}
+    for name in names:
+        problems = stale(name)
+        if problems:
+            results[name] = ("stale", "; ".join(problems))
+        else:
+            start = time.monotonic()
+            outcome, detail = run_one(name, args.pytest_args.split(), args.timeout, args.verbose)
+            results[name] = (outcome, f"{detail} ({time.monotonic() - start:.0f} s)")
+        print(f"{results[name][0]:7} {name}: {results[name][1]}", flush=True)
+    bad = [n for n, (outcome, _) in results.items() if outcome != "caught"]
+    print(f"{len(names) - len(bad)} of {len(names)} mutants caught" + (f"; not: {', '.join(bad)}" if bad else ""))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
