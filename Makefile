@@ -1,8 +1,8 @@
 # Two commands from a fresh clone (the README's quick start): `make demo` and `make test`.
 # Both create the environment in $(VENV) when it is missing, with the README's Install commands,
-# then run the README's command. .ci/run is `make quality` then `make test`, so CI installs and
-# tests the way a user does.
-.PHONY: demo test quality setup
+# then run the README's command. .ci/run is `make quality`, `make test`, then `make test-stacks`,
+# so CI installs and tests the way a user does.
+.PHONY: demo test quality setup test-stacks test-compat
 
 VENV ?= .venv
 CONSTRAINTS ?= constraints.txt
@@ -10,6 +10,12 @@ CONSTRAINTS ?= constraints.txt
 # (as here); on a machine with no GPU/NPU whose pip would fetch the multi-GB CUDA build, give
 # PyTorch's CPU wheel index: make test TORCH_PIP_ARGS="--extra-index-url <that index>".
 TORCH_PIP_ARGS ?=
+# The torch pin of $(CONSTRAINTS), installed first and on its own; the extras to install.
+TORCH_PIN = $(shell grep -E '^torch==' $(CONSTRAINTS))
+EXTRAS ?= recipes,test,bench,quality
+# The other stacks CI tests (stacks/<name>.txt pins each): the compatibility suite (`-m compat`)
+# runs in .venv-stacks/<name>, which `setup` builds from that file as it builds .venv.
+STACKS ?= vllm-0.33 trl-vllm
 
 # Every recipe runs inside the environment: `python`, `accelerate` and `pytest` are its own.
 export VIRTUAL_ENV := $(CURDIR)/$(VENV)
@@ -22,8 +28,8 @@ setup: $(VENV)/.installed
 # so pip never resolves it to a CUDA build while it installs the rest.
 $(VENV)/.installed: setup.cfg pyproject.toml $(CONSTRAINTS)
 	test -x $(VENV)/bin/python || python3 -m venv $(VENV)
-	python -m pip install torch==2.13.0 $(TORCH_PIP_ARGS)
-	python -m pip install -c $(CONSTRAINTS) -e ".[recipes,test,bench,quality]"
+	python -m pip install $(TORCH_PIN) $(TORCH_PIP_ARGS)
+	python -m pip install -c $(CONSTRAINTS) -e ".[$(EXTRAS)]"
 	touch $@
 
 # The GRPO recipe on its embedded default (2 processes, FSDP2 with deferral, 500 steps; about
@@ -33,6 +39,16 @@ demo: setup
 
 test: setup
 	HF_HUB_OFFLINE=1 python -m pytest -q
+
+# The compatibility suite on each of $(STACKS), each in its own venv (a make of its own, so that
+# VIRTUAL_ENV and PATH are that venv's).
+test-stacks:
+	for stack in $(STACKS); do \
+		$(MAKE) --no-print-directory test-compat VENV=.venv-stacks/$$stack CONSTRAINTS=stacks/$$stack.txt EXTRAS=recipes,test || exit 1; \
+	done
+
+test-compat: setup
+	HF_HUB_OFFLINE=1 python -m pytest -q -m compat
 
 # Lint, format and type checks (configured in pyproject.toml).
 quality: setup

@@ -1,9 +1,10 @@
 """CI runs what the README tells a user to run: its quick start is `make demo` / `make test`,
 the Makefile's set-up is the README's Install commands, `make test` runs the README's test
-command, and `.ci/run` is `make quality` then `make test`. The ranges start at the versions CI
-pins, and torch's is the release the plugin checks at attach. The docs name only paths and
-modules that exist. The Makefile is read through `make -n` (what make would run), not by parsing
-its text."""
+command, and `.ci/run` is `make quality`, `make test`, then `make test-stacks` (the compatibility
+suite on every stack in stacks/, each venv built by the rule that builds .venv). The ranges start
+at versions CI pins, and torch's are the series the plugin tables FSDP2's private attributes for.
+The docs name only paths and modules that exist. The Makefile is read through `make -n` (what
+make would run), not by parsing its text."""
 
 import configparser
 import re
@@ -34,17 +35,18 @@ def _make_would_run(target: str, *args: str) -> list[str]:
 
 
 def _pins(name: str) -> dict[str, Version]:
-    lines = (ROOT / name).read_text().splitlines()
+    lines = [line.split("#")[0].strip() for line in (ROOT / name).read_text().splitlines()]
     pins = [line.split("==") for line in lines if line.strip() and not line.startswith("#")]
     return {package.lower(): Version(version) for package, version in pins}
 
 
 def _requirements() -> list[Requirement]:
-    """setup.cfg's install_requires and the test and bench extras (quality tools are not ranged)."""
+    """setup.cfg's install_requires and the recipes, test and bench extras (quality tools are not ranged)."""
     cfg = configparser.ConfigParser()
     cfg.read(ROOT / "setup.cfg")
     lines = cfg["options"]["install_requires"].splitlines()
-    lines += cfg["options.extras_require"]["test"].splitlines() + cfg["options.extras_require"]["bench"].splitlines()
+    for extra in ("recipes", "test", "bench"):
+        lines += cfg["options.extras_require"][extra].splitlines()
     return [Requirement(line) for line in lines if line.strip()]
 
 
@@ -52,17 +54,41 @@ def test_quick_start_is_make_demo_and_make_test():
     assert _bash_blocks("Quick start") == ["make demo", "make test"]
 
 
-def test_ci_checks_quality_then_is_make_test():
+STACKS = sorted(p.stem for p in (ROOT / "stacks").glob("*.txt"))
+
+
+def test_ci_checks_quality_then_is_make_test_then_the_stacks():
     ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
     commands = [line for line in ci if line and not line.startswith("#")]
-    assert commands[-2:] == ["make quality", "make test"]
+    assert commands[-3:] == ["make quality", "make test", "make test-stacks"]
+
+
+def test_make_test_stacks_runs_the_compat_suite_on_every_stack_in_its_own_venv():
+    """Each stack's venv is built by `setup`'s rule from its stacks/ file (its torch pin first, on
+    its own), and the suite runs with that venv's python."""
+    assert STACKS == ["trl-vllm", "vllm-0.33"]
+    for stack in STACKS:
+        args = [f"VENV=.venv-stacks/{stack}", f"CONSTRAINTS=stacks/{stack}.txt", "EXTRAS=recipes,test"]
+        would_run = _make_would_run("test-compat", *args)
+        torch = _pins(f"stacks/{stack}.txt")["torch"]
+        assert would_run == [
+            f"test -x .venv-stacks/{stack}/bin/python || python3 -m venv .venv-stacks/{stack}",
+            f"python -m pip install torch=={torch}",
+            f'python -m pip install -c stacks/{stack}.txt -e ".[recipes,test]"',
+            f"touch .venv-stacks/{stack}/.installed",
+            "HF_HUB_OFFLINE=1 python -m pytest -q -m compat",
+        ]
+        assert is_tested_torch(str(torch))
+    show = ["make", "-s", "--eval", "show-stacks: ; @echo $(STACKS)", "show-stacks"]
+    out = subprocess.run(show, cwd=ROOT, check=True, capture_output=True, text=True)
+    assert sorted(out.stdout.split()) == STACKS  # what `make test-stacks` loops over
 
 
 def test_make_sets_up_with_the_readme_install_commands():
     install = _bash_blocks("Install")
     assert install == _make_would_run("setup")[1:-1]  # between creating the venv and marking it done
     # torch first and pinned: anything else would let pip pull a multi-GB CUDA build.
-    assert install[0] == f"python -m pip install torch=={TESTED_TORCH}.0"
+    assert install[0] == f"python -m pip install torch=={_pins('constraints.txt')['torch']}"
     assert "-c constraints.txt" in install[1]
 
 
@@ -93,20 +119,24 @@ def test_make_quality_runs_ruff_and_mypy_pinned():
 
 
 def test_the_ranges_start_at_the_tested_pins():
-    """A lower bound is a version CI tested (to the precision it is written), never an older one."""
-    pinned = _pins("constraints.txt")
+    """A lower bound is a version some CI stack tests (to the precision it is written), never an
+    older one, and every stack's pins are inside the ranges."""
+    stacks = [_pins("constraints.txt")] + [_pins(f"stacks/{s}.txt") for s in STACKS]
     for requirement in _requirements():
-        pin = pinned[requirement.name.lower()]
-        assert requirement.specifier.contains(pin), (requirement, pin)
+        pins = [stack[requirement.name.lower()] for stack in stacks if requirement.name.lower() in stack]
+        assert all(requirement.specifier.contains(pin) for pin in pins), (requirement, pins)
         (lower,) = [Version(s.version) for s in requirement.specifier if s.operator == ">="]
-        assert lower.release == pin.release[: len(lower.release)], (requirement, pin)
+        assert any(lower.release == pin.release[: len(lower.release)] for pin in pins), (requirement, pins)
 
 
-def test_torch_is_the_release_the_plugin_checks_at_attach():
+def test_torch_is_the_series_the_plugin_tables():
+    """setup.cfg allows exactly the series compat/fsdp2.py tables, and CI tests each of them."""
     (torch,) = [r for r in _requirements() if r.name == "torch"]
-    major, minor = map(int, TESTED_TORCH.split("."))
-    assert str(torch.specifier) == f"<{major}.{minor + 1},>={TESTED_TORCH}"
-    assert is_tested_torch(str(_pins("constraints.txt")["torch"]))
+    major, minor = map(int, TESTED_TORCH[-1].split("."))
+    assert str(torch.specifier) == f"<{major}.{minor + 1},>={TESTED_TORCH[0]}"
+    pinned = [_pins("constraints.txt")["torch"]] + [_pins(f"stacks/{s}.txt")["torch"] for s in STACKS]
+    assert all(is_tested_torch(str(pin)) for pin in pinned)
+    assert {f"{p.major}.{p.minor}" for p in pinned} == set(TESTED_TORCH)
 
 
 DOCS = ["README.md", "docs/modes.md", "docs/recipe.md", "docs/estimate.md"]
