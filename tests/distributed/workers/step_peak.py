@@ -17,8 +17,8 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from transformers import AutoModelForCausalLM, LogitsProcessorList
 
 import accel_gradsync
+from accel_gradsync.estimator.fake_step import enable_checkpointing
 from accel_gradsync.estimator.inputs import load_model_config
-from accel_gradsync.estimator.step_peak import enable_checkpointing
 
 args = parse_args(
     [

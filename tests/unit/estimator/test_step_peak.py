@@ -11,9 +11,10 @@ import torch
 from accel_gradsync import GradSyncConfig
 from accel_gradsync.estimator.cli import main
 from accel_gradsync.estimator.core import estimate
+from accel_gradsync.estimator.fake_step import Schedule
 from accel_gradsync.estimator.inputs import LoraSpec, StepShape, load_model_config, read_accelerate_config
 from accel_gradsync.estimator.meta_model import build_meta_model, estimated_adapter
-from accel_gradsync.estimator.step_peak import Schedule, StepForecaster
+from accel_gradsync.estimator.step_peak import StepForecaster
 from accel_gradsync.planning.units import Plan
 
 SHAPE = StepShape(micro_batch_size=2, seq_len=32)
