@@ -31,13 +31,6 @@ def _spec(lora=None):
     }
 
 
-def test_the_child_forecasts_the_per_micro_batch_step_as_the_estimate_does():
-    answer = forecast_unheld_step(_spec())
-    est = estimate("recipe-default", LAUNCH, 4, GradSyncConfig(sync_mode="auto"), step_shape=StepShape(2, 32))
-    assert answer["peak_bytes"] == est.mode("per_micro_batch").step_peak_bytes
-    assert answer["unmodeled"] == [] and answer["shape"].startswith("2x32 tokens per micro-batch, adamw")
-
-
 @pytest.mark.slow  # a second forecast; the LoRA forecast itself is in test_step_peak.py
 def test_the_child_forecasts_a_lora_model_with_its_adapters():
     answer = forecast_unheld_step(_spec())
@@ -49,11 +42,14 @@ def test_the_child_forecasts_a_lora_model_with_its_adapters():
     assert lora["peak_bytes"] == lora_est.mode("per_micro_batch").step_peak_bytes
 
 
-def test_a_plan_sent_to_the_child_is_the_estimates_row_for_that_plan():
+def test_the_child_answers_the_estimates_rows_first_per_micro_batch_then_the_plan_it_is_sent():
     session = ForecastSession(_spec())
+    est = estimate("recipe-default", LAUNCH, 4, GradSyncConfig(sync_mode="auto"), step_shape=StepShape(2, 32))
+    answer = session.forecast_unheld()
+    assert answer["peak_bytes"] == est.mode("per_micro_batch").step_peak_bytes
+    assert answer["unmodeled"] == [] and answer["shape"].startswith("2x32 tokens per micro-batch, adamw")
     names = [u.name for u in session.adapter.units]
     every_unit_windowed = {"held": names, "windowed": names, "held_sync": "gradient_sync", "generation_bytes": 0}
-    est = estimate("recipe-default", LAUNCH, 4, GradSyncConfig(sync_mode="auto"), step_shape=StepShape(2, 32))
     assert session.forecast_plan(every_unit_windowed)["peak_bytes"] == est.mode("deferred+window").step_peak_bytes
     with pytest.raises(ValueError, match="'model.nowhere' is not among the forecast model's units"):
         session.forecast_plan({**every_unit_windowed, "held": ["model.nowhere"]})
