@@ -188,6 +188,23 @@ def test_the_default_model_trains_with_a_reference_model(runs):
     assert last["step"] == STEPS and last["grad_norm"] > 0, last
 
 
+def quoted_decision_lines(doc: str) -> list[str]:
+    """Every line of `doc` (the README, a page of docs/) that starts as a printed line does: the
+    lines of its fenced blocks (prose quotes one in backticks)."""
+    return [line for line in (REPO / doc).read_text().splitlines() if line.startswith("grad sync:")]
+
+
+@pytest.mark.parametrize("doc", ["README.md", "docs/recipe.md"])
+def test_the_decision_lines_the_docs_quote_are_what_the_recipe_prints(runs, doc):
+    """Each decision line README.md and docs/recipe.md quote is one the recipe's runs print (the
+    default command's, the fastest command's), character for character."""
+    printed = {line for command in (QUICKSTART[0], WINDOW) for line in runs(command)["stdout"].splitlines()}
+    quoted = quoted_decision_lines(doc)
+    assert quoted, doc
+    for line in quoted:
+        assert line in printed, (line, sorted(p for p in printed if p.startswith("grad sync:")))
+
+
 AUTO = QUICKSTART[1] + " --grad-sync-mode auto"
 
 

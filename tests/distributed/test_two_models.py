@@ -5,7 +5,14 @@ gradient bytes of both models' parameters, and each model gets its own decision 
 counters; the frozen model gets no plan (under FSDP2 a line and counters of its own, apart). FSDP2
 and FSDP1. Under budget with gather_for_generation the reference model, wrapped per unit, keeps
 its whole unsharded params through its no-grad forwards: the trained models are planned within
-the budget less what it keeps beyond one unit's."""
+the budget less what it keeps beyond one unit's.
+
+Then (FSDP2, the same launch) progressive unfreezing: the reference model, prepared frozen, is
+given trainable parameters and trains beside the policy; from its next window on it is governed
+like any trained model: U reduce-scatters per optimizer step counted from outside (not M x U,
+what FSDP2 does for a model no one holds), its counters among the trained models', a decision line
+of its own. Then the policy is frozen whole: it stays a trained model, planned again with nothing
+to hold. Every parameter ends each phase where an unwrapped replica trained on all ranks' data ends."""
 
 import json
 
@@ -22,7 +29,9 @@ FSDP1_PAD = TinyNet.UNITS * (N - 1) * 4  # FSDP1 pads each unit's flat fp32 grad
 
 @pytest.fixture(scope="module", params=["fsdp2", pytest.param("fsdp1", marks=pytest.mark.slow)])
 def ranks(request):
-    return request.param, launch("two_models", ["--M", str(M), "--steps", str(STEPS)], accelerate_config(request.param))
+    unfreeze = ["--unfreeze"] if request.param == "fsdp2" else []  # then unfreezing.py's phases
+    args = ["--M", str(M), "--steps", str(STEPS), *unfreeze]
+    return request.param, launch("two_models", args, accelerate_config(request.param))
 
 
 def test_window_counts_once_and_collectives_add_up(ranks):
@@ -94,3 +103,59 @@ def test_budget_plans_within_what_a_kept_reference_model_holds():
     assert any(line.startswith("grad sync: reference model") and "gather_for_generation" in line for line in lines)
     replanned = [line for line in lines if f"{format_bytes(reserved)} kept by reference models" in line]
     assert len(replanned) == 2, lines  # each trained model's plan, made again
+
+
+U, POLICY, LATE = TinyNet.UNITS, "TinyNet", "TinyNet#3"  # the reference model: the third TinyNet bound
+
+
+def unfreezing(ranks) -> list[dict]:
+    kind, results = ranks
+    if kind != "fsdp2":
+        pytest.skip("unfreezing runs on FSDP2 (an FSDP1 flat parameter has one requires_grad)")
+    return results
+
+
+def test_an_unfrozen_reference_model_is_governed_from_its_next_window(ranks):
+    results = unfreezing(ranks)
+    for rank in results:
+        before, phase = rank["stats"], rank["unfreezing"][0]
+        stats = phase["stats"]
+        assert before["reference_models"] == {LATE: before["reference_models"][LATE]}  # frozen until then
+        # Two deferred models: U reduce-scatters each per optimizer step, counted from outside.
+        assert phase["reduce_scatters"] == 2 * U * STEPS, phase["reduce_scatters"]
+        assert stats["reduce_scatters_issued"] - before["reduce_scatters_issued"] == phase["reduce_scatters"]
+        assert sorted(stats["models"]) == ["TinyNet", "TinyNet#2", LATE]
+        assert stats["reference_models"] == {} and stats["reference_units"] == 0
+        late = stats["models"][LATE]
+        assert late["reduce_scatters_issued"] == U * STEPS and late["last_step/reduce_scatters_issued"] == U
+        assert late["last_step/reduce_scatters_skipped"] == U * (M - 1)
+        assert set(late["unit_modes"].values()) == {"deferred"}
+    lines = results[0]["unfreezing"][0]["decisions"]
+    assert len(lines) == 1 and lines[0].startswith(f"grad sync: deferred over {M} micro-batches on fsdp2 (3 deferred)")
+    assert not results[1]["unfreezing"][0]["decisions"]  # the main process prints
+
+
+def test_a_model_frozen_whole_stays_a_trained_model_with_every_unit_frozen(ranks):
+    """Its counters go on (stats() totals since attach only grow); its plan is made again and
+    printed: nothing to hold, so no reduce-scatter of it is counted or skipped."""
+    results = unfreezing(ranks)
+    for rank in results:
+        before, phase = rank["unfreezing"][0]["stats"], rank["unfreezing"][1]
+        stats = phase["stats"]
+        assert phase["reduce_scatters"] == U * STEPS  # the unfrozen model alone
+        assert stats["reduce_scatters_issued"] - before["reduce_scatters_issued"] == phase["reduce_scatters"]
+        assert sorted(stats["models"]) == ["TinyNet", "TinyNet#2", LATE] and stats["reference_models"] == {}
+        policy = stats["models"][POLICY]
+        assert set(policy["unit_modes"].values()) == {"frozen"}
+        assert policy["last_step/reduce_scatters_issued"] == policy["last_step/reduce_scatters_skipped"] == 0
+        assert policy["reduce_scatters_issued"] == before["models"][POLICY]["reduce_scatters_issued"]
+    lines = results[0]["unfreezing"][1]["decisions"]
+    assert len(lines) == 1 and lines[0].startswith(
+        f"grad sync: deferred over {M} micro-batches on fsdp2 (3 frozen) -> 0 "
+    )
+
+
+def test_unfrozen_and_frozen_models_match_a_replica(ranks):
+    for rank in unfreezing(ranks):
+        for phase in rank["unfreezing"]:
+            assert max(phase["max_param_diff"].values()) < 1e-5, phase["max_param_diff"]

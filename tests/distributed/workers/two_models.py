@@ -2,7 +2,9 @@
 optimizer as accelerate's FSDP2 requires) and a frozen reference model, one `attach`, deferred
 sync (or `--sync`'s settings): what the handle counts against the collectives counted from
 outside, the gradient bytes of each model's trainable parameters (what a deferred model holds
-unsharded), each unit's parameter bytes, each trained model's plan, and the decision lines it printed."""
+unsharded), each unit's parameter bytes, each trained model's plan, and the decision lines it
+printed. `--unfreeze`: then the reference model is unfrozen and trained beside the policy, and the
+policy frozen whole (unfreezing.py)."""
 
 import contextlib
 import io
@@ -12,6 +14,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 from common import CollectiveCounter, TinyNet, make_data, parse_args, write_result
+from unfreezing import run_unfreezing
 
 import accel_gradsync
 
@@ -20,6 +23,7 @@ args = parse_args(
         (("--M",), {"type": int, "default": 4}),
         (("--steps",), {"type": int, "default": 2}),
         (("--sync",), {"default": '{"defer": true}', "help": "GradSyncConfig keys as JSON"}),
+        (("--unfreeze",), {"action": "store_true", "help": "then run unfreezing.py's phases"}),
     ]
 )
 accel_gradsync.enable_cpu_fsdp()
@@ -37,7 +41,7 @@ value_opt = torch.optim.SGD(value.parameters(), lr=0.1)
 policy, policy_opt = accelerator.prepare(policy, policy_opt)
 value, value_opt = accelerator.prepare(value, value_opt)
 # accelerate's FSDP2 prepares a model only with an optimizer: the frozen one gets an idle one.
-reference, _ = accelerator.prepare(reference, torch.optim.SGD(reference.parameters(), lr=0.0))
+reference, reference_opt = accelerator.prepare(reference, torch.optim.SGD(reference.parameters(), lr=0.0))
 printed = io.StringIO()
 with contextlib.redirect_stdout(printed):
     handle = accel_gradsync.attach(accelerator, accel_gradsync.GradSyncConfig(**json.loads(args.sync)))
@@ -55,9 +59,14 @@ for k in range(args.M * args.steps):
             policy_opt.zero_grad(), value_opt.zero_grad()
 counts = counter.take()
 stats = handle.stats()
+models, optimizers, fresh = (policy, reference), (policy_opt, reference_opt), (TinyNet(), TinyNet())
+unfrozen = (
+    run_unfreezing(accelerator, handle, counter, models, optimizers, fresh, args.M, args.steps) if args.unfreeze else []
+)
 write_result(
     args.out,
     {
+        "unfreezing": unfrozen,
         "counts": counts,
         "stats": {k: v for k, v in stats.items() if k != "models"},
         "models": stats["models"],
