@@ -69,16 +69,12 @@ GRPO_RUNS = [
 
 
 # A LoRA adapter added after transformers sharded the model: the FSDP2 units hold the frozen base
-# weights, the adapter's weights are plain tensors transformers' Trainer all-reduces itself.
+# weights, the adapter's weights are plain tensors transformers' Trainer all-reduces itself. They
+# run in the FSDP runs' launch (the same model and mesh), named `lora_<mode>`.
 LORA_RUNS = [
-    {"name": "per_micro_batch", "entry": "trainer", "config": {}, "lora": True},
-    {"name": "window", "entry": "trainer", "config": {"defer": True, "keep_params_unsharded": True}, "lora": True},
+    {"name": "lora_per_micro_batch", "entry": "trainer", "config": {}, "lora": True},
+    {"name": "lora_window", "entry": "trainer", "config": {"defer": True, "keep_params_unsharded": True}, "lora": True},
 ]
-
-
-@pytest.fixture(scope="module")
-def lora(model_dir):
-    return launch("sharded_by_transformers", ["--model", model_dir, "--runs", json.dumps(LORA_RUNS)])
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +84,7 @@ def grpo(recipe_model_dir):
 
 @pytest.fixture(scope="module")
 def fsdp(model_dir):
-    return launch("sharded_by_transformers", ["--model", model_dir, "--runs", json.dumps(FSDP_RUNS)])
+    return launch("sharded_by_transformers", ["--model", model_dir, "--runs", json.dumps(FSDP_RUNS + LORA_RUNS)])
 
 
 @pytest.fixture(scope="module")
@@ -222,12 +218,12 @@ def test_the_estimate_plans_what_the_run_did(model_dir, mesh, runs, request):
     assert len(est.units) == ranks[0]["runs"]["per_micro_batch"]["stats"]["units"]
 
 
-def test_a_peft_adapter_added_after_load_time_sharding_is_governed_and_counted(lora):
+def test_a_peft_adapter_added_after_load_time_sharding_is_governed_and_counted(fsdp):
     """PEFT's wrapper is no FSDP module: the plugin finds the FSDP2 root inside it, so the window
     keeps the frozen units' params through each window, and counts the all-reduces transformers'
     Trainer issues for the adapter's weights (one per tensor per optimizer step) as they ran."""
-    for rank in lora:
-        runs = rank["runs"]
+    for rank in fsdp:
+        runs = {r["name"]: rank["runs"][r["name"]] for r in LORA_RUNS}
         for name, run in runs.items():
             stats, counts = run["stats"], run["counts"]
             assert not [w for w in run["warnings"] if "not wrapped" in w], run["warnings"]
@@ -236,9 +232,10 @@ def test_a_peft_adapter_added_after_load_time_sharding_is_governed_and_counted(l
             assert stats["units_frozen"] + stats["units_windowed"] == stats["units"], stats  # only the adapter trains
             assert counts["all_reduce"] == stats["replicated_all_reduces"] == run["trainable_tensors"] * STEPS, name
             assert stats["last_step/replicated_all_reduces"] == run["trainable_tensors"], stats
-        assert runs["window"]["stats"]["units_windowed"] == runs["window"]["stats"]["units"]
-        assert runs["window"]["counts"]["all_gather_single"] < runs["per_micro_batch"]["counts"]["all_gather_single"]
-        assert runs["window"]["losses"] == pytest.approx(runs["per_micro_batch"]["losses"], abs=1e-5)
+        window, per_micro_batch = runs["lora_window"], runs["lora_per_micro_batch"]
+        assert window["stats"]["units_windowed"] == window["stats"]["units"]
+        assert window["counts"]["all_gather_single"] < per_micro_batch["counts"]["all_gather_single"]
+        assert window["losses"] == pytest.approx(per_micro_batch["losses"], abs=1e-5)
 
 
 @pytest.mark.slow
