@@ -97,7 +97,7 @@ def assert_restarted_and_equal(proc, out_dir: Path, uninterrupted: Path, resumed
     assert final != (inputs["model"] / "model.safetensors").read_bytes()  # it did train
 
 
-@pytest.mark.slow  # the default suite's restart check is the SIGTERM case below (a save, an exit, a resume)
+@pytest.mark.slow  # the default suite restarts after a kill in the SIGTERM case's resumed launch, below
 def test_a_rank_killed_mid_step_restarts_from_the_last_checkpoint_and_ends_as_if_uninterrupted(
     inputs, uninterrupted, tmp_path
 ):
@@ -143,9 +143,22 @@ def assert_preempted(proc: subprocess.CompletedProcess, out_dir: Path, step: int
     assert not (out_dir / "model.safetensors").exists()  # no final save: training has not ended
 
 
-def assert_resumed_and_equal(out_dir: Path, uninterrupted: Path, inputs: dict, step: int, restarts: int = 1) -> None:
-    proc = launch(inputs, out_dir, restarts=restarts)
-    assert f"Resuming from {out_dir / f'checkpoint-{step}'}." in proc.stdout + proc.stderr  # no step recomputed
+def assert_resumed_and_equal(
+    out_dir: Path, uninterrupted: Path, inputs: dict, step: int, restarts: int = 1, killed_in: int | None = None
+) -> None:
+    """The same command resumes from checkpoint-`step` and ends as the uninterrupted run; with
+    `killed_in`, rank 1 of that launch is killed half-way through that step and the agent restarts
+    the group from the newest checkpoint before it."""
+    kill = (
+        {} if killed_in is None else {"kill_at": f"reduce_scatter:{(killed_in - 1 - step) * PER_STEP + PER_STEP // 2}"}
+    )
+    proc = launch(inputs, out_dir, restarts=restarts, **kill)
+    output = proc.stdout + proc.stderr
+    assert f"Resuming from {out_dir / f'checkpoint-{step}'}." in output  # no step recomputed
+    if killed_in is not None:
+        restarted_from = (killed_in - 1) // SAVE_STEPS * SAVE_STEPS
+        assert "exitcode: -9" in output and output.count("Resuming from") == 2, output[-8000:]
+        assert f"Resuming from {out_dir / f'checkpoint-{restarted_from}'}." in output
     assert (out_dir / "model.safetensors").read_bytes() == (uninterrupted / "model.safetensors").read_bytes()
     last = f"checkpoint-{STEPS}"
     assert compare_checkpoints(uninterrupted / last, out_dir / last) == []  # weights, optimizer, scheduler, RNG
@@ -163,7 +176,8 @@ def test_sigterm_to_the_launcher_mid_window_saves_that_step_exits_and_resumes_as
     assert not list(out_dir.rglob("checkpoint-is-incomplete.txt"))  # transformers' JIT save never started
     # The agent got it, shut down (re-raising it as its own exit) and restarted nothing.
     assert "SignalException: Process" in proc.stderr and "got signal: 15" in proc.stderr
-    assert_resumed_and_equal(out_dir, uninterrupted, inputs, PREEMPTED_AT)
+    # The resumed launch also restarts by itself after a rank dies (mid-step 5, after checkpoint-4).
+    assert_resumed_and_equal(out_dir, uninterrupted, inputs, PREEMPTED_AT, killed_in=5)
 
 
 @pytest.mark.slow
