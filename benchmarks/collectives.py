@@ -18,8 +18,10 @@ import torch.distributed as dist
 
 # name -> (kind, the tensor argument whose size defines the traffic, ring factor f: a rank sends
 # f x (n-1)/n of that tensor's bytes on n ranks: all-gather's output, reduce-scatter's input, and
-# all-reduce = reduce-scatter + all-gather of its tensor).
+# all-reduce = reduce-scatter + all-gather of its tensor). `all_gather` takes its output as a list
+# of tensors, one per rank: FSDP1 gathers a CPU flat parameter with it.
 _RING: dict[str, tuple[str, str, int]] = {
+    "all_gather": ("all_gathers", "tensor_list", 1),
     "all_gather_single": ("all_gathers", "output_tensor", 1),
     "all_gather_into_tensor": ("all_gathers", "output_tensor", 1),
     "reduce_scatter_single": ("reduce_scatters", "input", 1),
@@ -55,9 +57,10 @@ class CollectiveCounter:
         def counted(*args, **kwargs):
             if counter.enabled:
                 bound = signature.bind(*args, **kwargs)
-                tensor, n = bound.arguments[arg], dist.get_world_size(bound.arguments.get("group"))
+                tensors, n = bound.arguments[arg], dist.get_world_size(bound.arguments.get("group"))
+                size = sum(t.numel() * t.element_size() for t in (tensors if isinstance(tensors, list) else [tensors]))
                 counter.counts[name] += 1
-                counter.bytes_sent += factor * (n - 1) / n * tensor.numel() * tensor.element_size()
+                counter.bytes_sent += factor * (n - 1) / n * size
             return original(*args, **kwargs)
 
         setattr(dist, name, counted)

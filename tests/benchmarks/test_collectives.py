@@ -9,7 +9,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 # Each rank counts a real all-gather, reduce-scatter and all-reduce of 8 fp32 (32 bytes) each,
-# then one more all-reduce while paused.
+# an all-gather into a list of two 4-element tensors (FSDP1's on CPU), then one more all-reduce
+# while paused.
 WORKER = """
 import json, os, sys
 import torch
@@ -25,6 +26,7 @@ dist.reduce_scatter_tensor(torch.zeros(4), torch.ones(8))
 out["names"] = counter.take()
 dist.all_reduce(torch.ones(8))
 dist.all_gather_into_tensor(output_tensor=torch.zeros(8), input_tensor=torch.ones(4))
+dist.all_gather([torch.zeros(4), torch.zeros(4)], torch.ones(4))
 with counter.paused():
     dist.all_reduce(torch.ones(8))
 out["traffic"] = vars(counter.take_traffic())
@@ -51,7 +53,8 @@ def test_counts_each_call_by_name_and_kind_with_ring_bytes(tmp_path):
         assert proc.returncode == 0, stderr[-3000:]
         out = json.loads(stdout.strip().splitlines()[-1])
         assert out["names"] == {"all_gather_into_tensor": 1, "reduce_scatter_tensor": 1}
-        # On 2 ranks a rank sends half of the all-gather's output (16 bytes) and twice half of the
-        # all-reduce's tensor (32 bytes); the paused all-reduce is not counted.
-        assert out["traffic"] == {"reduce_scatters": 0, "all_reduces": 1, "all_gathers": 1, "bytes_sent": 48.0}
+        # On 2 ranks a rank sends half of each all-gather's output (16 bytes, the list's two tensors
+        # together too) and twice half of the all-reduce's tensor (32 bytes); the paused all-reduce
+        # is not counted.
+        assert out["traffic"] == {"reduce_scatters": 0, "all_reduces": 1, "all_gathers": 2, "bytes_sent": 64.0}
         assert out["after"] == {}
