@@ -7,10 +7,20 @@ import json
 
 import pytest
 from launcher import accelerate_config, launch
-from workers.common import TinyNet
+from stats_keys import unregistered
+from workers.common import DIM, TinyNet
 
 M, BATCHES = 4, 6
 WINDOWS = [4, 2]  # micro-batches per optimizer step: a full one, then the dataloader's end
+# TinyNet's fp32 gradient bytes: two Blocks (a 16x16 Linear, 272 elements) and the root's 16->1
+# head (17). FSDP1 pads each unit's flat parameter, and so its gradient, to a multiple of the 2 ranks.
+BLOCK, HEAD = DIM * DIM + DIM, DIM + 1
+GRADIENT_BYTES = {"fsdp2": (2 * BLOCK + HEAD) * 4, "fsdp1": (2 * BLOCK + HEAD + 1) * 4, "ddp": (2 * BLOCK + HEAD) * 4}
+UNIT_NAMES = {
+    "fsdp2": ["", "blocks.0", "blocks.1"],
+    "fsdp1": ["", "_fsdp_wrapped_module.blocks.0", "_fsdp_wrapped_module.blocks.1"],
+    "ddp": [""],
+}
 
 
 LOOPS = {
@@ -107,8 +117,7 @@ def test_live_counters_equal_real_collectives(run):
         for mode, res in rank["modes"].items():
             counted = res["counted"]  # over the training loop, as `ran`
             assert counted[f"{key}_issued"] * per_sync == real[mode], (mode, counted, res["ran"])
-            # FSDP1 on CPU gathers with dist.all_gather, which the counter does not wrap; DDP gathers nothing.
-            if wrapper != "fsdp1":
+            if wrapper != "fsdp1":  # FSDP1's: test_fsdp1_live_all_gathers_equal_the_ones_that_ran
                 gathers = counted["all_gathers"] + counted["generation_all_gathers"]
                 assert gathers == res["ran"].get("all_gathers", 0), (mode, counted, res["ran"])
             assert counted["optimizer_steps"] == stats[mode]["optimizer_steps"] == len(WINDOWS), mode
@@ -124,6 +133,89 @@ def test_live_counters_equal_real_collectives(run):
         assert stats["deferred"]["deferred_micro_batches"] == BATCHES - len(WINDOWS)
         assert stats["per_micro_batch"]["deferred_micro_batches"] == 0
         assert stats["per_micro_batch"][f"{key}_skipped"] == 0
+
+
+def test_every_counter_against_outside_counts_and_the_models_sizes(run):
+    """The counters no collective count covers, each against a figure of the test's own: the
+    configured mode, TinyNet's units and gradient bytes, and for the last step the collectives
+    counted from outside. A held micro-batch skips every unit's sync; the last one syncs them all."""
+    wrapper, ranks = run
+    if not _one_forward(ranks):
+        pytest.skip("the per-step figures of one forward per micro-batch")
+    names, gradient_bytes = UNIT_NAMES[wrapper], GRADIENT_BYTES[wrapper]
+    for rank in ranks:
+        for mode, res in rank["modes"].items():
+            stats, last = res["stats"], res["steps"][-1]["ran"]
+            deferred = mode == "deferred"
+            assert (stats["mode"], stats["mode_selected"], stats["hsdp"]) == (mode, mode, False)
+            assert stats["units"] == len(names) and stats["unit_modes"] == {n: mode for n in names}, stats
+            assert (stats["units_per_micro_batch"], stats["units_deferred"]) == (
+                (0, len(names)) if deferred else (len(names), 0)
+            )
+            # Every unit's gradient is reduced at each sync: on every micro-batch, or once per step.
+            syncs, last_syncs = (len(WINDOWS), 1) if deferred else (BATCHES, WINDOWS[-1])
+            assert stats["bytes_reduced"] == syncs * gradient_bytes, (mode, stats["bytes_reduced"])
+            assert stats["last_step/bytes_reduced"] == last_syncs * gradient_bytes, mode
+            held = WINDOWS[-1] - 1 if deferred else 0  # held micro-batches of the last step
+            assert stats["last_step/deferred_micro_batches"] == held
+            assert stats["last_step/held_grad_bytes"] == (gradient_bytes if deferred else 0), mode
+            if wrapper == "ddp":  # one whole-model sync per micro-batch, split into DDP's buckets
+                per_sync = res["ran"]["all_reduces"] // syncs
+                assert stats["last_step/all_reduces_issued"] * per_sync == last["all_reduces"], (mode, last)
+                assert stats["last_step/all_reduces_skipped"] == held
+                assert stats["last_step/reduce_scatters_skipped"] == 0
+            else:  # one reduce-scatter per unit sync; no all-reduce on a 1-D mesh: none issued, none to skip
+                assert stats["reduce_scatters_issued"] == res["ran"]["reduce_scatters"], (mode, res["ran"])
+                assert stats["last_step/reduce_scatters_issued"] == last["reduce_scatters"], (mode, last)
+                assert stats["last_step/all_reduces_issued"] == last.get("all_reduces", 0) == 0, (mode, last)
+                assert stats["last_step/all_reduces_skipped"] == stats["all_reduces_skipped"] == 0
+                assert stats["last_step/reduce_scatters_skipped"] == held * len(names), mode
+                assert stats["reduce_scatters_skipped"] == (BATCHES - len(WINDOWS) if deferred else 0) * len(names)
+            # No forward without gradients in the loop, and no reference model bound.
+            assert stats["last_step/generation_all_gathers"] == 0
+            assert stats["last_step/all_gathers"] == last.get("all_gathers", 0), (mode, last)
+            assert stats["reference_models"] == {} and stats["reference_units"] == 0
+
+
+def test_fsdp1_all_gathers_counted_from_outside_follow_full_shard(run):
+    """FSDP1 on CPU gathers each flat parameter with `dist.all_gather`, counted from outside like
+    FSDP2's. FULL_SHARD gathers each Block in forward and again in backward, the root once per
+    micro-batch: 5 per micro-batch, deferred or not, less one in the first step, whose root the
+    forward without gradients before the loop left gathered (FSDP1 never reshards its root after
+    forward)."""
+    wrapper, ranks = run
+    if wrapper != "fsdp1":
+        pytest.skip("FSDP1's all-gathers; FSDP2's are in test_live_counters_equal_real_collectives")
+    for rank in ranks:
+        for mode, res in rank["modes"].items():
+            ran = [s["ran"].get("all_gathers", 0) for s in res["steps"]]
+            assert ran == [5 * m - (i == 0) for i, m in enumerate(WINDOWS)], (mode, ran)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="FSDP1's live all-gathers are counted from each unit's flags (accounting._planned_all_gathers), "
+    "which start every unit sharded: the root, left unsharded by the forward without gradients before "
+    "the loop, is counted as gathered once more than ran.",
+)
+def test_fsdp1_live_all_gathers_equal_the_ones_that_ran(run):
+    wrapper, ranks = run
+    if wrapper != "fsdp1":
+        pytest.skip("FSDP1's all-gathers; FSDP2's are in test_live_counters_equal_real_collectives")
+    for rank in ranks:
+        for mode, res in rank["modes"].items():
+            ran = [s["ran"].get("all_gathers", 0) for s in res["steps"]]
+            counted = res["counted"]
+            assert counted["all_gathers"] + counted["generation_all_gathers"] == sum(ran), (mode, counted, ran)
+            assert res["stats"]["last_step/all_gathers"] == ran[-1], mode
+
+
+def test_every_stats_key_has_a_test(run):
+    """A counter added to stats() is registered in stats_keys.py with the test that checks it."""
+    _, ranks = run
+    for rank in ranks:
+        for mode, res in rank["modes"].items():
+            assert unregistered(res["stats"]) == [], mode
 
 
 def test_fsdp2_restores_each_units_previous_flags(run):

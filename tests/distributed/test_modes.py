@@ -1,18 +1,46 @@
 """The memory-aware modes on real gloo ranks: budget, auto, HSDP all-reduce deferral and
-keep-params-unsharded give the reference gradients, the collectives their plan implies, and
-never hold more than they were allowed to."""
+keep-params-unsharded give the reference gradients, the collectives derived from TinyNet's sizes
+(expected_counts.py, not the plan), and never hold more than they were allowed to."""
 
 import json
 
 import pytest
+from expected_counts import BLOCK, HEAD, held_within
 from launcher import accelerate_config, launch
+from stats_keys import unregistered
 from workers.common import TinyNet
 
 M, BATCHES = 4, 6
 WINDOWS = [4, 2]
-BLOCK, HEAD = (16 * 16 + 16) * 4, 17 * 4  # fp32 gradient bytes of one Block unit and the root's head
 FULL = 2 * BLOCK + HEAD
 BUDGETS = {"0B": 0, "100B": 100, "1100B": 1100, "1200B": 1200, f"{FULL}B": FULL}
+MARGIN = 0.1  # GradSyncConfig.memory_margin's default: auto plans within 90% of the free bytes
+
+
+def units_held_within(budget: int) -> int:
+    """How many of TinyNet's units a plan within `budget` bytes defers (expected_counts.py)."""
+    return len(held_within(budget))
+
+
+# Units whose reduce-scatter / HSDP all-reduce each run holds on a micro-batch that does not end
+# the step (auto: from step 2; step 1 syncs every micro-batch while it measures).
+HELD = {
+    "deferred": (3, 3),
+    "keep_params": (3, 3),
+    **{f"budget_{label}": (units_held_within(b),) * 2 for label, b in BUDGETS.items()},
+    "budget_fraction": (units_held_within(1200),) * 2,  # 0.5 x 2400 B free
+    "auto_small": (units_held_within(int(1000 * (1 - MARGIN))),) * 2,  # a 1000 B device, its peak 0 B
+    "auto_ample": (3, 3),
+    "auto_disagree": (units_held_within(int(1000 * (1 - MARGIN))),) * 2,  # the poorest rank decides
+}
+# HSDP: full deferral (2244 B) does not fit 90% of 1500 B, so auto defers only the all-reduce.
+HSDP_HELD = {
+    "per_micro_batch": (0, 0),
+    "deferred": (3, 3),
+    "defer_all_reduce": (0, 3),
+    "window": (3, 3),
+    "auto_only_all_reduce_fits": (0, 3),
+}
 
 
 def _runs(runs):
@@ -56,26 +84,24 @@ def _counts(res, name):
     return [s["counts"].get(name, 0) for s in res["steps"]]
 
 
-def _expected(res, hsdp: bool):
-    """Collectives per step the plan implies: held units skip M-1 of their M syncs per step;
-    auto syncs every micro-batch in step 1, while it measures."""
-    plan, units = res["plan"], TinyNet.UNITS
-    held = [len(plan["held"])] * len(WINDOWS)
-    if "probe" in res:
-        held[0] = 0
-    rs = [
-        units * m - (h * (m - 1) if plan["held_sync"] == "gradient_sync" else 0)
-        for m, h in zip(WINDOWS, held, strict=True)
-    ]
-    ar = [units * m - h * (m - 1) for m, h in zip(WINDOWS, held, strict=True)] if hsdp else [0] * len(WINDOWS)
+def _expected(name, res, hsdp: bool):
+    """Collectives per step from first principles: every unit syncs on each of a step's m
+    micro-batches, a unit that holds skips m-1 of them (HELD, HSDP_HELD); auto syncs every
+    micro-batch in step 1, while it measures."""
+    units = TinyNet.UNITS
+    rs_held, ar_held = (HSDP_HELD if hsdp else HELD)[name]
+    first = 0 if "probe" in res else 1  # auto's first step holds nothing
+    steps = [(m, i >= 1 - first) for i, m in enumerate(WINDOWS)]
+    rs = [units * m - (rs_held * (m - 1) if holds else 0) for m, holds in steps]
+    ar = [units * m - (ar_held * (m - 1) if holds else 0) for m, holds in steps] if hsdp else [0] * len(WINDOWS)
     return rs, ar
 
 
-def _check_run(res, hsdp=False):
+def _check_run(name, res, hsdp=False):
     for step in res["steps"]:
         assert step["max_diff"] <= 1e-5, step
-    rs, ar = _expected(res, hsdp)
-    assert _counts(res, "reduce_scatter_single") == rs
+    rs, ar = _expected(name, res, hsdp)
+    assert _counts(res, "reduce_scatter_single") == rs, (name, res["plan"])
     # auto agrees on the measured peak with one small all-reduce at each window start after the first.
     agreement = [0] + [1] * (len(WINDOWS) - 1) if "probe" in res else [0] * len(WINDOWS)
     assert _counts(res, "all_reduce") == [a + b for a, b in zip(ar, agreement, strict=True)]
@@ -85,11 +111,21 @@ def _check_run(res, hsdp=False):
 
 def test_every_mode_matches_reference_and_its_plans_collectives(fsdp2, hsdp):
     for rank in fsdp2:
-        for res in rank["modes"].values():
-            _check_run(res)
+        assert sorted(rank["modes"]) == sorted(HELD)
+        for name, res in rank["modes"].items():
+            _check_run(name, res)
     for rank in hsdp:
-        for res in rank["modes"].values():
-            _check_run(res, hsdp=True)
+        assert sorted(rank["modes"]) == sorted(HSDP_HELD)
+        for name, res in rank["modes"].items():
+            _check_run(name, res, hsdp=True)
+
+
+def test_every_stats_key_has_a_test(fsdp2, hsdp):
+    """A counter added to stats() (auto's peaks and forecast, HSDP's all-reduces included) is
+    registered in stats_keys.py with the test that checks it."""
+    for rank in fsdp2 + hsdp:
+        for name, res in rank["modes"].items():
+            assert unregistered(res["stats"]) == [], name
 
 
 def test_budget_holds_at_most_the_budget_and_saves_more_as_it_grows(fsdp2):
@@ -98,8 +134,8 @@ def test_budget_holds_at_most_the_budget_and_saves_more_as_it_grows(fsdp2):
         for label, budget in BUDGETS.items():
             res = rank["modes"][f"budget_{label}"]
             measured = res["stats"]["peak_held_grad_bytes"]
-            assert measured <= budget
-            assert measured == res["held_grad_bytes"]  # the plan's gradient bytes are the tensors' bytes
+            # The gradient bytes of the units that fit, measured on the tensors.
+            assert measured == sum(held_within(budget)) <= budget, (label, measured)
             skipped.append(res["stats"]["reduce_scatters_skipped"])
         assert skipped == sorted(skipped) and skipped[0] == 0 and skipped[-1] > skipped[1] > 0
         held = {name: sorted(res["plan"]["held"]) for name, res in rank["modes"].items()}
@@ -128,6 +164,19 @@ def test_auto_picks_by_free_memory_and_ranks_agree(fsdp2, hsdp):
 
 def test_hsdp_all_reduce_deferral_keeps_gradients_sharded(hsdp):
     for rank in hsdp:
+        modes = rank["modes"]
+        # The all-reduces counted from outside: each run issues its own, and skips what syncing
+        # every micro-batch issues beyond them (the same loop); the last step's held micro-batches
+        # skip one per unit each.
+        ran = {n: _counts(modes[n], "all_reduce") for n in ("per_micro_batch", "deferred", "defer_all_reduce")}
+        for name, all_reduces in ran.items():
+            stats = modes[name]["stats"]
+            assert stats["hsdp"] is True and stats["all_reduces_issued"] == sum(all_reduces), (name, stats)
+            assert stats["all_reduces_skipped"] == sum(ran["per_micro_batch"]) - sum(all_reduces), (name, stats)
+            held = (WINDOWS[-1] - 1) * TinyNet.UNITS if name != "per_micro_batch" else 0
+            assert stats["last_step/all_reduces_skipped"] == held, (name, stats)
+        assert modes["defer_all_reduce"]["stats"]["units_defer_all_reduce"] == TinyNet.UNITS
+        assert modes["deferred"]["stats"]["units_defer_all_reduce"] == 0
         deferred = rank["modes"]["deferred"]["stats"]["peak_held_grad_bytes"]
         all_reduce_only = rank["modes"]["defer_all_reduce"]["stats"]["peak_held_grad_bytes"]
         assert deferred == FULL
