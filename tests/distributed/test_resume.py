@@ -2,10 +2,13 @@
 moments and step counts, on every rank) after the same micro-batches, on 2 gloo ranks.
 
 A plain `accumulate` loop (workers/resume.py) saves with `accelerator.save_state` at a window
-boundary or in the middle of a window and resumes with `load_state`, in each sync mode, on FSDP2
-and FSDP1 with `SHARDED_STATE_DICT`; the GRPO recipe (a Trainer) saves with `--save_strategy
-steps` and resumes with `--resume_from_checkpoint` on FSDP1, the config where accelerate's own
-loader comes back with an empty optimizer (accel_gradsync/compat/optimizer_state.py).
+boundary or in the middle of a window and resumes with `load_state`, in each sync mode: on FSDP2
+with a sharded and with a full state dict, on FSDP1 with `SHARDED_STATE_DICT` (the config where
+accelerate's own loader comes back with an empty optimizer, accel_gradsync/compat/optimizer_state.py)
+and on DDP, one launch per wrapper; the FSDP1 launch also resumes a `transformers.Trainer`
+(workers/trainer_resume.py), where the plugin loads the optimizer again at train begin. With
+--slow: a checkpoint resumed on 4 processes, and the GRPO recipe saving with `--save_strategy
+steps` and resuming with `--resume_from_checkpoint` on FSDP1 (two recipe launches per mode).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from accelerate.utils.constants import FSDP_MODEL_NAME, OPTIMIZER_NAME
 from launcher import REPO, accelerate_config, launch, recipe_launch
 
 from accel_gradsync.compat.optimizer_state import trainer_checkpoint
@@ -47,9 +51,9 @@ DDP_MODES = {"per_micro_batch": PMB, "deferred": DEFERRED}
 WHERE = {"boundary": BOUNDARY, "middle": MIDDLE}
 
 
-def _specs(modes: dict) -> list[dict]:
+def _specs(modes: dict, suffix: str = "", **keys) -> list[dict]:
     return [
-        {"name": f"{mode}_{where}", **spec, "M": M, "L": L, "save_at": at}
+        {"name": f"{mode}_{where}{suffix}", **spec, "M": M, "L": L, "save_at": at, **keys}
         for mode, spec in modes.items()
         for where, at in WHERE.items()
     ]
@@ -64,24 +68,30 @@ def _launch(config: dict | None, specs: list[dict], *args: str) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def fsdp2():
-    return _launch(accelerate_config("fsdp2", **SHARDED), _specs(FSDP2_MODES))
+    """One FSDP2 launch for every FSDP2 spec: each mode saved with a sharded and with a full state
+    dict (one uninterrupted run per mode for both), and auto on the played device, with and without
+    its plan. Names: `<mode>_<where>`, `<mode>_<where>_full`, `auto_probe_<where>[_without_plan]`."""
+    sharded = _specs(FSDP2_MODES, state_dict_type="SHARDED_STATE_DICT")
+    full = _specs(FSDP2_MODES, "_full", state_dict_type="FULL_STATE_DICT")  # accelerate_configs/fsdp2.yaml's
+    probe = _specs({"auto_probe": AUTO_PROBE}, state_dict_type="SHARDED_STATE_DICT")
+    without_plan = _specs({"auto_probe": AUTO_PROBE}, "_without_plan", state_dict_type="SHARDED_STATE_DICT")
+    without_plan = [{**spec, "drop_plan": True} for spec in without_plan]
+    return _launch(accelerate_config("fsdp2", **SHARDED), sharded + full + probe + without_plan)
 
 
-@pytest.fixture(scope="module")
-def auto_probe():
-    specs = _specs({"auto_probe": AUTO_PROBE})
-    without_plan = [{**spec, "name": f"{spec['name']}_without_plan", "drop_plan": True} for spec in specs]
-    return _launch(accelerate_config("fsdp2", **SHARDED), specs + without_plan)
-
-
-@pytest.fixture(scope="module")
-def fsdp2_full():
-    return _launch(accelerate_config("fsdp2", fsdp_state_dict_type="FULL_STATE_DICT"), _specs(FSDP2_MODES))
+# A transformers Trainer resumed in the FSDP1 launch, after the loop's specs: with the plugin
+# (deferred, the mode of the recipe's FSDP1 quick-start command) and without it.
+TRAINER = {"trainer": True, "state_dict_type": "SHARDED_STATE_DICT"}
+TRAINER_SPECS = [
+    {"name": "trainer_deferred", **TRAINER, "config": {"defer": True}},
+    {"name": "trainer_without_plugin", **TRAINER, "config": None},
+]
 
 
 @pytest.fixture(scope="module")
 def fsdp1():
-    return _launch(accelerate_config("fsdp1", **SHARDED), _specs(FSDP1_MODES))
+    specs = _specs(FSDP1_MODES, state_dict_type="SHARDED_STATE_DICT") + TRAINER_SPECS
+    return _launch(accelerate_config("fsdp1", **SHARDED), specs)
 
 
 @pytest.fixture(scope="module")
@@ -106,14 +116,15 @@ def test_fsdp2_resume_equals_uninterrupted_run(fsdp2, mode, where):
         assert run["wrapper"] == "fsdp2"
         _assert_exact(run)
         assert not run["save_warnings"], run
+        assert {f"{FSDP_MODEL_NAME}_0", f"{OPTIMIZER_NAME}_0"} <= set(run["files"]), run  # sharded, as DCP
         if mode == "auto":  # the resumed run goes on with the plan, it does not measure step 1 again
             assert run["levels"] == [3, 0, 0], run
             assert "accel_gradsync_plan.json" in run["files"], run
 
 
 @pytest.mark.parametrize("where", list(WHERE))
-def test_auto_resumed_goes_on_with_the_plan_and_the_peaks_of_the_uninterrupted_run(auto_probe, where):
-    for rank in auto_probe:
+def test_auto_resumed_goes_on_with_the_plan_and_the_peaks_of_the_uninterrupted_run(fsdp2, where):
+    for rank in fsdp2:
         run = rank[f"auto_probe_{where}"]
         assert run["auto"] == {"measured_peaks": PROBE["by_step"], "plan_changes": 1}, run  # it fell back
         _assert_exact(run)
@@ -122,10 +133,10 @@ def test_auto_resumed_goes_on_with_the_plan_and_the_peaks_of_the_uninterrupted_r
 
 
 @pytest.mark.parametrize("where", list(WHERE))
-def test_auto_resumed_without_its_plan_ends_elsewhere(auto_probe, where):
+def test_auto_resumed_without_its_plan_ends_elsewhere(fsdp2, where):
     """What the test above tells apart: a resume that measures step 1 again takes step 3's peak
     for step 1's, plans from it and ends with other levels."""
-    for rank in auto_probe:
+    for rank in fsdp2:
         run = rank[f"auto_probe_{where}_without_plan"]
         assert run["resumed_auto"]["measured_peaks"] != PROBE["by_step"], run
         assert run["resumed_levels"] != run["levels"], run
@@ -155,15 +166,18 @@ def test_auto_checkpoint_resumed_on_another_number_of_processes_is_one_decision(
         assert "2 processes" in error and "4 processes" in error, rank["middle"]
 
 
-@pytest.mark.slow
-def test_fsdp2_resume_with_a_full_state_dict_equals_uninterrupted_run(fsdp2_full):
-    for rank in fsdp2_full:  # accelerate_configs/fsdp2.yaml's state dict type
-        for name, run in rank.items():
-            assert run["wrapper"] == "fsdp2", name
-            _assert_exact(run)
+@pytest.mark.parametrize("where", list(WHERE))
+@pytest.mark.parametrize("mode", list(FSDP2_MODES))
+def test_fsdp2_resume_with_a_full_state_dict_equals_uninterrupted_run(fsdp2, mode, where):
+    for rank in fsdp2:
+        run = rank[f"{mode}_{where}_full"]
+        assert run["wrapper"] == "fsdp2"
+        _assert_exact(run)
+        assert not run["save_warnings"], run
+        assert {f"{FSDP_MODEL_NAME}.bin", f"{OPTIMIZER_NAME}.bin"} <= set(run["files"]), run  # whole, by rank 0
+        assert f"{OPTIMIZER_NAME}_0" not in run["files"], run
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("mode", list(FSDP1_MODES))
 def test_fsdp1_resume_from_a_step_boundary_restores_the_optimizer_state(fsdp1, mode):
     for rank in fsdp1:
@@ -174,7 +188,6 @@ def test_fsdp1_resume_from_a_step_boundary_restores_the_optimizer_state(fsdp1, m
         assert not any(f.startswith(("accel_gradsync_grads", "accel_gradsync_window")) for f in run["files"]), run
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("mode", list(FSDP1_MODES))
 def test_fsdp1_mid_window_checkpoint_warns_at_save_and_is_refused_at_load(fsdp1, mode):
     for rank in fsdp1:
@@ -185,7 +198,24 @@ def test_fsdp1_mid_window_checkpoint_warns_at_save_and_is_refused_at_load(fsdp1,
         assert "saved after 2 of 3 micro-batches" in error and "accel_gradsync_window.json" in error, run
 
 
-@pytest.mark.slow
+def test_a_trainer_resumed_on_fsdp1_ends_with_the_uninterrupted_runs_parameters_and_optimizer(fsdp1):
+    """The Trainer loads its checkpoint itself: the plugin finds it and loads the optimizer again
+    at train begin (workers/trainer_resume.py)."""
+    for rank in fsdp1:
+        run = rank["trainer_deferred"]
+        assert run["wrapper"] == "fsdp1" and run["state_entries"] > 0, run
+        assert {f"{FSDP_MODEL_NAME}_0", f"{OPTIMIZER_NAME}_0"} <= set(run["files"]), run  # sharded, as DCP
+        assert run["resume_differs"] == [], run  # every parameter shard and optimizer tensor, bitwise
+        assert len(run["losses"]) == 4 and run["resumed_losses"] == run["losses"], run  # steps 3 and 4 too
+
+
+def test_a_trainer_resumed_on_fsdp1_without_the_plugin_goes_on_with_a_fresh_optimizer(fsdp1):
+    """What the test above tells apart: accelerate's loader alone resumes with no Adam state."""
+    for rank in fsdp1:
+        run = rank["trainer_without_plugin"]
+        assert [n for n in run["resume_differs"] if n.startswith("optim/")], run
+
+
 @pytest.mark.parametrize("where", list(WHERE))
 @pytest.mark.parametrize("mode", list(DDP_MODES))
 def test_ddp_resume_equals_uninterrupted_run(ddp, mode, where):
@@ -274,6 +304,7 @@ def test_recipe_resumed_on_fsdp1_ends_with_the_uninterrupted_runs_weights_and_op
     assert _differs(_dcp(got / "optimizer_0"), optimizer) == []
     assert _differs(_dcp(got / "pytorch_model_fsdp_0"), _dcp(want / "pytorch_model_fsdp_0")) == []
     assert len(whole_losses) == 4 and resumed_losses == whole_losses  # steps 3 and 4 too
+    assert not list(whole.glob("*.safetensors")), "FSDP1 on CPU saves no model weights (README, CPU notes)"
 
 
 def _checkpoint(path: Path, step: int, history: list) -> Path:

@@ -7,10 +7,17 @@ that checkpoint and skipping the micro-batches it holds. This rank's parameter s
 optimizer state (every tensor of its local `state_dict()`) after the last step are compared with
 the uninterrupted run's, bit for bit. `--specs` is a JSON file of
 `{"name", "config": GradSyncConfig kwargs, "M", "L", "save_at", "probe": {"capacity", "by_step"},
-"drop_plan", "only", "dir"}`: `probe` plays a device whose peak depends on the optimizer step;
-`drop_plan` deletes auto's plan from the checkpoint before loading it (what a resume that lost it
-would do); `only` "save" or "load" runs one half, with the checkpoint in `dir`, so a checkpoint
-one launch saved can be loaded by a launch with another number of processes.
+"state_dict_type", "drop_plan", "only", "dir", "trainer"}`: `probe` plays a device whose peak
+depends on the optimizer step; `state_dict_type` (FSDP) is the plugin's `fsdp_state_dict_type` for the save and
+the load; `drop_plan` deletes auto's plan from the checkpoint before loading it (what a resume
+that lost it would do); `only` "save" or "load" runs one half, with the checkpoint in `dir`, so a
+checkpoint one launch saved can be loaded by a launch with another number of processes;
+`trainer` runs workers/trainer_resume.py's Trainer instead, with the spec's `config`.
+
+One launch runs many specs, so specs that train the same run share it: specs alike but for
+`save_at`, `state_dict_type` and `drop_plan` share the uninterrupted run, and those alike but for
+`save_at` also share the saving run, which saves at each of their points (each save's warnings
+are told apart: those raised inside its `save_state`, plus the run's others).
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import faulthandler
 import json
 import os
 import warnings
+from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -56,6 +64,10 @@ class StepPeaks(MemoryProbe):
         return self._peak
 
 
+def _messages(caught: list) -> list[str]:
+    return [str(w.message) for w in caught if issubclass(w.category, accel_gradsync.GradSyncWarning)]
+
+
 def local(t: torch.Tensor) -> torch.Tensor:
     return (t.to_local() if hasattr(t, "to_local") else t).detach().clone()
 
@@ -76,8 +88,23 @@ def differences(got: dict, want: dict) -> list[str]:
     return [n for n in names if n not in got or n not in want or not torch.equal(got[n], want[n])]
 
 
-def train(accelerator, spec: dict, seed: int, save_to: str | None = None, load_from: str | None = None) -> dict:
+def use_state_dict_type(accelerator, name: str | None) -> None:
+    """Save and load with FSDP's `name` state dict type from now on, configured as accelerate
+    configures it from `fsdp_state_dict_type` (its default options for that type)."""
+    plugin = getattr(accelerator.state, "fsdp_plugin", None)
+    if name is None or plugin is None:
+        return
+    plugin.state_dict_config = plugin.optim_state_dict_config = None
+    plugin.set_state_dict_type(name)
+
+
+def train(
+    accelerator, spec: dict, seed: int, save_to: dict[int, str] | None = None, load_from: str | None = None
+) -> dict:
+    """Train spec's run; with `save_to`, save after each micro-batch it names, to its directory."""
     M, L, save_at = spec["M"], spec["L"], spec["save_at"]
+    save_to = save_to or {}
+    use_state_dict_type(accelerator, spec.get("state_dict_type"))
     X, Y = make_data(L * B * accelerator.num_processes)
     accelerator.gradient_accumulation_steps = M
     set_seed(seed)
@@ -89,7 +116,7 @@ def train(accelerator, spec: dict, seed: int, save_to: str | None = None, load_f
     probe = spec.get("probe")
     probe = StepPeaks(probe["capacity"], probe["by_step"], M) if probe else None
     handle = accel_gradsync.attach(accelerator, accel_gradsync.GradSyncConfig(**spec["config"]), memory_probe=probe)
-    out: dict = {}
+    out: dict = {"save_warnings": {}}
     skip = 0
     if load_from is not None:
         if spec.get("drop_plan") and accelerator.is_main_process:
@@ -106,9 +133,7 @@ def train(accelerator, spec: dict, seed: int, save_to: str | None = None, load_f
             handle.detach()
             accelerator.free_memory()
             return out
-        out["load_warnings"] = [
-            str(w.message) for w in loading if issubclass(w.category, accel_gradsync.GradSyncWarning)
-        ]
+        out["load_warnings"] = _messages(loading)
         out["state_entries_after_load"] = len(optimizer.optimizer.state)
         skip = save_at + 1
         loader = accelerator.skip_first_batches(loader, skip)
@@ -122,9 +147,12 @@ def train(accelerator, spec: dict, seed: int, save_to: str | None = None, load_f
                 optimizer.zero_grad()
             if probe is not None:
                 probe.ran(k)
-            if save_to is not None and k == save_at:
-                accelerator.save_state(save_to)
-    out["warnings"] = [str(w.message) for w in caught if issubclass(w.category, accel_gradsync.GradSyncWarning)]
+            if k in save_to:
+                before = len(caught)
+                accelerator.save_state(save_to[k])
+                out["save_warnings"][k] = _messages(caught[before:])
+                del caught[before:]
+    out["warnings"] = _messages(caught)
     out["snapshot"] = snapshot(model, optimizer)
     out["state_entries"] = len(optimizer.optimizer.state)
     stats = handle.stats()
@@ -139,42 +167,71 @@ def train(accelerator, spec: dict, seed: int, save_to: str | None = None, load_f
 def run_half(accelerator, spec: dict) -> dict:
     """One launch saves a checkpoint to `spec["dir"]`; another, maybe on more processes, loads it."""
     if spec["only"] == "save":
-        saved = train(accelerator, spec, seed=0, save_to=spec["dir"])
+        saved = train(accelerator, spec, seed=0, save_to={spec["save_at"]: spec["dir"]})
         return {"levels": saved["levels"], "auto": saved["auto"], "files": sorted(os.listdir(spec["dir"]))}
     resumed = train(accelerator, spec, seed=1, load_from=spec["dir"])
     return {k: v for k, v in resumed.items() if k != "snapshot"}
 
 
-def run_spec(accelerator, spec: dict, root: str) -> dict:
-    if "only" in spec:
-        return run_half(accelerator, spec)
-    directory = os.path.join(root, spec["name"])
-    reference = train(accelerator, spec, seed=0)
-    saved = train(accelerator, spec, seed=0, save_to=directory)
-    resumed = train(accelerator, spec, seed=1, load_from=directory)  # another seed: only the load can match
-    out = {
-        "wrapper": reference["wrapper"],
-        "state_entries": reference["state_entries"],
-        "levels": reference["levels"],
-        "save_warnings": saved["warnings"],
-        "save_and_continue_differs": differences(saved["snapshot"], reference["snapshot"]),
-        "files": sorted(os.listdir(directory)),
-    }
+def _key(spec: dict, *fields: str) -> str:
+    """What decides a spec's training (and with `fields`, more of the spec): specs with one key share a run."""
+    keys = ("config", "M", "L", "probe", *fields)
+    return json.dumps({k: spec.get(k) for k in keys}, sort_keys=True)
+
+
+def _resumed(resumed: dict, reference: dict) -> dict:
     if "load_error" in resumed:
-        out["load_error"] = resumed["load_error"]
-    else:
-        out["state_entries_after_load"] = resumed["state_entries_after_load"]
-        out["resumed_levels"] = resumed["levels"]
-        out["resumed_auto"], out["auto"] = resumed["auto"], reference["auto"]
-        out["resume_differs"] = differences(resumed["snapshot"], reference["snapshot"])
-        out["resume_max_diff"] = max(
-            (
-                (resumed["snapshot"][n].float() - reference["snapshot"][n].float()).abs().max().item()
-                for n in reference["snapshot"]
-                if n in resumed["snapshot"] and reference["snapshot"][n].numel()
-            ),
+        return {"load_error": resumed["load_error"]}
+    want, got = reference["snapshot"], resumed["snapshot"]
+    return {
+        "state_entries_after_load": resumed["state_entries_after_load"],
+        "resumed_levels": resumed["levels"],
+        "resumed_auto": resumed["auto"],
+        "resume_differs": differences(got, want),
+        "resume_max_diff": max(
+            ((got[n].float() - want[n].float()).abs().max().item() for n in want if n in got and want[n].numel()),
             default=0.0,
-        )
+        ),
+    }
+
+
+def run_specs(accelerator, specs: list[dict], root: str) -> dict:
+    """Every spec's result by name: one uninterrupted run per training, one saving run per
+    training and way of saving, one resumed run per spec."""
+    out = {spec["name"]: run_half(accelerator, spec) for spec in specs if "only" in spec}
+    trainings: dict[str, list[dict]] = defaultdict(list)
+    for spec in specs:
+        if "only" not in spec and not spec.get("trainer"):
+            trainings[_key(spec)].append(spec)
+    for alike in trainings.values():
+        reference = train(accelerator, alike[0], seed=0)
+        savings: dict[str, list[dict]] = defaultdict(list)
+        for spec in alike:
+            savings[_key(spec, "state_dict_type", "drop_plan")].append(spec)
+        for saving in savings.values():
+            directories = {spec["save_at"]: os.path.join(root, spec["name"]) for spec in saving}
+            assert len(directories) == len(saving), "two specs of one saving run save at one point"
+            saved = train(accelerator, saving[0], seed=0, save_to=directories)
+            for spec in saving:
+                resumed = train(
+                    accelerator, spec, seed=1, load_from=directories[spec["save_at"]]
+                )  # only the load can match
+                out[spec["name"]] = {
+                    "wrapper": reference["wrapper"],
+                    "state_entries": reference["state_entries"],
+                    "levels": reference["levels"],
+                    "auto": reference["auto"],
+                    "save_warnings": saved["save_warnings"][spec["save_at"]] + saved["warnings"],
+                    "save_and_continue_differs": differences(saved["snapshot"], reference["snapshot"]),
+                    "files": sorted(os.listdir(directories[spec["save_at"]])),
+                    **_resumed(resumed, reference),
+                }
+    for spec in specs:  # last: the Trainer's accelerator shares (and sets) the launch's accumulation state
+        if spec.get("trainer"):
+            from trainer_resume import run_trainer  # transformers' import only for launches that need it
+
+            use_state_dict_type(accelerator, spec.get("state_dict_type"))
+            out[spec["name"]] = run_trainer(spec, root, snapshot, differences, accelerator.num_processes)
     return out
 
 
@@ -186,4 +243,4 @@ if args.deadline:
     faulthandler.dump_traceback_later(args.deadline, exit=True)
 accelerator = Accelerator(gradient_accumulation_steps=1)
 specs = json.loads(Path(args.specs).read_text())
-write_result(args.out, {spec["name"]: run_spec(accelerator, spec, os.path.join(args.out, "ckpt")) for spec in specs})
+write_result(args.out, run_specs(accelerator, specs, os.path.join(args.out, "ckpt")))
