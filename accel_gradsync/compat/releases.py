@@ -15,7 +15,9 @@ transformers (setup.cfg allows 5.17 on):
 - 5.24 renamed a model's KV cache argument and output field `past_key_values` to `cache`
   (`kv_cache_name`).
 
-accelerate (1.10.1 on) and TRL (1.16 on): nothing this package uses differs.
+accelerate (1.13 on) and TRL (1.16 on): nothing this package uses differs. Before 1.13,
+accelerate's `load_state` loaded an FSDP2 optimizer into its unstepped `state_dict()`, so a
+resumed run went on with an empty optimizer: setup.cfg starts at 1.13 instead of shimming it.
 """
 
 from __future__ import annotations
