@@ -11,14 +11,15 @@ FSDP2's all-gathers and reductions are counted as FSDP issues them, from its sta
 moment (fsdp2_counts.py): a reshard the plan does not know of (a `state_dict()`, an evaluation)
 and a model forwarded twice per micro-batch count as they ran. FSDP1's and DDP's are counted per
 micro-batch, one sync per unit that does not hold, and FSDP1's all-gathers from each unit's flags
-with the function (`units.micro_batch_all_gathers`) the decision line and the estimate count
-with. Training all-gathers and those of forwards without gradients (generation, evaluation) are
-counted apart. Every FSDP unit counts, frozen ones included; a frozen unit reduces nothing.
+and whether its params are unsharded when the micro-batch starts (a forward without gradients
+leaves FSDP1's root gathered), with the function (`costs.micro_batch_all_gathers`) the decision
+line and the estimate count with. Training all-gathers and those of forwards without gradients
+(generation, evaluation) are counted apart. Every FSDP unit counts, frozen ones included; a frozen unit reduces nothing.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, Sequence, Set
 from dataclasses import asdict, dataclass, field, fields
 
 from accel_gradsync.planning.costs import micro_batch_all_gathers
@@ -79,9 +80,6 @@ class SyncAccounting:
     """The last micro-batch recorded ended an optimizer step and may still be running: what it
     gathers goes to `last_step` until `close_step()` (the optimizer step, else the next micro-batch)."""
 
-    gathered: set = field(default_factory=set)
-    """FSDP1: `id` of each unit whose params are unsharded now, as far as its flags say."""
-
     def record_micro_batch(
         self,
         units: Sequence[Unit],
@@ -90,17 +88,21 @@ class SyncAccounting:
         ends_step: bool,
         windowed: Sequence[Unit] = (),
         keeps_params_when_held: bool = False,
+        gathered: Set[int] = frozenset(),
     ) -> None:
         """Count one micro-batch over `units` whose backward holds the sync of `held`: all of
         it (`gradient_sync`), or on HSDP only the cross-replica `all_reduce`: one unit sync
         skipped per held unit. What it issues: FSDP2's as it runs (fsdp2_counts.py), else one
-        sync per unit that does not hold, and FSDP1's all-gathers from its flags
+        sync per unit that does not hold, and FSDP1's all-gathers from its flags and `gathered`,
+        the `id` of each unit whose params are unsharded as the micro-batch starts
         (`_planned_all_gathers`)."""
         self.step_ending = False
         step = StepCounts(micro_batches=1, deferred_micro_batches=int(bool(held)))
         held_ids = {id(u) for u in held}
         if self.wrapper == "fsdp1":
-            step.all_gathers = self._planned_all_gathers(units, held_ids, ends_step, windowed, keeps_params_when_held)
+            step.all_gathers = self._planned_all_gathers(
+                units, held_ids, ends_step, windowed, keeps_params_when_held, gathered
+            )
         live = self.wrapper == "fsdp2"
         for unit in units:
             n, holds = unit.collectives, id(unit) in held_ids
@@ -131,6 +133,7 @@ class SyncAccounting:
         ends_step: bool,
         windowed: Sequence[Unit],
         keeps_params_when_held: bool,
+        gathered: Set[int],
     ) -> int:
         """FSDP1's all-gathers of one micro-batch from each unit's flags: the plan's `windowed`
         units keep their params through it (held ones also after its backward); SHARD_GRAD_OP
@@ -141,12 +144,7 @@ class SyncAccounting:
             key = id(unit)
             kept = key in window_ids and (key in held_ids or ends_step)
             after = key in held_ids and (key in window_ids or keeps_params_when_held)
-            gathers, still = micro_batch_all_gathers(unit, key in self.gathered, kept, after)
-            total += gathers
-            if still:
-                self.gathered.add(key)
-            else:
-                self.gathered.discard(key)
+            total += micro_batch_all_gathers(unit, key in gathered, kept, after)[0]
         return total
 
     def end_step(self) -> None:
@@ -188,7 +186,6 @@ class SyncAccounting:
         window starts from zero."""
         self.aborted_steps += 1
         self.current, self.step_ending = StepCounts(), False
-        self.gathered.clear()  # the abort reshards the window's units (window.py)
 
     def record_held(self, held_grad_bytes: int) -> None:
         """The bytes measured after the window's held micro-batches, before its last forward."""

@@ -91,6 +91,11 @@ class ModelAdapter:
         """Reshard those of `units` whose flags say they reshard after forward; returns them."""
         return []
 
+    def unsharded_now(self) -> frozenset[int]:
+        """The `id` of each unit whose params are unsharded right now, where the live counters
+        need it (FSDP1: a forward without gradients leaves the root gathered); empty elsewhere."""
+        return frozenset()
+
     def reshards_now(self, unit: Unit) -> bool:
         """The unit's flags say it reshards after its next forward (a window or generation can
         keep it; `unit.reshards_after_forward` is what it was given)."""
@@ -493,6 +498,10 @@ class FSDP1Adapter(ModelAdapter):
         for unit in self.units:
             _flat_param(unit).grad = None
 
+    def unsharded_now(self) -> frozenset[int]:
+        # NOTE: needs_unshard() is False once the padded unsharded storage exists (and for NO_SHARD).
+        return frozenset(id(u) for u in self.units if not _handle(u).needs_unshard())
+
     def grad_state(self) -> None:
         return None  # FSDP1's flat gradient views cannot be put back from outside
 
@@ -594,11 +603,16 @@ def check_fsdp2_internals(model: nn.Module) -> None:
         return  # one unit tells: every FSDP2 state of a torch release has the same fields
 
 
-def _flat_param(unit: Unit) -> nn.Parameter:
-    """The flat parameter one FSDP1 unit owns (every unit does: `_find_units` keeps only those)."""
+def _handle(unit: Unit) -> Any:
+    """The `FlatParamHandle` of one FSDP1 unit (every unit has one: `_find_units` keeps only those)."""
     handle = cast(FSDP1, unit.module)._handle
     assert handle is not None
-    return handle.flat_param
+    return handle
+
+
+def _flat_param(unit: Unit) -> nn.Parameter:
+    """The flat parameter one FSDP1 unit owns."""
+    return _handle(unit).flat_param
 
 
 def _fsdp2(module: nn.Module) -> FSDPModule:

@@ -249,6 +249,7 @@ class Window:
             ends_step=ends_step,
             windowed=bound.plan.windowed,
             keeps_params_when_held=bound.adapter.keeps_params_when_held,
+            gathered=bound.adapter.unsharded_now(),
         )
 
     def _keep_windowed(self, bound: BoundModel) -> None:

@@ -192,12 +192,6 @@ def test_fsdp1_all_gathers_counted_from_outside_follow_full_shard(run):
             assert ran == [5 * m - (i == 0) for i, m in enumerate(WINDOWS)], (mode, ran)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="FSDP1's live all-gathers are counted from each unit's flags (accounting._planned_all_gathers), "
-    "which start every unit sharded: the root, left unsharded by the forward without gradients before "
-    "the loop, is counted as gathered once more than ran.",
-)
 def test_fsdp1_live_all_gathers_equal_the_ones_that_ran(run):
     wrapper, ranks = run
     if wrapper != "fsdp1":
