@@ -499,8 +499,13 @@ class FSDP1Adapter(ModelAdapter):
             _flat_param(unit).grad = None
 
     def unsharded_now(self) -> frozenset[int]:
-        # NOTE: needs_unshard() is False once the padded unsharded storage exists (and for NO_SHARD).
-        return frozenset(id(u) for u in self.units if not _handle(u).needs_unshard())
+        # NOTE: needs_unshard() is False once the padded unsharded storage exists (and for NO_SHARD);
+        # it reads `_full_param_padded`, which FSDP1 creates at its lazy init (the first forward).
+        return frozenset(
+            id(u)
+            for u in self.units
+            if hasattr(_flat_param(u), "_full_param_padded") and not _handle(u).needs_unshard()
+        )
 
     def grad_state(self) -> None:
         return None  # FSDP1's flat gradient views cannot be put back from outside
