@@ -3,7 +3,7 @@ inside an accumulation window and True at the end of the optimizer step the sign
 `exit_preempted()` prints the line and exits with `PREEMPTED_EXIT_CODE`; a loop that never asks
 gets one warning and the signal back with its own action (a signal that came before is passed on).
 The multi-rank runs (agreement, `save_state`, resuming bit for bit, each rank's exit code) are in
-tests/distributed/test_preemption_loop.py."""
+tests/distributed/test_loop_preemption.py."""
 
 from __future__ import annotations
 
