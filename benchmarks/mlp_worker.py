@@ -26,6 +26,7 @@ from accelerate.utils import set_seed
 from torch import nn
 
 import accel_gradsync
+from accel_gradsync.planning.costs import REDUCE_SCATTER_COST
 from benchmarks import mlp
 from benchmarks.collectives import CollectiveCounter
 from benchmarks.measure import StepMeter, attach, pin_to_core, step_callback, versions
@@ -255,8 +256,7 @@ def main() -> None:
     bench, names = Bench(args), args.configs.split(",")
     # What the budget planner assumes a reduce-scatter byte costs against an all-gather byte on
     # this backend: the report holds it against what this run's steps paid.
-    costs = accel_gradsync.planning.costs.REDUCE_SCATTER_COST
-    bench.facts["planner_reduce_scatter_cost"] = costs.get(dist.get_backend(), 1.0)
+    bench.facts["planner_reduce_scatter_cost"] = REDUCE_SCATTER_COST.get(dist.get_backend(), 1.0)
     runs = {n: prepare(bench, n) for n in names if mlp.CONFIGS[n]["loop"] != "trainer"}
     trainers = [n for n in names if n not in runs]
     for run in runs.values():  # FSDP's lazy init and first allocations, untimed
