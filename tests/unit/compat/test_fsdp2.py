@@ -2,30 +2,10 @@
 the adapter reads, on a real `fully_shard` model on a 1-rank gloo group (no mock); a series with
 no entry is read and checked with the newest one."""
 
-import socket
-
 import pytest
-import torch
-import torch.distributed as dist
-from torch.distributed.fsdp import fully_shard
 
 from accel_gradsync.compat import fsdp2 as internals
-from accel_gradsync.compat.teardown import install_exit_guard
 from accel_gradsync.runtime.fsdp import FSDP2Adapter, check_fsdp2_internals
-
-
-@pytest.fixture(scope="module")
-def model():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    install_exit_guard()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
-    fully_shard(net[0])
-    fully_shard(net)
-    yield net
-    dist.destroy_process_group()
 
 
 @pytest.mark.parametrize(
@@ -36,29 +16,29 @@ def test_a_series_reads_its_own_entry_or_the_newest(version, series):
     assert internals.layout(version) is internals.FSDP2_PRIVATE[series]
 
 
-def test_every_series_names_the_same_state(model):
+def test_every_series_names_the_same_state(fsdp2_model):
     names = [set(table) for table in internals.FSDP2_PRIVATE.values()]
     assert all(n == names[0] for n in names)
     assert internals.tabled_series() == ["2.13", "2.14"]
 
 
 @pytest.mark.compat
-def test_this_torch_keeps_everything_where_its_entry_says(model):
-    state = model._get_fsdp_state()
+def test_this_torch_keeps_everything_where_its_entry_says(fsdp2_model):
+    state = fsdp2_model._get_fsdp_state()
     (group,) = internals.read(state, "param_groups")
     assert internals.missing({internals.STATE: state, internals.GROUP: group}) is None
     assert internals.missing({internals.PARAM: internals.read(group, "fsdp_params")[0]}) is None
 
 
-def test_an_attribute_a_release_moved_is_read_where_the_table_says(model, monkeypatch):
+def test_an_attribute_a_release_moved_is_read_where_the_table_says(fsdp2_model, monkeypatch):
     """A release that renames an attribute is one table entry: bind checks the new name, and the
     adapter reads it there."""
-    state = model._get_fsdp_state()
+    state = fsdp2_model._get_fsdp_state()
     (group,) = internals.read(state, "param_groups")
     table = internals.layout()
     monkeypatch.setitem(table, "reshard_after_backward", (internals.GROUP, "_reshard_after_backward_v2"))
     with pytest.raises(RuntimeError, match=r"FSDPParamGroup\._reshard_after_backward_v2, which torch"):
-        check_fsdp2_internals(model)
+        check_fsdp2_internals(fsdp2_model)
     monkeypatch.setattr(group, "_reshard_after_backward_v2", True, raising=False)
-    check_fsdp2_internals(model)
-    assert len(FSDP2Adapter(model).units) == 2
+    check_fsdp2_internals(fsdp2_model)
+    assert len(FSDP2Adapter(fsdp2_model).units) == 2
