@@ -50,6 +50,7 @@ class Preemption:
         self._previous: dict[int, Any] = {}
         self._stepped: weakref.WeakSet = weakref.WeakSet()  # optimizers seen stepping (watch_loop)
         self._watch: Any = None  # the optimizer post-step hook of `watch_loop`
+        self._watch_over = False  # `watch_loop` warned: its hook does nothing more
 
     def install(self) -> None:
         """Count the signal from now on, instead of its own action (main thread only)."""
@@ -58,6 +59,9 @@ class Preemption:
     def restore(self) -> None:
         """The signals' own handlers back, and no more watching of the loop."""
         self._unwatch()
+        self._restore_signals()
+
+    def _restore_signals(self) -> None:
         for signum, previous in self._previous.items():
             signal.signal(signum, previous)
         self._previous.clear()
@@ -93,10 +97,14 @@ class Preemption:
             self._watch = None
 
     def _check_asked(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        # NOTE: the hook stays registered until `ask`, `restore` or detach: torch is iterating over
+        # its post-step hooks right now, and removing one here raises in `optimizer.step()`.
+        if self._watch_over:
+            return
         if optimizer not in self._stepped:
             self._stepped.add(optimizer)
             return
-        self._unwatch()
+        self._watch_over = True
         name = self.signum.name
         warnings.warn(
             f"accel_gradsync: save_on_signal={name!r} is set, but this loop never asked grad_sync.preempted(), so "
@@ -107,7 +115,7 @@ class Preemption:
             stacklevel=2,
         )
         received = self.received
-        self.restore()
+        self._restore_signals()
         if received:
             signal.raise_signal(self.signum)  # what it would have done had the plugin not counted it
 

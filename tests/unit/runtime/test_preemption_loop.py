@@ -15,6 +15,7 @@ import pytest
 import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 import accel_gradsync
 from accel_gradsync import PREEMPTED_EXIT_CODE, GradSyncConfig, GradSyncWarning
@@ -74,6 +75,9 @@ def test_a_loop_that_never_asks_gets_one_warning_and_the_signal_keeps_its_own_ac
     got = []
     signal.signal(signal.SIGUSR1, lambda signum, frame: got.append(signum))  # the loop's own handler
     accelerator, model, optimizer, grad_sync = attached()
+    # A global post-step hook after ours, as a multi-rank run registers the window's at bind: torch
+    # iterates over them while ours runs, so ours must not remove itself then.
+    other = register_optimizer_step_post_hook(lambda *args: None)
     assert signal.getsignal(signal.SIGUSR1) != signal.SIG_DFL and not got  # counted by the plugin from attach on
     os.kill(os.getpid(), signal.SIGUSR1)
     assert not got
@@ -90,6 +94,7 @@ def test_a_loop_that_never_asks_gets_one_warning_and_the_signal_keeps_its_own_ac
     os.kill(os.getpid(), signal.SIGUSR1)
     assert got == [signal.SIGUSR1, signal.SIGUSR1]  # and every later one
     grad_sync.detach()
+    other.remove()
 
 
 def test_none_answers_false_without_a_handler_and_detach_gives_the_handler_back():
