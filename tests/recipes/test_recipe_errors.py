@@ -31,6 +31,10 @@ def fresh_accelerate_state(monkeypatch):
     from accelerate.state import AcceleratorState
 
     monkeypatch.delenv("ACCEL_GRADSYNC_DEFER", raising=False)
+    # `run` sets the recipe's save_on_signal default in the environment: given back after the test
+    # (set, then deleted, so monkeypatch records it), not inherited by later tests' launches.
+    monkeypatch.setenv("ACCEL_GRADSYNC_SAVE_ON_SIGNAL", "")
+    monkeypatch.delenv("ACCEL_GRADSYNC_SAVE_ON_SIGNAL")
     yield
     AcceleratorState._reset_state(reset_partial_state=True)
 

@@ -71,7 +71,10 @@ def trainer(tmp_path, jit: bool = False, caught: list | None = None, **config) -
 
 @pytest.fixture(autouse=True)
 def clean_env(monkeypatch):
-    monkeypatch.delenv(ENV, raising=False)
+    # Set, then deleted, so that monkeypatch gives back the value from before the test: the recipe's
+    # `run` sets its default here, which later tests' launches would otherwise inherit.
+    monkeypatch.setenv(ENV, "")
+    monkeypatch.delenv(ENV)
     previous = {s: signal.getsignal(s) for s in (signal.SIGUSR1, signal.SIGTERM)}
     yield
     for s, handler in previous.items():
