@@ -45,6 +45,8 @@ SIGTERM; `sbatch --signal=USR1@120`: SIGUSR1), or none."""
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 """The dtype names settings and tables use, and the torch dtypes they stand for."""
 REDUCE_DTYPES = ("auto", "fp32", "bf16")
+RESIDENCY = ("auto", "true", "false")
+"""What `keep_reference_unsharded` resolves to (any boolean spelling gives true or false)."""
 FP32_HELD_MODES = (SyncMode.AUTO.value, SyncMode.BUDGET.value)
 """The sync modes whose `reduce_dtype` `auto` means fp32. FSDP2 holds deferred gradients in the
 reduce dtype, so with a bf16 reduce M micro-batches are summed in bf16, where per-micro-batch
@@ -121,6 +123,9 @@ DEFAULTS: dict[str, Any] = {
     # Memory first: keeping every unit unsharded while generating costs the whole unsharded model
     # (compute dtype) on every rank; off, generation all-gathers every unit for every token.
     "gather_for_generation": False,
+    # Where the bytes are planned (budget, auto): a reference model resident when it fits; in the
+    # other modes it all-gathers once per step, as before the setting existed.
+    "keep_reference_unsharded": "auto",
     # A Trainer log line carries the few per-step counters; the ~20 others stay in stats().
     "log_all_counters": False,
     # No shape, no forecast: auto measures step 1 per micro-batch, which needs no model config.
@@ -167,6 +172,8 @@ class ResolvedConfig:
     keep_params_unsharded: bool
     reduce_dtype: str
     gather_for_generation: bool
+    keep_reference_unsharded: str
+    """One of `RESIDENCY`: auto, true or false."""
     log_all_counters: bool
     forecast_micro_batch_size: int
     forecast_seq_len: int
@@ -264,6 +271,20 @@ class GradSyncConfig:
         "sync mode.",
         nargs="?",
         const=True,
+    )
+    keep_reference_unsharded: str | None = _flag(
+        "keep_reference_unsharded",
+        "FSDP2: a model nothing trains (a reference model: TRL's ref_model with beta > 0, or a frozen "
+        "model prepared beside the trained one) stays unsharded for the whole run: one all-gather at its "
+        "first forward, then none per step (DDP's cost, which replicates it), instead of one per step "
+        "(gathered for its log-prob pass, resharded before training). Costs its whole unsharded "
+        "parameters (compute dtype) on every rank for the whole run. true/false force it; auto: sync modes "
+        "budget and auto keep it where those bytes fit what they plan within (the budget; free memory "
+        "less the margin), counted before the trained model's units; the other modes do not. A checkpoint "
+        "save or load reshards it (FSDP2's own state-dict hooks; the next forward gathers it again), and "
+        "so do detach and the end of a Trainer's training.",
+        nargs="?",
+        const="true",
     )
     log_all_counters: Boolean | None = _flag(
         "log_all_counters",
@@ -421,9 +442,24 @@ def parse_bytes(text: str, source: str = "memory size", fraction_ok: bool = True
 _CHOICES = {"sync_mode": SYNC_MODES, "reduce_dtype": REDUCE_DTYPES, "save_on_signal": SAVE_SIGNALS}
 
 
+def _coerce_residency(value: Any, source: str) -> str:
+    """`keep_reference_unsharded`: auto, or a boolean in any spelling a source gives (true/false)."""
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+    try:
+        return "true" if parse_bool(value) else "false"
+    except ValueError:
+        raise ValueError(
+            f"{source}={value!r} is not a valid `keep_reference_unsharded`; use auto (budget and auto modes "
+            f"decide from the bytes) or a boolean ({BOOLEAN_SPELLINGS})."
+        ) from None
+
+
 def _coerce(name: str, value: Any, source: str) -> Any:
     """Validate one field, accepting the string spellings a CLI, YAML or environment gives."""
     expected = type(DEFAULTS[name])
+    if name == "keep_reference_unsharded":
+        return _coerce_residency(value, source)
     if expected is bool:
         return parse_bool(value, source, name)
     if name in _CHOICES:

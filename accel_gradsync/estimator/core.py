@@ -179,7 +179,9 @@ def _estimate_row(
         # The deferred rows show deferral without and with the window, whatever the config says.
         window = {SyncMode.DEFERRED: False, WINDOW_ROW: True}.get(name)
         adapter = adapters.for_mode(policy_cls.name)
-        plan = _plan_mode(policy_cls, config, adapter, config.free_memory_bytes, micro_batches, window)
+        # Within memory less what the reference model keeps, as a live run plans (budget, auto).
+        reserved = reference.reserved_bytes if reference is not None else 0
+        plan = _plan_mode(policy_cls, config, adapter, config.free_memory_bytes, micro_batches, window, reserved)
         plan = plan.over(micro_batches)
         if setup.num_processes == 1:
             plan = Plan(policy_cls.name, reason=ONE_PROCESS)
@@ -248,9 +250,11 @@ def _plan_mode(
     free: int | None,
     micro_batches: int,
     window: bool | None = None,
+    reserved: int = 0,
 ) -> Plan:
-    """`policy_cls`'s plan, as a live run makes it; `window` overrides `keep_params_unsharded`.
-    A mode that cannot plan here raises the `ValueError` its row shows."""
+    """`policy_cls`'s plan, as a live run makes it; `window` overrides `keep_params_unsharded`;
+    `reserved`: what a reference model keeps (`SyncPolicy.plan`). A mode that cannot plan here
+    raises the `ValueError` its row shows."""
     if window and adapter.kind != "fsdp2":
         raise ValueError("keeps FSDP2 units' params unsharded through the window; FSDP1's equivalent is SHARD_GRAD_OP.")
     if window is not None:
@@ -266,7 +270,7 @@ def _plan_mode(
             raise ValueError(f"{policy_cls.name} needs free memory per rank: set --grad-sync-free-memory (e.g. 40GiB).")
         return free
 
-    return policy_cls(config).plan(adapter, free_memory, micro_batches)
+    return policy_cls(config).plan(adapter, free_memory, micro_batches, reserved)
 
 
 def _label_plan(plan: Plan) -> str:

@@ -72,9 +72,15 @@ def _explain_step_peak(est: Estimate) -> list[str]:
         "(sharded and held), windowed/generation params and one micro-batch's activations, from torch's "
         "FSDPMemTracker on fake tensors (docs/estimate.md); in brackets the phase it falls in."
     ]
-    if est.reference is not None and est.reference.sharded_param_bytes:
+    reference = est.reference
+    if reference is not None and reference.sharded_param_bytes and reference.resident:
         lines[0] += (
-            f" With --beta, the reference model's {format_bytes(est.reference.sharded_param_bytes)} of sharded "
+            f" With --beta, the reference model's {format_bytes(reference.sharded_param_bytes)} of sharded and "
+            f"{format_bytes(reference.unsharded_param_bytes)} of unsharded params (kept resident) in every phase."
+        )
+    elif reference is not None and reference.sharded_param_bytes:
+        lines[0] += (
+            f" With --beta, the reference model's {format_bytes(reference.sharded_param_bytes)} of sharded "
             "params in every phase, and its log-prob pass as a phase (reference_pass)."
         )
     for m in est.modes:

@@ -1,7 +1,8 @@
 """GRPO's reference model (TRL's `beta` > 0) in the estimate: built on the meta device as the trained
 model is, frozen, sharded by TRL's own `prepare_fsdp` (fake_shard.py: one FSDP2 unit at the root) and
-read by the runtime's adapter, so its units, the header's line (`decision.describe_frozen`) and whether
-it keeps them (`decision.frozen_keeps`) come from the code a live run binds it with. Counts assume
+read by the runtime's adapter, so its units, the header's line (`decision.describe_frozen`), whether
+it keeps them (`decision.frozen_keeps`) and whether it stays resident (`residency.decide_residency`,
+for the selected sync mode: the same in every row) come from the code a live run binds it with. Counts assume
 TRL's default `steps_per_generation` = M: one log-prob pass of M forwards per optimizer step. Under
 LoRA there is no second model; FSDP1 and transformers-sharded launches are said, not estimated.
 """
@@ -21,6 +22,7 @@ from accel_gradsync.estimator.meta_model import build_accelerate_plugin, build_m
 from accel_gradsync.estimator.results import ReferenceEstimate
 from accel_gradsync.estimator.step_peak import StepPeak
 from accel_gradsync.planning.costs import generation_all_gathers
+from accel_gradsync.planning.residency import Residency, decide_residency, kept_bytes
 from accel_gradsync.runtime.bind import model_name
 from accel_gradsync.runtime.decision import describe_frozen, frozen_keeps
 from accel_gradsync.runtime.fsdp import ModelAdapter, adapt_model, dim0_shard_numel
@@ -97,23 +99,48 @@ def count_reference(
     """The counts of a sharded reference model `adapter` over a step of M micro-batches: its
     log-prob pass is one forward per micro-batch, kept or not as binding decides."""
     units = adapter.units
-    keeps = frozen_keeps(units, config.resolved().gather_for_generation)
-    gathers = [generation_all_gathers([u], micro_batches, kept=keeps) for u in units]
+    settings = config.resolved()
+    sizes = [u.param_bytes for u in units]
+    try:
+        residency = decide_residency(settings, sum(sizes), lambda: _free_memory(config))
+    except _NoFreeMemory:
+        residency = Residency(
+            False,
+            f"sync mode {settings.sync_mode} decides it at launch from free memory per rank: "
+            "--grad-sync-free-memory shows that decision here",
+        )
+    keeps = residency.resident or frozen_keeps(units, settings.gather_for_generation)
+    # Resident: its first forward gathers each unit once, no step after step 1 gathers it.
+    gathers = [0 if residency.resident else generation_all_gathers([u], micro_batches, kept=keeps) for u in units]
     stock = generation_all_gathers(units, micro_batches, kept=False)
     sent = sum(n * u.param_bytes * (u.shard_size - 1) / u.shard_size for n, u in zip(gathers, units, strict=True))
-    sizes = [u.param_bytes for u in units]
     one = num_processes == 1  # FSDP2 issues no collective over one rank
     return ReferenceEstimate(
         beta,
-        describe_frozen(NAME, name, adapter, keeps),
+        describe_frozen(NAME, name, adapter, keeps, residency),
         units=len(units),
         keeps=keeps,
+        resident=residency.resident,
         all_gathers_per_step=0 if one else sum(gathers),
+        first_step_all_gathers=0 if one else generation_all_gathers(units, 1, kept=True) if residency.resident else 0,
         stock_all_gathers_per_step=0 if one else stock,
         sharded_param_bytes=sharded_bytes,
         unsharded_param_bytes=sum(sizes) if keeps else max(sizes),
+        reserved_bytes=kept_bytes(units, keeps, residency.resident),
         send_bytes_per_step=0 if one else int(sent),
     )
+
+
+class _NoFreeMemory(Exception):
+    """The residency decision reads free memory, and the estimate was given none."""
+
+
+def _free_memory(config: GradSyncConfig) -> int:
+    """`--grad-sync-free-memory`, which auto's and a fractional budget's residency decision reads."""
+    free = config.free_memory_bytes
+    if free is None:
+        raise _NoFreeMemory
+    return free
 
 
 def add_reference(peak: StepPeak, reference: ReferenceEstimate | None, policy_kept: int = 0) -> StepPeak:
@@ -125,7 +152,8 @@ def add_reference(peak: StepPeak, reference: ReferenceEstimate | None, policy_ke
     no gradients live between steps). The pass's activations are not simulated: `unmodeled` says so."""
     if reference is None or not reference.sharded_param_bytes:
         return peak
-    resident = reference.sharded_param_bytes
+    # Resident for the run (`keep_reference_unsharded`): its unsharded params beside the sharded ones in every phase.
+    resident = reference.sharded_param_bytes + (reference.unsharded_param_bytes if reference.resident else 0)
     parts = {**peak.parts, "reference_params": resident}
     if "generation_peak" in parts:
         parts["generation_peak"] += resident
@@ -134,7 +162,7 @@ def add_reference(peak: StepPeak, reference: ReferenceEstimate | None, policy_ke
         + parts.get("optimizer_state", 0)
         + policy_kept
         + resident
-        + reference.unsharded_param_bytes
+        + (0 if reference.resident else reference.unsharded_param_bytes)
     )
     peak_bytes, phase = peak.peak_bytes + resident, peak.phase
     if parts["reference_pass"] > peak_bytes:

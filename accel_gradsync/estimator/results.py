@@ -62,7 +62,8 @@ class ModeEstimate:
 @dataclass
 class ReferenceEstimate:
     """GRPO's reference model (`--beta` > 0), the same in every row: the plugin gathers it once per
-    step in every mode (reference.py). Counts and bytes per rank per optimizer step."""
+    step in every mode, or once for the run where it is resident (reference.py). Counts and bytes
+    per rank per optimizer step."""
 
     beta: float
     line: str
@@ -74,14 +75,21 @@ class ReferenceEstimate:
     units: int = 0
     keeps: bool = False
     """Its units stay unsharded across the step's log-prob pass (`decision.frozen_keeps`)."""
+    resident: bool = False
+    """Its units stay unsharded for the whole run (`keep_reference_unsharded`, decided for the
+    selected sync mode: residency.py)."""
     all_gathers_per_step: int = 0
-    """With the plugin: `reference_all_gathers` per step in stats()."""
+    """With the plugin: `reference_all_gathers` per step in stats() (resident: after step 1)."""
+    first_step_all_gathers: int = 0
+    """Resident: what its first forward gathers, in step 1 only (0 where it is not resident)."""
     stock_all_gathers_per_step: int = 0
     """Without it: one log-prob forward per micro-batch, each gathering every unit."""
     sharded_param_bytes: int = 0
     """Its sharded params, resident the whole step."""
     unsharded_param_bytes: int = 0
     """What its log-prob pass holds unsharded: every unit where it keeps them, else its largest unit."""
+    reserved_bytes: int = 0
+    """What budget and auto plan the trained model within memory less (`residency.kept_bytes`)."""
     send_bytes_per_step: int = 0
     """Bytes one rank sends for its all-gathers with the plugin (ring: (N-1)/N of each gather)."""
 

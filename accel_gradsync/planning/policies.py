@@ -110,12 +110,7 @@ class BudgetSync(SyncPolicy):
 
     def plan(self, adapter: Wrapped, free_memory: FreeMemory, micro_batches: int, reserved: int = 0) -> Plan:
         check_wrapper(self.name, adapter.kind, adapter.hsdp)
-        absolute, fraction = parse_bytes(self.config.memory_budget, "GradSyncConfig.memory_budget")
-        if absolute is not None:
-            budget = absolute
-        else:
-            assert fraction is not None  # parse_bytes gives one of the two
-            budget = int(fraction * free_memory())
+        budget = budget_bytes(self.config, free_memory)
         generation = generation_bytes_of(adapter, self.config)
         plan = choose_levels(
             self.name, adapter.units, budget - reserved, micro_batches, reduce_scatter_cost_of(adapter), generation
@@ -128,6 +123,15 @@ class BudgetSync(SyncPolicy):
             + ")"
         )
         return replace(plan, reason=reason)
+
+
+def budget_bytes(settings: ResolvedConfig, free_memory: FreeMemory) -> int:
+    """Budget mode's bytes per rank: the absolute budget, or its fraction of `free_memory()`."""
+    absolute, fraction = parse_bytes(settings.memory_budget, "GradSyncConfig.memory_budget")
+    if absolute is not None:
+        return absolute
+    assert fraction is not None  # parse_bytes gives one of the two
+    return int(fraction * free_memory())
 
 
 def choose_levels(

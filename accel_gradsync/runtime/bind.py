@@ -6,7 +6,8 @@ says what its units, dtypes and mesh are; a model accelerate did not wrap is rem
 so accelerate's own `no_sync` keeps applying to it. An FSDP2 model nothing trains (a reference
 model: prepared with no trainable parameter, or held by the Trainer besides its model, as TRL
 shards it itself) is bound as a `FrozenModel`: its all-gathers counted apart, its units kept across a pass of forwards
-without gradients where that costs no more peak than one of them (generation.py). Frozen models bind
+without gradients where that costs no more peak than one of them (generation.py), or for the whole
+run where `keep_reference_unsharded` or the planned mode's memory says so (planning/residency.py). Frozen models bind
 first where the binder can see them (a Trainer's attributes, one `prepare` call), because budget and
 auto plan the trained models within memory less what those keep; one bound later re-plans them.
 What a model trains is read again once per optimizer step, between windows (`Binder.refresh`): a
@@ -31,6 +32,7 @@ from accel_gradsync.config.errors import GradSyncWarning
 from accel_gradsync.config.settings import SyncMode
 from accel_gradsync.planning.memory import MemoryProbe, agreed_free_memory, memory_probe
 from accel_gradsync.planning.replan import Forecast, Forecaster, MeasuredAuto
+from accel_gradsync.planning.residency import decide_residency
 from accel_gradsync.planning.units import Plan
 from accel_gradsync.runtime.accounting import SyncAccounting
 from accel_gradsync.runtime.decision import describe_decision, describe_frozen, frozen_keeps, warn_about_plan
@@ -183,6 +185,13 @@ class Binder:
         if not adapter.trainable and account is None:  # a frozen reference model: no gradient to schedule
             if adapter.kind == "fsdp2":
                 self._bind_frozen(root, adapter, name)
+            elif state.settings.keep_reference_unsharded == "true":
+                state.warn_once(
+                    "residency_not_fsdp2",
+                    f"accel_gradsync: keep_reference_unsharded=true is ignored for {model_name(model)} on "
+                    f"{adapter.kind}: it keeps an FSDP2 model nothing trains unsharded ("
+                    + ("DDP replicates it anyway)." if adapter.kind == "ddp" else "use fsdp_version: 2)."),
+                )
             return adapter
         m, auto = state.micro_batches_per_step, None
         if state.policy.name == SyncMode.AUTO and m > 1:
@@ -248,12 +257,15 @@ class Binder:
         if adapter is None or adapter.kind != "fsdp2" or not adapter.units:
             return
         self._trainable[root] = (root, trainable_params(root))
-        keeps = frozen_keeps(adapter.units, self.state.settings.gather_for_generation)
+        taken = sum(f.kept_bytes for f in self.state.frozen.values() if f.resident)
+        unsharded = sum(u.param_bytes for u in adapter.units)
+        residency = decide_residency(self.state.settings, unsharded, self._agreed_free_memory, taken)
+        keeps = residency.resident or frozen_keeps(adapter.units, self.state.settings.gather_for_generation)
         account = SyncAccounting(self.state.policy.name, adapter.kind, adapter.collective, units=len(adapter.units))
         # Named by the Trainer's attribute (`ref_model`) where found there, else by its class.
-        frozen = FrozenModel(name or self._unique_name(root), adapter, account, keeps)
+        frozen = FrozenModel(name or self._unique_name(root), adapter, account, keeps, residency.resident)
         self.state.frozen[root] = frozen
-        self.state.accelerator.print(describe_frozen(frozen.name, model_name(root), adapter, keeps))
+        self.state.accelerator.print(describe_frozen(frozen.name, model_name(root), adapter, keeps, residency))
         # Its all-gathers as FSDP2 issues them; its step ends at every optimizer step (no
         # micro-batch of it is ever recorded: `_after_optimizer_step`).
         self._watching[root] = watch_fsdp2(adapter, account) + self.generation.watch(root)

@@ -86,7 +86,7 @@ class GradSyncCallback(TrainerCallback):
         self.generation.release()
 
     def on_train_end(self, args, state, control, **kwargs: Any):
-        self.generation.release()
+        self.generation.release(resident=True)  # a resident reference model too: nothing trains after this
 
     def on_save(self, args, state, control, **kwargs: Any):
         self.checkpoints.on_trainer_save(os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"))

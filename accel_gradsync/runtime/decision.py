@@ -23,6 +23,7 @@ from accel_gradsync.planning.costs import (
     generation_cost,
     narrower_than_reduce,
 )
+from accel_gradsync.planning.residency import Residency
 from accel_gradsync.planning.units import ALL_REDUCE, GRADIENT_SYNC, Level, Plan, Unit
 from accel_gradsync.runtime.fsdp import ModelAdapter
 
@@ -87,33 +88,42 @@ def frozen_keeps(units: Sequence[Unit], gather_for_generation: bool) -> bool:
     return len(units) == 1 or gather_for_generation
 
 
-def describe_frozen(name: str, model_name: str, adapter: ModelAdapter, keeps: bool) -> str:
+def describe_frozen(
+    name: str, model_name: str, adapter: ModelAdapter, keeps: bool, residency: Residency | None = None
+) -> str:
     """One line for an FSDP2 model with no trainable parameter (a reference model): what its
-    forwards without gradients all-gather, kept or not (`FrozenModel.keeps`)."""
+    forwards without gradients all-gather, kept or not (`FrozenModel.keeps`), resident or not
+    (`FrozenModel.resident`; a second line says why where a planned mode decided)."""
     units = adapter.units
     n = len(units)
     per_forward = generation_all_gathers_per(units, kept=False)
     dtype = _name(units[0].compute_dtype)
     size = format_bytes(sum(u.param_bytes for u in units))
     line = f"grad sync: reference model {name} ({model_name}, not trained, {_count(n, 'fsdp2 unit')}) -> "
+    why = "" if residency is None else f"\n{WHY}{residency.reason}"
+    if residency is not None and residency.resident:
+        return line + (
+            f"{_count(generation_all_gathers(units, 1, kept=True), 'all-gather')} at its first forward, then none: "
+            f"kept unsharded for the whole run (~{size} unsharded {dtype} params per rank){why}"
+        )
     if not per_forward:  # no unit reshards after forward (FSDP2's default for a root): nothing to keep
         first = generation_all_gathers(units, 1, kept=False)
         what = "its one unit, the root," if n == 1 else "its units"
         return line + (
             f"{_count(first, 'all-gather')} at its first forward without gradients and none per forward after it: "
             f"FSDP2 leaves {what} unsharded after a forward (~{size} unsharded {dtype} params per rank)"
-        )
+        ) + why
     if keeps:
-        why = "what one of its forwards gathers anyway" if n == 1 else "gather_for_generation"
+        kept_by = "what one of its forwards gathers anyway" if n == 1 else "gather_for_generation"
         return line + (
             f"{_count(generation_all_gathers_per(units, kept=True), 'all-gather')} per pass of forwards without "
             f"gradients (a step's log-prob pass) instead of {per_forward} per forward: kept unsharded until "
-            f"training resumes (~{size} unsharded {dtype} params per rank, {why})"
-        )
+            f"training resumes (~{size} unsharded {dtype} params per rank, {kept_by})"
+        ) + why
     return line + (
         f"{_count(per_forward, 'all-gather')} per forward without gradients (gather_for_generation keeps its "
         f"units through a pass: ~{size} unsharded {dtype} params per rank)"
-    )
+    ) + why
 
 
 def _count(n: int, what: str) -> str:

@@ -3,6 +3,8 @@
 unsharded until training resumes, instead of once per forward (per generated token). A frozen
 model's units (a reference model, `FrozenModel.keeps`: by default where it is one unit) do the
 same without the setting: its log-prob pass gathers it once per step instead of once per forward.
+A resident one (`FrozenModel.resident`) is not released when training resumes: it stays unsharded
+from its first forward until detach, an exception or the end of a Trainer's training.
 
 A unit's first forward without gradients sets its `reshard_after_forward` to False (the public
 setter); training resuming puts every flag back and reshards: a forward with gradients, an
@@ -139,12 +141,16 @@ class GenerationGather:
             self.release()
 
     # -- keeping and releasing -----------------------------------------------------------------
-    def release(self, raised: bool = False, models: Iterable[nn.Module] | None = None) -> None:
+    def release(self, raised: bool = False, models: Iterable[nn.Module] | None = None, resident: bool = False) -> None:
         """Put every flag generation changed back and reshard the kept units that reshard after
         forward, of the bound `models` (default: all). Units that do not (FSDP2's root) stay as
         FSDP leaves them after any forward without gradients: PEFT's `generate` runs the inner
-        model without the root's forward and relies on that."""
+        model without the root's forward and relies on that. A resident reference model stays
+        unless `resident` (detach, the end of training) or `raised` (FSDP left mid-forward)."""
         for key in list(self._kept) if models is None else [k for k in models if k in self._kept]:
+            frozen = self.state.frozen.get(key)
+            if frozen is not None and frozen.resident and not (resident or raised):
+                continue
             adapter = self.state.adapters.get(key)
             restores = self._restores.pop(key, [])
             kept = self._kept.pop(key)
@@ -191,7 +197,7 @@ class GenerationGather:
 
     def close(self) -> None:
         """Detach: put everything back."""
-        self.release()
+        self.release(resident=True)
         if self._optimizer_hook is not None:
             self._optimizer_hook.remove()
             self._optimizer_hook = None

@@ -20,6 +20,7 @@ from accel_gradsync.config.errors import GradSyncWarning
 from accel_gradsync.config.settings import GradSyncConfig, ResolvedConfig
 from accel_gradsync.planning.policies import SyncPolicy, resolve_policy
 from accel_gradsync.planning.replan import Change, MeasuredAuto
+from accel_gradsync.planning.residency import kept_bytes
 from accel_gradsync.planning.units import Plan, Unit
 from accel_gradsync.runtime.accounting import SyncAccounting, combined_stats
 from accel_gradsync.runtime.fsdp import ModelAdapter
@@ -129,22 +130,25 @@ class FrozenModel:
     keeps: bool
     """Its units stay unsharded from their first forward without gradients until training resumes:
     by default where the model is one unit (a forward of it gathers the whole model anyway), with
-    `gather_for_generation` whatever its units."""
+    `gather_for_generation` whatever its units; always where `resident`."""
+    resident: bool = False
+    """Its units stay unsharded from their first forward for the whole run, training included
+    (`keep_reference_unsharded`, planning/residency.py): only detach, an exception, the end of a
+    Trainer's training or FSDP2's own state-dict hooks (a checkpoint) reshard them."""
 
     @property
     def kept_bytes(self) -> int:
-        """Unsharded param bytes per rank it keeps through a pass beyond what one of its forwards
-        gathers anyway (its largest unit): 0 for one unit or where it does not keep. Budget and
-        auto plan the trained models within memory less this (`SyncPolicy.plan`'s `reserved`)."""
-        if not self.keeps:
-            return 0
-        sizes = [u.param_bytes for u in self.adapter.units]
-        return sum(sizes) - max(sizes, default=0)
+        """Unsharded param bytes per rank it keeps beyond what one of its forwards gathers anyway:
+        resident, all of them for the whole run; else through a pass, all but its largest unit (0
+        for one unit or where it does not keep). Budget and auto plan the trained models within
+        memory less this (`SyncPolicy.plan`'s `reserved`)."""
+        return kept_bytes(self.adapter.units, self.keeps, self.resident)
 
     def stats(self) -> dict:
         return {
             "units": len(self.adapter.units),
             "keeps": self.keeps,
+            "resident": self.resident,
             "all_gathers": self.account.total.generation_all_gathers + self.account.total.all_gathers,
             "last_step/all_gathers": self.account.last_step.generation_all_gathers + self.account.last_step.all_gathers,
         }

@@ -4,6 +4,8 @@ micro-batch's worth of completions without gradients, M forwards per step. With 
 mode, the reference model all-gathers once per unit per step (counted from outside, by the param
 group issuing each all-gather), is resharded before every training forward, stats() and the
 decision line say so, and losses, KL, completions and rewards equal stock TRL's at every step.
+Kept resident (`keep_reference_unsharded`), it all-gathers once in step 1 and never after, stays
+gathered through training, and the end of training reshards it.
 """
 
 from __future__ import annotations
@@ -28,7 +30,10 @@ def runs(modes: list[str]) -> list[dict]:
 
 @pytest.mark.parametrize(
     "modes",
-    [["window"], pytest.param(["per_micro_batch", "deferred", "gather_for_generation"], marks=pytest.mark.slow)],
+    [
+        ["window", "window_resident"],
+        pytest.param(["per_micro_batch", "deferred", "gather_for_generation"], marks=pytest.mark.slow),
+    ],
 )
 def test_the_reference_model_gathers_once_per_step_and_changes_nothing(modes, tmp_path):
     grpo.build_model_dir(tmp_path, "quick")  # the worker's model, for `accel-gradsync estimate --beta`
@@ -42,6 +47,25 @@ def test_the_reference_model_gathers_once_per_step_and_changes_nothing(modes, tm
         for mode in modes:
             run = rank[mode]
             counted = [s["reference"] for s in run["steps"]]
+            stats = run["stats"]
+            assert stats["reference_all_gathers"] == sum(counted)
+            assert stats["last_step/reference_all_gathers"] == counted[-1]
+            assert run["reference_gathered_after_training"] == 0, mode  # the end of training reshards it
+            if mode == "window_resident":
+                # Gathered once, at its first forward, then never: no all-gather after step 1.
+                assert counted == [units] + [0] * (STEPS - 1), run["steps"]
+                assert stats["reference_models"]["ref_model"]["resident"] is True
+                assert all(run["reference_gathered_in_training"]), run["reference_gathered_in_training"]
+                if index == 0:
+                    at = next(i for i, d in enumerate(run["decision"]) if "reference model ref_model" in d)
+                    line, why = run["decision"][at : at + 2]
+                    assert "1 all-gather at its first forward, then none: kept unsharded for the whole run" in line
+                    assert why.startswith("grad sync:   why: keep_reference_unsharded=true"), why
+                assert run["completions"] == stock["completions"]
+                assert run["rewards"] == stock["rewards"]
+                assert [e["kl"] for e in run["logs"]] == [e["kl"] for e in stock["logs"]]
+                assert [e["loss"] for e in run["logs"]] == [e["loss"] for e in rank["window"]["logs"]]
+                continue
             assert counted == [units] * STEPS, (mode, run["steps"])
             # The estimate says what is counted per step, with the plugin and stock, and the line the
             # main process prints.
@@ -51,10 +75,7 @@ def test_the_reference_model_gathers_once_per_step_and_changes_nothing(modes, tm
                 [estimated.stock_all_gathers_per_step] * STEPS,
                 True,
             ), (mode, estimated, run["decision"])
-            stats = run["stats"]
             assert stats["reference_units"] == units
-            assert stats["reference_all_gathers"] == sum(counted)
-            assert stats["last_step/reference_all_gathers"] == counted[-1]
             assert not any(run["reference_gathered_in_training"]), mode  # resharded before training
             assert len(run["reference_gathered_in_training"]) == STEPS * M
             if index == 0:  # the decision line: the main process prints it

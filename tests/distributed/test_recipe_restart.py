@@ -5,7 +5,8 @@ The kill comes from outside the script (`recipe_killer/sitecustomize.py`): mid-s
 gradient reduce-scatter, or while the rank writes its part of a checkpoint (the folder then has
 the main process's trainer_state.json but not this rank's RNG state, and must not be resumed
 from), or, with --save_total_limit, the moment the main process has deleted an old checkpoint.
-FSDP2, 2 gloo ranks on CPU, a saved tiny Qwen2 and a local GSM8K-shaped dataset.
+FSDP2, 2 gloo ranks on CPU, a saved tiny Qwen2 and a local GSM8K-shaped dataset, with GRPO's
+reference model (beta 0.04) kept unsharded for the whole run (`keep_reference_unsharded`).
 
 A preempted run loses nothing: the scheduler's warning signal (RECIPE_KILL_SIGNAL: sent by a rank
 to its launcher, as Kubernetes and SLURM signal the launcher, or to the rank alone) mid-window of
@@ -38,6 +39,8 @@ RESTARTING = (
     "recipes/grpo.py --model_name_or_path {model} --dataset_name {folder} --prompt_column question "
     f"--max_steps {STEPS} --save_steps {SAVE_STEPS} --resume_from_checkpoint auto "
     "--max_completion_length 8 --logging_steps 1 --disable_tqdm true"
+    # GRPO's reference model, kept unsharded for the run: saved around and resumed with, bit for bit.
+    " --beta 0.04 --grad-sync-keep-reference-unsharded true"
 )
 # Gradient reduce-scatters per step without deferral: one per FSDP unit (the decoder layers and
 # the root) on each micro-batch.
@@ -172,6 +175,7 @@ def test_sigterm_to_the_launcher_mid_window_saves_that_step_exits_and_resumes_as
     jit = ("--enable_jit_checkpoint", "true")
     proc = launch(inputs, out_dir, kill_at=MID_STEP_3, signal="SIGTERM", finishes=False, extra=jit)
     assert_preempted(proc, out_dir, PREEMPTED_AT)  # one checkpoint, at the same step on every rank
+    assert "then none: kept unsharded for the whole run" in proc.stdout  # the reference model, resident
     assert (proc.stdout + proc.stderr).count("enable_jit_checkpoint and save_on_signal='SIGTERM'") == 2
     assert not list(out_dir.rglob("checkpoint-is-incomplete.txt"))  # transformers' JIT save never started
     # The agent got it, shut down (re-raising it as its own exit) and restarted nothing.

@@ -3,9 +3,10 @@ with its own optimizer) plus a frozen reference model, one `attach`, deferred, M
 steps. What `stats()` says must add up to what ran, counted from outside, the held bytes to the
 gradient bytes of both models' parameters, and each model gets its own decision line and its own
 counters; the frozen model gets no plan (under FSDP2 a line and counters of its own, apart). FSDP2
-and FSDP1. Under budget with gather_for_generation the reference model, wrapped per unit, keeps
-its whole unsharded params through its no-grad forwards: the trained models are planned within
-the budget less what it keeps beyond one unit's.
+and FSDP1. Under budget the reference model stays unsharded for the whole run where its bytes fit
+the budget, and the trained models are planned within the rest; where they do not, with
+gather_for_generation, it keeps its whole unsharded params through its no-grad forwards and the
+trained models are planned within the budget less what it keeps beyond one unit's.
 
 Then (FSDP2, the same launch) progressive unfreezing: the reference model, prepared frozen, is
 given trainable parameters and trains beside the policy; from its next window on it is governed
@@ -79,15 +80,18 @@ def test_each_model_has_its_own_counters_and_decision_line(ranks):
     assert not results[1]["decisions"]
 
 
-def test_budget_plans_within_what_a_kept_reference_model_holds():
-    """The reference model (3 units) is bound after the trained ones (attach after prepare), so
-    their plans are made again. Budget 2T (T: a TinyNet's bytes): gather_for_generation takes T,
-    full deferral T more, so without the reference every unit would be held; the reference keeps T
-    less its largest unit, which must come off first."""
+@pytest.mark.parametrize("fits", [True, False])
+def test_budget_keeps_the_reference_resident_only_where_it_fits_and_plans_within_the_rest(fits):
+    """The reference model (3 units, T bytes: a TinyNet's) is bound after the trained ones (attach
+    after prepare), so their plans are made again. Budget 2T: the reference fits, stays unsharded
+    for the whole run (its all-gathers in step 1 only, counted from outside) and T comes off the budget first;
+    gather_for_generation takes T more, so the trained models hold nothing. Budget T - 1: it does
+    not fit, gathers again every step, and keeps through a pass T less its largest unit."""
     net = TinyNet()
     unit_bytes = [sum(p.numel() * p.element_size() for p in u.parameters()) for u in (*net.blocks, net.head)]
-    total, reserved = sum(unit_bytes), sum(unit_bytes) - max(unit_bytes)
-    sync = {"sync_mode": "budget", "memory_budget": f"{2 * total}B", "gather_for_generation": True}
+    total, units = sum(unit_bytes), TinyNet.UNITS
+    budget, reserved = (2 * total, total) if fits else (total - 1, total - max(unit_bytes))
+    sync = {"sync_mode": "budget", "memory_budget": f"{budget}B", "gather_for_generation": True}
     results = launch(
         "two_models", ["--M", str(M), "--steps", str(STEPS), "--sync", json.dumps(sync)], accelerate_config("fsdp2")
     )
@@ -96,11 +100,19 @@ def test_budget_plans_within_what_a_kept_reference_model_holds():
         assert len(rank["plans"]) == 2
         for plan in rank["plans"]:
             assert plan["generation_bytes"] == total
-            assert 0 < plan["held"] < TinyNet.UNITS, plan  # all three would fit without the reference
-            assert plan["generation_bytes"] + plan["held_grad_bytes"] <= 2 * total - reserved, plan
-        assert rank["stats"]["reference_units"] == TinyNet.UNITS
+            assert plan["held"] == 0, plan  # nothing is left of the budget
+        reference = rank["stats"]["reference_models"]["TinyNet#3"]
+        assert reference["units"] == units and reference["resident"] is fits
+        # Its all-gathers: every unit once, in step 1 only, where resident. Where not, each micro-batch's
+        # forward with gradients releases it: its blocks gather again in every micro-batch's reference
+        # forward, its root (FSDP2 leaves a root unsharded after forward) once, at the first.
+        blocks = (units - 1) * M
+        assert rank["reference_all_gathers_per_step"] == ([units, 0] if fits else [blocks + 1, blocks]), rank
     lines = results[0]["decisions"]
-    assert any(line.startswith("grad sync: reference model") and "gather_for_generation" in line for line in lines)
+    at = next(i for i, line in enumerate(lines) if line.startswith("grad sync: reference model"))
+    said, why = lines[at : at + 2]
+    assert ("kept unsharded for the whole run" in said) is fits, said
+    assert f"{'fit' if fits else 'do not fit'} the {format_bytes(budget)} of budget's budget" in why, why
     replanned = [line for line in lines if f"{format_bytes(reserved)} kept by reference models" in line]
     assert len(replanned) == 2, lines  # each trained model's plan, made again
 

@@ -37,6 +37,7 @@ MODES: dict[str, dict | None] = {
     "deferred": {"defer": True},
     "window": {"defer": True, "keep_params_unsharded": True},
     "gather_for_generation": {"defer": True, "gather_for_generation": True},
+    "window_resident": {"defer": True, "keep_params_unsharded": True, "keep_reference_unsharded": True},
 }
 
 
@@ -168,6 +169,8 @@ def run(mode: str, args: argparse.Namespace, counted: Counted, model_dir: Path, 
             if MODES[mode] is not None:
                 handle = accel_gradsync.attach(trainer, accel_gradsync.GradSyncConfig(**MODES[mode]))
             trainer.train()
+        # What the end of training leaves of the reference model gathered (a resident one too).
+        gathered_after = sum(g.is_unsharded for g in groups) if trainer.ref_model is not None else 0
         keys = ("step", "loss", "reward", "kl")
         logs = [{k: e[k] for k in keys if k in e} for e in trainer.state.log_history if "loss" in e]
         stats = handle.stats() if handle is not None else {}
@@ -177,6 +180,7 @@ def run(mode: str, args: argparse.Namespace, counted: Counted, model_dir: Path, 
         "steps": counted.per_step(),
         "reference_groups": len(counted.reference),
         "reference_gathered_in_training": gathered_in_training,
+        "reference_gathered_after_training": gathered_after,
         "logs": logs,
         "completions": completions,
         "rewards": rewards,

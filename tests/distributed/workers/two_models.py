@@ -46,12 +46,21 @@ printed = io.StringIO()
 with contextlib.redirect_stdout(printed):
     handle = accel_gradsync.attach(accelerator, accel_gradsync.GradSyncConfig(**json.loads(args.sync)))
 X, Y = make_data(args.M * args.steps * 2, seed=accelerator.process_index)
+
+
+def all_gathers() -> int:
+    return sum(n for name, n in counter.counts.items() if "all_gather" in name)
+
+
 counter.take()
+reference_all_gathers = [0] * args.steps  # counted from outside: issued inside the reference's forwards
 for k in range(args.M * args.steps):
     x, y = X[2 * k : 2 * k + 2], Y[2 * k : 2 * k + 2]
     with accelerator.accumulate(policy, value):
+        before = all_gathers()
         with torch.no_grad():
             baseline = reference(x)
+        reference_all_gathers[k // args.M] += all_gathers() - before
         loss = ((policy(x) - y) ** 2).mean() + ((value(x) - baseline) ** 2).mean()
         accelerator.backward(loss)
         if accelerator.sync_gradients:
@@ -67,6 +76,7 @@ write_result(
     args.out,
     {
         "unfreezing": unfrozen,
+        "reference_all_gathers_per_step": reference_all_gathers,
         "counts": counts,
         "stats": {k: v for k, v in stats.items() if k != "models"},
         "models": stats["models"],

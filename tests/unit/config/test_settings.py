@@ -322,3 +322,39 @@ def test_readme_lists_the_boolean_spellings_every_source_accepts():
 def test_a_yaml_key_spelled_as_its_flag_suggests_the_key(recipe, tmp_path, key, field):
     with pytest.raises(ValueError, match=rf"--config YAML: '{key}' \(did you mean {field}[?,]"):
         _recipe_grad_sync(recipe, tmp_path, yaml=f"{key}: 1\n")
+
+
+@pytest.mark.parametrize(
+    ("given", "expected"), [("auto", "auto"), ("AUTO", "auto"), ("on", "true"), ("1", "true"), ("No", "false")]
+)
+def test_keep_reference_unsharded_is_auto_or_a_boolean_from_every_source(
+    recipe, tmp_path, monkeypatch, given, expected
+):
+    """A tri-state: auto (budget and auto decide from the bytes) or forced by any boolean spelling,
+    read the same by the environment, both parsers, the recipe's command line and its YAML; a bare
+    flag means true."""
+    flag = ["--grad-sync-keep-reference-unsharded", given]
+    answers = [GradSyncConfig(keep_reference_unsharded=given).keep_reference_unsharded]
+    with monkeypatch.context() as env:
+        env.setenv("ACCEL_GRADSYNC_KEEP_REFERENCE_UNSHARDED", given)
+        answers.append(GradSyncConfig().keep_reference_unsharded)
+    for parser_cls in (HfArgumentParser, TrlParser):
+        answers.append(parser_cls(GradSyncConfig).parse_args_into_dataclasses(flag)[0].keep_reference_unsharded)
+    answers.append(_recipe_grad_sync(recipe, tmp_path, flag).keep_reference_unsharded)
+    answers.append(
+        _recipe_grad_sync(recipe, tmp_path, yaml=f'keep_reference_unsharded: "{given}"\n').keep_reference_unsharded
+    )
+    assert answers == [expected] * 6
+    bare = HfArgumentParser(GradSyncConfig).parse_args_into_dataclasses(["--grad-sync-keep-reference-unsharded"])[0]
+    assert bare.keep_reference_unsharded == "true"
+    assert GradSyncConfig().keep_reference_unsharded == DEFAULTS["keep_reference_unsharded"] == "auto"
+
+
+def test_a_bad_keep_reference_unsharded_names_the_choices():
+    with pytest.raises(ValueError) as error:
+        GradSyncConfig(keep_reference_unsharded="sometimes")
+    assert str(error.value) == (
+        "GradSyncConfig.keep_reference_unsharded='sometimes' is not a valid `keep_reference_unsharded`; use auto "
+        "(budget and auto modes decide from the bytes) or a boolean (true/false, yes/no, on/off, y/n, t/f or 1/0 "
+        "(any case))."
+    )

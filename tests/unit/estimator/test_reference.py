@@ -19,6 +19,7 @@ from accel_gradsync.estimator.meta_model import build_meta_model
 from accel_gradsync.estimator.reference import PASS_UNMODELED, add_reference, estimate_reference
 from accel_gradsync.estimator.results import ReferenceEstimate
 from accel_gradsync.estimator.step_peak import StepPeak
+from accel_gradsync.planning.residency import decide_residency
 from accel_gradsync.runtime.bind import model_name
 from accel_gradsync.runtime.decision import describe_frozen, frozen_keeps
 from accel_gradsync.runtime.fsdp import adapt_model
@@ -40,18 +41,22 @@ def with_beta(bf16):
     return estimate(RECIPE_DEFAULT, bf16, M, beta=BETA)
 
 
-def live_binding(mixed_precision: torch.dtype | None, processes: int = 2) -> tuple[str, int, bool, int]:
+def live_binding(
+    mixed_precision: torch.dtype | None, processes: int = 2, config: GradSyncConfig | None = None
+) -> tuple[str, int, bool, int]:
     """(decision line, units, keeps, sharded bytes on rank 0) of the recipe's model as a live run
     binds TRL's reference model: `fully_shard` at the root with the plugin's settings, as
     prepare_fsdp calls it, its params left requiring grad as TRL leaves them."""
+    settings = (config or GradSyncConfig()).resolved()
     model = build_meta_model(load_model_config(RECIPE_DEFAULT))
     policy = MixedPrecisionPolicy(param_dtype=mixed_precision, reduce_dtype=mixed_precision)
     with fake_world(processes):
         fully_shard(model, reshard_after_forward=True, mp_policy=policy)
         adapter = adapt_model(model)
         assert adapter is not None
-        keeps = frozen_keeps(adapter.units, GradSyncConfig().resolved().gather_for_generation)
-        line = describe_frozen("ref_model", model_name(model), adapter, keeps)
+        residency = decide_residency(settings, sum(u.param_bytes for u in adapter.units), lambda: 0)
+        keeps = residency.resident or frozen_keeps(adapter.units, settings.gather_for_generation)
+        line = describe_frozen("ref_model", model_name(model), adapter, keeps, residency)
         sharded = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
     return line, len(adapter.units), keeps, sharded
 
@@ -67,6 +72,46 @@ def test_the_reference_is_what_a_live_run_binds(with_beta):
     params = sum(u["numel"] for u in with_beta.units)  # the trained model's, the same architecture
     assert ref.unsharded_param_bytes == params * 2  # bf16 compute
     assert ref.send_bytes_per_step == params * 2 // 2  # ring: (N-1)/N of one gather over 2 ranks
+
+
+def test_a_resident_reference_is_what_a_live_run_binds_and_is_planned_around(bf16):
+    """Kept resident, it gathers once for the run (none per step), its unsharded params are in every
+    phase of every row's step peak, and budget plans the trained units within the budget less them."""
+
+    def budget_row(config: GradSyncConfig):
+        est = estimate(RECIPE_DEFAULT, bf16, M, config=config, beta=BETA)
+        return est, next(m for m in est.modes if m.mode.startswith("budget"))
+
+    # A budget that holds exactly the whole plan when nothing is reserved.
+    _, whole = budget_row(GradSyncConfig(memory_budget="1GiB", keep_reference_unsharded="false"))
+    budget = f"{whole.held_bytes + whole.held_param_bytes}B"
+    _, without = budget_row(GradSyncConfig(memory_budget=budget, keep_reference_unsharded="false"))
+    assert without.units_held == whole.units_held > 0
+    config = GradSyncConfig(memory_budget=budget, keep_reference_unsharded="true")
+    est, row = budget_row(config)
+    ref = est.reference
+    line, units, keeps, sharded = live_binding(torch.bfloat16, config=config)
+    assert ref is not None and (ref.line, ref.units, ref.keeps, ref.sharded_param_bytes) == (
+        line,
+        units,
+        keeps,
+        sharded,
+    )
+    params = sum(u["numel"] for u in est.units)  # the trained model's, the same architecture
+    assert ref.resident and ref.reserved_bytes == ref.unsharded_param_bytes == params * 2  # bf16 compute
+    assert (ref.all_gathers_per_step, ref.first_step_all_gathers, ref.stock_all_gathers_per_step) == (0, 1, M)
+    assert "then none: kept unsharded for the whole run" in ref.line
+    # The budget less the resident bytes no longer holds the whole plan.
+    assert row.held_bytes + row.held_param_bytes <= whole.held_bytes + whole.held_param_bytes - ref.reserved_bytes
+    assert row.units_held < whole.units_held or row.held_param_bytes < whole.held_param_bytes
+    peak = StepPeak(1000, "later_micro_batch", {"sharded_params": 100, "optimizer_state": 200})
+    resident = ReferenceEstimate(
+        BETA, "", units=1, keeps=True, resident=True, sharded_param_bytes=50, unsharded_param_bytes=400
+    )
+    with_ref = add_reference(peak, resident)
+    assert with_ref.parts["reference_params"] == 450
+    assert (with_ref.peak_bytes, with_ref.phase) == (1450, "later_micro_batch")
+    assert with_ref.parts["reference_pass"] == 100 + 200 + 450  # nothing more to gather for its pass
 
 
 def test_the_table_and_json_carry_the_reference_only_with_beta(bf16, with_beta, good, capsys):

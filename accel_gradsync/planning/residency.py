@@ -1,0 +1,77 @@
+"""Whether a model nothing trains (a reference model) stays unsharded for the whole run:
+`decide_residency`, which binding and the estimate both call.
+
+A reference model never changes, yet FSDP2 all-gathers it at least once per optimizer step (for its
+log-prob pass; resharded before training). Resident, it gathers once, at its first forward, then
+never: what DDP pays, which replicates it. The price is its whole unsharded parameters (compute
+dtype) on every rank for the whole run, beside the trained model's step. `keep_reference_unsharded`
+true or false decides alone; auto lets the modes that plan within memory decide from those bytes:
+`budget` keeps it where they fit its budget, `auto` where they fit free memory less the margin,
+counted before the trained model's units (which are then planned within what is left: the
+`reserved` bytes of `SyncPolicy.plan`). The other modes do not plan memory: auto leaves it off.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from accel_gradsync.config.settings import ResolvedConfig, SyncMode
+from accel_gradsync.planning.costs import format_bytes
+from accel_gradsync.planning.policies import budget_bytes
+from accel_gradsync.planning.units import Unit
+
+PLANNED_MODES = (SyncMode.BUDGET.value, SyncMode.AUTO.value)
+"""The sync modes that decide residency from the bytes when the setting says auto."""
+
+
+@dataclass(frozen=True)
+class Residency:
+    """A reference model's residency and the words that say why (its decision line's end)."""
+
+    resident: bool
+    reason: str
+
+
+def room_for_residency(settings: ResolvedConfig, free_memory: Callable[[], int]) -> int:
+    """What a planned mode lets a resident reference model take: budget's budget, auto's free
+    memory (or `free_memory`) less the margin."""
+    if settings.sync_mode == SyncMode.BUDGET:
+        return budget_bytes(settings, free_memory)
+    return int(free_memory() * (1 - settings.memory_margin))
+
+
+def decide_residency(
+    settings: ResolvedConfig, resident_bytes: int, free_memory: Callable[[], int], taken: int = 0
+) -> Residency:
+    """Whether a reference model whose unsharded params take `resident_bytes` per rank stays
+    unsharded for the whole run. `taken`: what reference models bound before it keep resident
+    already. `free_memory` is read only where a planned mode decides from it."""
+    size = format_bytes(resident_bytes)
+    if settings.keep_reference_unsharded == "true":
+        return Residency(True, f"keep_reference_unsharded=true: ~{size} unsharded params per rank for the run")
+    if settings.keep_reference_unsharded == "false":
+        return Residency(False, "keep_reference_unsharded=false")
+    if settings.sync_mode not in PLANNED_MODES:
+        return Residency(False, f"sync mode {settings.sync_mode} does not plan memory (keep_reference_unsharded=true)")
+    room = room_for_residency(settings, free_memory) - taken
+    what = "budget" if settings.sync_mode == SyncMode.BUDGET else "free memory less the margin"
+    fits = resident_bytes <= room
+    return Residency(
+        fits,
+        f"its ~{size} unsharded params per rank {'fit' if fits else 'do not fit'} the {format_bytes(max(room, 0))} "
+        f"of {settings.sync_mode}'s {what}" + (" left by other reference models" if taken else ""),
+    )
+
+
+def kept_bytes(units: Sequence[Unit], keeps: bool, resident: bool) -> int:
+    """Unsharded param bytes per rank a reference model of `units` keeps beyond what one of its
+    forwards gathers anyway: resident, all of them for the whole run; kept through a pass
+    (`keeps`), all but its largest unit; else 0. Budget and auto plan the trained models within
+    memory less this (`SyncPolicy.plan`'s `reserved`), in a live run and in the estimate."""
+    sizes = [u.param_bytes for u in units]
+    if resident:
+        return sum(sizes)
+    if not keeps:
+        return 0
+    return sum(sizes) - max(sizes, default=0)

@@ -1,0 +1,54 @@
+"""`decide_residency`: forced by the setting, else decided from the bytes by budget and auto only."""
+
+import pytest
+
+from accel_gradsync import GradSyncConfig
+from accel_gradsync.config.settings import ENV_PREFIX
+from accel_gradsync.planning.residency import decide_residency
+
+MiB = 2**20
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch):
+    for name in ("SYNC_MODE", "DEFER", "MEMORY_BUDGET", "KEEP_REFERENCE_UNSHARDED", "MEMORY_MARGIN"):
+        monkeypatch.delenv(ENV_PREFIX + name, raising=False)
+
+
+def never() -> int:
+    raise AssertionError("free memory read where nothing plans from it")
+
+
+@pytest.mark.parametrize("mode", ["per_micro_batch", "deferred", "budget", "auto", "defer_all_reduce"])
+def test_the_setting_forces_it_in_every_mode_without_reading_memory(mode):
+    budget = {"memory_budget": "1MiB"} if mode == "budget" else {}
+    for value, expected in (("true", True), ("false", False)):
+        settings = GradSyncConfig(sync_mode=mode, keep_reference_unsharded=value, **budget).resolved()
+        assert decide_residency(settings, 10 * MiB, never).resident is expected
+
+
+@pytest.mark.parametrize("mode", ["per_micro_batch", "deferred", "defer_all_reduce"])
+def test_auto_leaves_it_off_where_the_mode_plans_no_memory(mode):
+    residency = decide_residency(GradSyncConfig(sync_mode=mode).resolved(), MiB, never)
+    assert not residency.resident
+    assert "keep_reference_unsharded=true" in residency.reason  # what to set to have it
+
+
+def test_budget_keeps_it_where_its_bytes_fit_the_budget_less_other_resident_models():
+    settings = GradSyncConfig(memory_budget="8MiB").resolved()
+    assert decide_residency(settings, 8 * MiB, never).resident
+    assert not decide_residency(settings, 8 * MiB + 1, never).resident
+    assert not decide_residency(settings, 5 * MiB, never, taken=4 * MiB).resident
+    fraction = GradSyncConfig(memory_budget="0.5").resolved()  # half of what free memory says
+    assert decide_residency(fraction, 5 * MiB, lambda: 10 * MiB).resident
+    assert not decide_residency(fraction, 5 * MiB + 1, lambda: 10 * MiB).resident
+
+
+def test_auto_keeps_it_where_its_bytes_fit_free_memory_less_the_margin():
+    settings = GradSyncConfig(sync_mode="auto", memory_margin=0.25).resolved()
+    assert decide_residency(settings, 75 * MiB, lambda: 100 * MiB).resident
+    residency = decide_residency(settings, 75 * MiB + 1, lambda: 100 * MiB)
+    assert not residency.resident
+    assert residency.reason == (
+        "its ~75.0 MiB unsharded params per rank do not fit the 75.0 MiB of auto's free memory less the margin"
+    )
