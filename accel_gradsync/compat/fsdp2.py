@@ -2,7 +2,8 @@
 
 FSDP2 has setters for its per-unit flags but no getters, and no API for a param group's held
 gradients, training state or pending all-gather, so `runtime/fsdp.py` reads (and in two places
-writes) attributes of FSDP2's private objects: the `FSDPState` of a unit
+writes) attributes of FSDP2's private objects, and `runtime/quiet_generation.py` reads its forward
+hooks' handles and casts: the `FSDPState` of a unit
 (`module._get_fsdp_state()`), its `FSDPParamGroup`s and their `FSDPParam`s. It does so only
 through `read`, `write` and `has` here, by a stable name; `FSDP2_PRIVATE` says, per torch series,
 on which object and under which attribute that series keeps each one.
@@ -28,6 +29,11 @@ _TORCH_2_13: dict[str, tuple[str, str]] = {
     "param_groups": (STATE, "_fsdp_param_groups"),
     "auto_reshard_after_forward": (STATE, "_auto_reshard_after_forward"),  # the root's automatic False
     "modules_to_run_forward": (STATE, "_modules_to_run_forward"),  # a grouped unit's forwards left
+    # FSDP2's forward hooks (one multi-handle for a grouped unit's) and the casts they apply.
+    "pre_forward_hook": (STATE, "_pre_forward_hook_handle"),
+    "post_forward_hook": (STATE, "_post_forward_hook_handle"),
+    "cast_forward_inputs": (STATE, "_cast_forward_inputs"),
+    "cast_output_dtype": (STATE, "_cast_output_dtype"),
     "fsdp_params": (GROUP, "fsdp_params"),
     "mp_policy": (GROUP, "mp_policy"),
     "reduce_grads": (GROUP, "reduce_grads"),  # set_requires_gradient_sync writes it
@@ -51,7 +57,10 @@ FSDP2_PRIVATE: dict[str, dict[str, tuple[str, str]]] = {
 }
 """Per torch series (major.minor): name -> (FSDP2 object, attribute that holds it)."""
 
-_OPTIONAL = ("unsharded_param", "modules_to_run_forward")  # absent until first gathered / in a grouped unit
+_OPTIONAL: tuple[str, ...] = ("unsharded_param", "modules_to_run_forward")  # absent until first gathered / grouped
+# What only generation's skip of FSDP2's idle forward work reads (runtime/quiet_generation.py): a
+# torch without them generates as before, so bind does not stop for them.
+_OPTIONAL += ("pre_forward_hook", "post_forward_hook", "cast_forward_inputs", "cast_output_dtype")
 CHECKED_AT_BIND = {
     kind: tuple(name for name, (obj, _) in _TORCH_2_13.items() if obj == kind and name not in _OPTIONAL)
     for kind in (STATE, GROUP, PARAM)

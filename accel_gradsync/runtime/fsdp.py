@@ -9,11 +9,11 @@ FSDP2 has setters for its per-unit flags but no getters, so `_sync_flags` reads 
 the param groups the setters write. Those reads, a param group's sharded and training state and
 pending all-gather (the live counters, fsdp2_counts.py), the dtypes, held gradient tensors and
 owning modules of FSDP2's params and FSDP1's flat parameter are the only private torch attributes
-this package reads, all in this module; FSDP2's go through `compat/fsdp2.py`, which says where each
-torch series keeps them (`internals.read(obj, name)`). It writes private state in two places
-only, both where torch has no API and would otherwise give wrong gradients or crash:
-`even_out_held_grads` (FSDP2's uniform-dtype assertion) and `drop_held_grads` (gradients of
-an aborted accumulation that `zero_grad` cannot reach).
+this package reads, all in this module but FSDP2's forward hooks (quiet_generation.py); FSDP2's go
+through `compat/fsdp2.py`, which says where each torch series keeps them (`internals.read(obj, name)`).
+It writes private state in two places only, both where torch has no API and would otherwise give
+wrong gradients or crash: `even_out_held_grads` (FSDP2's uniform-dtype assertion) and
+`drop_held_grads` (gradients of an aborted accumulation that `zero_grad` cannot reach).
 """
 
 from __future__ import annotations
