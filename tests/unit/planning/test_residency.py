@@ -31,7 +31,7 @@ def test_the_setting_forces_it_in_every_mode_without_reading_memory(mode):
 def test_auto_leaves_it_off_where_the_mode_plans_no_memory(mode):
     residency = decide_residency(GradSyncConfig(sync_mode=mode).resolved(), MiB, never)
     assert not residency.resident
-    assert "keep_reference_unsharded=true" in residency.reason  # what to set to have it
+    assert "keep_reference_unsharded=true keeps it unsharded" in residency.reason  # what to set to have it
 
 
 def test_budget_keeps_it_where_its_bytes_fit_the_budget_less_other_resident_models():
