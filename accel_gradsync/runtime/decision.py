@@ -109,21 +109,33 @@ def describe_frozen(
     if not per_forward:  # no unit reshards after forward (FSDP2's default for a root): nothing to keep
         first = generation_all_gathers(units, 1, kept=False)
         what = "its one unit, the root," if n == 1 else "its units"
-        return line + (
-            f"{_count(first, 'all-gather')} at its first forward without gradients and none per forward after it: "
-            f"FSDP2 leaves {what} unsharded after a forward (~{size} unsharded {dtype} params per rank)"
-        ) + why
+        return (
+            line
+            + (
+                f"{_count(first, 'all-gather')} at its first forward without gradients and none per forward after it: "
+                f"FSDP2 leaves {what} unsharded after a forward (~{size} unsharded {dtype} params per rank)"
+            )
+            + why
+        )
     if keeps:
         kept_by = "what one of its forwards gathers anyway" if n == 1 else "gather_for_generation"
-        return line + (
-            f"{_count(generation_all_gathers_per(units, kept=True), 'all-gather')} per pass of forwards without "
-            f"gradients (a step's log-prob pass) instead of {per_forward} per forward: kept unsharded until "
-            f"training resumes (~{size} unsharded {dtype} params per rank, {kept_by})"
-        ) + why
-    return line + (
-        f"{_count(per_forward, 'all-gather')} per forward without gradients (gather_for_generation keeps its "
-        f"units through a pass: ~{size} unsharded {dtype} params per rank)"
-    ) + why
+        return (
+            line
+            + (
+                f"{_count(generation_all_gathers_per(units, kept=True), 'all-gather')} per pass of forwards without "
+                f"gradients (a step's log-prob pass) instead of {per_forward} per forward: kept unsharded until "
+                f"training resumes (~{size} unsharded {dtype} params per rank, {kept_by})"
+            )
+            + why
+        )
+    return (
+        line
+        + (
+            f"{_count(per_forward, 'all-gather')} per forward without gradients (gather_for_generation keeps its "
+            f"units through a pass: ~{size} unsharded {dtype} params per rank)"
+        )
+        + why
+    )
 
 
 def _count(n: int, what: str) -> str:
