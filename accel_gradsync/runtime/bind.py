@@ -142,7 +142,7 @@ class Binder:
         again under the name it had. A trained model keeps its counters; a reference model's go
         into the trained model's totals."""
         root = root_of(model)
-        self.generation.release(models=[root])  # flags it kept for generation back, on the old units
+        self.generation.release(models=[root], resident=True)  # flags it kept back (resident too), on the old units
         for handle in self._watching.pop(root, []):
             handle.remove()
         old = self.state.bound.pop(root, None) or self.state.frozen.pop(root, None)

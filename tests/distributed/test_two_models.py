@@ -31,7 +31,9 @@ FSDP1_PAD = TinyNet.UNITS * (N - 1) * 4  # FSDP1 pads each unit's flat fp32 grad
 @pytest.fixture(scope="module", params=["fsdp2", pytest.param("fsdp1", marks=pytest.mark.slow)])
 def ranks(request):
     unfreeze = ["--unfreeze"] if request.param == "fsdp2" else []  # then unfreezing.py's phases
-    args = ["--M", str(M), "--steps", str(STEPS), *unfreeze]
+    # The reference model resident (FSDP2) until it is unfrozen: bound again, it gives its units back.
+    sync = json.dumps({"defer": True, "keep_reference_unsharded": True})
+    args = ["--M", str(M), "--steps", str(STEPS), "--sync", sync, *unfreeze]
     return request.param, launch("two_models", args, accelerate_config(request.param))
 
 
@@ -73,10 +75,14 @@ def test_each_model_has_its_own_counters_and_decision_line(ranks):
             f"{name}/{unit}" for name, m in models.items() for unit in m["unit_modes"]
         )
     lines = results[0]["decisions"]  # printed on the main process only
-    decisions = [d for d in lines if not d.startswith("grad sync: reference model")]
+    reference = [d for d in lines if d.startswith(("grad sync: reference model", "grad sync:   why: keep_reference"))]
+    decisions = [d for d in lines if d not in reference]
     assert len(decisions) == 2 and all(f"on {kind}" in d and "3 deferred" in d for d in decisions), decisions
-    # FSDP2: the frozen model's all-gathers are counted apart, and its line says what it gathers.
-    assert len(lines) - len(decisions) == (kind == "fsdp2"), lines
+    # FSDP2: the frozen model's all-gathers are counted apart, and its lines say what it gathers and why.
+    assert len(reference) == (2 if kind == "fsdp2" else 0), lines
+    if kind == "fsdp2":
+        assert "kept unsharded for the whole run" in reference[0]
+        assert all(r["reference_all_gathers_per_step"] == [U, 0] for r in results), results
     assert not results[1]["decisions"]
 
 

@@ -14,13 +14,22 @@ import io
 
 import torch
 from common import make_data
+from torch.distributed.fsdp import FSDPModule
 
 MICRO = 2  # samples per micro-batch and rank
 
 
+def reshard_all(model) -> None:
+    """Reshard every FSDP2 unit of `model`: a root left unsharded by a forward, and every unit of a
+    reference model kept resident (`reshard()` reshards one unit, not those inside it)."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 def full_params(model) -> dict:
-    """By name, gathered from the shards (a root left unsharded by a forward resharded first)."""
-    model.reshard()
+    """By name, gathered from the shards (every unit resharded first)."""
+    reshard_all(model)
     return {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
 
 
@@ -43,8 +52,9 @@ def run_unfreezing(accelerator, handle, counter, models, optimizers, fresh, M: i
     policy, late = models
     # FSDP2 sets each unsharded parameter's requires_grad from its sharded one at every all-gather:
     # change it on the sharded ones. The root of a model nothing trains stays unsharded after its
-    # forward (FSDP2's default for a root, which only a backward ends), so reshard it first.
-    late.reshard()
+    # forward (FSDP2's default for a root, which only a backward ends), and a resident one keeps
+    # every unit gathered: reshard them first.
+    reshard_all(late)
     replicas = [replica_of(m, f) for m, f in zip(models, fresh, strict=True)]
     lr = 0.1
     for optimizer in optimizers:
