@@ -83,6 +83,10 @@ def test_each_model_has_its_own_counters_and_decision_line(ranks):
     if kind == "fsdp2":
         assert "kept unsharded for the whole run" in reference[0]
         assert all(r["reference_all_gathers_per_step"] == [U, 0] for r in results), results
+        # save_state and load_state reshard it (FSDP2's state-dict hooks); its forwards after each gather
+        # its units again (two forwards: U + U) and compute the same.
+        for r in results:
+            assert r["checkpoint"] == {"all_gathers_after_save": 2 * U, "same_output": True}, r["checkpoint"]
     assert not results[1]["decisions"]
 
 

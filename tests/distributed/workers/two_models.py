@@ -9,6 +9,7 @@ policy frozen whole (unfreezing.py)."""
 import contextlib
 import io
 import json
+from pathlib import Path
 
 import torch
 from accelerate import Accelerator
@@ -68,6 +69,24 @@ for k in range(args.M * args.steps):
             policy_opt.zero_grad(), value_opt.zero_grad()
 counts = counter.take()
 stats = handle.stats()
+# accelerate's save_state and load_state read and write every prepared model's state dict, the
+# reference's too: FSDP2's own hooks reshard it, and its next forward gathers it again (counted
+# from outside) and computes what it computed before.
+x = X[:2]
+with torch.no_grad():
+    before_save = reference(x)
+accelerator.save_state(str(Path(args.out, "checkpoint")))
+gathers_at = all_gathers()
+with torch.no_grad():
+    after_save = reference(x)
+accelerator.load_state(str(Path(args.out, "checkpoint")))
+with torch.no_grad():
+    after_load = reference(x)
+checkpoint = {
+    "all_gathers_after_save": all_gathers() - gathers_at,
+    "same_output": bool(torch.equal(before_save, after_save) and torch.equal(before_save, after_load)),
+}
+counter.take()
 models, optimizers, fresh = (policy, reference), (policy_opt, reference_opt), (TinyNet(), TinyNet())
 unfrozen = (
     run_unfreezing(accelerator, handle, counter, models, optimizers, fresh, args.M, args.steps) if args.unfreeze else []
@@ -77,6 +96,7 @@ write_result(
     {
         "unfreezing": unfrozen,
         "reference_all_gathers_per_step": reference_all_gathers,
+        "checkpoint": checkpoint,
         "counts": counts,
         "stats": {k: v for k, v in stats.items() if k != "models"},
         "models": stats["models"],
