@@ -1,10 +1,11 @@
 """The GRPO benchmark: TRL's real `GRPOTrainer` on a communication-bound random-weight Qwen2, stock
 and with each sync mode of the plugin, full fine-tuning and LoRA, against DDP, the data-parallel
 floor (`python -m benchmarks.run --grpo [--beta 0.04]`). This module holds the shapes,
-configurations, the saved model and the merge of the ranks' records; `grpo_worker.py` measures,
-`grpo_report.py` reports. Every configuration trains the same saved model on the same prompts with
-the same seed, so completions, rewards and losses must agree exactly. DDP's configurations run in
-a launch of their own (accelerate's state is one per process: FSDP or not), the same rounds.
+configurations, the saved model and the plan of launches; `grpo_worker.py` measures,
+`grpo_merge.py` merges the ranks' records, `grpo_report.py` reports. Every configuration trains the
+same saved model on the same prompts with the same seed, so completions, rewards and losses must
+agree exactly. DDP's configurations run in launches of their own (accelerate's state is one per
+process: FSDP or not), alternating with FSDP2's round by round, so both see the machine's load alike.
 """
 
 from __future__ import annotations
@@ -12,10 +13,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from statistics import median
 from typing import Any
-
-from benchmarks.records import GrpoRankResult, GrpoRow, GrpoRun, memory_max
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).with_name("grpo_worker.py")
@@ -25,13 +23,15 @@ LAYER_CLASS = "Qwen2DecoderLayer"
 # Model and GRPO shapes. `full`: little compute per parameter (short prompts, a 4k vocabulary on
 # a 384-wide model), so FSDP's collectives dominate a step, the case a sync mode is for. Every
 # micro-batch and every decode step of stock FSDP2 all-gathers every unit, so the completion
-# length sets how much of a step generation is. `quick`: the smallest shapes that still run every
-# phase, for the smoke test.
+# length sets how much of a step generation is. Rounds of 2 steps (1 timed, after step 1's lazy
+# init): 3 rounds give the floor target a median and a spread of 3 paired ratios in 6 optimizer
+# steps per configuration (stock's, the slowest, set the run's time). `quick`: the smallest shapes
+# that still run every phase, for the smoke test.
 SIZES: dict[str, dict[str, Any]] = {
     "quick": {"hidden": 64, "intermediate": 128, "layers": 2, "heads": 4, "kv_heads": 2, "vocab": 512,
               "batch": 2, "M": 2, "generations": 4, "completion": 8, "steps": 2, "rounds": 1},
     "full": {"hidden": 384, "intermediate": 1536, "layers": 4, "heads": 6, "kv_heads": 2, "vocab": 4096,
-             "batch": 1, "M": 4, "generations": 4, "completion": 32, "steps": 3, "rounds": 2},
+             "batch": 1, "M": 4, "generations": 4, "completion": 32, "steps": 2, "rounds": 3},
 }  # fmt: skip
 
 # A fixed capacity for `auto`, so its plan does not depend on the machine's free RAM at the time:
@@ -48,7 +48,11 @@ MODES: dict[str, tuple[dict[str, Any] | None, str]] = {
     "stock": (None, "stock TRL + accelerate (no plugin; accelerate's no_sync defers on FSDP2)"),
     "per_micro_batch": ({"defer": False}, "plugin, per-micro-batch sync"),
     "deferred": ({"defer": True}, "plugin, deferred sync"),
-    "window": ({"defer": True, "keep_params_unsharded": True}, "plugin, deferred + keep_params_unsharded (the window)"),
+    "window": (
+        {"defer": True, "keep_params_unsharded": True, "keep_reference_unsharded": True},
+        "plugin, deferred + keep_params_unsharded (the window) + keep_reference_unsharded (full fine-tuning: "
+        "the reference model gathered once, at its first forward, and kept)",
+    ),
     "auto": (
         {"sync_mode": "auto", "free_memory": AUTO_FREE_MEMORY},
         f"plugin, auto with --grad-sync-free-memory {AUTO_FREE_MEMORY}",
@@ -67,8 +71,17 @@ MODES: dict[str, tuple[dict[str, Any] | None, str]] = {
 REORDERED = ("ddp", "per_micro_batch", "auto")
 LOG_RTOL = 1e-4
 TUNINGS = ("full", "lora")
+# Under LoRA, TRL's reference is the policy with its adapter off, no model of its own: nothing for
+# keep_reference_unsharded to keep (the window already keeps the policy).
+FULL_ONLY = ("keep_reference_unsharded",)
+
+
+def gradsync_kwargs(kwargs: dict[str, Any] | None, lora: bool) -> dict[str, Any] | None:
+    return None if kwargs is None else {k: v for k, v in kwargs.items() if not (lora and k in FULL_ONLY)}
+
+
 CONFIGS: dict[str, dict[str, Any]] = {
-    f"{tuning}/{mode}": {"mode": mode, "lora": tuning == "lora", "gradsync": kwargs}
+    f"{tuning}/{mode}": {"mode": mode, "lora": tuning == "lora", "gradsync": gradsync_kwargs(kwargs, tuning == "lora")}
     for tuning in TUNINGS
     for mode, (kwargs, _) in MODES.items()
 }
@@ -78,6 +91,11 @@ DDP = "ddp"
 def is_ddp(config: str) -> bool:
     """The configuration runs under DDP (its own launch), not FSDP2."""
     return CONFIGS[config]["mode"] == DDP
+
+
+def keeps_reference(config: str) -> bool:
+    """The configuration asks the plugin to keep a reference model of its own unsharded."""
+    return bool((CONFIGS[config]["gradsync"] or {}).get("keep_reference_unsharded"))
 
 
 def grpo_settings(size: dict, beta: float = 0.0) -> dict:
@@ -157,84 +175,21 @@ def build_model_dir(path: Path, size_name: str) -> dict:
     return facts
 
 
-def worker_args(p: dict, model_dir: Path, pin: bool, configs: list[str]) -> list[str]:
+def worker_args(p: dict, model_dir: Path, pin: bool, configs: list[str], round_index: int) -> list[str]:
+    """One launch's worker arguments: one round of `configs`; FSDP2's launches also time the backend's
+    collectives (the window's pair against DDP's all-reduce), DDP's do not need to."""
     args = ["--model-dir", str(model_dir), "--size", p["size"], "--configs", ",".join(configs)]
-    args += ["--rounds", str(p["rounds"]), "--steps", str(p["steps"]), "--beta", str(p.get("beta", 0.0))]
-    return args + (["--pin-cores"] if pin else [])
+    args += ["--round", str(round_index), "--steps", str(p["steps"]), "--beta", str(p.get("beta", 0.0))]
+    return args + (["--pin-cores"] if pin else []) + ([] if is_ddp(configs[0]) else ["--time-collectives"])
 
 
-def launches(p: dict) -> list[list[str]]:
-    """The configurations of each launch: FSDP2's (accelerate launch), then DDP's (torchrun, its own
-    accelerate state), on every network."""
+def launches(p: dict) -> list[tuple[int, list[str]]]:
+    """(round, configurations) of each launch on a network, in order: round by round, FSDP2's
+    (accelerate launch), then DDP's (torchrun, its own accelerate state), so that each round's
+    FSDP2 and DDP steps run close together, under the same load, and no launch runs them all."""
     fsdp = [c for c in p["configs"] if not is_ddp(c)]
     ddp = [c for c in p["configs"] if is_ddp(c)]
-    return [names for names in (fsdp, ddp) if names]
-
-
-def combine(runs: list[GrpoRun]) -> GrpoRun:
-    """The launches of one network as one run: their rows together, in configuration order."""
-    first = runs[0]
-    rows = sorted((r for run in runs for r in run.rows), key=lambda r: list(CONFIGS).index(r.config))
-    out = GrpoRun(
-        size=first.size,
-        facts=first.facts,
-        rows=rows,
-        versions=first.versions,
-        pinned_cores=first.pinned_cores,
-        backend_ms=first.backend_ms,
-    )
-    for name in ("link", "hosts", "ranks_per_host"):
-        setattr(out, name, getattr(first, name))
-    out.wall_s = round(sum(r.wall_s or 0 for r in runs), 1)
-    out.link_bytes = sum(r.link_bytes or 0 for r in runs) if first.link else first.link_bytes
-    return out
-
-
-def merge(ranks_json: list[dict]) -> GrpoRun:
-    """One row per configuration: each step's time and phase split are its slowest rank's, the row
-    has the medians over the timed steps of every round; counts are rank 0's, memory the max."""
-    ranks = [GrpoRankResult.from_dict(r) for r in ranks_json]
-    rows, kinds = [], ("all_gathers", "reduce_scatters", "all_reduces")
-    for name in dict.fromkeys(r.config for r in ranks[0].runs):
-        per_rank = [[r for r in rank.runs if r.config == name] for rank in ranks]
-        rounds = list(zip(*per_rank, strict=True))  # one run per round, on every rank
-        steps = [
-            (runs[0].round, max(same, key=lambda s: s.time_s))
-            for runs in rounds
-            for same in zip(*(run.steps for run in runs), strict=True)
-        ]
-        rank0 = [s for run in per_rank[0] for s in run.steps]
-        every = [s for runs in rounds for run in runs for s in run.steps]
-        phases = list(rank0[0].phases) if rank0 else []
-        rows.append(
-            GrpoRow(
-                config=name,
-                units=per_rank[0][0].units,
-                step_time_s=median(s.time_s for _, s in steps),
-                step_times_s=[s.time_s for _, s in steps],
-                step_rounds=[r for r, _ in steps],
-                phase_time_s={p: median(s.phases[p].time_s for _, s in steps) for p in phases},
-                counts_seen={p: {k: sorted({getattr(s.phases[p], k) for s in rank0}) for k in kinds} for p in phases},
-                counts_per_step={
-                    p: {k: median(getattr(s.phases[p], k) for s in rank0) for k in (*kinds, "bytes_sent")}
-                    for p in phases
-                },
-                **memory_max(every, [run.handle_held_grad_bytes for runs in rounds for run in runs]),
-                state_bytes=max((s.state_bytes for s in every), default=0),
-                logs=[run.logs for run in per_rank[0]],
-                rewards=[run.rewards for run in per_rank[0]],
-                completions=[[run.completions for run in runs] for runs in rounds],
-                stats=per_rank[0][-1].stats,
-            )
-        )
-    return GrpoRun(
-        size=ranks[0].size,
-        facts=ranks[0].facts,
-        rows=rows,
-        versions=ranks[0].versions,
-        pinned_cores=[r.pinned_core for r in ranks],
-        backend_ms=ranks[0].backend_ms,
-    )
+    return [(r, names) for r in range(p["rounds"]) for names in (fsdp, ddp) if names]
 
 
 def plan_of(args) -> dict:

@@ -1,11 +1,14 @@
 """The GRPO benchmark's worker: 2 ranks run TRL's real `GRPOTrainer` on the model `grpo.py` saved, a
-short `train()` per configuration and round from the same weights, prompts and seed (rounds rotate
-the order), and write `rank<R>.json`. Each step is metered and split into phases by wrapping bound
-methods of the trainer *instance* (never TRL's class): `_generate` (generation),
+short `train()` per configuration from the same weights, prompts and seed, for one round (`--round`:
+the harness alternates FSDP2's and DDP's launches round by round; the round rotates the order),
+and write `rank<R>.json`. Each step is metered and split into phases by wrapping bound methods of
+the trainer *instance* (never TRL's class): `_generate` (generation),
 `_get_per_token_logps_and_entropies` without gradients (log-prob passes), the rest of
 `_generate_and_score_completions` (scoring), the remainder (training); collectives are counted per
-phase. Completions, rewards and logs are recorded for the report to compare with stock, and after
-each optimizer step what the rank keeps between steps (`state_bytes`). Launched with FSDP2's
+phase, step 1 included (a resident reference model is gathered there), except those of the
+accelerator's `gather` (TRL's metrics). Completions, rewards and logs are recorded for the report
+to compare with stock, and after each optimizer step what the rank keeps between steps
+(`state_bytes`; of it, the reference model's unsharded parameters). Launched with FSDP2's
 accelerate config, or for DDP's configurations by torchrun with accelerate on CPU (MULTI_CPU).
 """
 
@@ -41,10 +44,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--model-dir", required=True, help="model and tokenizer saved by grpo.py")
     p.add_argument("--size", required=True, choices=list(grpo.SIZES))
     p.add_argument("--configs", required=True, help="comma-separated names from grpo.CONFIGS")
-    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--round", type=int, default=0, help="the round this launch runs (rotates the order)")
     p.add_argument("--steps", type=int, default=3, help="optimizer steps per run; the first is untimed")
     p.add_argument("--beta", type=float, default=0.0, help="GRPO's KL coefficient (> 0: a reference model)")
     p.add_argument("--pin-cores", action="store_true")
+    p.add_argument("--time-collectives", action="store_true", help="time the backend's collectives at the end")
     return p.parse_args()
 
 
@@ -87,32 +91,48 @@ class Phases:
             self.current = outer
 
 
-def wrap(trainer: Any, name: str, phase: tuple[Phases, str] | None = None, when=lambda: True, after=None) -> None:
-    """Wrap the trainer instance's bound method `name` (TRL's class stays untouched): its time is
-    charged to `phase` (phases, name) when `when()`, and `after(out)` sees what it returned."""
-    bound = getattr(trainer, name)
+def wrap(
+    instance: Any,
+    name: str,
+    phase: tuple[Phases, str] | None = None,
+    when=lambda: True,
+    after=None,
+    uncounted: CollectiveCounter | None = None,
+) -> None:
+    """Wrap the bound method `name` of an instance (the trainer's, its accelerator's: their classes
+    stay untouched): its time is charged to `phase` (phases, name) when `when()`, `after(out)` sees
+    what it returned, and with `uncounted` the collectives it issues are not counted."""
+    bound = getattr(instance, name)
 
     def wrapped(*args: Any, **kwargs: Any):
         with phase[0].enter(phase[1]) if phase and when() else contextlib.nullcontext():
-            out = bound(*args, **kwargs)
+            with uncounted.paused() if uncounted else contextlib.nullcontext():
+                out = bound(*args, **kwargs)
             if after:
                 after(out)
         return out
 
-    setattr(trainer, name, wrapped)
+    setattr(instance, name, wrapped)
 
 
-def state_bytes(trainer: Any) -> int:
+def state_bytes(trainer: Any) -> tuple[int, int]:
     """What this rank keeps between optimizer steps: the trained and the reference model's
     parameters as stored (FSDP2: the local shard, plus any unsharded storage still allocated;
-    DDP: every parameter), their gradients, and the optimizer's state."""
-    models = [m for m in (trainer.model_wrapped, getattr(trainer, "ref_model", None)) if m is not None]
-    params = {id(p): p for m in models for p in m.parameters()}
-    total = sum(nbytes(p) + nbytes(p.grad) for p in params.values())
+    DDP: every parameter), their gradients, and the optimizer's state; and of it, the reference
+    model's unsharded parameters (read from its FSDP2 tensors: what keeping it resident costs)."""
+    ref = getattr(trainer, "ref_model", None)
+    models = [m for m in (trainer.model_wrapped, ref) if m is not None]
+    # FSDP2 swaps a unit's module parameters for its unsharded ones while unsharded: count its
+    # shards from FSDPParam and the unsharded storage once, through held_bytes.
+    fsdp_params = {id(fp): fp for m in models for g in fsdp2_groups(m) for fp in g.fsdp_params}.values()
+    managed = {id(t) for fp in fsdp_params for t in (fp.sharded_param, getattr(fp, "_unsharded_param", None))}
+    total = sum(nbytes(fp.sharded_param) + nbytes(fp.sharded_param.grad) for fp in fsdp_params)
+    params = {id(p): p for m in models for p in m.parameters() if id(p) not in managed}
+    total += sum(nbytes(p) + nbytes(p.grad) for p in params.values())
     total += sum(held_bytes(m)[1] for m in models)  # FSDP2 params left unsharded
     for state in trainer.optimizer.state.values():
         total += sum(nbytes(v) for v in state.values() if isinstance(v, torch.Tensor))
-    return total
+    return total, held_bytes(ref)[1] if ref is not None else 0
 
 
 def run_one(name: str, round_index: int, args: argparse.Namespace, phases: Phases, dataset, tokenizer) -> GrpoRankRun:
@@ -126,8 +146,9 @@ def run_one(name: str, round_index: int, args: argparse.Namespace, phases: Phase
     rewards: list[list[float]] = []
 
     def done(state, measured: dict) -> None:
-        held = state_bytes(callback.trainer)
-        steps.append(GrpoStep(step=state.global_step, phases=phases.take(), state_bytes=held, **measured))
+        held, ref_held = state_bytes(callback.trainer)
+        step = GrpoStep(step=state.global_step, phases=phases.take(), state_bytes=held, **measured)
+        steps.append(dataclasses.replace(step, ref_unsharded_bytes=ref_held))
 
     def digest(out) -> None:  # each generation's completion ids, as a digest per rank
         completions.append(hashlib.sha256(json.dumps(out[1]).encode()).hexdigest())
@@ -154,10 +175,14 @@ def run_one(name: str, round_index: int, args: argparse.Namespace, phases: Phase
         )
         wrap(trainer, "_get_per_token_logps_and_entropies", (phases, "logprob"), lambda: not torch.is_grad_enabled())
         wrap(trainer, "_generate_and_score_completions", (phases, "scoring"))
+        # TRL gathers its metrics with accelerator.gather, on gloo a list-form all_gather per metric:
+        # not the models' collectives, which are what the counts are for.
+        wrap(trainer.accelerator, "gather", uncounted=phases.counter)
         trainer.train()
         keys = ("step", "loss", "reward", "reward_std", "kl")
         logs = [{k: e[k] for k in keys if k in e} for e in trainer.state.log_history if "loss" in e]
         units, stats = len(fsdp2_groups(trainer.model_wrapped)), handle.stats() if handle is not None else {}
+        ref_units = len(fsdp2_groups(trainer.ref_model)) if trainer.ref_model is not None else 0
         if handle is not None:
             handle.detach()
     del trainer
@@ -167,6 +192,8 @@ def run_one(name: str, round_index: int, args: argparse.Namespace, phases: Phase
         round=round_index,
         steps=[s for s in steps if s.step > 1],  # 1: FSDP's lazy init
         units=units,
+        first_step=next((s for s in steps if s.step == 1), None),
+        ref_units=ref_units,
         logs=logs,
         completions=completions,
         rewards=rewards,
@@ -214,17 +241,16 @@ def main() -> None:
     state = PartialState() if fsdp or torch.cuda.is_available() else PartialState(cpu=True)
     phases = Phases(CollectiveCounter())
     tokenizer, dataset = AutoTokenizer.from_pretrained(args.model_dir), grpo.embedded().build_dataset(n=512)
-    names, runs = args.configs.split(","), []
-    for r in range(args.rounds):
-        k = r % max(len(names), 1)
-        for name in names[k:] + names[:k]:
-            t0 = time.time()
-            runs.append(rec := run_one(name, r, args, phases, dataset, tokenizer))
-            if state.is_main_process:
-                ms = ", ".join(f"{s.time_s * 1e3:.0f}" for s in rec.steps)
-                print(f"[bench] grpo {args.size} round {r} {name}: steps {ms} ms ({time.time() - t0:.1f}s)", flush=True)
+    names, runs, r = args.configs.split(","), [], args.round
+    k = r % max(len(names), 1)
+    for name in names[k:] + names[:k]:
+        t0 = time.time()
+        runs.append(rec := run_one(name, r, args, phases, dataset, tokenizer))
+        if state.is_main_process:
+            ms = ", ".join(f"{s.time_s * 1e3:.0f}" for s in rec.steps)
+            print(f"[bench] grpo {args.size} round {r} {name}: steps {ms} ms ({time.time() - t0:.1f}s)", flush=True)
     facts = json.loads(Path(args.model_dir, "bench_facts.json").read_text())
-    backend = time_collectives(facts["params"])
+    backend = time_collectives(facts["params"]) if args.time_collectives else {}
     result = GrpoRankResult(
         size=args.size, facts=facts, pinned_core=core, runs=runs, versions=versions("trl", "peft"), backend_ms=backend
     )

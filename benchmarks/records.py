@@ -1,8 +1,9 @@
 """What the benchmark's processes hand each other, as typed records: a worker writes its rank's
 record (`RankResult`, `GrpoRankResult`) with `dataclasses.asdict`; the harness merges the ranks
-into rows (`ConfigResult`, `GrpoRow`), one run per launch and network, and writes the whole
-(`Results`, `GrpoResults`) as results.json. `from_dict` rebuilds any of them from JSON by its type
-hints, so a new field needs its declaration only.
+into rows (`ConfigResult`, `GrpoRow`), one run per launch and network (GRPO: per network, over its
+launches, `GrpoLaunch`), and writes the whole (`Results`, `GrpoResults`) as results.json.
+`from_dict` rebuilds any of them from JSON by its type hints, so a new field needs its declaration
+only.
 """
 
 from __future__ import annotations
@@ -172,6 +173,7 @@ class GrpoStep(Measured):
     step: int  # the Trainer's global step
     phases: dict[str, PhaseTotals]  # generation, logprob, scoring, training
     state_bytes: int = 0  # after the optimizer step: this rank's params, grads and optimizer state, both models
+    ref_unsharded_bytes: int = 0  # of those, the reference model's unsharded parameters still allocated
 
 
 @dataclass(kw_only=True)
@@ -182,6 +184,8 @@ class GrpoRankRun(Record):
     round: int
     steps: list[GrpoStep]  # step 1 (FSDP's lazy init) left out
     units: int  # FSDP2 units of the prepared model
+    first_step: GrpoStep | None = None  # step 1, untimed: its counts (a resident reference model's gather)
+    ref_units: int = 0  # FSDP2 units of a reference model of its own (TRL's ref_model); 0: none, or DDP
     logs: list[dict[str, Any]]  # the Trainer's logged step, loss, reward, reward_std, kl
     completions: list[str]  # a digest of each generation's completion ids
     rewards: list[list[float]]  # each scoring's rewards, gathered over ranks
@@ -198,13 +202,26 @@ class GrpoRankResult(Record):
     versions: dict[str, str]
     backend_ms: dict[str, float] = field(default_factory=dict)
     """Median ms of one all-gather, reduce-scatter and all-reduce of the model's fp32 params on
-    this launch's process group (`grpo_worker.time_collectives`)."""
+    this launch's process group (`grpo_worker.time_collectives`; FSDP2's launches only)."""
+
+
+@dataclass(kw_only=True)
+class GrpoLaunch(RunBase):
+    """One launch's ranks, as they wrote them (a round of FSDP2's or of DDP's configurations):
+    `grpo_merge.combine` merges a network's launches into its `GrpoRun`; never in results.json."""
+
+    ranks: list[GrpoRankResult]
 
 
 @dataclass(kw_only=True)
 class GrpoRow(Row):
     units: int = 0
+    ref_units: int = 0  # FSDP2 units of a reference model of its own (0: none, as under LoRA or beta 0; DDP)
     state_bytes: int = 0  # the most `GrpoStep.state_bytes` over ranks and steps: what stays between steps
+    ref_unsharded_bytes: int = 0  # the most `GrpoStep.ref_unsharded_bytes`: a resident reference model's share
+    # Per round, rank 0's all-gathers in the log-prob passes at every step, step 1 included (counted
+    # around `torch.distributed`): with beta > 0 under full fine-tuning, the reference model's.
+    logprob_gathers: list[list[int]] = field(default_factory=list)
     phase_time_s: dict[str, float] = field(default_factory=dict)  # phase -> median over the steps
     counts_seen: dict[str, dict[str, list[int]]] = field(default_factory=dict)  # phase -> kind -> seen
     counts_per_step: dict[str, dict[str, float]] = field(default_factory=dict)  # phase -> kind -> median

@@ -3,8 +3,9 @@
 The MLP (`mlp.py`, the default) and GRPO (`--grpo`, `grpo.py`) benchmarks are configurations of it:
 a plan, the networks and the launches. Each launch runs under `accelerate launch` (`launch.py`) over
 loopback, or with `--cluster HxR --link ...` once per link on simulated hosts (`cluster.py`); the
-ranks' records become a run each in results.json, and the benchmark's report writes results.md, the
-PNGs and the PASS/FAIL summary (`--redraw DIR`: again from DIR/results.json).
+ranks' records become a run each in results.json (GRPO: one run per network, merged from its FSDP2
+and DDP launches, which alternate round by round: `grpo_merge.py`), and the benchmark's report
+writes results.md, the PNGs and the PASS/FAIL summary (`--redraw DIR`: again from DIR/results.json).
 """
 
 from __future__ import annotations
@@ -22,9 +23,9 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import NamedTuple
 
-from benchmarks import cluster, grpo, grpo_report, mlp, mlp_report
+from benchmarks import cluster, grpo, grpo_merge, grpo_report, mlp, mlp_report
 from benchmarks.launch import REPO, fsdp2_config, launch
-from benchmarks.records import GrpoResults, Results, RunBase
+from benchmarks.records import GrpoLaunch, GrpoResults, Results, RunBase
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -38,8 +39,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--Ms", help="comma-separated micro-batch counts")
     add("--configs", help="comma-separated, from mlp.CONFIGS (with --grpo: grpo.CONFIGS)")
     add("--beta", type=float, default=0.0, help="with --grpo: GRPO's KL coefficient (> 0: a reference model)")
-    add("--reps", type=int, help="interleaved repetitions of every configuration (GRPO: rounds)")
-    add("--steps", type=int, help="timed optimizer steps per repetition and M (default: per model size)")
+    add(
+        "--reps",
+        type=int,
+        help="interleaved repetitions of every configuration (GRPO: rounds, each an FSDP2 launch then a DDP one; "
+        f"default {grpo.SIZES['full']['rounds']}, --quick {grpo.SIZES['quick']['rounds']})",
+    )
+    add(
+        "--steps",
+        type=int,
+        help="timed optimizer steps per repetition and M (default: per model size; GRPO: optimizer steps per "
+        f"round, the first untimed, default {grpo.SIZES['full']['steps']})",
+    )
     add("--no-pin", action="store_true", help="CPU: leave the ranks unpinned (default: one core per rank)")
     add("--hsdp-size", help=f"model size of the 4-rank HSDP launch (default: {mlp.HSDP_SIZE}; quick cluster: small)")
     add("--timeout", type=int, default=900, help="seconds per launch")
@@ -113,20 +124,21 @@ def jobs_of(p: dict, args: argparse.Namespace, workdir: Path, on_cluster: bool) 
     if not (workdir / "bench_facts.json").exists():
         facts = grpo.build_model_dir(workdir, p["size"])
         what = f"{len(p['configs'])} configurations, {p['rounds']} round(s) of {p['steps']} steps"
+        what += ", FSDP2's and DDP's launches alternating"
         print(f"[benchmarks] GRPO {p['size']} model, {facts['params'] / 1e6:.2f} M params: {what}", flush=True)
     pin = not args.no_pin and not on_cluster  # a cluster pins each host's launch to the host's cores
     # DDP's configurations: no accelerate config, torchrun with accelerate on CPU (launch.py), which
     # makes it DDP over gloo (accelerate's MULTI_CPU launcher would want mpirun).
     return [
         Job(
-            f"GRPO {'DDP' if grpo.is_ddp(names[0]) else 'FSDP2'}: {', '.join(names)}",
+            f"GRPO round {r + 1}/{p['rounds']}, {'DDP' if grpo.is_ddp(names[0]) else 'FSDP2'}: {', '.join(names)}",
             grpo.WORKER,
-            grpo.worker_args(p, workdir, pin, names),
+            grpo.worker_args(p, workdir, pin, names, r),
             None if grpo.is_ddp(names[0]) else fsdp2_config(grpo.LAYER_CLASS, 2),
-            grpo.merge,
+            grpo_merge.launch_of,
             {"CUDA_VISIBLE_DEVICES": ""},
         )
-        for names in grpo.launches(p)
+        for r, names in grpo.launches(p)
     ]
 
 
@@ -154,7 +166,9 @@ def run_jobs(jobs: list[Job], network: str | None, p: dict, args: argparse.Names
                 run.link, run.hosts, run.ranks_per_host = (network, c.hosts, nranks // c.hosts)
                 run.link_bytes = sum(c.link_bytes()) - sent0
             runs.append(run)
-    return [grpo.combine(runs)] if args.grpo else runs  # GRPO: FSDP2's and DDP's launches as one run
+    if args.grpo:  # FSDP2's and DDP's launches, every round, as one run
+        return [grpo_merge.combine([run for run in runs if isinstance(run, GrpoLaunch)])]
+    return runs
 
 
 def echo_progress(host: int, line: str) -> None:

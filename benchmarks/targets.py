@@ -131,17 +131,25 @@ GRPO_WINDOW_SPEEDUP = {
 GRPO_WINDOW_GATHERS = Target("the trained model's all-gathers per optimizer step = U exactly",
     "generation's and training's all-gathers of the trained model on every timed step",
     "the window gathers each unit once, at generation's first forward, and keeps it to the optimizer step")
+GRPO_REFERENCE_RESIDENT = Target("the reference model's all-gathers per step = 0 after step 1 (kept resident)",
+    "the log-prob passes' all-gathers at every step of every round, step 1 included, counted around "
+    "torch.distributed on rank 0: each of the reference model's units once at step 1, none after",
+    "keep_reference_unsharded gathers a frozen reference model at its first forward and keeps it for the run, "
+    "as DDP replicates it: no collective for it per step; counts are exact")
 GRPO_DDP_FLOOR = Target("within 1.10x of DDP's GRPO step (the data-parallel floor)",
     "the window's step / DDP's step, the median over rounds of each round's medians (DDP: its own launch, "
-    "the round of the same index)",
+    "right after FSDP2's launch of the same round)",
     "DDP replicates the parameters and all-reduces the gradients once per step: the same bytes as the window's U "
     "all-gathers and U reduce-scatters; no data-parallel step does better on a model that fits", upper=1.10)
-GRPO_SHARDED_STATE = Target("memory between optimizer steps sharded: below DDP's",
-    "each rank's params, grads and optimizer state (both models) after every timed optimizer step, the max",
-    "the window gathers within a step only; between steps it keeps FSDP's 1/N shard where DDP keeps everything")
-GRPO_IDENTICAL = Target("completions, rewards and losses identical to stock at every logged step (exact; "
+GRPO_STATE = Target("memory between optimizer steps below DDP's",
+    "each rank's params (FSDP2: shards plus unsharded storage still allocated), grads and optimizer state, of "
+    "both models, after every timed optimizer step, the max; of it, the reference model's unsharded params",
+    "the window gathers the trained model within a step only and keeps FSDP's 1/N shard between steps where "
+    "DDP keeps everything; a reference model kept resident adds its unsharded params, which DDP holds too")
+GRPO_IDENTICAL = Target("completions, rewards, KL and losses identical to stock at every logged step (exact; "
     "logged values within 1e-4 relative where gradients are summed in another order)",
-    "every configuration's completion digests, rewards and logged values against stock's; exact where the "
+    "every configuration's completion digests, rewards and logged values (loss, reward, reward_std, kl with "
+    "beta > 0) against stock's; exact where the "
     "gradients are summed as stock sums them (deferral: deferred, window, deferred_gen_resident)",
     "the sync mode changes when gradients are reduced, never what is computed; per-micro-batch sync (and "
     "auto's measured step 1) adds reduced shards, DDP pre-divides before its all-reduce: the same sum in "

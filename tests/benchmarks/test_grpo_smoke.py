@@ -1,8 +1,8 @@
 """Smoke test of the GRPO benchmark: `python -m benchmarks.run --grpo --quick --beta 0.04` end to end
 (TRL's real GRPOTrainer with a reference model, 2 gloo ranks, FSDP2, every configuration, and DDP in
-a launch of its own; about two minutes). It checks the outputs, the exact collective counts, the
-DDP floor's lines and that every configuration reproduces stock's completions, rewards and losses;
-it never asserts on timings."""
+a launch of its own; about two minutes). It checks the outputs, the exact collective counts (the
+reference model's at every step), the DDP floor's lines and that every configuration reproduces
+stock's completions, rewards, KL and losses; it never asserts on timings."""
 
 import json
 import os
@@ -83,13 +83,23 @@ def test_the_window_gathers_each_unit_once_per_step_under_full_fine_tuning(quick
     assert "[PASS] [loopback] full/window: the trained model's all-gathers per optimizer step = U exactly" in stdout
 
 
-def test_the_reference_model_gathers_once_per_step_with_the_plugin(quick_run):
-    _, _, rows, run = quick_run
+def test_the_reference_model_gathers_once_per_step_with_the_plugin_and_once_per_run_kept_resident(quick_run):
+    _, stdout, rows, run = quick_run
     M = run.facts["M"]
     # TRL's reference model: one unit, one forward per micro-batch's completions, stock re-gathers it each time.
     assert rows["full/stock"].counts_seen["logprob"]["all_gathers"] == [M]
-    for mode in ("per_micro_batch", "deferred", "window", "auto", "deferred_gen_resident"):
-        assert rows[f"full/{mode}"].counts_seen["logprob"]["all_gathers"] == [1], mode
+    assert rows["full/stock"].logprob_gathers == [[M, M]] and rows["full/stock"].ref_units == 1
+    for mode in ("per_micro_batch", "deferred", "deferred_gen_resident"):
+        assert rows[f"full/{mode}"].logprob_gathers == [[1, 1]], mode
+        assert rows[f"full/{mode}"].ref_unsharded_bytes == 0, mode  # resharded after its pass
+    # The window keeps it unsharded: gathered at its first forward, in step 1, never again.
+    window = rows["full/window"]
+    assert window.logprob_gathers == [[1, 0]] and window.counts_seen["logprob"]["all_gathers"] == [0]
+    ref_bytes = 4 * run.facts["params"]  # fp32: the reference model is a copy of the model
+    assert window.ref_unsharded_bytes == ref_bytes
+    assert window.state_bytes == rows["full/deferred"].state_bytes + ref_bytes
+    assert "[PASS] [loopback] full/window: the reference model's all-gathers per step = 0 after step 1" in stdout
+    assert "[loopback] lora/window: the reference model's" not in stdout  # LoRA: no model of its own
 
 
 def test_ddp_is_the_floor_every_configuration_is_measured_against(quick_run):
@@ -99,7 +109,7 @@ def test_ddp_is_the_floor_every_configuration_is_measured_against(quick_run):
         assert ddp.units == 0 and ddp.counts_seen["training"]["all_gathers"] == [0]  # parameters replicated
         assert 0 < window.state_bytes < ddp.state_bytes  # sharded between optimizer steps
         assert f"[loopback] {tuning}/window within 1.10x of {tuning}/ddp's GRPO step" in stdout
-        assert f"[PASS] [loopback] {tuning}/window: memory between optimizer steps sharded" in stdout
+        assert f"[PASS] [loopback] {tuning}/window: memory between optimizer steps below {tuning}/ddp's" in stdout
     assert "collectives alone: all-gather + reduce-scatter = " in stdout  # the backend's price, measured
 
 
@@ -108,10 +118,11 @@ def test_every_configuration_reproduces_stock_exactly(quick_run):
     for tuning in grpo.TUNINGS:
         stock = rows[f"{tuning}/stock"]
         assert len(stock.logs[0]) == 1 + 1  # the untimed warm-up step and the timed one
+        assert all("kl" in entry for entry in stock.logs[0])  # beta > 0: KL logged, and compared
         for name in (n for n in rows if n.startswith(tuning + "/")):
             for key in ("logs", "rewards", "completions"):
                 assert getattr(rows[name], key) == getattr(stock, key), (name, key)
-        assert f"[PASS] [loopback] {tuning}: completions, rewards and losses identical to stock" in stdout
+        assert f"[PASS] [loopback] {tuning}: completions, rewards, KL and losses identical to stock" in stdout
 
 
 def test_timing_targets_are_not_decided_in_quick_mode(quick_run):
