@@ -1,7 +1,7 @@
 """`GradSyncHandle`: what `attach` returns. It builds one attach's owners (state.py's `Attachment`
 and bound models, bind.py's `Binder`, window.py's `Window`, generation.py's `GenerationGather`,
-checkpoint.py's `CheckpointHooks`), connects them to the Accelerator and Trainer (hooks.py,
-callback.py), and answers for them: `stats()`, `plan()`, `units()`, `gathered()`, `detach()`;
+checkpoint.py's `CheckpointHooks`, join.py's `Join`), connects them to the Accelerator and Trainer (hooks.py,
+callback.py), and answers for them: `stats()`, `plan()`, `units()`, `gathered()`, `join()`, `detach()`;
 with `save_on_signal`, a loop of its own asks `preempted()` and calls `exit_preempted()` (preemption.py).
 """
 
@@ -24,6 +24,7 @@ from accel_gradsync.runtime.decision import describe_decision
 from accel_gradsync.runtime.fsdp import ModelAdapter, sharded_by_transformers
 from accel_gradsync.runtime.generation import GenerationGather
 from accel_gradsync.runtime.hooks import hook_accelerator, hook_trainer, unhook_accelerator, unhook_trainer
+from accel_gradsync.runtime.join import Join
 from accel_gradsync.runtime.preemption import NO_SIGNAL, PREEMPTED_EXIT_CODE, Preemption
 from accel_gradsync.runtime.state import Attachment, root_of
 from accel_gradsync.runtime.window import Window
@@ -48,6 +49,7 @@ class GradSyncHandle:
         self._window = Window(self._state, self._generation)
         self._binder = Binder(self._state, self._window, self._generation, memory_probe, forecaster)
         self._checkpoints = CheckpointHooks(self._state)
+        self._join = Join(self._state)
         self._callback: Any = None  # callback.GradSyncCallback, with a Trainer
         self._save_on_signal: Any = None  # callback.SaveOnSignal, with a Trainer and save_on_signal
         self._preemption: Preemption | None = None  # with save_on_signal: the Trainer's or the loop's
@@ -156,6 +158,23 @@ class GradSyncHandle:
         """
         return self._generation.gathered(model)
 
+    def join(self) -> contextlib.AbstractContextManager:
+        """Around a loop of your own in which ranks run different numbers of micro-batches
+        (dynamic batching, an uneven last shard): `with grad_sync.join(): for batch in loader: ...`.
+        A rank whose data runs out replays its last micro-batch with its outputs x 0, inside
+        `accumulate()`, while any other rank trains, and steps the optimizers and schedulers
+        accelerate prepared, so FSDP's collectives pair in every mode and every shard steps. The
+        run ends where one ends in which that rank ran extra micro-batches of loss x 0: DDP's
+        `Join` with `divide_by_initial_world_size=True`. Costs one small all-reduce per micro-batch.
+
+        Raises:
+            `ValueError`, on every rank: a rank left with no micro-batch of its own inside the block,
+                a forward outside `accumulate()` or `wait_for_everyone()` inside it, accelerate
+                ending one rank's accumulation at its dataloader's end while others train on; a
+                Trainer (its ranks run equal counts).
+        """
+        return self._join.joined()
+
     def preempted(self) -> bool:
         """A loop of its own with `save_on_signal`: True, on every rank alike, at the end of the
         optimizer step in which any rank got the signal; then save (`accelerator.save_state`) and
@@ -199,6 +218,7 @@ class GradSyncHandle:
             self._original_class = None
         self._binder.close()
         self._checkpoints.close()
+        self._join.close()
         if self._callback is not None:
             self._state.trainer.remove_callback(self._callback)
             self._callback = None
@@ -257,6 +277,7 @@ class GradSyncHandle:
             trainer.callback_handler.callbacks.insert(0, self._callback)
             if sharded_by_transformers(trainer):
                 self._original_trainer_class = hook_trainer(trainer, self._binder, self._window)
+        self._join.even.register()
         self._original_class = hook_accelerator(
-            accelerator, self._binder, self._window, discard_on_exception=trainer is not None
+            accelerator, self._binder, self._window, self._join, discard_on_exception=trainer is not None
         )

@@ -22,6 +22,7 @@ from torch import nn
 
 from accel_gradsync.compat.releases import TRAINER_DEFER, TRAINER_DEFER_SINCE
 from accel_gradsync.runtime.bind import Binder, wants_binding
+from accel_gradsync.runtime.join import Join
 from accel_gradsync.runtime.window import Window
 
 _HOOKED_ATTR = "_accel_gradsync_hooked"  # marks the per-instance subclass; it refers to nothing
@@ -33,10 +34,13 @@ def is_hooked(accelerator: Accelerator) -> bool:
     return getattr(type(accelerator), _HOOKED_ATTR, False)
 
 
-def hook_accelerator(accelerator: Accelerator, binder: Binder, window: Window, discard_on_exception: bool) -> type:
+def hook_accelerator(
+    accelerator: Accelerator, binder: Binder, window: Window, join: Join, discard_on_exception: bool
+) -> type:
     """Give `accelerator` a subclass of its class whose `no_sync` binds the model and enters the
     window's, whose `accumulate` ends the window's hold on entering a micro-batch that syncs and
-    aborts the window when an exception leaves it, and whose `prepare` binds the models it wraps.
+    aborts the window when an exception leaves it, and whose `prepare` binds the models it wraps;
+    `accumulate`, `clip_grad_norm_` and `wait_for_everyone` also serve `grad_sync.join()` (join.py).
     `discard_on_exception`: a Trainer's `no_sync` aborts the window itself (`Window.no_sync`).
     Returns the original class."""
     base = type(accelerator)
@@ -50,17 +54,28 @@ def hook_accelerator(accelerator: Accelerator, binder: Binder, window: Window, d
 
         @contextlib.contextmanager
         def accumulate(self, *models):
-            for model in models:
-                binder.refresh(model)  # at a window's first micro-batch: trainable parameters changed?
-            with super().accumulate(*models):
-                if self.sync_gradients:
-                    window.end_hold()  # before the last forward: the flags the window held come back
-                try:
-                    yield
-                except BaseException:
-                    window.abort()
-                    self.step = 0  # accelerate's window counter: the next window starts fresh
-                    raise
+            # Inside join(): who still trains, before any collective of this micro-batch.
+            with join.micro_batch(models):
+                for model in models:
+                    binder.refresh(model)  # at a window's first micro-batch: trainable parameters changed?
+                with super().accumulate(*models):
+                    if self.sync_gradients:
+                        window.end_hold()  # before the last forward: the flags the window held come back
+                    try:
+                        yield
+                    except BaseException:
+                        window.abort()
+                        self.step = 0  # accelerate's window counter: the next window starts fresh
+                        raise
+
+        def clip_grad_norm_(self, parameters, max_norm, norm_type=2):  # accelerate's signature
+            parameters = join.clip(parameters, max_norm, norm_type)  # inside join(): a rank that left clips too
+            return super().clip_grad_norm_(parameters, max_norm, norm_type)
+
+        def wait_for_everyone(self):
+            join.refuse_inside("accelerator.wait_for_everyone()")  # a rank that left would never come
+            join.check_even("accelerator.wait_for_everyone()")  # uneven counts without join()
+            super().wait_for_everyone()
 
         def prepare(self, *args, **kwargs):
             result = super().prepare(*args, **kwargs)

@@ -1,0 +1,127 @@
+"""Uneven inputs on 2 gloo ranks: `grad_sync.join()` around a plain `accumulate` loop in which the
+ranks run different numbers of micro-batches (M = 4). Every sync mode, FSDP2 and FSDP1, ends
+without hanging at the parameters of the reference run in which the rank that ran out goes on
+with its last micro-batch x 0 (bit for bit): one rank running out in the middle of a window
+(8 and 7 micro-batches) and one at a window's boundary (4 and 8: the main process shadows a whole
+window). The loop clips gradients at every optimizer step. The poll is one all-reduce per micro-batch and
+per clip, plus one to leave, counted from outside.
+A rank with no micro-batch, an evaluation inside join(), and uneven counts without join() met by
+`wait_for_everyone()` are refused on every rank in one line."""
+
+import json
+
+import pytest
+from launcher import accelerate_config, launch
+
+M = 4
+CASES = {"mid_window": [8, 7], "boundary": [4, 8]}
+MODES = {
+    "per_micro_batch": {},
+    "deferred": {"defer": True},
+    "window": {"defer": True, "keep_params_unsharded": True},
+    "budget": {"sync_mode": "budget", "memory_budget": "1200B"},  # holds the root and blocks.0 of TinyNet
+}
+FSDP1_MODES = ("per_micro_batch", "deferred")  # budget is FSDP2's; FSDP1 ignores the window
+TIMEOUT = 300  # a hang fails the launch instead of the suite
+
+
+def _runs(modes, cases=tuple(CASES)):
+    runs = []
+    for mode in modes:
+        for case in cases:
+            ref, counts = f"{mode}/{case}/reference", CASES[case]
+            runs.append({"name": ref, "config": MODES[mode], "counts": counts, "pad": True})
+            runs.append(
+                {"name": f"{mode}/{case}/join", "config": MODES[mode], "counts": counts, "join": True, "reference": ref}
+            )
+    return runs
+
+
+# The default suite's share: the window (its flags kept across a rank's leaving) both ways, budget
+# in the middle of a window; --slow: every mode both ways, and FSDP1.
+SHORT = _runs(["window"]) + _runs(["budget"], ["mid_window"])
+
+
+REFUSALS = [
+    {"name": "empty_rank", "config": {"defer": True}, "counts": [8, 0], "join": True},
+    {"name": "evaluate_inside", "config": {"defer": True}, "counts": [3, 2], "join": True, "evaluate_after": 2},
+    # A window's held micro-batches issue no collective: the 7th reaches wait_for_everyone() silently.
+    {"name": "uneven_without_join", "config": MODES["window"], "counts": [7, 6]},
+]
+
+
+@pytest.fixture(scope="module")
+def fsdp2(slow):
+    runs = (_runs(MODES) if slow else SHORT) + REFUSALS
+    return launch(
+        "uneven_inputs", ["--M", str(M), "--runs", json.dumps(runs)], accelerate_config("fsdp2"), timeout=TIMEOUT
+    )
+
+
+@pytest.fixture(scope="module")
+def fsdp1():
+    runs = _runs(FSDP1_MODES)
+    return launch(
+        "uneven_inputs", ["--M", str(M), "--runs", json.dumps(runs)], accelerate_config("fsdp1"), timeout=TIMEOUT
+    )
+
+
+def _check_join_equals_reference(ranks, modes):
+    checked = 0
+    for rank in ranks:
+        for mode in modes:
+            for case, counts in CASES.items():
+                if f"{mode}/{case}/join" not in rank["runs"]:
+                    continue  # not in the default suite's share
+                checked += 1
+                join, ref = rank["runs"][f"{mode}/{case}/join"], rank["runs"][f"{mode}/{case}/reference"]
+                assert join["error"] is None and ref["error"] is None, (mode, case, join, ref)
+                assert join["equal"], (mode, case, join["max_diff"])
+                # Every rank counts the micro-batches it shadowed: both end with max(counts), two steps.
+                assert (
+                    join["stats"]
+                    == ref["stats"]
+                    == {
+                        "micro_batches": max(counts),
+                        "optimizer_steps": max(counts) // M,
+                        "mode": "deferred" if mode == "window" else mode,
+                    }
+                ), (mode, case)
+                # One poll per micro-batch, the shadowed ones included, one per clip_grad_norm_ (every
+                # optimizer step), and one to leave together.
+                assert join["all_reduces"] - ref["all_reduces"] == max(counts) + max(counts) // M + 1, (mode, case)
+    assert checked >= len(ranks) * 3  # the default share's three join runs on each rank, at least
+
+
+def test_fsdp2_join_ends_where_the_loss_times_zero_reference_ends(fsdp2):
+    _check_join_equals_reference(fsdp2, MODES)
+
+
+@pytest.mark.slow
+def test_fsdp1_join_ends_where_the_loss_times_zero_reference_ends(fsdp1):
+    _check_join_equals_reference(fsdp1, FSDP1_MODES)
+
+
+def test_a_rank_with_no_micro_batch_is_refused_on_every_rank(fsdp2):
+    for rank in fsdp2:
+        error = rank["runs"]["empty_rank"]["error"]
+        assert error is not None and "\n" not in error, error
+        assert "rank 0: 0 micro-batches, rank 1: 0 micro-batches (left the loop)" in error, error
+        assert "at least one micro-batch inside join()" in error
+
+
+def test_an_evaluation_inside_join_is_refused_on_every_rank(fsdp2):
+    """Rank 0 evaluates after its third micro-batch, when rank 1 is already shadowing."""
+    errors = [rank["runs"]["evaluate_inside"]["error"] for rank in fsdp2]
+    assert "a forward of TinyNet outside accelerator.accumulate()" in errors[0], errors
+    assert "another rank stopped inside join()" in errors[1], errors
+
+
+def test_uneven_counts_without_join_are_refused_at_wait_for_everyone(fsdp2):
+    for rank in fsdp2:
+        error = rank["runs"]["uneven_without_join"]["error"]
+        assert error is not None and "\n" not in error, error
+        assert (
+            "accelerator.wait_for_everyone()" in error and "rank 0: 7 micro-batches, rank 1: 6 micro-batches" in error
+        )
+        assert "grad_sync.join()" in error
