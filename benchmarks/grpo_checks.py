@@ -113,11 +113,11 @@ def check_reference(where: str, row: GrpoRow, beta: float) -> TargetResult:
     of the reference model's units once, at step 1 (its first forward), and nothing at any later step;
     counted around `torch.distributed` on rank 0, every round."""
     what = f"[{where}] {row.config}: {targets.GRPO_REFERENCE_RESIDENT.name}"
+    if not row.logprob_gathers:
+        return TargetResult(what, SKIP, "not recorded (a results.json from before the count)")
     if not row.ref_units:
         why = "beta 0: no reference model" if beta == 0 else "no reference model of its own (FSDP2-wrapped)"
         return TargetResult(what, SKIP, why)
-    if not row.logprob_gathers:
-        return TargetResult(what, SKIP, "not recorded (a results.json from before the count)")
     first = sorted({steps[0] for steps in row.logprob_gathers})
     after = sorted({n for steps in row.logprob_gathers for n in steps[1:]})
     detail = (

@@ -90,6 +90,7 @@ def test_a_resident_reference_model_is_gathered_at_step_1_and_never_after():
     assert reference([[2, 0]])[0] == "FAIL"
     assert reference([[2, 0]], ref_units=2)[0] == "PASS"
     assert reference([[0, 0]], ref_units=0, beta=0.0) == ("SKIP", "beta 0: no reference model")
+    assert reference([], ref_units=0)[0] == "SKIP"  # a results.json from before the count: nothing to judge
     # LoRA's window has no reference model of its own to keep: no such target.
     lora = row("lora/window", [1.0], [0])
     assert not status(grpo_checks.check_targets(results([lora], beta=0.04)), "[loopback] lora/window: the reference")
