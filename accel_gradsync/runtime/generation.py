@@ -9,10 +9,11 @@ from its first forward until detach, an exception or the end of a Trainer's trai
 A unit's first forward without gradients sets its `reshard_after_forward` to False (the public
 setter); training resuming puts every flag back and reshards: a forward with gradients, an
 optimizer step, a change of the window's flags, an exception, the end of a Trainer's evaluation,
-prediction or training (callback.py), or detach. The pre-hooks sit on every unit's module, not
-only the root (PEFT's `generate` runs the inner model without the root's forward), and are
-prepended so they run before FSDP's own pre-forward. FSDP1 and DDP: the setting does not apply
-(one warning).
+prediction or training (callback.py), or detach. While a unit is kept, FSDP2's own per-forward
+work on it, which does nothing there, is skipped (quiet_generation.py). The pre-hooks sit on
+every unit's module, not only the root (PEFT's `generate` runs the inner model without the root's
+forward), and are prepended so they run before FSDP's own pre-forward. FSDP1 and DDP: the setting
+does not apply (one warning).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from accel_gradsync.planning.units import Unit
 from accel_gradsync.runtime.fsdp import ModelAdapter
+from accel_gradsync.runtime.quiet_generation import skip_idle_forward_work
 from accel_gradsync.runtime.state import Attachment, BoundModel, FrozenModel, root_of
 
 
@@ -108,6 +110,7 @@ class GenerationGather:
             if keep and id(unit) not in self._kept.setdefault(key, set()):
                 self._kept[key].add(id(unit))
                 self._restores.setdefault(key, []).append(adapter.keep_params_through_forward([unit]))
+                self._restores[key].append(skip_idle_forward_work(adapter, [unit]))  # undone first
 
         return hook
 

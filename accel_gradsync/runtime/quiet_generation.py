@@ -25,6 +25,7 @@ no gate (its generation runs as before).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
@@ -49,15 +50,7 @@ def skip_idle_forward_work(adapter: ModelAdapter, units: Sequence[Unit]) -> Call
     (idempotent). Other wrappers, and units this torch's FSDP2 cannot gate: nothing to put back."""
     if not isinstance(adapter, FSDP2Adapter) or not units:
         return lambda: None
-    modules_of: dict[int, list[nn.Module]] = {}
-    for module, unit in adapter.unit_modules():
-        modules_of.setdefault(id(unit), []).append(module)
-    by_id = {id(u): u for u in adapter.units}
-    # The root's forward completes grouped units its forward left incomplete (a grouped unit whose
-    # hooks ran while the root's were skipped would stay mid-forward): idle only while they are.
-    grouped = [g for key, modules in modules_of.items() if len(modules) > 1 for g in _groups(by_id[key])]
-    root = adapter.fsdp_root()
-    on_cpu = _device_type(next(g for u in adapter.units for g in _groups(u))) == "cpu"
+    modules_of, grouped, root, on_cpu = _layout(adapter)
     swapped: list[tuple[dict, int, Callable, Callable]] = []
     for unit in units:
         modules = modules_of.get(id(unit), [])
@@ -75,6 +68,27 @@ def skip_idle_forward_work(adapter: ModelAdapter, units: Sequence[Unit]) -> Call
         swapped.clear()
 
     return restore
+
+
+_LAYOUTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _layout(adapter: FSDP2Adapter) -> tuple[dict[int, list[nn.Module]], list, nn.Module, bool]:
+    """What gating a model's units needs, once per adapter (its units never change): each unit's
+    modules by `id(unit)`, the param groups of its grouped units, its FSDP2 root, whether FSDP2 runs
+    on the CPU."""
+    if adapter not in _LAYOUTS:
+        modules_of: dict[int, list[nn.Module]] = {}
+        for module, unit in adapter.unit_modules():
+            modules_of.setdefault(id(unit), []).append(module)
+        by_id = {id(u): u for u in adapter.units}
+        # The root's forward completes grouped units its forward left incomplete (a grouped unit
+        # whose hooks ran while the root's were skipped would stay mid-forward): the root is idle
+        # only while they are.
+        grouped = [g for key, modules in modules_of.items() if len(modules) > 1 for g in _groups(by_id[key])]
+        on_cpu = _device_type(next(g for u in adapter.units for g in _groups(u))) == "cpu"
+        _LAYOUTS[adapter] = (modules_of, grouped, adapter.fsdp_root(), on_cpu)
+    return _LAYOUTS[adapter]
 
 
 def _gate(modules: list[nn.Module], groups: list) -> list[tuple[dict, int, Callable, Callable]]:
