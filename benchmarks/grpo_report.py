@@ -76,6 +76,7 @@ def table_row(run: GrpoRun, r: GrpoRow) -> str:
     state = f"{r.state_bytes / ddp.state_bytes:.2f}x" if ddp and ddp.state_bytes else "-"
     c, ph, held = r.counts_per_step, r.phase_time_s, fmt_held(r.held_grad_bytes, r.handle_held_grad_bytes)
     x_ddp = f"{floor[0]:.2f}x{fmt_spread(floor[1], fmt='{:.2f}', unit='x')}" if floor else "-"
+    x_ddp = "1.00x" if floor and grpo.is_ddp(r.config) else x_ddp  # itself: no spread to show
     return (
         f"| {r.config} | {r.step_time_s * 1e3:.0f}{fmt_spread(list(per_round(r).values()), 1e3)} | "
         f"{sp[0] if sp else math.nan:.2f}x | {x_ddp} | "
