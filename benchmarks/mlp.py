@@ -5,8 +5,9 @@ records; `mlp_worker.py` measures, `mlp_report.py` reports.
 
 A configuration (`CONFIGS`): `loop`, the training loop (`mlp_worker.step`, or "trainer": a stock
 `transformers.Trainer`); `gradsync`, the `GradSyncConfig` arguments (a function of the model's
-facts, or None: no plugin); `sync_each_batch` (accelerate's flag); `reshard_after_forward: False`;
-`mesh: "2x2"` (4 ranks as HSDP, else 2 of plain FSDP2); `group` and `label` for the report.
+facts, or None: no plugin); `join` (its steps inside one `grad_sync.join()`); `sync_each_batch`
+(accelerate's flag); `reshard_after_forward: False`; `mesh: "2x2"` (4 ranks as HSDP, else 2 of
+plain FSDP2); `group` and `label` for the report.
 """
 
 from __future__ import annotations
@@ -37,6 +38,11 @@ CONFIGS: dict[str, dict[str, Any]] = {
     # The two modes of the plugin, through accelerate's own `accumulate`.
     "per_micro_batch": config("plugin", "accel_gradsync per-micro-batch", {"defer": False}),
     "deferred": config("plugin", "accel_gradsync deferred", {"defer": True}),
+    # The same deferred loop inside `grad_sync.join()` (uneven inputs), on even inputs: what its
+    # poll (one all-reduce per micro-batch) costs. One join() around all its steps, as around a loop.
+    "deferred_join": config(
+        "plugin", "accel_gradsync deferred inside grad_sync.join(), even inputs", {"defer": True}, join=True
+    ),
     "window": config(
         "plugin",
         "accel_gradsync deferred + window (params unsharded through the window)",
@@ -74,6 +80,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
 # back in every round and the report compares them round by round.
 PAIRS: tuple[tuple[str, str], ...] = (
     ("deferred", "raw_fsdp2"),
+    ("deferred", "deferred_join"),
     ("per_micro_batch", "stock_sync_each_batch"),
     ("window", "raw_window"),
     # The same window flags by hand, in accelerate's own loop: what the plugin adds to that loop,

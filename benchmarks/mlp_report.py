@@ -130,6 +130,7 @@ OVERHEADS = (
     ("per_micro_batch", "stock_sync_each_batch", 1, "stock sync_each_batch=True"),
     ("window", "raw_window", 2, "the hand-written window loop"),
     ("window", "stock_window_by_hand", 2, "the same flags by hand in accelerate's own loop"),
+    ("deferred_join", "deferred", 1, "the same loop without grad_sync.join()"),
 )
 # Exact (reduce-scatters, all-reduces) per optimizer step, "MU" = M x U; HSDP also all-reduces
 # across replicas on every reduce-scatter it does not defer.
@@ -139,6 +140,7 @@ EXPECTED_COUNTS = {
     "hsdp_per_micro_batch": ("MU", "MU"),
     "hsdp_deferred": ("U", "U"),
     "hsdp_defer_all_reduce": ("MU", "U"),
+    "deferred_join": ("U", "M"),  # join()'s poll: one per micro-batch
     **dict.fromkeys(
         (
             "deferred",
@@ -249,7 +251,7 @@ def check_counts(runs: list[Run]) -> list[TargetResult]:
             seen = r.counts_seen_per_step
             if name in EXPECTED_COUNTS:
                 got = (seen["reduce_scatters"], seen["all_reduces"])
-                want = tuple([{"MU": M * U, "U": U, 0: 0}[x]] for x in EXPECTED_COUNTS[name])
+                want = tuple([{"MU": M * U, "U": U, "M": M, 0: 0}[x]] for x in EXPECTED_COUNTS[name])
                 counts.append(got == want or f"{run.size}/{name}/M={M}: (reduce-scatters, all-reduces) {got} != {want}")
             if name in WINDOWED:
                 gathers.append(seen["all_gathers"] == [U] or f"{run.size}/{name}/M={M}: {seen['all_gathers']}")

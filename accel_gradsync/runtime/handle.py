@@ -169,9 +169,8 @@ class GradSyncHandle:
 
         Raises:
             `ValueError`, on every rank: a rank left with no micro-batch of its own inside the block,
-                a forward outside `accumulate()` or `wait_for_everyone()` inside it, accelerate
-                ending one rank's accumulation at its dataloader's end while others train on; a
-                Trainer (its ranks run equal counts).
+                a forward outside `accumulate()` or `wait_for_everyone()` inside it, `even_batches=False`
+                with `sync_with_dataloader`; a Trainer (its ranks run equal counts).
         """
         return self._join.joined()
 

@@ -7,7 +7,9 @@ ranks, so a micro-batch some ranks miss weighs less than a full one; the shards 
 step with the others' at every optimizer step.
 
 How. Inside `join()` every `accelerator.accumulate()` entry and `clip_grad_norm_` (hooks.py) issue
-one all-reduce (`_poll`, slots below) before any collective of theirs. A rank that left its loop
+one all-reduce (`_poll`, slots below) before any collective of theirs; a training rank waits for
+the answer only at its first (a rank that left with nothing to shadow answers that one) and reads
+the others at its next poll, for refusals (`_settle`). A rank that left its loop
 polls with 0 and, while any other rank trains, follows them (`_shadow`): for each micro-batch it
 replays its last one (`_replay`: the same forwards of the same models, recorded by a forward
 pre-hook ahead of FSDP's, inputs detached; outputs x 0; `accelerator.backward` inside
@@ -39,10 +41,10 @@ from accel_gradsync.runtime.bind import model_name
 from accel_gradsync.runtime.state import Attachment, root_of
 from accel_gradsync.runtime.uneven import ControlGroup, EvenCounts, by_rank
 
-TRAINING, ENDS_WITH_DATA, CANNOT_SHADOW, FAILED, CLIPPING, MAX_NORM, NORM_TYPE = range(7)
-"""The poll's slots, summed over ranks: the ranks still training, those whose dataloader ends the
-accumulation, those that left with nothing to shadow, those that stopped on an error, those about to
-clip gradients, and their `max_norm` and `norm_type`."""
+TRAINING, CANNOT_SHADOW, FAILED, CLIPPING, MAX_NORM, NORM_TYPE = range(6)
+"""The poll's slots, summed over ranks: the ranks still training, those that left with nothing to
+shadow, those that stopped on an error, those about to clip gradients, and their `max_norm` and
+`norm_type`."""
 
 
 @dataclass
@@ -68,6 +70,7 @@ class Join:
         self._last: tuple[tuple, list[_Forward]] = ((), [])  # (accumulate()'s models, forwards)
         self._hooks: dict[nn.Module, torch.utils.hooks.RemovableHandle] = {}
         self._clip_params: list = []  # what this rank's loop clipped inside join()
+        self._pending: tuple | None = None  # a training rank's last poll: (its work, its tensor)
         self.group = ControlGroup()
         self.even = EvenCounts(state, self.group)  # without join(): the counts must agree
         self.micro_batches = 0  # this rank's own inside join()
@@ -85,6 +88,13 @@ class Join:
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
             yield  # one process: nothing to pair
             return
+        accelerator = self.state.accelerator
+        if accelerator.gradient_state.sync_with_dataloader and not accelerator.even_batches:
+            raise ValueError(
+                "grad_sync.join() with even_batches=False: accelerate ends each rank's accumulation at the end of "
+                "its own prepared dataloader, so the ranks' optimizer steps would not pair; build the Accelerator "
+                "with GradientAccumulationPlugin(sync_with_dataloader=False)."
+            )
         self.inside, self.micro_batches = True, 0
         try:
             yield
@@ -102,9 +112,7 @@ class Join:
             return
         self._promote()
         self._watch()
-        gradient_state = self.state.accelerator.gradient_state
-        ends_with_data = gradient_state.sync_with_dataloader and gradient_state.end_of_dataloader
-        self._poll(training=True, ends_with_data=bool(ends_with_data))
+        self._poll(training=True, wait=not self.micro_batches)  # the first answers a rank that left empty
         self.micro_batches += 1
         self._models, self._open = models, True
         try:
@@ -118,7 +126,7 @@ class Join:
         if not self.inside or self._shadowing:
             return parameters
         self._clip_params = [parameters] if torch.is_tensor(parameters) else list(parameters)
-        self._poll(training=True, clip=(float(max_norm), float(norm_type)))
+        self._poll(training=True, clip=(float(max_norm), float(norm_type)), wait=False)
         return self._clip_params
 
     def refuse_inside(self, what: str) -> None:
@@ -138,37 +146,47 @@ class Join:
         self.even.close()
 
     # -- the protocol ----------------------------------------------------------------------------
-    def _poll(self, training: bool, ends_with_data: bool = False, clip: tuple = (), failed: bool = False) -> list:
-        """One all-reduce of what each rank does next, summed (`TRAINING`, ...); refuses, on every
-        rank alike, what cannot be shadowed."""
+    def _poll(self, training: bool, clip: tuple = (), failed: bool = False, wait: bool = True) -> list:
+        """One all-reduce of what each rank does next, summed (`TRAINING`, ...). A training rank
+        needs no answer but refusals, so after its first poll it does not wait (`wait=False`): the
+        poll completes in gloo's thread while it trains on, and the next poll reads it first."""
+        self._settle()
         cannot_shadow = not training and not failed and not self._last[1]
         max_norm, norm_type = clip or (0.0, 0.0)
-        mine = [training, ends_with_data, cannot_shadow, failed, bool(clip), max_norm, norm_type]
+        mine = [training, cannot_shadow, failed, bool(clip), max_norm, norm_type]
         polled = torch.tensor(mine, dtype=torch.float64)
-        dist.all_reduce(polled, group=self.group.get())
+        work = dist.all_reduce(polled, group=self.group.get(), async_op=True)
+        if not wait:
+            self._pending = (work, polled)
+            return []
+        work.wait()
         counts = polled.tolist()
-        if failed:
-            return counts
+        if not failed:
+            self._judge(counts, training)
+        return counts
+
+    def _settle(self) -> None:
+        """The training rank's last poll, answered by now: its refusals."""
+        if self._pending is not None:
+            (work, polled), self._pending = self._pending, None
+            work.wait()
+            self._judge(polled.tolist(), training=True)
+
+    def _judge(self, counts: list, training: bool) -> None:
+        """Refuse, on every rank alike, what cannot be shadowed."""
         if counts[FAILED]:
             raise ValueError("grad_sync.join(): another rank stopped inside join() with an error (see its output).")
-        refusal = ""
-        if counts[CANNOT_SHADOW] and counts[TRAINING]:
-            refusal = (
-                "a rank left the loop with no micro-batch to shadow the others' with ({}): give every rank at "
-                "least one micro-batch inside join()."
-            )
-        elif counts[ENDS_WITH_DATA] not in (0, dist.get_world_size()):
-            refusal = (
-                "accelerate ends the accumulation at one rank's end of its dataloader while others train on ({}), so "
-                "their optimizer steps would not pair: build the Accelerator with "
-                "GradientAccumulationPlugin(sync_with_dataloader=False), or even_batches=True."
-            )
-        elif counts[CLIPPING] not in (0, counts[TRAINING]):
-            refusal = "the ranks still training disagree: some clip gradients while others start a micro-batch ({})."
-        if refusal:
+        if counts[CANNOT_SHADOW] and counts[TRAINING]:  # a rank's first poll, which no rank leaves unanswered
             done = self.group.gather((self.micro_batches, not training))
-            raise ValueError("grad_sync.join(): " + refusal.format(by_rank(done)))
-        return counts
+            raise ValueError(
+                f"grad_sync.join(): a rank left the loop with no micro-batch to shadow the others' with "
+                f"({by_rank(done)}): give every rank at least one micro-batch inside join()."
+            )
+        if counts[CLIPPING] not in (0, counts[TRAINING]):
+            raise ValueError(
+                "grad_sync.join(): the ranks still training disagree: some clip gradients while others start a "
+                "micro-batch; every rank's loop must clip at the same micro-batches."
+            )
 
     def _refuse(self, what: str, fix: str) -> None:
         """Refuse `what` on this rank and, through the poll, on every other rank at its next one."""
@@ -251,7 +269,7 @@ class Join:
             handle.remove()
         self._hooks.clear()
         self.inside, self._open, self._current, self._last, self._models = False, False, [], ((), []), ()
-        self._clip_params = []
+        self._clip_params, self._pending = [], None  # an unanswered poll is not waited for on the way out
 
 
 def _detached(tree: Any) -> Any:

@@ -5,7 +5,8 @@ with its last micro-batch x 0 (bit for bit): one rank running out in the middle 
 (8 and 7 micro-batches) and one at a window's boundary (4 and 8: the main process shadows a whole
 window). The loop clips gradients at every optimizer step. The poll is one all-reduce per micro-batch and
 per clip, plus one to leave, counted from outside.
-A rank with no micro-batch, an evaluation inside join(), and uneven counts without join() met by
+A rank with no micro-batch, an evaluation inside join(), `even_batches=False` (a prepared
+DataLoader would end each rank's window apart) and uneven counts without join() met by
 `wait_for_everyone()` are refused on every rank in one line."""
 
 import json
@@ -45,6 +46,8 @@ SHORT = _runs(["window"]) + _runs(["budget"], ["mid_window"])
 REFUSALS = [
     {"name": "empty_rank", "config": {"defer": True}, "counts": [8, 0], "join": True},
     {"name": "evaluate_inside", "config": {"defer": True}, "counts": [3, 2], "join": True, "evaluate_after": 2},
+    # A prepared DataLoader would end each rank's window at its own end: refused at join().
+    {"name": "even_batches_false", "config": {"defer": True}, "counts": [2, 1], "join": True, "even_batches": False},
     # A window's held micro-batches issue no collective: the 7th reaches wait_for_everyone() silently.
     {"name": "uneven_without_join", "config": MODES["window"], "counts": [7, 6]},
 ]
@@ -125,3 +128,10 @@ def test_uneven_counts_without_join_are_refused_at_wait_for_everyone(fsdp2):
             "accelerator.wait_for_everyone()" in error and "rank 0: 7 micro-batches, rank 1: 6 micro-batches" in error
         )
         assert "grad_sync.join()" in error
+
+
+def test_even_batches_false_with_sync_with_dataloader_is_refused_at_join(fsdp2):
+    for rank in fsdp2:
+        error = rank["runs"]["even_batches_false"]["error"]
+        assert error is not None and "\n" not in error, error
+        assert "even_batches=False" in error and "sync_with_dataloader=False" in error, error

@@ -88,10 +88,12 @@ for run in args.runs:
     accelerator.step = 0  # accelerate's count of micro-batches: each run starts a window
     counter.take()
     error = None
+    accelerator.even_batches = run.get("even_batches", True)
     try:
         train(run, handle, model, optimizer, scheduler)
     except ValueError as e:
         error = str(e)
+    accelerator.even_batches = True
     ran = counter.take()
     out = {
         "error": error,
