@@ -7,7 +7,7 @@ window). The loop clips gradients at every optimizer step. The poll is one all-r
 per clip, plus one to leave, counted from outside.
 A rank with no micro-batch, an evaluation inside join(), `even_batches=False` (a prepared
 DataLoader would end each rank's window apart) and uneven counts without join() met by
-`wait_for_everyone()` are refused on every rank in one line."""
+`wait_for_everyone()` or `save_state()` are refused on every rank in one line."""
 
 import json
 
@@ -50,6 +50,7 @@ REFUSALS = [
     {"name": "even_batches_false", "config": {"defer": True}, "counts": [2, 1], "join": True, "even_batches": False},
     # A window's held micro-batches issue no collective: the 7th reaches wait_for_everyone() silently.
     {"name": "uneven_without_join", "config": MODES["window"], "counts": [7, 6]},
+    {"name": "uneven_at_save_state", "config": MODES["window"], "counts": [7, 6], "check": "save_state"},
 ]
 
 
@@ -135,3 +136,12 @@ def test_even_batches_false_with_sync_with_dataloader_is_refused_at_join(fsdp2):
         error = rank["runs"]["even_batches_false"]["error"]
         assert error is not None and "\n" not in error, error
         assert "even_batches=False" in error and "sync_with_dataloader=False" in error, error
+
+
+def test_uneven_counts_without_join_are_refused_at_save_state(fsdp2):
+    """accelerate runs the save-state pre-hook after writing the model and optimizer files (their
+    collectives pair: the 7th micro-batch issued none), then the check refuses on every rank."""
+    for rank in fsdp2:
+        error = rank["runs"]["uneven_at_save_state"]["error"]
+        assert error is not None and "\n" not in error, error
+        assert "accelerator.save_state()" in error and "rank 0: 7 micro-batches, rank 1: 6 micro-batches" in error

@@ -2,12 +2,14 @@
 GradSyncConfig, each rank's count, and how the loop meets the unevenness). `join`: the loop inside
 `grad_sync.join()`; `pad`: the reference, every rank runs the largest count, a rank past its own
 repeating its last micro-batch with loss x 0 (what join() promises to equal); neither: uneven
-counts met by `accelerator.wait_for_everyone()`. AdamW and a LambdaLR scheduler, both prepared,
-and `clip_grad_norm_` at every optimizer step. Reports per run the final parameters (compared in
-the worker, bit for bit, with the run named as `reference`), the all-reduces counted from outside
-over the loop, `stats()`, and the message of a ValueError raised on this rank."""
+counts met by `accelerator.wait_for_everyone()` or `save_state` (`check`). AdamW and a LambdaLR
+scheduler, both prepared, and `clip_grad_norm_` at every optimizer step. Reports per run the final
+parameters (compared in the worker, bit for bit, with the run named as `reference`), the
+all-reduces counted from outside over the loop, `stats()`, and the message of a ValueError raised
+on this rank."""
 
 import json
+import os
 
 import torch
 import torch.nn.functional as F
@@ -73,7 +75,10 @@ def train(run: dict, handle, model, optimizer, scheduler) -> None:
     else:
         for k in range(count):
             micro_batch(model, optimizer, scheduler, *batch(k))
-        accelerator.wait_for_everyone()
+        if run.get("check") == "save_state":
+            accelerator.save_state(os.path.join(args.out, "checkpoint"))
+        else:
+            accelerator.wait_for_everyone()
 
 
 result: dict = {"runs": {}}
