@@ -141,6 +141,13 @@ def test_generation_gathers_each_unit_once_per_round_not_per_token(runs, single,
                     assert 0 < step["gen_outside"] <= out["units"], (name, step)
                 elif "inside" not in name:  # the window keeps its units through its first micro-batch
                     assert step["gen_outside"] >= (out["units"] - 1) * T, (name, step)
+            # FSDP2's own pre- and post-forward run on a kept unit only at its first forward (its
+            # records of post-forwards: one per param group per forward it runs them on).
+            for records in out["fsdp_forward_records"]:
+                if _gathers_once(name):
+                    assert records <= out["units"], (name, out["fsdp_forward_records"])
+                else:
+                    assert records >= (out["units"] - 1) * T, (name, out["fsdp_forward_records"])
             if "+gen" in name:
                 assert "all-gathers per round" in out["decision"], out["decision"]
             elif name in MODES:

@@ -87,6 +87,12 @@ def greedy(model, prompts: torch.Tensor) -> torch.Tensor:
     return ids
 
 
+def forward_records(model) -> int:
+    """How many post-forwards FSDP2 has recorded since the last backward (one per param group per
+    forward it runs its hooks on; generation runs no backward)."""
+    return len(adapt_model(model).fsdp_root()._get_fsdp_state()._comm_ctx.post_forward_order)
+
+
 def gathers(counts: dict) -> int:
     return sum(counts.get(n, 0) for n in GATHERS)
 
@@ -188,9 +194,11 @@ def one_run(run: dict) -> dict:
         counter.take()
         before = stats()["generation_all_gathers"]
         context = handle.gathered(model) if run.get("gathered") else contextlib.nullcontext()
+        records = forward_records(model)
         with torch.no_grad(), context:
             ids = greedy(model, prompts)
             gen_outside = gathers(counter.take())
+            out.setdefault("fsdp_forward_records", []).append(forward_records(model) - records)
             if run.get("other"):  # not the model gathered() names: all-gathers every unit per token
                 greedy(other, prompts)
                 out.setdefault("other_gathers", []).append(gathers(counter.take()))
