@@ -24,6 +24,7 @@ from accel_gradsync.planning.residency import kept_bytes
 from accel_gradsync.planning.units import Plan, Unit
 from accel_gradsync.runtime.accounting import SyncAccounting, combined_stats
 from accel_gradsync.runtime.fsdp import ModelAdapter
+from accel_gradsync.runtime.quiet_generation import skip_idle_forward_work
 
 NOT_READ = -1
 """An `auto_read_at` no step count has: the next window start re-plans."""
@@ -106,6 +107,9 @@ class BoundModel:
         windowed = [u for u in self.plan.windowed if id(u) in _ids(held)]
         flags = contextlib.ExitStack()
         flags.enter_context(self.adapter.hold(held, self.plan.held_sync, windowed))
+        # Windowed units stay unsharded through the window: forwards without gradients in it (TRL
+        # generates in its first micro-batch) skip FSDP2's idle per-forward work; undone first.
+        flags.callback(skip_idle_forward_work(self.adapter, windowed))
         self.hold = _Hold(self.plan, _ids(held), flags)
 
     def end_hold(self) -> None:

@@ -144,7 +144,7 @@ def test_generation_gathers_each_unit_once_per_round_not_per_token(runs, single,
             # FSDP2's own pre- and post-forward run on a kept unit only at its first forward (its
             # records of post-forwards: one per param group per forward it runs them on).
             for records in out["fsdp_forward_records"]:
-                if _gathers_once(name):
+                if _gathers_once(name) or name.startswith("window_inside"):  # the window keeps them too
                     assert records <= out["units"], (name, out["fsdp_forward_records"])
                 else:
                     assert records >= (out["units"] - 1) * T, (name, out["fsdp_forward_records"])
