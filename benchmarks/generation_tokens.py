@@ -249,8 +249,8 @@ def profiled(run, tokens: int) -> str:
     rows = []
     for (file, line, func), (_, calls, tottime, cumtime, _) in stats.stats.items():
         if "_fully_shard" in file or "accel_gradsync" in file or (func == "_call_impl" and "module.py" in file):
-            rows.append((cumtime, f"{calls / tokens:8.1f} {1e3 * tottime / tokens:9.3f} {1e3 * cumtime / tokens:9.3f}  "
-                         f"{Path(file).name}:{line}({func})"))  # fmt: skip
+            figures = f"{calls / tokens:8.1f} {1e3 * tottime / tokens:9.3f} {1e3 * cumtime / tokens:9.3f}"
+            rows.append((cumtime, f"{figures}  {Path(file).name}:{line}({func})"))
     rows.sort(reverse=True)
     head = f"total {1e3 * total / tokens:.3f} ms/token; calls/token, own ms/token, cumulative ms/token, function"
     return "\n".join([head, *(text for _, text in rows[:25])])
