@@ -391,10 +391,10 @@ def pending_all_gathers(unit: Unit) -> Callable[[], int]:
     runs now (fsdp2_counts.py): one per param group whose params are not unsharded (sharded,
     resharded to a smaller mesh after forward, or prefetched and not waited for yet); none on a
     mesh of one rank. Attribute reads only: it runs before every forward and backward."""
-    groups = param_groups(unit)
+    groups, flag = param_groups(unit), internals.attribute("is_unsharded")
     if unit.shard_size == 1:
         return lambda: 0
-    return lambda: sum(not internals.read(g, "is_unsharded") for g in groups)
+    return lambda: sum(not getattr(g, flag) for g in groups)
 
 
 def unsharded(group) -> bool:

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from accel_gradsync.compat import fsdp2 as internals
 from accel_gradsync.planning.units import Unit
 from accel_gradsync.runtime.accounting import SyncAccounting
 from accel_gradsync.runtime.fsdp import (
@@ -84,6 +85,7 @@ class _Residency:
         self.groups = [g for unit in adapter.units if unit.shard_size > 1 for g in param_groups(unit)]
         # Gathered before the hooks were there: not this run's to count.
         self.counted = {id(g) for g in self.groups if unsharded(g)}
+        self.flag = internals.attribute("is_unsharded")
 
     def gatherer(self, unit: Unit) -> Callable[[bool], None]:
         """Count the all-gathers FSDP issues for `unit` when it acts on it now (`training`: with
@@ -101,11 +103,14 @@ class _Residency:
 
     def sweep(self) -> None:
         """Count the groups unsharded since the last look without a count; forget the resharded."""
+        # NOTE: runs before every unit's forward, so at every decoded token once per unit: one
+        # attribute read per group, no call in between.
+        flag, counted = self.flag, self.counted
         for group in self.groups:
-            if not unsharded(group):
-                self.counted.discard(id(group))
-            elif id(group) not in self.counted:
-                self.counted.add(id(group))
+            if not getattr(group, flag):
+                counted.discard(id(group))
+            elif id(group) not in counted:
+                counted.add(id(group))
                 self.account.record_all_gathers(1, training=torch.is_grad_enabled())
 
 
