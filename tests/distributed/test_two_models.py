@@ -87,6 +87,11 @@ def test_each_model_has_its_own_counters_and_decision_line(ranks):
         # its units again (two forwards: U + U) and compute the same.
         for r in results:
             assert r["checkpoint"] == {"all_gathers_after_save": 2 * U, "same_output": True}, r["checkpoint"]
+        # An exception mid-forward releases it: the next two forwards gather U (then none), the third
+        # none, and all compute the same; it is still resident.
+        for r in results:
+            expected = {"raised": "injected failure", "all_gathers": [U, 0], "same_output": True, "resident": True}
+            assert r["exception"] == expected, r["exception"]
     assert not results[1]["decisions"]
 
 

@@ -86,6 +86,32 @@ checkpoint = {
     "all_gathers_after_save": all_gathers() - gathers_at,
     "same_output": bool(torch.equal(before_save, after_save) and torch.equal(before_save, after_load)),
 }
+
+# An exception inside the resident reference's forward, mid-unit (its second block's layer raises
+# once): FSDP2 is left mid-forward, so the reference is released; its next forward gathers every
+# unit again (counted from outside), the one after gathers nothing, and both compute what it did.
+exception: dict = {}
+if accelerator.is_fsdp2:
+
+    def fail(module, inputs):
+        raise RuntimeError("injected failure")
+
+    failing = reference.blocks[1].proj.register_forward_pre_hook(fail)
+    try:
+        with torch.no_grad():
+            reference(x)
+    except RuntimeError as error:
+        exception["raised"] = str(error)
+    failing.remove()
+    gathers_at = all_gathers()
+    with torch.no_grad():
+        outputs = [reference(x), reference(x)]
+    two_forwards, gathers_at = all_gathers() - gathers_at, all_gathers()
+    with torch.no_grad():
+        outputs.append(reference(x))
+    exception["all_gathers"] = [two_forwards, all_gathers() - gathers_at]
+    exception["same_output"] = all(torch.equal(before_save, out) for out in outputs)
+    exception["resident"] = handle.stats()["reference_models"]["TinyNet#3"]["resident"]
 counter.take()
 models, optimizers, fresh = (policy, reference), (policy_opt, reference_opt), (TinyNet(), TinyNet())
 unfrozen = (
@@ -97,6 +123,7 @@ write_result(
         "unfreezing": unfrozen,
         "reference_all_gathers_per_step": reference_all_gathers,
         "checkpoint": checkpoint,
+        "exception": exception,
         "counts": counts,
         "stats": {k: v for k, v in stats.items() if k != "models"},
         "models": stats["models"],
