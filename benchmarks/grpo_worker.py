@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import cProfile
 import dataclasses
 import gc
 import hashlib
@@ -48,6 +49,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=3, help="optimizer steps per run; the first is untimed")
     p.add_argument("--beta", type=float, default=0.0, help="GRPO's KL coefficient (> 0: a reference model)")
     p.add_argument("--pin-cores", action="store_true")
+    p.add_argument("--profile", metavar="DIR", help="cProfile generation on rank 0 into DIR/generation_*.prof")
     p.add_argument("--time-collectives", action="store_true", help="time the backend's collectives at the end")
     return p.parse_args()
 
@@ -98,15 +100,17 @@ def wrap(
     when=lambda: True,
     after=None,
     uncounted: CollectiveCounter | None = None,
+    profiled: cProfile.Profile | None = None,
 ) -> None:
     """Wrap the bound method `name` of an instance (the trainer's, its accelerator's: their classes
     stay untouched): its time is charged to `phase` (phases, name) when `when()`, `after(out)` sees
-    what it returned, and with `uncounted` the collectives it issues are not counted."""
+    what it returned, with `uncounted` the collectives it issues are not counted, and `profiled`
+    profiles it."""
     bound = getattr(instance, name)
 
     def wrapped(*args: Any, **kwargs: Any):
         with phase[0].enter(phase[1]) if phase and when() else contextlib.nullcontext():
-            with uncounted.paused() if uncounted else contextlib.nullcontext():
+            with uncounted.paused() if uncounted else contextlib.nullcontext(), profiled or contextlib.nullcontext():
                 out = bound(*args, **kwargs)
             if after:
                 after(out)
@@ -167,6 +171,9 @@ def run_one(name: str, round_index: int, args: argparse.Namespace, phases: Phase
             callbacks=[callback],
         )
         callback.trainer, handle = trainer, attach(trainer, spec["gradsync"])
+        if args.profile and trainer.accelerator.is_main_process:
+            profiler = cProfile.Profile()
+            wrap(trainer, "_generate", profiled=profiler)
         wrap(trainer, "_generate", (phases, "generation"), after=digest)
         wrap(
             trainer,
@@ -179,6 +186,9 @@ def run_one(name: str, round_index: int, args: argparse.Namespace, phases: Phase
         # not the models' collectives, which are what the counts are for.
         wrap(trainer.accelerator, "gather", uncounted=phases.counter)
         trainer.train()
+        if args.profile and trainer.accelerator.is_main_process:
+            Path(args.profile).mkdir(parents=True, exist_ok=True)
+            profiler.dump_stats(Path(args.profile, f"generation_{name.replace('/', '_')}_r{round_index}.prof"))
         keys = ("step", "loss", "reward", "reward_std", "kl")
         logs = [{k: e[k] for k in keys if k in e} for e in trainer.state.log_history if "loss" in e]
         units, stats = len(fsdp2_groups(trainer.model_wrapped)), handle.stats() if handle is not None else {}

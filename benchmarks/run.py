@@ -51,6 +51,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="timed optimizer steps per repetition and M (default: per model size; GRPO: optimizer steps per "
         f"round, the first untimed, default {grpo.SIZES['full']['steps']})",
     )
+    add(
+        "--profile",
+        action="store_true",
+        help="with --grpo: cProfile each configuration's generation on rank 0, into OUT/profiles/<network>/"
+        "generation_<config>_r<round>.prof (read them with pstats; a profiled run's times are inflated)",
+    )
     add("--no-pin", action="store_true", help="CPU: leave the ranks unpinned (default: one core per rank)")
     add("--hsdp-size", help=f"model size of the 4-rank HSDP launch (default: {mlp.HSDP_SIZE}; quick cluster: small)")
     add("--timeout", type=int, default=900, help="seconds per launch")
@@ -106,7 +112,7 @@ def plan_of(args: argparse.Namespace) -> tuple[dict, list[str | None]]:
     return p, [None, *links] if args.grpo else list(links)
 
 
-def jobs_of(p: dict, args: argparse.Namespace, workdir: Path, on_cluster: bool) -> list[Job]:
+def jobs_of(p: dict, args: argparse.Namespace, workdir: Path, network: str | None) -> list[Job]:
     """The launches of one network; the GRPO benchmark saves its model once, for every network."""
     if not args.grpo:
         env = {"CUDA_VISIBLE_DEVICES": ""} if args.device == "cpu" else {}  # --device cpu: gloo beside GPUs
@@ -126,14 +132,16 @@ def jobs_of(p: dict, args: argparse.Namespace, workdir: Path, on_cluster: bool) 
         what = f"{len(p['configs'])} configurations, {p['rounds']} round(s) of {p['steps']} steps"
         what += ", FSDP2's and DDP's launches alternating"
         print(f"[benchmarks] GRPO {p['size']} model, {facts['params'] / 1e6:.2f} M params: {what}", flush=True)
-    pin = not args.no_pin and not on_cluster  # a cluster pins each host's launch to the host's cores
+    pin = not args.no_pin and not network  # a cluster pins each host's launch to the host's cores
+    folder = Path(args.out, "profiles", network or "loopback")
+    profile = ["--profile", str(folder)] if args.profile else []
     # DDP's configurations: no accelerate config, torchrun with accelerate on CPU (launch.py), which
     # makes it DDP over gloo (accelerate's MULTI_CPU launcher would want mpirun).
     return [
         Job(
             f"GRPO round {r + 1}/{p['rounds']}, {'DDP' if grpo.is_ddp(names[0]) else 'FSDP2'}: {', '.join(names)}",
             grpo.WORKER,
-            grpo.worker_args(p, workdir, pin, names, r),
+            grpo.worker_args(p, workdir, pin, names, r) + profile,
             None if grpo.is_ddp(names[0]) else fsdp2_config(grpo.LAYER_CLASS, 2),
             grpo_merge.launch_of,
             {"CUDA_VISIBLE_DEVICES": ""},
@@ -215,7 +223,7 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     start = time.time()
     with tempfile.TemporaryDirectory() as tmp:
-        runs = [run for net in networks for run in run_jobs(jobs_of(p, args, Path(tmp), bool(net)), net, p, args)]
+        runs = [run for net in networks for run in run_jobs(jobs_of(p, args, Path(tmp), net), net, p, args)]
     command = "python -m benchmarks.run " + " ".join(sys.argv[1:] if argv is None else argv)
     common = dict(command=command, plan=p, machine=machine_facts(args.device), elapsed_s=round(time.time() - start, 1))
     results = GrpoResults(**common, runs=runs) if args.grpo else Results(**common, runs=runs)
