@@ -39,7 +39,7 @@ from accel_gradsync.runtime.decision import describe_decision, describe_frozen, 
 from accel_gradsync.runtime.fsdp import ModelAdapter, adapt_model, is_fsdp_wrapped
 from accel_gradsync.runtime.fsdp2_counts import watch_fsdp2
 from accel_gradsync.runtime.generation import GenerationGather
-from accel_gradsync.runtime.state import Attachment, BoundModel, FrozenModel, root_of
+from accel_gradsync.runtime.state import Attachment, BoundModel, FrozenModel, Removable, root_of
 from accel_gradsync.runtime.window import Window
 
 
@@ -71,7 +71,7 @@ class Binder:
         self._trainer_seen = False
         self._forecasts: dict[nn.Module, Forecast] = {}
         """auto's step-1 forecast per trained model, kept for a plan made again (`_replan_for`)."""
-        self._watching: dict[nn.Module, list[torch.utils.hooks.RemovableHandle]] = {}
+        self._watching: dict[nn.Module, list[Removable]] = {}
         """By bound or frozen model: the hooks on it, removed when it is bound again (`refresh`)."""
         self._trainable: dict[nn.Module, tuple[nn.Module, tuple[bool, ...]]] = {}
         """By model bound: the model as bound and `requires_grad` of each of its parameters then
@@ -125,9 +125,8 @@ class Binder:
 
     def close(self) -> None:
         """Detach: remove every hook binding put on the models."""
-        for handles in (self._handles, *self._watching.values()):
-            for handle in handles:
-                handle.remove()
+        for handle in [*self._handles, *(h for handles in self._watching.values() for h in handles)]:
+            handle.remove()
         self._handles.clear()
         self._watching.clear()
         self.window.close()

@@ -10,7 +10,8 @@ A unit's first forward without gradients sets its `reshard_after_forward` to Fal
 setter); training resuming puts every flag back and reshards: a forward with gradients, an
 optimizer step, a change of the window's flags, an exception, the end of a Trainer's evaluation,
 prediction or training (callback.py), or detach. While a unit is kept, FSDP2's own per-forward
-work on it, which does nothing there, is skipped (quiet_generation.py). The pre-hooks sit on
+work on it, which does nothing there, is skipped (quiet_generation.py), and so is transformers'
+per-token all-reduce where every unit stays unsharded through a generation (token_sync.py). The pre-hooks sit on
 every unit's module, not only the root (PEFT's `generate` runs the inner model without the root's
 forward), and are prepended so they run before FSDP's own pre-forward. FSDP1 and DDP: the setting
 does not apply (one warning).
@@ -30,7 +31,8 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from accel_gradsync.planning.units import Unit
 from accel_gradsync.runtime.fsdp import ModelAdapter
 from accel_gradsync.runtime.quiet_generation import skip_idle_forward_work
-from accel_gradsync.runtime.state import Attachment, BoundModel, FrozenModel, root_of
+from accel_gradsync.runtime.state import Attachment, BoundModel, FrozenModel, Removable, root_of
+from accel_gradsync.runtime.token_sync import skip_token_sync
 
 
 class GenerationGather:
@@ -58,7 +60,7 @@ class GenerationGather:
         return self.enabled or (frozen is not None and frozen.keeps)
 
     # -- hooks --------------------------------------------------------------------------------
-    def watch(self, root: nn.Module) -> list[torch.utils.hooks.RemovableHandle]:
+    def watch(self, root: nn.Module) -> list[Removable]:
         """Hooks on each unit module of the bound or frozen model `root`: count forwards without
         gradients, keep their units where the setting, a frozen model or `gathered()` asks,
         release when training resumes. Removing them unwatches `root` alone (a model bound again)."""
@@ -91,7 +93,15 @@ class GenerationGather:
             handles.extend(self._watch_for_raise(root))
         if keeps and self._optimizer_hook is None:  # shared by every model: `close` removes it
             self._optimizer_hook = register_optimizer_step_pre_hook(self._before_step)
-        return handles
+        return [*handles, *skip_token_sync(root, lambda: self.keeps_through_generation(root, adapter))]
+
+    def keeps_through_generation(self, root: nn.Module, adapter: ModelAdapter) -> bool:
+        """Every unit of the watched model `root` stays unsharded from the first forward without
+        gradients on (token_sync.py): kept for generation at that forward (the setting, a frozen
+        model that keeps, `gathered()`), or not resharding after forward now (the window's)."""
+        if self.keeps(root) or self._forced[None] > 0 or self._forced[root] > 0:
+            return True
+        return not any(adapter.reshards_now(unit) for unit in adapter.units if unit.shard_size > 1)
 
     def _resume_hook(self, module: nn.Module, args: Any) -> None:
         """A forward with gradients (in train or eval mode, as the window counts it): training

@@ -10,7 +10,7 @@ import contextlib
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from accelerate import Accelerator
 from torch import nn
@@ -28,6 +28,13 @@ from accel_gradsync.runtime.quiet_generation import skip_idle_forward_work
 
 NOT_READ = -1
 """An `auto_read_at` no step count has: the next window start re-plans."""
+
+
+class Removable(Protocol):
+    """What binding puts on a model and takes off again: a torch hook's handle, or the handle of
+    a wrapper (token_sync.py)."""
+
+    def remove(self) -> None: ...
 
 
 @dataclass

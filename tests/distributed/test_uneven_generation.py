@@ -1,0 +1,73 @@
+"""Generation without transformers' per-token all-reduce (runtime/token_sync.py), on real gloo
+ranks with transformers' own `generate` (workers/token_sync.py): the two ranks ask for different
+numbers of new tokens (3 and 7), so a rank that finishes first and stops running forwards would
+leave the other alone in any all-gather its forwards issue.
+
+- Where every FSDP2 unit stays unsharded through the generation (the window's units, generating
+  inside its first micro-batch as TRL does; `gather_for_generation` before the window), no
+  all-reduce runs during `generate`: each rank stops at its own length, nothing hangs, and the
+  tokens and losses equal the run with transformers' default.
+- Where units reshard after each forward (per_micro_batch without the setting), transformers'
+  default holds: one all-reduce per decoding loop on every rank, max(tokens) + 1 (the last finds
+  every rank done), and the rank done first keeps running forwards with the other.
+- `synced_gpus=True` passed by the caller is kept; detach puts the model's `generate` back.
+"""
+
+import pytest
+from launcher import accelerate_config, launch
+
+TOKENS = [3, 7]  # rank r asks for 3 + 4r new tokens
+SYNCED = max(TOKENS) + 1  # transformers' per-token flag all-reduces: one per loop, the last finds all done
+CONFIG = accelerate_config("fsdp2", fsdp_transformer_layer_cls_to_wrap="Qwen2DecoderLayer")
+WINDOW = {"defer": True, "keep_params_unsharded": True}
+RUNS = [
+    {"name": "stock", "config": {}, "at": "outside"},
+    {"name": "window_inside", "config": WINDOW, "at": "inside"},
+    {"name": "gather_for_generation", "config": {"gather_for_generation": True}, "at": "outside"},
+    {"name": "caller_synced", "config": {"gather_for_generation": True}, "at": "outside", "synced_gpus": True},
+]
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    import json
+
+    return launch("token_sync", ["--runs", json.dumps(RUNS)], CONFIG)
+
+
+def test_each_rank_generates_its_own_length(ranks):
+    for r, rank in enumerate(ranks):
+        assert rank["tokens"] == TOKENS[r]
+        for name, run in rank["runs"].items():
+            for step in run["steps"]:
+                assert {len(c) for c in step["completions"]} == {TOKENS[r]}, name
+
+
+def test_no_all_reduce_per_token_where_every_unit_stays_unsharded(ranks):
+    for rank in ranks:
+        for name in ("window_inside", "gather_for_generation"):
+            for step in rank["runs"][name]["steps"]:
+                assert step["generate"]["all_reduces"] == 0, (name, step["generate"])
+                assert step["generate"]["all_gathers"] > 0, name  # the first forward gathered the units
+
+
+def test_transformers_default_where_units_reshard_and_where_the_caller_asks(ranks):
+    for rank in ranks:
+        for name in ("stock", "caller_synced"):
+            for step in rank["runs"][name]["steps"]:
+                assert step["generate"]["all_reduces"] == SYNCED, (name, step["generate"])
+
+
+def test_same_tokens_and_losses_as_transformers_default(ranks):
+    for rank in ranks:
+        stock = rank["runs"]["stock"]["steps"]
+        for name in ("window_inside", "gather_for_generation", "caller_synced"):
+            steps = rank["runs"][name]["steps"]
+            assert [s["completions"] for s in steps] == [s["completions"] for s in stock], name
+            for mine, theirs in zip(steps, stock, strict=True):
+                assert mine["losses"] == pytest.approx(theirs["losses"], rel=1e-5), name
+
+
+def test_detach_puts_generate_back(ranks):
+    for rank in ranks:
+        assert all(run["generate_restored"] for run in rank["runs"].values())

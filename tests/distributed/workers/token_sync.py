@@ -1,0 +1,75 @@
+"""transformers' `generate` on a tiny Qwen2 under FSDP2 (decoder layers as units), with each rank
+asking for a different number of new tokens (rank r: 3 + 4r), then M micro-batches of training on
+what it generated, for 2 steps. Each run names a sync config, where generation happens (before the
+window, or inside its first micro-batch as in TRL) and the `synced_gpus` the caller passes (unset:
+transformers' default). Reported per step: the all-reduces issued during `generate` (counted from
+outside, by wrapping torch.distributed), the all-gathers, the tokens, the losses; per run whether
+the model's `generate` is back to what it was before attach after detach."""
+
+import json
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+from common import CollectiveCounter, parse_args, tiny_qwen2_config, write_result
+from transformers import Qwen2ForCausalLM
+
+import accel_gradsync
+
+VOCAB, PROMPT, B = 32, 4, 2
+
+args = parse_args([(("--runs",), {"type": json.loads, "required": True}), (("--M",), {"type": int, "default": 2})])
+accel_gradsync.enable_cpu_fsdp()
+counter = CollectiveCounter()
+accelerator = Accelerator(gradient_accumulation_steps=args.M)
+rank, M, STEPS = accelerator.process_index, args.M, 2
+TOKENS = 3 + 4 * rank
+PROMPTS = torch.randint(
+    1, VOCAB, (STEPS, accelerator.num_processes, M * B, PROMPT), generator=torch.Generator().manual_seed(5)
+)
+
+
+def one_run(run: dict) -> dict:
+    set_seed(0)
+    config = tiny_qwen2_config(vocab_size=VOCAB, pad_token_id=0, eos_token_id=None, bos_token_id=None)
+    model = Qwen2ForCausalLM(config)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    own_generate = vars(model).get("generate")
+    handle = accel_gradsync.attach(accelerator, accel_gradsync.GradSyncConfig(**run["config"]))
+    extra = {"synced_gpus": run["synced_gpus"]} if "synced_gpus" in run else {}
+    out: dict = {"steps": []}
+
+    def generate(prompts: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        counter.take()
+        ids = model.generate(
+            input_ids=prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=TOKENS, do_sample=False, **extra
+        )
+        counts = counter.take()
+        gathers = sum(n for name, n in counts.items() if "all_gather" in name)
+        return ids, {"all_reduces": counts.get("all_reduce", 0), "all_gathers": gathers}
+
+    model.train()
+    for step in range(STEPS):
+        record: dict = {"losses": []}
+        if run["at"] == "outside":
+            ids, record["generate"] = generate(PROMPTS[step, rank])
+        for k in range(M):
+            with accelerator.accumulate(model):
+                if k == 0 and run["at"] == "inside":
+                    ids, record["generate"] = generate(PROMPTS[step, rank])
+                batch = ids[k * B : (k + 1) * B]
+                loss = model(input_ids=batch, labels=batch).loss
+                accelerator.backward(loss)
+                record["losses"].append(loss.item())
+                optimizer.step()
+                optimizer.zero_grad()
+        record["completions"] = ids[:, PROMPT:].tolist()
+        out["steps"].append(record)
+    handle.detach()
+    out["generate_restored"] = vars(model).get("generate") is own_generate
+    accelerator.free_memory()
+    return out
+
+
+write_result(args.out, {"tokens": TOKENS, "runs": {run["name"]: one_run(run) for run in args.runs}})
