@@ -264,8 +264,9 @@ class GradSyncConfig:
         "FSDP2: forwards without gradients (generation, no-grad log-prob passes, evaluation) gather "
         "each unit once and keep it unsharded until training resumes (the next forward with "
         "gradients, an optimizer step, an exception, or the end of a Trainer's evaluation, "
-        "prediction or training), instead of all-gathering "
-        "every unit for every generated token. Costs the whole model's unsharded parameters "
+        "prediction or training), instead of all-gathering every unit for every generated token; "
+        "transformers' generate then runs without its per-token all-reduce (synced_gpus) unless "
+        "the caller passes one. Costs the whole model's unsharded parameters "
         "(compute dtype) on every rank while generating, as DeepSpeed ZeRO-3's "
         "ds3_gather_for_generation does; budget and auto plan with those bytes. Applies in every "
         "sync mode.",
