@@ -18,7 +18,13 @@ from accel_gradsync.config.errors import GradSyncWarning
 from accel_gradsync.config.settings import GradSyncConfig, SyncMode, dtype_name, reduce_dtype_for
 from accel_gradsync.estimator.inputs import FSDPSetup, LoraSpec, StepShape, load_model_config, read_launch_setup
 from accel_gradsync.estimator.meta_model import build_meta_model, estimated_adapter
-from accel_gradsync.estimator.reference import add_reference, check_beta, estimate_reference
+from accel_gradsync.estimator.reference import (
+    ReferenceModel,
+    add_reference,
+    build_reference,
+    check_beta,
+    count_for_mode,
+)
 from accel_gradsync.estimator.results import Estimate, ModeEstimate, ReferenceEstimate
 from accel_gradsync.estimator.row_costs import (
     count_held_bytes_in_compute_dtype,
@@ -74,7 +80,8 @@ def estimate(
             also gets the whole step's peak per rank (`step_peak_bytes`, step_peak.py).
         lora (`LoraSpec`, *optional*): a LoRA fine-tune (PEFT): only its adapters are trainable.
         beta (`float`): GRPO's KL coefficient; above 0 TRL keeps a reference model, estimated
-            apart (`Estimate.reference`, reference.py) and resident in every row's step peak.
+            apart (`Estimate.reference`, reference.py, for the selected mode) and in every row's
+            step peak, resident or not as that row's mode decides.
 
     Returns:
         `Estimate`: the model, mesh and units, and one `ModeEstimate` per mode of
@@ -100,13 +107,14 @@ def estimate(
         )
     adapters = _AdaptersByReduceDtype(load_model_config(model_spec), model_dtype, setup, config, lora)
     result = _describe_launch(model_spec, setup, config, adapters.for_mode(config.mode), micro_batches)
-    result.reference = estimate_reference(beta, adapters.model_config, model_dtype, setup, config, micro_batches, lora)
+    reference_model = build_reference(beta, adapters.model_config, model_dtype, setup, config, lora)
+    result.reference = count_for_mode(reference_model, config, micro_batches)
     sim = None
     if step_shape is not None:
         sim = StepForecaster(adapters.model_config, model_dtype, setup, config, step_shape, micro_batches, lora)
         result.step_shape = dataclasses.asdict(step_shape)
     result.modes = [
-        _estimate_row(name, policy, config, adapters, setup, micro_batches, sim, result.reference)
+        _estimate_row(name, policy, config, adapters, setup, micro_batches, sim, reference_model)
         for name, policy in _ROWS
     ]
     return result
@@ -169,16 +177,20 @@ def _estimate_row(
     setup: FSDPSetup,
     micro_batches: int,
     sim: StepForecaster | None = None,
-    reference: ReferenceEstimate | None = None,
+    reference_model: ReferenceModel | ReferenceEstimate | None = None,
 ) -> ModeEstimate:
     """Row `name`: the plan `policy_cls` makes for this launch, or why it makes none; with `sim`
-    also its whole-step peak, the `reference` model's bytes in it."""
+    also its whole-step peak, the reference model's bytes in it (`reference_model` counted for
+    this row's mode, which decides whether it is resident)."""
     windowed = config.sync_mode == SyncMode.DEFERRED and config.keep_params_unsharded
     selected = name == (WINDOW_ROW if windowed else config.sync_mode)
     try:
         # The deferred rows show deferral without and with the window, whatever the config says.
         window = {SyncMode.DEFERRED: False, WINDOW_ROW: True}.get(name)
         adapter = adapters.for_mode(policy_cls.name)
+        if policy_cls.name == SyncMode.BUDGET and not config.memory_budget:
+            raise ValueError("needs a budget: set --grad-sync-memory-budget (e.g. 12GiB or 0.5 of free memory).")
+        reference = count_for_mode(reference_model, config, micro_batches, policy_cls.name)
         # Within memory less what the reference model keeps, as a live run plans (budget, auto).
         reserved = reference.reserved_bytes if reference is not None else 0
         plan = _plan_mode(policy_cls, config, adapter, config.free_memory_bytes, micro_batches, window, reserved)
@@ -191,6 +203,8 @@ def _estimate_row(
     mode = name if label == name or name == WINDOW_ROW else f"{name} -> {label}"
     row = _count_row(mode, plan, adapter, setup, micro_batches)
     row.selected = selected
+    if reference is not None and reference.estimated and not reference.policy_adapter_off:
+        row.reference_resident, row.reference_all_gathers = reference.resident, reference.all_gathers_per_step
     row.fits = _check_fits(row, config)
     if sim is not None:
         # The window (or gather_for_generation) keeps the trained params from generation through the pass.
@@ -262,8 +276,6 @@ def _plan_mode(
             # The deferred rows set it whatever mode is selected: "ignored in sync mode X" is no news here.
             warnings.simplefilter("ignore", GradSyncWarning)
             config = dataclasses.replace(config, keep_params_unsharded=window)
-    if policy_cls.name == SyncMode.BUDGET and not config.memory_budget:
-        raise ValueError("needs a budget: set --grad-sync-memory-budget (e.g. 12GiB or 0.5 of free memory).")
 
     def free_memory() -> int:
         if free is None:

@@ -73,16 +73,22 @@ def _explain_step_peak(est: Estimate) -> list[str]:
         "FSDPMemTracker on fake tensors (docs/estimate.md); in brackets the phase it falls in."
     ]
     reference = est.reference
-    if reference is not None and reference.sharded_param_bytes and reference.resident:
+    if reference is not None and reference.sharded_param_bytes:
+        # Each row's mode decides residency (keep_reference_unsharded=auto: budget and auto, where it fits).
+        rows = [m for m in est.modes if m.applicable]
+        resident = [m.mode for m in rows if m.reference_resident]
         lines[0] += (
-            f" With --beta, the reference model's {format_bytes(reference.sharded_param_bytes)} of sharded and "
-            f"{format_bytes(reference.unsharded_param_bytes)} of unsharded params (kept resident) in every phase."
+            f" With --beta, the reference model's {format_bytes(reference.sharded_param_bytes)} of sharded params"
         )
-    elif reference is not None and reference.sharded_param_bytes:
-        lines[0] += (
-            f" With --beta, the reference model's {format_bytes(reference.sharded_param_bytes)} of sharded "
-            "params in every phase, and its log-prob pass as a phase (reference_pass)."
-        )
+        if len(resident) == len(rows):
+            lines[0] += " and all its unsharded params (kept resident) in every phase."
+        elif resident:
+            lines[0] += (
+                f" in every phase, all its unsharded params too (kept resident) in {', '.join(resident)}, "
+                "and in the other rows its log-prob pass as a phase (reference_pass)."
+            )
+        else:
+            lines[0] += " in every phase, and its log-prob pass as a phase (reference_pass)."
     for m in est.modes:
         if m.applicable and m.step_peak_unmodeled:
             lines.append(f"{m.mode}: step peak +: not modeled: {'; '.join(m.step_peak_unmodeled)}")

@@ -2,7 +2,8 @@
 model is, frozen, sharded by TRL's own `prepare_fsdp` (fake_shard.py: one FSDP2 unit at the root) and
 read by the runtime's adapter, so its units, the header's line (`decision.describe_frozen`), whether
 it keeps them (`decision.frozen_keeps`) and whether it stays resident (`residency.decide_residency`,
-for the selected sync mode: the same in every row) come from the code a live run binds it with. Counts assume
+for each row's sync mode: `count_for_mode`; the header's for the selected one) come from the code a
+live run binds it with. Counts assume
 TRL's default `steps_per_generation` = M: one log-prob pass of M forwards per optimizer step. Under
 LoRA there is no second model; FSDP1 and transformers-sharded launches are said, not estimated.
 """
@@ -15,7 +16,7 @@ from typing import Any
 
 import torch
 
-from accel_gradsync.config.settings import GradSyncConfig
+from accel_gradsync.config.settings import GradSyncConfig, ResolvedConfig
 from accel_gradsync.estimator.fake_shard import fake_world, shard_like_trl
 from accel_gradsync.estimator.inputs import FSDPSetup, LoraSpec
 from accel_gradsync.estimator.meta_model import build_accelerate_plugin, build_meta_model
@@ -58,7 +59,36 @@ def estimate_reference(
     micro_batches: int,
     lora: LoraSpec | None = None,
 ) -> ReferenceEstimate | None:
-    """The reference model a GRPO run with `beta` has beside the trained one; None for beta 0."""
+    """The reference model a GRPO run with `beta` has beside the trained one, counted for the
+    selected sync mode; None for beta 0."""
+    reference = build_reference(beta, model_config, model_dtype, setup, config, lora)
+    return count_for_mode(reference, config, micro_batches)
+
+
+@dataclasses.dataclass(frozen=True)
+class ReferenceModel:
+    """The reference model sharded as TRL shards it, read by the runtime's adapter: built once per
+    estimate, counted for each row's sync mode (`count_for_mode`)."""
+
+    beta: float
+    adapter: ModelAdapter
+    name: str
+    num_processes: int
+    sharded_bytes: int
+    """Its sharded params per rank."""
+
+
+def build_reference(
+    beta: float,
+    model_config: Any,
+    model_dtype: torch.dtype,
+    setup: FSDPSetup,
+    config: GradSyncConfig,
+    lora: LoraSpec | None = None,
+) -> ReferenceModel | ReferenceEstimate | None:
+    """The reference model of a GRPO run with `beta`: None for beta 0; a `ReferenceEstimate` that
+    says why where there is nothing to count (LoRA: no second model; FSDP1 and transformers-sharded
+    launches: not estimated); else the sharded model to count."""
     check_beta(beta)
     if beta == 0:
         return None
@@ -84,25 +114,36 @@ def estimate_reference(
         adapter = adapt_model(wrapped)
         assert adapter is not None  # fully_shard wrapped the root
         sharded = sum(dim0_shard_numel(p.shape, setup.shard_size) * p.element_size() for p in wrapped.parameters())
-    return count_reference(beta, adapter, model_name(wrapped), config, micro_batches, setup.num_processes, sharded)
+    return ReferenceModel(beta, adapter, model_name(wrapped), setup.num_processes, sharded)
+
+
+def count_for_mode(
+    reference: ReferenceModel | ReferenceEstimate | None,
+    config: GradSyncConfig,
+    micro_batches: int,
+    sync_mode: str | None = None,
+) -> ReferenceEstimate | None:
+    """`reference` counted over a step of M micro-batches under `sync_mode` (default: the one
+    `config` selects), which decides its residency; one with nothing to count as it is."""
+    if not isinstance(reference, ReferenceModel):
+        return reference
+    settings = config.resolved()
+    if sync_mode is not None:
+        settings = dataclasses.replace(settings, sync_mode=sync_mode)
+    return count_reference(reference, settings, config.free_memory_bytes, micro_batches)
 
 
 def count_reference(
-    beta: float,
-    adapter: ModelAdapter,
-    name: str,
-    config: GradSyncConfig,
-    micro_batches: int,
-    num_processes: int,
-    sharded_bytes: int,
+    reference: ReferenceModel, settings: ResolvedConfig, free: int | None, micro_batches: int
 ) -> ReferenceEstimate:
-    """The counts of a sharded reference model `adapter` over a step of M micro-batches: its
-    log-prob pass is one forward per micro-batch, kept or not as binding decides."""
+    """The counts of the sharded reference model over a step of M micro-batches under `settings`
+    (`free`: free memory per rank, where given): its log-prob pass is one forward per micro-batch,
+    kept or not, resident or not, as binding decides."""
+    adapter = reference.adapter
     units = adapter.units
-    settings = config.resolved()
     sizes = [u.param_bytes for u in units]
     try:
-        residency = decide_residency(settings, sum(sizes), lambda: _free_memory(config))
+        residency = decide_residency(settings, sum(sizes), lambda: _free_memory(free))
     except _NoFreeMemory:
         residency = Residency(
             False,
@@ -114,17 +155,17 @@ def count_reference(
     gathers = [0 if residency.resident else generation_all_gathers([u], micro_batches, kept=keeps) for u in units]
     stock = generation_all_gathers(units, micro_batches, kept=False)
     sent = sum(n * u.param_bytes * (u.shard_size - 1) / u.shard_size for n, u in zip(gathers, units, strict=True))
-    one = num_processes == 1  # FSDP2 issues no collective over one rank
+    one = reference.num_processes == 1  # FSDP2 issues no collective over one rank
     return ReferenceEstimate(
-        beta,
-        describe_frozen(NAME, name, adapter, keeps, residency),
+        reference.beta,
+        describe_frozen(NAME, reference.name, adapter, keeps, residency),
         units=len(units),
         keeps=keeps,
         resident=residency.resident,
         all_gathers_per_step=0 if one else sum(gathers),
         first_step_all_gathers=0 if one else generation_all_gathers(units, 1, kept=True) if residency.resident else 0,
         stock_all_gathers_per_step=0 if one else stock,
-        sharded_param_bytes=sharded_bytes,
+        sharded_param_bytes=reference.sharded_bytes,
         unsharded_param_bytes=sum(sizes) if keeps else max(sizes),
         reserved_bytes=kept_bytes(units, keeps, residency.resident),
         send_bytes_per_step=0 if one else int(sent),
@@ -135,9 +176,8 @@ class _NoFreeMemory(Exception):
     """The residency decision reads free memory, and the estimate was given none."""
 
 
-def _free_memory(config: GradSyncConfig) -> int:
+def _free_memory(free: int | None) -> int:
     """`--grad-sync-free-memory`, which auto's and a fractional budget's residency decision reads."""
-    free = config.free_memory_bytes
     if free is None:
         raise _NoFreeMemory
     return free

@@ -43,6 +43,11 @@ class ModeEstimate:
     generation_all_gathers_in_window: int | None = None
     """Per token when TRL generates inside the window (windowed units stay unsharded); None without
     windowed units or with `gather_for_generation`."""
+    reference_resident: bool | None = None
+    """GRPO's reference model (`--beta`) kept unsharded for the run under this row's mode
+    (residency.py); None without one to count (no --beta, LoRA, not estimated)."""
+    reference_all_gathers: int | None = None
+    """The reference model's all-gathers per step under this row's mode (resident: after step 1)."""
     fits: bool | None = None
     """max(peak_bytes, generation_bytes + held gradients) <= free memory x (1 - memory_margin); None
     without --grad-sync-free-memory."""
@@ -61,9 +66,9 @@ class ModeEstimate:
 
 @dataclass
 class ReferenceEstimate:
-    """GRPO's reference model (`--beta` > 0), the same in every row: the plugin gathers it once per
-    step in every mode, or once for the run where it is resident (reference.py). Counts and bytes
-    per rank per optimizer step."""
+    """GRPO's reference model (`--beta` > 0) under the selected sync mode (each row holds its own
+    mode's residency and all-gathers): the plugin gathers it once per step, or once for the run
+    where it is resident (reference.py). Counts and bytes per rank per optimizer step."""
 
     beta: float
     line: str
@@ -77,7 +82,7 @@ class ReferenceEstimate:
     """Its units stay unsharded across the step's log-prob pass (`decision.frozen_keeps`)."""
     resident: bool = False
     """Its units stay unsharded for the whole run (`keep_reference_unsharded`, decided for the
-    selected sync mode: residency.py)."""
+    sync mode counted: residency.py)."""
     all_gathers_per_step: int = 0
     """With the plugin: `reference_all_gathers` per step in stats() (resident: after step 1)."""
     first_step_all_gathers: int = 0
@@ -125,10 +130,13 @@ class Estimate:
 
     def to_dict(self) -> dict:
         """Every field; without a step forecast the step_peak keys are left out, and without
-        `--beta` the reference key, so the JSON is what it was before either existed."""
+        `--beta` the reference key and each row's reference keys, so the JSON is what it was
+        before either existed."""
         values = asdict(self)
         if self.reference is None:
             del values["reference"]
+            for row in values["modes"]:
+                del row["reference_resident"], row["reference_all_gathers"]
         if self.step_shape is None:
             del values["step_shape"]
             for row in values["modes"]:

@@ -114,6 +114,43 @@ def test_a_resident_reference_is_what_a_live_run_binds_and_is_planned_around(bf1
     assert with_ref.parts["reference_pass"] == 100 + 200 + 450  # nothing more to gather for its pass
 
 
+def test_each_row_decides_residency_for_its_own_mode(bf16):
+    """keep_reference_unsharded=auto: the modes that plan memory keep the reference resident where
+    it fits (a budget that holds the whole plan, and 64 GiB free, hold its bf16 params), the others
+    gather it once per step, whatever mode is selected; the header is the selected mode's. The
+    budget row plans within its budget less the resident bytes, as a launch with budget selected
+    does, and holds less than the whole plan."""
+    free = "64GiB"
+    whole = next(
+        m
+        for m in estimate(RECIPE_DEFAULT, bf16, M, config=GradSyncConfig(memory_budget="1GiB")).modes
+        if m.mode.startswith("budget")
+    )
+    budget = f"{whole.held_bytes + whole.held_param_bytes}B"
+    config = GradSyncConfig(sync_mode="per_micro_batch", memory_budget=budget, free_memory=free)
+    est = estimate(RECIPE_DEFAULT, bf16, M, config=config, beta=BETA)
+    params = sum(u["numel"] for u in est.units)  # the trained model's, the same architecture
+    rows = {m.mode.split(" ")[0]: m for m in est.modes}
+    assert est.reference is not None and not est.reference.resident  # per_micro_batch selected
+    for mode in ("per_micro_batch", "deferred", "deferred+window"):
+        assert (rows[mode].reference_resident, rows[mode].reference_all_gathers) == (False, 1), mode
+    for mode in ("budget", "auto"):
+        assert (rows[mode].reference_resident, rows[mode].reference_all_gathers) == (True, 0), mode
+    selected = estimate(
+        RECIPE_DEFAULT, bf16, M, config=GradSyncConfig(sync_mode="budget", memory_budget=budget), beta=BETA
+    )
+    assert selected.reference is not None and selected.reference.reserved_bytes == params * 2  # bf16 compute
+    budget_row = next(m for m in selected.modes if m.mode.startswith("budget"))
+    assert (rows["budget"].units_held, rows["budget"].held_bytes, rows["budget"].held_param_bytes) == (
+        budget_row.units_held,
+        budget_row.held_bytes,
+        budget_row.held_param_bytes,
+    )
+    assert rows["budget"].held_bytes + rows["budget"].held_param_bytes < whole.held_bytes + whole.held_param_bytes
+    without = estimate(RECIPE_DEFAULT, bf16, M, config=config)
+    assert all("reference_resident" not in row for row in without.to_dict()["modes"])
+
+
 def test_the_table_and_json_carry_the_reference_only_with_beta(bf16, with_beta, good, capsys):
     main(["estimate", "--accelerate-config", good, "--micro-batches", str(M), "--beta", str(BETA), "--json"])
     assert json.loads(capsys.readouterr().out)["reference"]["all_gathers_per_step"] == 1
