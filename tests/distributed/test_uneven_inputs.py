@@ -21,6 +21,7 @@ MODES = {
     "deferred": {"defer": True},
     "window": {"defer": True, "keep_params_unsharded": True},
     "budget": {"sync_mode": "budget", "memory_budget": "1200B"},  # holds the root and blocks.0 of TinyNet
+    "auto": {"sync_mode": "auto", "free_memory": "64GiB"},  # plans step 2 from step 1's measure, in the window
 }
 FSDP1_MODES = ("per_micro_batch", "deferred")  # budget is FSDP2's; FSDP1 ignores the window
 TIMEOUT = 300  # a hang fails the launch instead of the suite
@@ -88,7 +89,8 @@ def _check_join_equals_reference(ranks, modes):
                     == {
                         "micro_batches": max(counts),
                         "optimizer_steps": max(counts) // M,
-                        "mode": "deferred" if mode == "window" else mode,
+                        # auto with room for everything plans deferral (every unit windowed).
+                        "mode": "deferred" if mode in ("window", "auto") else mode,
                     }
                 ), (mode, case)
                 # One poll per micro-batch, the shadowed ones included, one per clip_grad_norm_ (every
