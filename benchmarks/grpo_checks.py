@@ -1,7 +1,8 @@
 """The GRPO benchmark's targets (`targets.py`), judged on a results.json's runs: the window's speedup
-over stock, its all-gathers, the floor (its step and its memory between steps against DDP's), the
-reference model kept resident and the identity with stock; `grpo_report.py` prints them. Timing
-targets are judged on per-round ratios (`speedup`), counts on every recorded step.
+over stock, its all-gathers, no all-reduce in its generation, the floor (its step and its memory
+between steps against DDP's), the reference model kept resident and the identity with stock;
+`grpo_report.py` prints them. Timing targets are judged on per-round ratios (`speedup`), counts on
+every recorded step.
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ def check_targets(results: GrpoResults) -> list[TargetResult]:
                     out.append(judged(what, target, sp[1], quick, fmt_rounds(sp[1])))
             if window in rows:
                 out.append(check_window_gathers(where, rows[window]))
+                out.append(check_generation_all_reduces(where, rows[window]))
                 if grpo.keeps_reference(window):
                     out.append(check_reference(where, rows[window], beta))
             out += check_floor(run, where, tuning, quick)
@@ -106,6 +108,14 @@ def check_window_gathers(where: str, row: GrpoRow) -> TargetResult:
         f"{seen['training']['all_gathers']} (log-prob passes: {seen['logprob']['all_gathers']})"
     )
     return TargetResult(what, PASS if trained == {U} else FAIL, detail)
+
+
+def check_generation_all_reduces(where: str, row: GrpoRow) -> TargetResult:
+    """The window's generation issues no all-reduce: transformers' per-token flag all-reduce
+    (`synced_gpus`) is skipped where every unit stays unsharded (runtime/token_sync.py)."""
+    seen = row.counts_seen["generation"].get("all_reduces", [])
+    what = f"[{where}] {row.config}: {targets.GRPO_GENERATION_ALL_REDUCES.name}"
+    return TargetResult(what, PASS if seen == [0] else FAIL, f"generation's all-reduces on every timed step: {seen}")
 
 
 def check_reference(where: str, row: GrpoRow, beta: float) -> TargetResult:

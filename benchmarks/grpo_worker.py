@@ -49,7 +49,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=3, help="optimizer steps per run; the first is untimed")
     p.add_argument("--beta", type=float, default=0.0, help="GRPO's KL coefficient (> 0: a reference model)")
     p.add_argument("--pin-cores", action="store_true")
-    p.add_argument("--profile", metavar="DIR", help="cProfile generation on rank 0 into DIR/generation_*.prof")
+    p.add_argument(
+        "--profile", metavar="DIR", help="cProfile the timed steps on rank 0 into DIR/<config>_r<round>.prof"
+    )
     p.add_argument("--time-collectives", action="store_true", help="time the backend's collectives at the end")
     return p.parse_args()
 
@@ -100,17 +102,15 @@ def wrap(
     when=lambda: True,
     after=None,
     uncounted: CollectiveCounter | None = None,
-    profiled: cProfile.Profile | None = None,
 ) -> None:
     """Wrap the bound method `name` of an instance (the trainer's, its accelerator's: their classes
     stay untouched): its time is charged to `phase` (phases, name) when `when()`, `after(out)` sees
-    what it returned, with `uncounted` the collectives it issues are not counted, and `profiled`
-    profiles it."""
+    what it returned, and with `uncounted` the collectives it issues are not counted."""
     bound = getattr(instance, name)
 
     def wrapped(*args: Any, **kwargs: Any):
         with phase[0].enter(phase[1]) if phase and when() else contextlib.nullcontext():
-            with uncounted.paused() if uncounted else contextlib.nullcontext(), profiled or contextlib.nullcontext():
+            with uncounted.paused() if uncounted else contextlib.nullcontext():
                 out = bound(*args, **kwargs)
             if after:
                 after(out)
@@ -149,10 +149,15 @@ def run_one(name: str, round_index: int, args: argparse.Namespace, phases: Phase
     completions: list[str] = []
     rewards: list[list[float]] = []
 
+    # --profile: rank 0's timed steps (after step 1, FSDP's lazy init), from the end of step 1 on.
+    profiler = cProfile.Profile() if args.profile and torch.distributed.get_rank() == 0 else None
+
     def done(state, measured: dict) -> None:
         held, ref_held = state_bytes(callback.trainer)
         step = GrpoStep(step=state.global_step, phases=phases.take(), state_bytes=held, **measured)
         steps.append(dataclasses.replace(step, ref_unsharded_bytes=ref_held))
+        if profiler is not None and state.global_step == 1:
+            profiler.enable()
 
     def digest(out) -> None:  # each generation's completion ids, as a digest per rank
         completions.append(hashlib.sha256(json.dumps(out[1]).encode()).hexdigest())
@@ -171,9 +176,6 @@ def run_one(name: str, round_index: int, args: argparse.Namespace, phases: Phase
             callbacks=[callback],
         )
         callback.trainer, handle = trainer, attach(trainer, spec["gradsync"])
-        if args.profile and trainer.accelerator.is_main_process:
-            profiler = cProfile.Profile()
-            wrap(trainer, "_generate", profiled=profiler)
         wrap(trainer, "_generate", (phases, "generation"), after=digest)
         wrap(
             trainer,
@@ -186,9 +188,10 @@ def run_one(name: str, round_index: int, args: argparse.Namespace, phases: Phase
         # not the models' collectives, which are what the counts are for.
         wrap(trainer.accelerator, "gather", uncounted=phases.counter)
         trainer.train()
-        if args.profile and trainer.accelerator.is_main_process:
+        if profiler is not None:
+            profiler.disable()
             Path(args.profile).mkdir(parents=True, exist_ok=True)
-            profiler.dump_stats(Path(args.profile, f"generation_{name.replace('/', '_')}_r{round_index}.prof"))
+            profiler.dump_stats(Path(args.profile, f"{name.replace('/', '_')}_r{round_index}.prof"))
         keys = ("step", "loss", "reward", "reward_std", "kl")
         logs = [{k: e[k] for k in keys if k in e} for e in trainer.state.log_history if "loss" in e]
         units, stats = len(fsdp2_groups(trainer.model_wrapped)), handle.stats() if handle is not None else {}

@@ -54,8 +54,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     add(
         "--profile",
         action="store_true",
-        help="with --grpo: cProfile each configuration's generation on rank 0, into OUT/profiles/<network>/"
-        "generation_<config>_r<round>.prof (read them with pstats; a profiled run's times are inflated)",
+        help="with --grpo: cProfile each configuration's timed steps on rank 0, into OUT/profiles/<network>/"
+        "<config>_r<round>.prof (compare two with benchmarks.profile_diff; a profiled run's times are inflated)",
     )
     add("--no-pin", action="store_true", help="CPU: leave the ranks unpinned (default: one core per rank)")
     add("--hsdp-size", help=f"model size of the 4-rank HSDP launch (default: {mlp.HSDP_SIZE}; quick cluster: small)")

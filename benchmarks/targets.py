@@ -131,6 +131,10 @@ GRPO_WINDOW_SPEEDUP = {
 GRPO_WINDOW_GATHERS = Target("the trained model's all-gathers per optimizer step = U exactly",
     "generation's and training's all-gathers of the trained model on every timed step",
     "the window gathers each unit once, at generation's first forward, and keeps it to the optimizer step")
+GRPO_GENERATION_ALL_REDUCES = Target("generation issues no all-reduce (no collective per decoded token)",
+    "the all-reduces issued inside TRL's _generate on every timed step, counted around torch.distributed on rank 0",
+    "with every unit kept unsharded after generation's first forward no rank's forward issues a collective, so "
+    "transformers' per-token synced_gpus all-reduce (on for any FSDP model) is skipped: as under DDP, none")
 GRPO_REFERENCE_RESIDENT = Target("the reference model's all-gathers per step = 0 after step 1 (kept resident)",
     "the log-prob passes' all-gathers at every step of every round, step 1 included, counted around "
     "torch.distributed on rank 0: each of the reference model's units once at step 1, none after",

@@ -71,6 +71,16 @@ def test_window_gathers_count_generation_and_training_together():
     assert grpo_checks.check_window_gathers("loopback", frozen).status == "FAIL"
 
 
+def test_the_windows_generation_issues_no_all_reduce():
+    quiet = row("full/window", [1.0], [0])
+    synced = row("full/window", [1.0], [0])
+    synced.counts_seen["generation"]["all_reduces"] = [0, 33]  # one step ran transformers' per-token sync
+    assert grpo_checks.check_generation_all_reduces("loopback", quiet).status == "PASS"
+    assert grpo_checks.check_generation_all_reduces("loopback", synced).status == "FAIL"
+    checked = status(grpo_checks.check_targets(results([quiet])), "[loopback] full/window: generation issues")
+    assert list(checked.values()) == [("PASS", "generation's all-reduces on every timed step: [0]")]
+
+
 def test_a_resident_reference_model_is_gathered_at_step_1_and_never_after():
     """Counted on every step of every round: each of its units once at step 1, then 0; one all-gather
     at any later step (resharded after its pass) fails, and so does none at step 1 (never gathered

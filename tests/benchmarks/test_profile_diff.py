@@ -1,6 +1,6 @@
-"""benchmarks/profile_diff.py on two real cProfile files: generations counted by calls of TRL's
-`_generate` (a stand-in in a file named grpo_trainer.py), own time per generation, and the
-function that grew most first, its calls per generation counted."""
+"""benchmarks/profile_diff.py on two real cProfile files: steps counted by calls of TRL's
+`_generate` (a stand-in in a file named grpo_trainer.py), own time per step, and the function
+that grew most first, its calls per step counted."""
 
 import cProfile
 import importlib.util
@@ -37,5 +37,5 @@ def test_the_function_that_grew_comes_first(tmp_path, capsys):
     base, other = profile(tmp_path, "base.prof", 2, 1), profile(tmp_path, "other.prof", 4, 5)
     profile_diff.main([base, other, "--top", "3"])
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].startswith(f"{base}: 2 generation(s)") and lines[1].startswith(f"{other}: 4 generation(s)")
+    assert lines[0].startswith(f"{base}: 2 step(s)") and lines[1].startswith(f"{other}: 4 step(s)")
     assert "sleep" in lines[4] and "+4 calls" in lines[4], lines  # 5 sleeps per generation against 1
