@@ -70,7 +70,7 @@ def attach(
     config = GradSyncConfig() if config is None else config
     if not isinstance(config, GradSyncConfig):
         raise TypeError(f"attach(config=...) takes a GradSyncConfig, got {type(config).__name__}.")
-    warn_if_untested_torch()  # runtime.fsdp.check_fsdp2_internals raises at bind if an attribute it reads is gone
+    warn_if_untested_torch()  # fsdp2_state.check_fsdp2_internals raises at bind if an attribute it reads is gone
     accelerator, trainer = _resolve_target(target)
     _check_micro_batches(accelerator, trainer)
     if is_hooked(accelerator):

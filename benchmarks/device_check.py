@@ -14,7 +14,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.getcwd())
 from accel_gradsync.planning.memory import DeviceMemoryProbe
-from accel_gradsync.runtime.fsdp import FSDP2Adapter, _sync_flags
+from accel_gradsync.runtime.fsdp2 import FSDP2Adapter
+from accel_gradsync.runtime.fsdp2_state import sync_flags as unit_flags
 
 out = {"torch": torch.__version__, "device": torch.cuda.get_device_name()}
 dev = torch.device("cuda", 0)
@@ -44,7 +45,7 @@ fully_shard(model)
 adapter = FSDP2Adapter(model)
 units = adapter.units
 # Every unit's sync flags, read where the package reads them (FSDP2 has no getters).
-sync_flags = lambda: {n: _sync_flags(m) for n, m in model.named_modules() if isinstance(m, FSDPModule)}  # noqa: E731
+sync_flags = lambda: {n: unit_flags(m) for n, m in model.named_modules() if isinstance(m, FSDPModule)}  # noqa: E731
 before, mem = sync_flags(), []
 x = torch.randn(8, dim, device=dev)
 for _step in range(2):

@@ -133,7 +133,7 @@ def work(args: argparse.Namespace) -> int:
     from transformers import LogitsProcessorList, Qwen2Config, Qwen2ForCausalLM
 
     import accel_gradsync
-    from accel_gradsync.runtime.fsdp import adapt_model
+    from accel_gradsync.runtime.adapt import adapt_model
     from accel_gradsync.runtime.quiet_generation import skip_idle_forward_work
     from benchmarks import grpo
     from benchmarks.measure import attach

@@ -88,7 +88,7 @@ MUTANTS: dict[str, dict] = {
         "what": "a held FSDP2 unit keeps requires_gradient_sync True: deferred reduce-scatters every micro-batch",
         "edits": [
             (
-                "accel_gradsync/runtime/fsdp.py",
+                "accel_gradsync/runtime/fsdp2.py",
                 "_fsdp2(u.module).set_requires_gradient_sync(False, recurse=False)",
                 "_fsdp2(u.module).set_requires_gradient_sync(True, recurse=False)",
             )
@@ -99,7 +99,7 @@ MUTANTS: dict[str, dict] = {
         "what": "a windowed FSDP2 unit reshards after every backward (gathers again in the next forward)",
         "edits": [
             (
-                "accel_gradsync/runtime/fsdp.py",
+                "accel_gradsync/runtime/fsdp2.py",
                 "_fsdp2(u.module).set_reshard_after_backward(False, recurse=False)",
                 "_fsdp2(u.module).set_reshard_after_backward(True, recurse=False)",
             )

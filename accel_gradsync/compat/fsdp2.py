@@ -1,17 +1,17 @@
 """Where FSDP2 keeps the per-unit state this package reads, by torch release series.
 
 FSDP2 has setters for its per-unit flags but no getters, and no API for a param group's held
-gradients, training state or pending all-gather, so `runtime/fsdp.py` reads (and in two places
-writes) attributes of FSDP2's private objects, and `runtime/quiet_generation.py` reads its forward
-hooks' handles and casts: the `FSDPState` of a unit
-(`module._get_fsdp_state()`), its `FSDPParamGroup`s and their `FSDPParam`s. It does so only
+gradients, training state or pending all-gather, so `runtime/fsdp2_state.py` reads attributes
+of FSDP2's private objects (`runtime/fsdp2_grads.py` and `runtime/fsdp2.py` write a few), and
+`runtime/quiet_generation.py` reads its forward hooks' handles and casts: the `FSDPState` of a
+unit (`module._get_fsdp_state()`), its `FSDPParamGroup`s and their `FSDPParam`s. It does so only
 through `read`, `write` and `has` here, by a stable name; `FSDP2_PRIVATE` says, per torch series,
 on which object and under which attribute that series keeps each one.
 
 A new torch release is one entry in `FSDP2_PRIVATE` (the previous series' table with what moved
 changed) plus one CI stack (stacks/*.txt). A series with no entry is read with the newest
 table: `attach` warns once (`versions.warn_if_untested_torch`) and bind stops, naming the first
-attribute that torch lacks (`check_fsdp2_internals` in `runtime/fsdp.py`, through `missing`).
+attribute that torch lacks (`check_fsdp2_internals` in `runtime/fsdp2_state.py`, through `missing`).
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ def read(obj: Any, name: str, *default: Any) -> Any:
 
 
 def write(obj: Any, name: str, value: Any) -> None:
-    """Set `name` on `obj` (only where torch has no setter: see `runtime/fsdp.py`)."""
+    """Set `name` on `obj` (only where torch has no setter: see `runtime/fsdp2_grads.py`)."""
     setattr(obj, layout()[name][1], value)
 
 

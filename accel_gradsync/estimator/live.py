@@ -26,7 +26,7 @@ from accel_gradsync.config.settings import DTYPES, ResolvedConfig, dtype_name
 from accel_gradsync.estimator.forecast_child import ForecastChild
 from accel_gradsync.planning.replan import Forecast
 from accel_gradsync.planning.units import Plan
-from accel_gradsync.runtime.fsdp import sharded_by_transformers
+from accel_gradsync.runtime.adapt import sharded_by_transformers
 
 _LAUNCH_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK")
 _LAUNCH_PREFIXES = ("TORCHELASTIC_", "ACCELERATE_", "FSDP_", "MASTER_", "PARALLELISM_CONFIG_")

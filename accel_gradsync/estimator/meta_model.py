@@ -19,7 +19,8 @@ from accel_gradsync.config.settings import GradSyncConfig
 from accel_gradsync.estimator.fake_shard import fake_world, shard_like_accelerate, shard_like_transformers
 from accel_gradsync.estimator.inputs import FSDPSetup, LoraSpec
 from accel_gradsync.planning.costs import reduce_dtype_policy
-from accel_gradsync.runtime.fsdp import ModelAdapter, adapt_model
+from accel_gradsync.runtime.adapt import adapt_model
+from accel_gradsync.runtime.adapter import ModelAdapter
 
 
 def build_meta_model(config: Any, dtype: torch.dtype = torch.float32, lora: LoraSpec | None = None) -> nn.Module:

@@ -1,5 +1,5 @@
 """`Binder.bind`: inspect a prepared model once, the first time it is seen (at `prepare`, the
-Trainer's train start, or its first `no_sync`): its wrapper and units (fsdp.py), its first plan
+Trainer's train start, or its first `no_sync`): its wrapper and units (adapt.py), its first plan
 (planning/policies.py; planning/replan.py under `auto`), its counters, the decision line, and the
 window's and generation's hooks on it. Binding waits for `prepare` because only the wrapped model
 says what its units, dtypes and mesh are; a model accelerate did not wrap is remembered as such,
@@ -35,8 +35,9 @@ from accel_gradsync.planning.replan import Forecast, Forecaster, MeasuredAuto
 from accel_gradsync.planning.residency import decide_residency
 from accel_gradsync.planning.units import Plan
 from accel_gradsync.runtime.accounting import SyncAccounting
+from accel_gradsync.runtime.adapt import adapt_model, is_fsdp_wrapped
+from accel_gradsync.runtime.adapter import ModelAdapter
 from accel_gradsync.runtime.decision import describe_decision, describe_frozen, frozen_keeps, warn_about_plan
-from accel_gradsync.runtime.fsdp import ModelAdapter, adapt_model, is_fsdp_wrapped
 from accel_gradsync.runtime.fsdp2_counts import watch_fsdp2
 from accel_gradsync.runtime.generation import GenerationGather
 from accel_gradsync.runtime.state import Attachment, BoundModel, FrozenModel, Removable, root_of

@@ -25,7 +25,7 @@ from accel_gradsync.planning.costs import (
 )
 from accel_gradsync.planning.residency import Residency
 from accel_gradsync.planning.units import ALL_REDUCE, GRADIENT_SYNC, Level, Plan, Unit
-from accel_gradsync.runtime.fsdp import ModelAdapter
+from accel_gradsync.runtime.adapter import ModelAdapter
 
 
 def describe_decision(plan: Plan, adapter: ModelAdapter, micro_batches: int) -> str:

@@ -25,7 +25,7 @@ FSDP also runs a pre-forward where no module hook runs: a method registered with
 unit before the method and no forward of that module follows. Such an all-gather leaves a param
 group unsharded that no count accounted for; the next unit's pre-forward finds it so and counts it
 (`_Residency`). What FSDP reshards after a backward is seen after its end-of-backward callback.
-The reads are attribute reads (fsdp.py); the hooks are registered where FSDP registers its own.
+The reads are attribute reads (fsdp2_state.py); the hooks are registered where FSDP registers its own.
 FSDP1 and DDP models get none: their collectives are counted per micro-batch (accounting.py).
 """
 
@@ -41,16 +41,16 @@ from torch import nn
 from accel_gradsync.compat import fsdp2 as internals
 from accel_gradsync.planning.units import Unit
 from accel_gradsync.runtime.accounting import SyncAccounting
-from accel_gradsync.runtime.fsdp import (
-    FSDP2Adapter,
-    ModelAdapter,
+from accel_gradsync.runtime.adapt import sharded_by_transformers
+from accel_gradsync.runtime.adapter import ModelAdapter
+from accel_gradsync.runtime.fsdp2 import FSDP2Adapter
+from accel_gradsync.runtime.fsdp2_state import (
     forwards_left,
     param_groups,
     pending_all_gathers,
     pending_reduction,
     post_backward_group,
     ran_post_backward,
-    sharded_by_transformers,
     unsharded,
     unused_prefetch,
 )

@@ -29,7 +29,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from accel_gradsync.planning.units import Unit
-from accel_gradsync.runtime.fsdp import ModelAdapter
+from accel_gradsync.runtime.adapter import ModelAdapter
 from accel_gradsync.runtime.quiet_generation import skip_idle_forward_work
 from accel_gradsync.runtime.state import Attachment, BoundModel, FrozenModel, Removable, root_of
 from accel_gradsync.runtime.token_sync import skip_token_sync

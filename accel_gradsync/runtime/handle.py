@@ -18,10 +18,11 @@ from accel_gradsync.planning.memory import MemoryProbe
 from accel_gradsync.planning.policies import SyncPolicy
 from accel_gradsync.planning.replan import Forecaster
 from accel_gradsync.planning.units import Plan
+from accel_gradsync.runtime.adapt import sharded_by_transformers
+from accel_gradsync.runtime.adapter import ModelAdapter
 from accel_gradsync.runtime.bind import Binder, wants_binding
 from accel_gradsync.runtime.checkpoint import CheckpointHooks
 from accel_gradsync.runtime.decision import describe_decision
-from accel_gradsync.runtime.fsdp import ModelAdapter, sharded_by_transformers
 from accel_gradsync.runtime.generation import GenerationGather
 from accel_gradsync.runtime.hooks import hook_accelerator, hook_trainer, unhook_accelerator, unhook_trainer
 from accel_gradsync.runtime.join import Join

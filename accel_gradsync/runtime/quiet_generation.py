@@ -35,7 +35,8 @@ from torch.distributed.fsdp import FSDPModule
 
 from accel_gradsync.compat import fsdp2 as internals
 from accel_gradsync.planning.units import Unit
-from accel_gradsync.runtime.fsdp import FSDP2Adapter, ModelAdapter
+from accel_gradsync.runtime.adapter import ModelAdapter
+from accel_gradsync.runtime.fsdp2 import FSDP2Adapter
 
 NEEDED = ("pre_forward_hook", "post_forward_hook", "cast_forward_inputs", "cast_output_dtype")
 """What the gates read on an `FSDPState`, beyond what bind checks."""

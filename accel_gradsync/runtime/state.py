@@ -23,7 +23,7 @@ from accel_gradsync.planning.replan import Change, MeasuredAuto
 from accel_gradsync.planning.residency import kept_bytes
 from accel_gradsync.planning.units import Plan, Unit
 from accel_gradsync.runtime.accounting import SyncAccounting, combined_stats
-from accel_gradsync.runtime.fsdp import ModelAdapter
+from accel_gradsync.runtime.adapter import ModelAdapter
 from accel_gradsync.runtime.quiet_generation import skip_idle_forward_work
 
 NOT_READ = -1

@@ -25,8 +25,8 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from accel_gradsync.config.settings import SyncMode
 from accel_gradsync.planning.units import Unit
+from accel_gradsync.runtime.adapter import ModelAdapter
 from accel_gradsync.runtime.decision import describe_decision
-from accel_gradsync.runtime.fsdp import ModelAdapter
 from accel_gradsync.runtime.fsdp2_counts import watch_fsdp2, watch_replicated_all_reduces
 from accel_gradsync.runtime.generation import GenerationGather
 from accel_gradsync.runtime.state import Attachment, BoundModel, root_of

@@ -128,7 +128,7 @@ def test_deferral_saves_what_the_estimate_says(run):
 
 
 def test_runtime_counters_agree_with_the_estimate(run):
-    """The handle's own counters (fsdp.py's units) against the estimate's. FSDP2: accelerate
+    """The handle's own counters (adapter.py's units) against the estimate's. FSDP2: accelerate
     shards [final norm, lm_head(, tied embedding)] in one `fully_shard` call, so several
     modules share one FSDP state and count as one unit."""
     mismatches = []

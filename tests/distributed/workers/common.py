@@ -115,6 +115,6 @@ def sync_flags(model: nn.Module) -> dict[str, tuple[bool, bool, bool]]:
     read where the package reads them (FSDP2 has setters but no getters)."""
     from torch.distributed.fsdp import FSDPModule
 
-    from accel_gradsync.runtime.fsdp import _sync_flags
+    from accel_gradsync.runtime.fsdp2_state import sync_flags as unit_flags
 
-    return {n: _sync_flags(m) for n, m in model.named_modules() if isinstance(m, FSDPModule)}
+    return {n: unit_flags(m) for n, m in model.named_modules() if isinstance(m, FSDPModule)}

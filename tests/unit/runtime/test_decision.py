@@ -10,8 +10,8 @@ from torch.distributed.fsdp import fully_shard
 from accel_gradsync import GradSyncConfig
 from accel_gradsync.estimator.fake_shard import fake_world
 from accel_gradsync.planning.policies import DeferredSync
+from accel_gradsync.runtime.adapt import adapt_model
 from accel_gradsync.runtime.decision import WHY, describe_decision, describe_frozen
-from accel_gradsync.runtime.fsdp import adapt_model
 
 M = 4
 

@@ -11,7 +11,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from accel_gradsync.compat import fsdp2 as internals
-from accel_gradsync.runtime.fsdp import FSDP2Adapter
+from accel_gradsync.runtime.fsdp2 import FSDP2Adapter
 from accel_gradsync.runtime.quiet_generation import NEEDED, skip_idle_forward_work
 
 T = 6  # forwards without gradients, as decoded tokens

@@ -7,7 +7,8 @@ import re
 import pytest
 import torch
 
-from accel_gradsync.runtime.fsdp import FSDP2Adapter, check_fsdp2_internals
+from accel_gradsync.runtime.fsdp2 import FSDP2Adapter
+from accel_gradsync.runtime.fsdp2_state import check_fsdp2_internals
 
 
 @pytest.mark.compat

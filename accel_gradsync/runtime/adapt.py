@@ -1,0 +1,57 @@
+"""Which adapter reads a prepared model (`adapt_model`), and what the refusals and the Trainer's
+hooks ask of the wrapping (`is_fsdp_wrapped`, `sharded_by_transformers`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
+from torch.nn.parallel import DistributedDataParallel
+
+from accel_gradsync.runtime.adapter import ModelAdapter
+from accel_gradsync.runtime.ddp import DDPAdapter
+from accel_gradsync.runtime.fsdp1 import FSDP1Adapter
+from accel_gradsync.runtime.fsdp2 import FSDP2Adapter
+
+
+def adapt_model(model: nn.Module) -> ModelAdapter | None:
+    """The adapter for a prepared model, or None when it is not wrapped for data parallelism. A
+    module around an FSDP2 root (PEFT's `PeftModel` around a model transformers sharded at load
+    time) is adapted by that root, with its trainable parameters outside the units."""
+    if isinstance(model, FSDPModule):
+        return FSDP2Adapter(model)
+    if isinstance(model, FSDP1):
+        return FSDP1Adapter(model)
+    if isinstance(model, DistributedDataParallel):
+        return DDPAdapter(model)
+    root = fsdp2_root_inside(model)
+    if root is None:
+        return None
+    from torch.distributed.tensor import DTensor
+
+    adapter = FSDP2Adapter(root)
+    adapter.replicated = [p for p in root.parameters() if p.requires_grad and not isinstance(p, DTensor)]
+    return adapter
+
+
+def fsdp2_root_inside(model: nn.Module) -> nn.Module | None:
+    """The FSDP2 root inside a module that is not one itself: its outermost `FSDPModule`, when
+    every other one is inside it; None where there is none (or several side by side)."""
+    sharded = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if not sharded:
+        return None
+    root = sharded[0]  # modules() walks parents before children
+    inside = set(root.modules())
+    return root if all(m in inside for m in sharded) else None
+
+
+def is_fsdp_wrapped(model: nn.Module) -> bool:
+    """True when the model or any submodule is sharded by FSDP1 or FSDP2."""
+    return any(isinstance(m, (FSDPModule, FSDP1)) for m in model.modules())
+
+
+def sharded_by_transformers(trainer: Any) -> bool:
+    """True when `trainer`'s model was sharded at load time by transformers (`DistributedConfig`)."""
+    return bool(getattr(trainer, "is_distributed_loading_by_transformers", False))
