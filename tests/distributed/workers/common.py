@@ -110,6 +110,16 @@ def write_result(out: str, result: dict) -> None:
         dist.destroy_process_group()
 
 
+def train_lm_micro_batch(accelerator, model: nn.Module, optimizer, batch: torch.Tensor) -> float:
+    """One causal-LM micro-batch inside `accelerator.accumulate(model)`: forward, backward and the
+    optimizer's step and zero_grad (accelerate skips both until the window's last); its loss."""
+    loss = model(input_ids=batch, labels=batch).loss
+    accelerator.backward(loss)
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss.item()
+
+
 def sync_flags(model: nn.Module) -> dict[str, tuple[bool, bool, bool]]:
     """Every FSDP2 unit's (requires_gradient_sync, requires_all_reduce, reshard_after_backward),
     read where the package reads them (FSDP2 has setters but no getters)."""

@@ -18,7 +18,7 @@ import os
 import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
-from common import CollectiveCounter, parse_args, sync_flags, tiny_qwen2_config, write_result
+from common import CollectiveCounter, parse_args, sync_flags, tiny_qwen2_config, train_lm_micro_batch, write_result
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from transformers import Qwen2ForCausalLM
@@ -256,11 +256,7 @@ def one_run(run: dict) -> dict:
                     ids, record["gen_outside"], record["gen_stats"] = try_generate(prompts)
                     before["generation_all_gathers"] += stats()["generation_all_gathers"] - gen_stats_before
                 batch = ids[k * B : (k + 1) * B]
-                loss = model(input_ids=batch, labels=batch).loss
-                accelerator.backward(loss)
-                record["losses"].append(loss.item())
-                optimizer.step()
-                optimizer.zero_grad()
+                record["losses"].append(train_lm_micro_batch(accelerator, model, optimizer, batch))
         counts = counter.take()
         after = stats()
         record["train_outside"] = train_gathers + gathers(counts)

@@ -11,7 +11,7 @@ import json
 import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
-from common import CollectiveCounter, parse_args, tiny_qwen2_config, write_result
+from common import CollectiveCounter, parse_args, tiny_qwen2_config, train_lm_micro_batch, write_result
 from transformers import Qwen2ForCausalLM
 
 import accel_gradsync
@@ -59,11 +59,7 @@ def one_run(run: dict) -> dict:
                 if k == 0 and run["at"] == "inside":
                     ids, record["generate"] = generate(PROMPTS[step, rank])
                 batch = ids[k * B : (k + 1) * B]
-                loss = model(input_ids=batch, labels=batch).loss
-                accelerator.backward(loss)
-                record["losses"].append(loss.item())
-                optimizer.step()
-                optimizer.zero_grad()
+                record["losses"].append(train_lm_micro_batch(accelerator, model, optimizer, batch))
         record["completions"] = ids[:, PROMPT:].tolist()
         out["steps"].append(record)
     handle.detach()
