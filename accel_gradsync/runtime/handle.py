@@ -1,7 +1,7 @@
 """`GradSyncHandle`: what `attach` returns. It builds one attach's owners (state.py's `Attachment`
 and bound models, bind.py's `Binder`, window.py's `Window`, generation.py's `GenerationGather`,
-checkpoint.py's `CheckpointHooks`, join.py's `Join`), connects them to the Accelerator and Trainer (hooks.py,
-callback.py), and answers for them: `stats()`, `plan()`, `units()`, `gathered()`, `join()`, `detach()`;
+checkpoint.py's `CheckpointHooks`, join.py's `Join`), connects them to the Accelerator and Trainer
+(connection.py), and answers for them: `stats()`, `plan()`, `units()`, `gathered()`, `join()`, `detach()`;
 with `save_on_signal`, a loop of its own asks `preempted()` and calls `exit_preempted()` (preemption.py).
 """
 
@@ -18,15 +18,14 @@ from accel_gradsync.planning.memory import MemoryProbe
 from accel_gradsync.planning.policies import SyncPolicy
 from accel_gradsync.planning.replan import Forecaster
 from accel_gradsync.planning.units import Plan
-from accel_gradsync.runtime.adapt import sharded_by_transformers
 from accel_gradsync.runtime.adapter import ModelAdapter
 from accel_gradsync.runtime.bind import Binder, wants_binding
 from accel_gradsync.runtime.checkpoint import CheckpointHooks
+from accel_gradsync.runtime.connection import Connection
 from accel_gradsync.runtime.decision import describe_decision
 from accel_gradsync.runtime.generation import GenerationGather
-from accel_gradsync.runtime.hooks import hook_accelerator, hook_trainer, unhook_accelerator, unhook_trainer
 from accel_gradsync.runtime.join import Join
-from accel_gradsync.runtime.preemption import NO_SIGNAL, PREEMPTED_EXIT_CODE, Preemption
+from accel_gradsync.runtime.preemption import PREEMPTED_EXIT_CODE
 from accel_gradsync.runtime.state import Attachment, root_of
 from accel_gradsync.runtime.window import Window
 
@@ -51,11 +50,9 @@ class GradSyncHandle:
         self._binder = Binder(self._state, self._window, self._generation, memory_probe, forecaster)
         self._checkpoints = CheckpointHooks(self._state)
         self._join = Join(self._state)
-        self._callback: Any = None  # callback.GradSyncCallback, with a Trainer
-        self._save_on_signal: Any = None  # callback.SaveOnSignal, with a Trainer and save_on_signal
-        self._preemption: Preemption | None = None  # with save_on_signal: the Trainer's or the loop's
-        self._original_class: type | None = None
-        self._original_trainer_class: type | None = None  # a model transformers sharded (hooks.py)
+        self._connection = Connection(
+            accelerator, self._state, self._binder, self._window, self._generation, self._checkpoints, self._join
+        )
 
     # -- public ---------------------------------------------------------------------------
     @property
@@ -186,7 +183,8 @@ class GradSyncHandle:
         Returns:
             `bool`: whether to save and exit now.
         """
-        return self._preemption is not None and self._preemption.ask(self.accelerator)
+        preemption = self._connection.preemption
+        return preemption is not None and preemption.ask(self.accelerator)
 
     def exit_preempted(self, checkpoint: str | None = None) -> None:
         """After `preempted()` said True and the checkpoint is saved on every rank: print one line
@@ -196,16 +194,17 @@ class GradSyncHandle:
         Raises:
             `ValueError`: `preempted()` has not said True.
         """
-        if self._preemption is None or not self._preemption.agreed:
+        preemption = self._connection.preemption
+        if preemption is None or not preemption.agreed:
             raise ValueError(
                 "grad_sync.exit_preempted() is for after grad_sync.preempted() returned True and the "
                 "checkpoint is saved; call it only then."
             )
         saved = f"saved {checkpoint}" if checkpoint is not None else "saved"
         self.accelerator.print(
-            f"accel_gradsync: {self._preemption.signum.name}: {saved}; exiting with code {PREEMPTED_EXIT_CODE}."
+            f"accel_gradsync: {preemption.signum.name}: {saved}; exiting with code {PREEMPTED_EXIT_CODE}."
         )
-        self._preemption.exit(self.accelerator)
+        preemption.exit(self.accelerator)
 
     def detach(self) -> None:
         """Undo `attach`: every unit's flags as they were, units kept for generation resharded,
@@ -213,24 +212,8 @@ class GradSyncHandle:
         stay readable."""
         self._generation.close()  # units kept for generation: flags back, resharded
         self._window.end_hold()  # a window left mid-way: its flags back
-        if self._original_class is not None:
-            unhook_accelerator(self.accelerator, self._original_class)
-            self._original_class = None
+        self._connection.disconnect()
         self._binder.close()
-        self._checkpoints.close()
-        self._join.close()
-        if self._callback is not None:
-            self._state.trainer.remove_callback(self._callback)
-            self._callback = None
-        if self._save_on_signal is not None:
-            self._state.trainer.remove_callback(self._save_on_signal)
-            self._save_on_signal = None
-        if self._preemption is not None:
-            self._preemption.restore()  # the signal's own handler back
-            self._preemption = None
-        if self._original_trainer_class is not None:
-            unhook_trainer(self._state.trainer, self._original_trainer_class)
-            self._original_trainer_class = None
 
     def __enter__(self) -> GradSyncHandle:
         return self
@@ -240,44 +223,17 @@ class GradSyncHandle:
 
     # -- set-up (attach.py) -------------------------------------------------------------------
     def _add_save_on_signal(self) -> None:
-        """When `save_on_signal` names a signal, also on one process: a Trainer's `SaveOnSignal`,
-        last in line (the other callbacks' on_train_end run before it exits); for a loop of its
-        own, the handler and the watch for a loop that never asks `preempted()`."""
-        signal_name, trainer = self._state.settings.save_on_signal, self._state.trainer
-        if signal_name == NO_SIGNAL:
-            return
-        self._preemption = Preemption(signal_name)
-        if trainer is None:
-            self._preemption.install()
-            self._preemption.watch_loop()
-            return
-        from accel_gradsync.runtime.callback import SaveOnSignal  # imports transformers: only for a Trainer
-
-        self._save_on_signal = SaveOnSignal(trainer, self._preemption)
-        trainer.add_callback(self._save_on_signal)
+        """With `save_on_signal`, also on one process and where attach() does nothing else."""
+        self._connection.add_save_on_signal()
 
     def _connect(self, models: list) -> None:
-        """Bind the models prepared before attach, and put the policy behind the accelerator's
-        `no_sync` / `accumulate` / `prepare`, its checkpoints and the Trainer's events."""
-        accelerator, trainer = self.accelerator, self._state.trainer
+        """Bind the models prepared before attach, then connect the policy to the accelerator,
+        its checkpoints and the Trainer (connection.py)."""
         try:
             for model in models:
-                if wants_binding(accelerator, model):
+                if wants_binding(self.accelerator, model):
                     self.bind(model)
         except Exception:
             self.detach()
             raise
-        # accelerate's checkpoints hold no gradients: a mid-window one gets them from us.
-        self._checkpoints.register()
-        if trainer is not None:
-            from accel_gradsync.runtime.callback import GradSyncCallback  # imports transformers: only for a Trainer
-
-            self._callback = GradSyncCallback(self._state, self._binder, self._generation, self._checkpoints)
-            # First in line, so the reporting callbacks (TensorBoard, W&B, ...) see our keys.
-            trainer.callback_handler.callbacks.insert(0, self._callback)
-            if sharded_by_transformers(trainer):
-                self._original_trainer_class = hook_trainer(trainer, self._binder, self._window)
-        self._join.even.register()
-        self._original_class = hook_accelerator(
-            accelerator, self._binder, self._window, self._join, discard_on_exception=trainer is not None
-        )
+        self._connection.connect()
