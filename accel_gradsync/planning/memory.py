@@ -5,7 +5,8 @@ plans from measurements instead, through a `MemoryProbe`: the memory a rank may 
 capacity) and the peak in use during an optimizer step. One small interface with a device
 (CUDA / Ascend NPU) and a CPU implementation, and `ScriptedMemoryProbe`, which plays a device
 with a given capacity and a scripted series of peaks (tests, dry runs). Reading a probe is a
-host-side counter read: no device synchronisation.
+host-side counter read: no device synchronisation. `RankMemory` is what one run's binding holds
+of all this: free memory agreed once, the probe made once, each step's peak agreed over ranks.
 """
 
 from __future__ import annotations
@@ -127,6 +128,39 @@ def memory_probe(device: torch.device, config: GradSyncConfig) -> MemoryProbe:
     if device.type in ("cuda", "npu"):
         return DeviceMemoryProbe(device, capacity)
     return CpuMemoryProbe(capacity)
+
+
+class RankMemory:
+    """One run's memory readings, agreed over ranks so that every rank plans the same: free memory
+    (one all-reduce, at the first plan that reads it), the `MemoryProbe` (made at the first `auto`
+    model) and each step's peak against the capacity (`auto`: one all-reduce per optimizer step)."""
+
+    def __init__(self, config: GradSyncConfig, device: torch.device, probe: MemoryProbe | None = None) -> None:
+        self.config = config
+        self.device = device
+        self._probe = probe
+        self._free: int | None = None
+
+    def free(self) -> int:
+        """`agreed_free_memory`, read once per run: budgets and residency decided later read the same."""
+        if self._free is None:
+            self._free = agreed_free_memory(self.config, self.device)
+        return self._free
+
+    @property
+    def probe(self) -> MemoryProbe:
+        """The probe given at construction, else `memory_probe` for the device, made once."""
+        if self._probe is None:
+            self._probe = memory_probe(self.device, self.config)
+        return self._probe
+
+    def agree_peak(self, peak: int, capacity: int) -> tuple[int, int]:
+        """(the largest peak, the smallest capacity) over all ranks."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return peak, capacity
+        value = torch.tensor([peak, -capacity], dtype=torch.int64, device=self.device)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return int(value[0].item()), -int(value[1].item())
 
 
 def _rss() -> int:

@@ -18,9 +18,9 @@ trained one; a trained one is planned for the units it trains now).
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import torch
-import torch.distributed as dist
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, is_compiled_module
 from torch import nn
@@ -30,7 +30,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 from accel_gradsync.config.errors import GradSyncWarning
 from accel_gradsync.config.settings import SyncMode
-from accel_gradsync.planning.memory import MemoryProbe, agreed_free_memory, memory_probe
+from accel_gradsync.planning.memory import MemoryProbe, RankMemory
 from accel_gradsync.planning.replan import Forecast, Forecaster, MeasuredAuto
 from accel_gradsync.planning.residency import decide_residency
 from accel_gradsync.planning.units import Plan
@@ -52,7 +52,7 @@ def wants_binding(accelerator: Accelerator, model: nn.Module) -> bool:
 
 class Binder:
     """Binds models into one `Attachment` and watches them (the window's and generation's hooks);
-    keeps what planning reads once per run (free memory, the memory probe)."""
+    `memory` holds what planning reads of memory, once per run (free memory, the probe)."""
 
     def __init__(
         self,
@@ -65,9 +65,8 @@ class Binder:
         self.state = state
         self.window = window
         self.generation = generation
-        self._probe = probe
+        self.memory = RankMemory(state.config, state.accelerator.device, probe)
         self._forecaster = forecaster
-        self._free_memory: int | None = None
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._trainer_seen = False
         self._forecasts: dict[nn.Module, Forecast] = {}
@@ -90,14 +89,9 @@ class Binder:
         if self.state.trainer is not None and not self._trainer_seen:
             # Before the trained model's plan, which budget and auto make within what they keep.
             self._trainer_seen = True
-            trained = {root_of(m) for m in (self.state.trainer.model, self.state.trainer.model_wrapped, model)}
-            for attribute, value in list(vars(self.state.trainer).items()):
-                # TRL's trainers shard a reference model themselves (trl.models.prepare_fsdp), not
-                # through accelerator.prepare, and leave its parameters requiring gradients: an
-                # FSDP2 model the Trainer holds besides the one it trains is one.
-                fsdp2 = isinstance(value, nn.Module) and isinstance(value, FSDPModule)
-                if fsdp2 and value not in trained and value not in self.state.adapters:
-                    self._bind_frozen(value, name=attribute)
+            for attribute, frozen in frozen_models_of(self.state.trainer, model):
+                if frozen not in self.state.adapters:
+                    self._bind_frozen(frozen, name=attribute)
         if root in self.state.adapters:
             self.refresh(root)  # a no_sync: perhaps a window's first micro-batch
             return self.state.adapters[root]
@@ -160,24 +154,8 @@ class Binder:
         """Adapt, plan, count and print `model`; `name` and `account` where it is bound again
         (`_rebind`): a trained model given its `account` stays one, all its units frozen or not."""
         state, root = self.state, root_of(model)
-        adapter = adapt_model(model)
-        expects_fsdp = state.accelerator.distributed_type == DistributedType.FSDP
-        # accelerate's FSDP shards the model it prepares at its root: an FSDP2 root found inside
-        # it means the model around it is not sharded.
-        if expects_fsdp and (adapter is None or adapter.kind == "ddp" or adapter.model is not root):
-            raise ValueError(
-                f"The accelerate config asks for FSDP but the prepared model ({model_name(model)}) is "
-                f"{'only partly FSDP-wrapped' if is_fsdp_wrapped(model) else 'not FSDP-wrapped'}: it "
-                "would train unsharded. Pass the model through `accelerator.prepare` (the Trainer does), "
-                "and check the fsdp auto-wrap policy in the accelerate config."
-            )
+        adapter = adapt_prepared(state.accelerator, model)
         if adapter is None:
-            warnings.warn(
-                f"accel_gradsync: the prepared model ({model_name(model)}) is not wrapped in FSDP or "
-                "DDP, so it has no gradient sync to schedule; accelerate's own no_sync() applies.",
-                GradSyncWarning,
-                stacklevel=4,  # the code that called GradSyncHandle.bind
-            )
             state.adapters[root] = None
             return None
         state.adapters[root] = adapter
@@ -196,9 +174,7 @@ class Binder:
         m, auto = state.micro_batches_per_step, None
         if state.policy.name == SyncMode.AUTO and m > 1:
             # auto plans step 1 from the forecast, or measures step 1 and plans from step 2 on (replan.py).
-            if self._probe is None:
-                self._probe = memory_probe(state.accelerator.device, state.config)
-            auto = MeasuredAuto(state.settings, self._probe, self._agree_peak)
+            auto = MeasuredAuto(state.settings, self.memory.probe, self.memory.agree_peak)
             if state.settings.forecasts:
                 self._forecasts[root] = (
                     self._forecaster.forecast(model, m)
@@ -207,7 +183,7 @@ class Binder:
                 )
         plan = self._plan(root, adapter, auto)
         warn_about_plan(plan, adapter, state.settings, m)
-        name = name or self._unique_name(root)
+        name = name or unique_name(root, self.state)
         account = account or SyncAccounting(
             state.policy.name, adapter.kind, adapter.collective, hsdp=adapter.hsdp, units=len(adapter.units)
         )
@@ -223,7 +199,7 @@ class Binder:
         reserved = sum(f.kept_bytes for f in self.state.frozen.values())
         if auto is not None:
             return auto.first_plan(adapter, m, self._forecasts.get(root), reserved)
-        return self.state.policy.plan(adapter, self._agreed_free_memory, m, reserved)
+        return self.state.policy.plan(adapter, self.memory.free, m, reserved)
 
     def _replan_for(self, frozen: FrozenModel) -> None:
         """A frozen model that keeps more than one forward gathers, bound after a trained model
@@ -236,15 +212,6 @@ class Binder:
                 self.state.accelerator.print(
                     describe_decision(bound.plan, bound.adapter, self.state.micro_batches_per_step)
                 )
-
-    def _unique_name(self, root: nn.Module) -> str:
-        """The user's class name, `#n`-suffixed for the n-th model of that class bound (stats() keys)."""
-        name = model_name(root)
-        taken = {b.name for b in self.state.bound.values()} | {f.name for f in self.state.frozen.values()}
-        n = 1
-        while (f"{name}#{n}" if n > 1 else name) in taken:
-            n += 1
-        return f"{name}#{n}" if n > 1 else name
 
     def _bind_frozen(self, root: nn.Module, adapter: ModelAdapter | None = None, name: str = "") -> None:
         """An FSDP2 model nothing trains (`FrozenModel`): count its all-gathers and watch its
@@ -259,11 +226,11 @@ class Binder:
         self._trainable[root] = (root, trainable_params(root))
         taken = sum(f.kept_bytes for f in self.state.frozen.values() if f.resident)
         unsharded = sum(u.param_bytes for u in adapter.units)
-        residency = decide_residency(self.state.settings, unsharded, self._agreed_free_memory, taken)
+        residency = decide_residency(self.state.settings, unsharded, self.memory.free, taken)
         keeps = residency.resident or frozen_keeps(adapter.units, self.state.settings.gather_for_generation)
         account = SyncAccounting(self.state.policy.name, adapter.kind, adapter.collective, units=len(adapter.units))
         # Named by the Trainer's attribute (`ref_model`) where found there, else by its class.
-        frozen = FrozenModel(name or self._unique_name(root), adapter, account, keeps, residency.resident)
+        frozen = FrozenModel(name or unique_name(root, self.state), adapter, account, keeps, residency.resident)
         self.state.frozen[root] = frozen
         self.state.accelerator.print(describe_frozen(frozen.name, model_name(root), adapter, keeps, residency))
         # Its all-gathers as FSDP2 issues them; its step ends at every optimizer step (no
@@ -282,23 +249,59 @@ class Binder:
         for frozen in self.state.frozen.values():
             frozen.account.end_step()
 
-    def _agreed_free_memory(self) -> int:
-        if self._free_memory is None:  # one collective per run, before the first step
-            self._free_memory = agreed_free_memory(self.state.config, self.state.accelerator.device)
-        return self._free_memory
-
-    def _agree_peak(self, peak: int, capacity: int) -> tuple[int, int]:
-        """(the largest peak, the smallest capacity) over all ranks: one all-reduce per optimizer step."""
-        if not (dist.is_available() and dist.is_initialized()):
-            return peak, capacity
-        value = torch.tensor([peak, -capacity], dtype=torch.int64, device=self.state.accelerator.device)
-        dist.all_reduce(value, op=dist.ReduceOp.MAX)
-        return int(value[0].item()), -int(value[1].item())
-
 
 def trainable_params(root: nn.Module) -> tuple[bool, ...]:
     """`requires_grad` of each of the model's parameters, in order: what `refresh` compares."""
     return tuple(p.requires_grad for p in root.parameters())
+
+
+def adapt_prepared(accelerator: Accelerator, model: nn.Module) -> ModelAdapter | None:
+    """`adapt_model` for a model to bind: a ValueError where the accelerate config asks for FSDP
+    and the model is not sharded at its root; None, with a warning at the line that called
+    `GradSyncHandle.bind`, where it is not wrapped at all."""
+    adapter = adapt_model(model)
+    # accelerate's FSDP shards the model it prepares at its root: an FSDP2 root found inside it
+    # means the model around it is not sharded.
+    if accelerator.distributed_type == DistributedType.FSDP and (
+        adapter is None or adapter.kind == "ddp" or adapter.model is not root_of(model)
+    ):
+        raise ValueError(
+            f"The accelerate config asks for FSDP but the prepared model ({model_name(model)}) is "
+            f"{'only partly FSDP-wrapped' if is_fsdp_wrapped(model) else 'not FSDP-wrapped'}: it "
+            "would train unsharded. Pass the model through `accelerator.prepare` (the Trainer does), "
+            "and check the fsdp auto-wrap policy in the accelerate config."
+        )
+    if adapter is None:
+        warnings.warn(
+            f"accel_gradsync: the prepared model ({model_name(model)}) is not wrapped in FSDP or "
+            "DDP, so it has no gradient sync to schedule; accelerate's own no_sync() applies.",
+            GradSyncWarning,
+            stacklevel=5,  # here, Binder._bind, Binder.bind, GradSyncHandle.bind, its caller
+        )
+    return adapter
+
+
+def frozen_models_of(trainer: Any, model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(attribute, model) of each FSDP2 model `trainer` holds besides the one it trains (`model`).
+    NOTE: TRL's trainers shard a reference model themselves (trl.models.prepare_fsdp), not through
+    accelerator.prepare, and leave its parameters requiring gradients: this is how one is found."""
+    trained = {root_of(m) for m in (trainer.model, trainer.model_wrapped, model)}
+    return [
+        (attribute, value)
+        for attribute, value in list(vars(trainer).items())
+        if isinstance(value, nn.Module) and isinstance(value, FSDPModule) and value not in trained
+    ]
+
+
+def unique_name(root: nn.Module, state: Attachment) -> str:
+    """The user's class name, `#n`-suffixed for the n-th model of that class bound in `state`
+    (trained or frozen: one namespace, the keys of stats())."""
+    name = model_name(root)
+    taken = {b.name for b in state.bound.values()} | {f.name for f in state.frozen.values()}
+    n = 1
+    while (f"{name}#{n}" if n > 1 else name) in taken:
+        n += 1
+    return f"{name}#{n}" if n > 1 else name
 
 
 def model_name(root: nn.Module) -> str:

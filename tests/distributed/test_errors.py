@@ -30,6 +30,19 @@ def test_unwrapped_model_under_fsdp_config_is_refused(misuse):
         assert "not FSDP-wrapped" in rank["not_wrapped"] and "TinyNet" in rank["not_wrapped"]
 
 
+def test_a_model_with_no_wrapper_gets_one_warning_where_bind_was_called():
+    # torchrun: accelerate's DDP. A model it never prepared has no gradient sync to schedule:
+    # binding it warns once, at the caller's line, and accelerate's own no_sync applies.
+    for rank in launch("errors", ["--case", "unwrapped"]):
+        assert rank["bind"] == rank["bind_again"] == "None"
+        (warning,) = rank["warnings"]
+        assert warning["category"] == "GradSyncWarning"
+        assert "(TinyNet) is not wrapped in FSDP or DDP" in warning["message"]
+        assert "accelerate's own no_sync() applies" in warning["message"]
+        assert warning["file"] == rank["worker_file"]
+        assert rank["grad"]
+
+
 def test_deferral_with_sync_each_batch_names_both_settings(misuse):
     for rank in misuse:
         msg = rank["sync_each_batch"]

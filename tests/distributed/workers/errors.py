@@ -1,12 +1,15 @@
 """Misuse that `attach` must refuse before any training step, on 2 ranks under an FSDP config.
 `--case no_enable` skips `enable_cpu_fsdp()` (accelerate then silently runs N lone processes);
 `--case misuse` runs the other refusals one after the other; `--case modes` asks for modes the
-wrapper cannot run. Each message is reported."""
+wrapper cannot run; `--case unwrapped` (torchrun, DDP) binds a model accelerate left unwrapped,
+which gets a warning, not a refusal. Each message is reported."""
+
+import warnings
 
 import torch
 from accelerate import Accelerator
 from accelerate.utils import GradientAccumulationPlugin
-from common import TinyNet, parse_args, write_result
+from common import DIM, TinyNet, parse_args, write_result
 
 import accel_gradsync
 
@@ -35,6 +38,24 @@ elif args.case == "modes":  # modes the wrapper cannot run, under FSDP1 or a 1-D
     for mode, extra in (("budget", {"memory_budget": "1GiB"}), ("defer_all_reduce", {})):
         config = accel_gradsync.GradSyncConfig(sync_mode=mode, **extra)
         result[mode] = refusal(lambda config=config: accel_gradsync.attach(accelerator, config).detach())
+elif args.case == "unwrapped":  # under torchrun: accelerate's DDP
+    accelerator = Accelerator(gradient_accumulation_steps=2)
+    model = TinyNet()
+    model, _ = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    handle = accel_gradsync.attach(accelerator, accel_gradsync.GradSyncConfig(defer=True))
+    plain = TinyNet()  # never prepared: no wrapper, no gradient sync
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result["bind"] = repr(handle.bind(plain))
+        result["bind_again"] = repr(handle.bind(plain))
+        with accelerator.accumulate(plain):  # accelerate's own no_sync applies
+            accelerator.backward(plain(torch.ones(2, DIM)).sum())
+    result["warnings"] = [
+        {"category": w.category.__name__, "message": str(w.message), "file": w.filename} for w in caught
+    ]
+    result["worker_file"] = __file__
+    result["grad"] = plain.head.weight.grad is not None
+    handle.detach()
 else:  # "misuse", under FSDP2
     accel_gradsync.enable_cpu_fsdp()
     plugin = GradientAccumulationPlugin(num_steps=2, sync_each_batch=True)

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 from torch import nn
 
-from accel_gradsync.runtime.bind import Binder
+from accel_gradsync.runtime.bind import unique_name
 
 
 class Policy(nn.Linear):
@@ -19,10 +19,9 @@ class Ref(nn.Linear):
 def names_bound_in_order(*models: nn.Module) -> list[str]:
     """Each model named as bound after the ones before it (trained or frozen: one namespace)."""
     state = SimpleNamespace(bound={}, frozen={})
-    binder = Binder(state, window=None, generation=None)  # naming reads the state alone
     names = []
     for i, model in enumerate(models):
-        name = binder._unique_name(model)
+        name = unique_name(model, state)  # naming reads the state's names alone
         (state.bound if i % 2 else state.frozen)[model] = SimpleNamespace(name=name)
         names.append(name)
     return names
