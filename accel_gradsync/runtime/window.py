@@ -23,13 +23,18 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from accel_gradsync.config.settings import SyncMode
 from accel_gradsync.planning.units import Unit
 from accel_gradsync.runtime.adapter import ModelAdapter
 from accel_gradsync.runtime.decision import describe_decision
 from accel_gradsync.runtime.fsdp2_counts import watch_fsdp2, watch_replicated_all_reduces
 from accel_gradsync.runtime.generation import GenerationGather
 from accel_gradsync.runtime.state import Attachment, BoundModel, root_of
+from accel_gradsync.runtime.window_checks import (
+    check_explicit_no_sync,
+    warn_cannot_hold_yet,
+    warn_evened_out,
+    warn_if_sync_each_batch,
+)
 
 
 class Window:
@@ -114,7 +119,7 @@ class Window:
         # optimizer step (sync_gradients False); with it True, the user called no_sync directly, as
         # accelerate documents for a loop without accumulate(), and that micro-batch holds too.
         if self.state.accelerator.sync_gradients:
-            self._check_explicit_no_sync()
+            check_explicit_no_sync(self.state)
         self._replan(bound)
         plan = bound.plan
         if not plan.held:
@@ -130,12 +135,7 @@ class Window:
         else:
             held = adapter.holdable(plan.held)
             if len(held) != len(plan.held):
-                self.state.warn_once(
-                    "fallback",
-                    f"accel_gradsync: {len(plan.held) - len(held)} unit(s) sync this micro-batch instead of "
-                    "holding: torch's FSDP2 cannot hold a gradient that must be cast to reduce_dtype for a "
-                    "unit that has not run yet. They hold once they have run; gradients stay exact.",
-                )
+                warn_cannot_hold_yet(self.state, len(plan.held) - len(held))
             self._start_hold(bound, held)
             context = contextlib.nullcontext()
         self._held[root] = (held, plan.held_sync)
@@ -143,36 +143,12 @@ class Window:
             with context:
                 yield
             if adapter.even_out_held_grads(held):
-                self.state.warn_once(
-                    "even_out",
-                    "accel_gradsync: some parameters got no gradient in a held micro-batch while others in "
-                    "their unit did; they now hold a zero gradient in the reduce dtype so that a later "
-                    "first gradient reduces correctly (torch's FSDP2 needs one dtype per unit).",
-                )
+                warn_evened_out(self.state)
         except BaseException:
             self._end_hold(bound)  # flags back at once; accumulate()'s abort drops the gradients
             raise
         finally:
             self._held.pop(root, None)
-
-    def _check_explicit_no_sync(self) -> None:
-        """A `no_sync` the user entered outside `accumulate()`: say once that `per_micro_batch`
-        overrides it; refuse the modes that plan per unit for M micro-batches when M is unknown."""
-        state, mode = self.state, self.state.policy.name
-        if mode == SyncMode.PER_MICRO_BATCH:
-            state.warn_once(
-                "explicit_no_sync",
-                "accel_gradsync: accelerator.no_sync(model) is overridden by sync mode 'per_micro_batch': every "
-                "micro-batch reduce-scatters its gradients (sharded, lowest memory). Use sync mode 'deferred' "
-                "(GradSyncConfig(defer=True), --defer-grad-sync) to hold them inside no_sync.",
-            )
-        elif mode in (SyncMode.BUDGET, SyncMode.AUTO) and state.micro_batches_per_step == 1:
-            raise ValueError(
-                f"accelerator.no_sync(model) holds gradients over several micro-batches, but sync mode '{mode}' "
-                "plans each unit for the M micro-batches of one optimizer step and the Accelerator has "
-                "gradient_accumulation_steps=1. Build it with Accelerator(gradient_accumulation_steps=M) (M-1 "
-                "micro-batches inside no_sync, then the one that syncs), or use sync mode 'deferred'."
-            )
 
     def _start_hold(self, bound: BoundModel, held: Sequence[Unit]) -> None:
         """Set the flags the plan holds, unless this window already holds exactly those."""
@@ -218,15 +194,8 @@ class Window:
         state = self.state
         # Inside no_sync a micro-batch never ends the step, even outside accumulate() (sync_gradients True).
         ends_step = state.accelerator.sync_gradients and module not in self._held
-        skipped_no_sync = module not in self._held and not ends_step and state.policy.name != SyncMode.PER_MICRO_BATCH
-        # A non-final micro-batch that skipped no_sync: accelerate's shared sync_each_batch was
-        # switched on after attach (by another Accelerator or Trainer in this process).
-        if skipped_no_sync and state.accelerator.gradient_state.plugin_kwargs.get("sync_each_batch", False):
-            state.warn_once(
-                "sync_each_batch",
-                f"accel_gradsync: sync mode '{state.policy.name}' is not applied: accelerate's "
-                "sync_each_batch=True was set after attach() and makes every micro-batch sync.",
-            )
+        if module not in self._held and not ends_step:  # a non-final micro-batch that skipped no_sync
+            warn_if_sync_each_batch(state)
         bound = state.bound[module]
         if module not in self._held:
             self._end_hold(bound)  # the window's last micro-batch (or one accelerate syncs): it syncs
