@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
-from accel_gradsync.config.settings import GradSyncConfig, ResolvedConfig, SyncMode, dtype_name, parse_bytes
+from accel_gradsync.config.settings import GradSyncConfig, ResolvedConfig, SyncMode, dtype_name
+from accel_gradsync.config.values import parse_bytes
 from accel_gradsync.planning.costs import (
     format_bytes,
     generation_bytes_of,
