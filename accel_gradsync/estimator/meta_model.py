@@ -9,6 +9,7 @@ accelerate cannot shard fails as `prepare()` would, in one line naming what to s
 from __future__ import annotations
 
 import logging
+import warnings
 from collections import Counter
 from typing import Any
 
@@ -43,7 +44,11 @@ def build_meta_model(config: Any, dtype: torch.dtype = torch.float32, lora: Lora
         ) from None
     targets = list(lora.target_modules) if lora.target_modules else None
     try:
-        with torch.device("meta"):
+        with torch.device("meta"), warnings.catch_warnings():
+            # PEFT reads transformers 5's deprecated `is_gradient_checkpointing`: not the user's to fix.
+            warnings.filterwarnings(
+                "ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning
+            )
             return get_peft_model(model, LoraConfig(r=lora.r, target_modules=targets, task_type="CAUSAL_LM"))
     except ValueError as err:  # no default modules for the architecture, or a name it does not have
         first = str(err).strip().splitlines()[0]
@@ -155,6 +160,13 @@ def _adapt_sharded_by_transformers(model: nn.Module, setup: FSDPSetup, config: G
 
 def _suggest_wrap_fix(model: nn.Module, setup: FSDPSetup) -> str:
     """What to change in the accelerate config when accelerate cannot shard `model` with `setup`."""
+    trainable = {p.requires_grad for p in model.parameters()}
+    if setup.fsdp_version == 1 and not setup.use_orig_params and len(trainable) == 2:
+        # FSDP1 flattens a unit's params into one tensor, all trainable or all frozen; LoRA mixes them.
+        return (
+            "Set fsdp_use_orig_params: true in the accelerate config's fsdp_config: FSDP1 needs it for a "
+            "model with trainable and frozen parameters in one unit (a LoRA fine-tune), or use fsdp_version: 2."
+        )
     if setup.auto_wrap_policy != "TRANSFORMER_BASED_WRAP" or setup.layer_cls_to_wrap is not None:
         return "Change the wrap policy or the parallelism_config."
     default = ",".join(sorted(getattr(model, "_no_split_modules", None) or ())) or "none"

@@ -86,3 +86,17 @@ def test_a_model_accelerate_cannot_wrap_names_the_layer_class_to_set(good_text, 
     fixed.write_text(good_text + "  fsdp_transformer_layer_cls_to_wrap: BertLayer\n")
     assert main(["estimate", "--micro-batches", "2", "--accelerate-config", str(fixed), "--model", str(model)]) == 0
     assert "2 micro-batches per optimizer step" in capsys.readouterr().out
+
+
+def test_a_lora_fine_tune_under_fsdp1_names_use_orig_params(good_text, cli_error, tmp_path, capsys):
+    """FSDP1 flattens each unit's parameters into one tensor, all trainable or all frozen; a LoRA
+    unit mixes both, so accelerate cannot shard it without `fsdp_use_orig_params: true`. The line
+    names that setting (not the layer class, which accelerate already wraps), and it then works."""
+    fsdp1 = good_text.replace("fsdp_version: 2", "fsdp_version: 1")
+    plain, fixed = tmp_path / "fsdp1.yaml", tmp_path / "fixed.yaml"
+    plain.write_text(fsdp1)
+    fixed.write_text(fsdp1 + "  fsdp_use_orig_params: true\n")
+    line = cli_error(capsys, "--accelerate-config", str(plain), "--lora-r", "4")
+    assert "Set fsdp_use_orig_params: true" in line and "fsdp_transformer_layer_cls_to_wrap" not in line, line
+    assert main(["estimate", "--micro-batches", "2", "--accelerate-config", str(fixed), "--lora-r", "4"]) == 0
+    assert "2 micro-batches per optimizer step" in capsys.readouterr().out
