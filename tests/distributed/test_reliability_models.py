@@ -1,6 +1,6 @@
 """Real transformers models under FSDP2 on 2 gloo ranks: a tiny Qwen2 whose input
 and output embeddings are one tied parameter, and the same model with PEFT LoRA adapters (the
-base frozen). Every optimizer step's gradients equal a single-process reference, and only the
+base frozen; also under FSDP1). Every optimizer step's gradients equal a single-process reference, and only the
 units holding trainable parameters are units.
 
 The same launch builds a transformers Trainer whose accelerator config asks for
@@ -51,6 +51,37 @@ def test_gradients_match_single_process_reference(ranks, model, mode):
         units = run["unit_collectives"]
         expected = [units if mode == "deferred" else units * m for m in WINDOWS]
         assert [s["reduce_scatters"] for s in run["steps"]] == expected
+
+
+@pytest.fixture(scope="module")
+def fsdp1_lora():
+    """LoRA under FSDP1, as the FSDP1 configs in accelerate_configs/ launch it (fsdp_use_orig_params:
+    FSDP1 cannot flatten a unit's frozen base and trainable adapters into one tensor without it)."""
+    runs = [{"name": f"lora_{mode}", "model": "lora", "config": cfg} for mode, cfg in MODES.items()]
+    config = accelerate_config(
+        "fsdp1", fsdp_use_orig_params=True, fsdp_transformer_layer_cls_to_wrap="Qwen2DecoderLayer"
+    )
+    return launch("reliability_models", ["--runs", json.dumps(runs), "--M", str(M), "--batches", str(BATCHES)], config)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_lora_under_fsdp1_matches_the_single_process_reference(fsdp1_lora, mode):
+    for rank in fsdp1_lora:
+        run = rank["runs"][f"lora_{mode}"]
+        assert run["error"] is None, run["error"]
+        assert len(run["steps"]) == run["expected_steps"] == len(WINDOWS)
+        for step in run["steps"]:
+            assert step["max_diff"] <= 1e-5 and not step["missing"] and not step["extra"], step
+            assert step["frozen_grad_max"] == 0.0, step  # the frozen base: nothing to reduce or apply
+        assert run["trainable_names"] and all("lora_" in n for n in run["trainable_names"])
+        # FSDP1 reduce-scatters each unit with trainable parameters (the 2 layers') once per sync;
+        # deferral (no_sync at the root) syncs once per window.
+        expected = [2 if mode == "deferred" else 2 * m for m in WINDOWS]
+        assert [s["reduce_scatters"] for s in run["steps"]] == expected
+        # FSDP1's no_sync holds each unit's whole flat gradient, the frozen base's part included:
+        # the layers' every parameter in fp32 (FSDP2 holds the adapters' alone, above).
+        held = run["layers_numel"] * 4 if mode == "deferred" else 0
+        assert run["plan"]["held_bytes"] == run["stats"]["peak_held_grad_bytes"] == held
 
 
 def test_tied_embedding_is_counted_once(ranks):

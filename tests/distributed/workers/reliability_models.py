@@ -1,5 +1,5 @@
-"""Real transformers models under FSDP2 through accelerate: a tiny Qwen2 with tied input/output
-embeddings, and the same model with PEFT LoRA adapters (only the adapters train). For each
+"""Real transformers models under FSDP2 (or the launch's FSDP1) through accelerate: a tiny Qwen2 with
+tied input/output embeddings, and the same model with PEFT LoRA adapters (only the adapters train). For each
 sync mode, every optimizer step's gradients are compared with a single-process reference, and
 the plan's units and held bytes with the trainable parameters."""
 
@@ -74,6 +74,7 @@ result = {}
 for run in args.runs:
     model = build(run["model"])
     trainable = {n: p.numel() for n, p in model.named_parameters() if p.requires_grad}
+    layers_numel = sum(p.numel() for n, p in model.named_parameters() if ".layers." in n)
     expected = reference(model)
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
     loader = torch.utils.data.DataLoader(IDS, batch_size=B, shuffle=False)
@@ -89,8 +90,15 @@ for run in args.runs:
                     counts = counter.take()
                     with counter.paused():
                         grads = {clean(n): t for n, t in full_grads(model).items()}
+                    # FSDP1's summon_full_params(with_grads=True) shows the frozen parameters that
+                    # share a flat parameter with trainable ones (LoRA's base) a gradient: zeros.
+                    frozen = [t.abs().max().item() for n, t in grads.items() if n not in trainable]
+                    grads = {n: t for n, t in grads.items() if n in trainable}
                     want = expected[len(steps)] if len(steps) < len(expected) else {}
-                    steps.append({"reduce_scatters": counts.get("reduce_scatter_single", 0), **compare(grads, want)})
+                    # FSDP2 calls reduce_scatter_single, FSDP1 reduce_scatter_tensor.
+                    reduce_scatters = counts.get("reduce_scatter_single", 0) + counts.get("reduce_scatter_tensor", 0)
+                    step = {"reduce_scatters": reduce_scatters, "frozen_grad_max": max(frozen, default=0.0)}
+                    steps.append({**step, **compare(grads, want)})
                 optimizer.step()
                 optimizer.zero_grad()
     except Exception as err:
@@ -102,6 +110,7 @@ for run in args.runs:
         "steps": steps,
         "expected_steps": len(expected),
         "trainable_numel": sum(trainable.values()),
+        "layers_numel": layers_numel,
         "trainable_names": sorted(trainable),
         "units": {u.name: u.numel for u in units},
         "unit_collectives": sum(u.collectives for u in units),
