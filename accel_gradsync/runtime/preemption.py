@@ -14,7 +14,9 @@ and a rank already finalizing (Python's handlers gone) would otherwise report -1
 
 A loop of its own must ask; one that never does is found at the second step of an optimizer
 (`watch_loop`): one warning, and the signal gets its own action back (one that came meanwhile is
-raised again), so that setting it changes nothing for such a loop.
+raised again), so that setting it changes nothing for such a loop. A signal after the last
+agreement (a loop's last ask, a Trainer's last step) has no step left to save at: it is raised
+again when the handler is given back (detach, the Trainer's train end), never dropped.
 """
 
 from __future__ import annotations
@@ -51,20 +53,28 @@ class Preemption:
         self._stepped: weakref.WeakSet = weakref.WeakSet()  # optimizers seen stepping (watch_loop)
         self._watch: Any = None  # the optimizer post-step hook of `watch_loop`
         self._watch_over = False  # `watch_loop` warned: its hook does nothing more
+        self._passed_on = False  # a signal not acted on was raised again for its own handler
 
     def install(self) -> None:
         """Count the signal from now on, instead of its own action (main thread only)."""
         self._catch(self.signum)
 
     def restore(self) -> None:
-        """The signals' own handlers back, and no more watching of the loop."""
+        """The signals' own handlers back, and no more watching of the loop (detach, the end of a
+        Trainer's training without the signal agreed on)."""
         self._unwatch()
         self._restore_signals()
 
     def _restore_signals(self) -> None:
+        """The handlers from before back; a signal counted since and never acted on (after the
+        ranks' last agreement, or in a loop that never asks) is raised again, once, so that it
+        does what it would have done without the plugin."""
         for signum, previous in self._previous.items():
             signal.signal(signum, previous)
         self._previous.clear()
+        if self.received and not self.agreed and not self._passed_on:
+            self._passed_on = True
+            signal.raise_signal(self.signum)
 
     def _catch(self, signum: int) -> None:
         previous = signal.signal(signum, self._count)  # also over a handler another library put back meanwhile
@@ -114,10 +124,7 @@ class Preemption:
             GradSyncWarning,
             stacklevel=2,
         )
-        received = self.received
-        self._restore_signals()
-        if received:
-            signal.raise_signal(self.signum)  # what it would have done had the plugin not counted it
+        self._restore_signals()  # a signal that came meanwhile does what it would have done
 
     def exit(self, accelerator: Any) -> None:
         """After the checkpoint: leave the agent out of restarting, then exit with `PREEMPTED_EXIT_CODE`."""

@@ -100,6 +100,29 @@ def test_the_signal_twice_and_during_the_save_makes_one_checkpoint(tmp_path):
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["checkpoint-2"]
 
 
+class SignalAtTheEnd(TrainerCallback):
+    """Sends `signum` after the last optimizer step's agreement (a callback added after attach's
+    runs after it), as a scheduler's warning that lands while the Trainer winds down."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == args.max_steps:
+            os.kill(os.getpid(), self.signum)
+
+
+def test_a_signal_after_the_last_step_keeps_its_own_action_once(tmp_path):
+    got = []
+    signal.signal(signal.SIGUSR1, lambda signum, frame: got.append(signum))  # the program's own handler
+    t = trainer(tmp_path, save_on_signal="SIGUSR1")
+    t.add_callback(SignalAtTheEnd(signal.SIGUSR1))
+    t.train()  # no step left to save at: training ends as it would have, with no checkpoint
+    assert t.state.global_step == 6
+    assert not list((tmp_path / "out").glob("checkpoint-*"))
+    assert got == [signal.SIGUSR1]  # raised again when train end gives the handler back, not dropped
+
+
 def test_none_adds_no_callback_and_keeps_the_signal_as_it_was(tmp_path):
     t = trainer(tmp_path)
     assert not any(isinstance(c, SaveOnSignal) for c in t.callback_handler.callbacks)

@@ -71,6 +71,46 @@ def test_the_loop_is_told_at_the_end_of_the_step_the_signal_came_in_and_exits_wi
     )
 
 
+MOMENTS = ("before_micro_batch", "after_backward", "after_optimizer_step", "after_asking")
+
+
+@pytest.mark.parametrize("moment", MOMENTS)
+@pytest.mark.parametrize("k", range(M * STEPS))
+def test_a_signal_at_any_moment_is_acted_on_once(k, moment):
+    """The signal at each moment of each micro-batch k: the loop is told at the end of the
+    optimizer step it came in, or of the next one where that step had already asked (its last
+    micro-batch, after asking), and never twice. After the last ask there is no step left to
+    save at: detach gives the signal its own action back and raises it again, once."""
+    got = []
+    signal.signal(signal.SIGUSR1, lambda signum, frame: got.append(signum))  # the loop's own handler
+    accelerator, model, optimizer, grad_sync = attached()
+    answers = []
+    for i in range(M * STEPS):
+        if (i, moment) == (k, "before_micro_batch"):
+            os.kill(os.getpid(), signal.SIGUSR1)
+        with accelerator.accumulate(model):
+            accelerator.backward(model(torch.ones(2, 4)).sum())
+            if (i, moment) == (k, "after_backward"):
+                os.kill(os.getpid(), signal.SIGUSR1)
+            optimizer.step()
+            if (i, moment) == (k, "after_optimizer_step"):
+                os.kill(os.getpid(), signal.SIGUSR1)
+            optimizer.zero_grad()
+        answers.append(grad_sync.preempted())
+        if (i, moment) == (k, "after_asking"):
+            os.kill(os.getpid(), signal.SIGUSR1)
+        if answers[-1]:
+            break
+    step = k // M + (moment == "after_asking" and (k + 1) % M == 0)  # 0-based step told
+    grad_sync.detach()
+    if step < STEPS:
+        assert answers == [False] * (M * step + M - 1) + [True], answers
+        assert got == []  # acted on: the loop saves and exits (exit_preempted), no second action
+    else:
+        assert answers == [False] * (M * STEPS), answers
+        assert got == [signal.SIGUSR1]  # not lost: the loop's own handler gets it at detach
+
+
 def test_a_loop_that_never_asks_gets_one_warning_and_the_signal_keeps_its_own_action():
     got = []
     signal.signal(signal.SIGUSR1, lambda signum, frame: got.append(signum))  # the loop's own handler
