@@ -1,5 +1,6 @@
-"""`save_on_signal` on a real transformers Trainer (one process, CPU): the signal mid-window saves
-a checkpoint at the end of that optimizer step and ends `train()` with `PREEMPTED_EXIT_CODE`;
+"""`save_on_signal` on a real transformers Trainer (one process, CPU): the signal at any moment of
+a step saves a checkpoint at the end of that optimizer step and ends `train()` with
+`PREEMPTED_EXIT_CODE` (after the last step: its own action, once);
 `none` leaves the signal alone; every source of the setting agrees with DEFAULTS. The multi-rank
 runs (agreement across ranks, the launcher, resuming byte-equal) are in
 tests/distributed/test_recipe_restart.py."""
@@ -100,27 +101,60 @@ def test_the_signal_twice_and_during_the_save_makes_one_checkpoint(tmp_path):
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["checkpoint-2"]
 
 
-class SignalAtTheEnd(TrainerCallback):
-    """Sends `signum` after the last optimizer step's agreement (a callback added after attach's
-    runs after it), as a scheduler's warning that lands while the Trainer winds down."""
+class SignalOn(TrainerCallback):
+    """Sends `signum` once, at `event` of optimizer step `step` (1-based; a callback added after
+    attach's runs after it at each event)."""
 
-    def __init__(self, signum: int) -> None:
-        self.signum = signum
+    def __init__(self, signum: int, event: str, step: int) -> None:
+        self.signum, self.event, self.step, self.sent = signum, event, step, False
 
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step == args.max_steps:
+    def _at(self, event: str, state) -> None:
+        in_step = state.global_step == (self.step if event == "step_end" else self.step - 1)
+        if event == self.event and in_step and not self.sent:
+            self.sent = True
             os.kill(os.getpid(), self.signum)
 
+    def on_step_begin(self, args, state, control, **kwargs):
+        self._at("step_begin", state)
 
-def test_a_signal_after_the_last_step_keeps_its_own_action_once(tmp_path):
+    def on_substep_end(self, args, state, control, **kwargs):
+        self._at("substep_end", state)
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self._at("pre_optimizer_step", state)
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        self._at("optimizer_step", state)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self._at("step_end", state)
+
+
+EVENTS = ("step_begin", "substep_end", "pre_optimizer_step", "optimizer_step", "step_end")
+
+
+@pytest.mark.parametrize("event", EVENTS)
+@pytest.mark.parametrize("step", [1, 3, 6])
+def test_a_signal_at_any_moment_of_a_step_saves_once(tmp_path, event, step):
+    """Anywhere in optimizer step `step`, the Trainer saves at its end and exits with the code; at
+    its `on_step_end`, after the ranks agreed for it, at the next step's end; after the last one,
+    training ends as without the plugin and the signal keeps its own action, once."""
     got = []
-    signal.signal(signal.SIGUSR1, lambda signum, frame: got.append(signum))  # the program's own handler
+    signal.signal(signal.SIGUSR1, lambda signum, frame: got.append(signum))
     t = trainer(tmp_path, save_on_signal="SIGUSR1")
-    t.add_callback(SignalAtTheEnd(signal.SIGUSR1))
-    t.train()  # no step left to save at: training ends as it would have, with no checkpoint
-    assert t.state.global_step == 6
-    assert not list((tmp_path / "out").glob("checkpoint-*"))
-    assert got == [signal.SIGUSR1]  # raised again when train end gives the handler back, not dropped
+    callback = SignalOn(signal.SIGUSR1, event, step)
+    t.add_callback(callback)
+    saved_at = step + (event == "step_end")
+    if saved_at > t.args.max_steps:
+        t.train()
+        assert callback.sent and got == [signal.SIGUSR1]
+        assert not list((tmp_path / "out").glob("checkpoint-*"))
+        return
+    with pytest.raises(SystemExit) as exited:
+        t.train()
+    assert exited.value.code == PREEMPTED_EXIT_CODE and callback.sent and got == []
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [f"checkpoint-{saved_at}"]
+    assert t.state.global_step == saved_at
 
 
 def test_none_adds_no_callback_and_keeps_the_signal_as_it_was(tmp_path):
