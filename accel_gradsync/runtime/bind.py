@@ -10,14 +10,20 @@ without gradients where that costs no more peak than one of them (generation.py)
 run where `keep_reference_unsharded` or the planned mode's memory says so (planning/residency.py). Frozen models bind
 first where the binder can see them (a Trainer's attributes, one `prepare` call), because budget and
 auto plan the trained models within memory less what those keep; one bound later re-plans them.
-What a model trains is read again once per optimizer step, between windows (`Binder.refresh`): a
-model whose parameters' `requires_grad` changed is bound again (a reference model becomes a
-trained one; a trained one is planned for the units it trains now).
+What a model trains is read again between windows (`Binder.refresh`): a model whose parameters'
+`requires_grad` changed is bound again (a reference model becomes a trained one; a trained one is
+planned for the units it trains now). FSDP2 sets each unsharded parameter's `requires_grad` from
+its sharded one at every all-gather and drops the unsharded one at reshard, so a change made while
+a unit is unsharded (a resident model, a root after a forward without backward) would be lost:
+binding again reshards every unit of the model first and carries the flags the user set over to
+the sharded parameters (`reshard_keeping_flags`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -76,8 +82,6 @@ class Binder:
         self._trainable: dict[nn.Module, tuple[nn.Module, tuple[bool, ...]]] = {}
         """By model bound: the model as bound and `requires_grad` of each of its parameters then
         (`refresh`)."""
-        self._checked: set[nn.Module] = set()
-        """The models `refresh` read since the last optimizer step."""
 
     def bind(self, model: nn.Module) -> ModelAdapter | None:
         """Adapt, plan, count and watch `model` the first time it is seen; its adapter (None where
@@ -104,16 +108,16 @@ class Binder:
         bound (progressive unfreezing, a model frozen whole): a reference model given trainable
         parameters becomes a trained model (planned, counted, its decision line printed); a
         trained model is planned again for the units it trains now (frozen whole, it stays a
-        trained model with every unit frozen: its counters go on). Read once per optimizer step,
-        at the first of a window's `no_sync` or `accumulate()` and before each optimizer step
+        trained model with every unit frozen: its counters go on). Read at each `no_sync` or
+        `accumulate()` of the model outside a window (a trained model: a window's first; a frozen
+        one: each, since no step of its own marks its windows) and before each optimizer step
         (where a window ran neither: it counts from the next window), never inside a window."""
         root = root_of(model)
         bound = self.state.bound.get(root)
-        if root in self._checked or root not in self._trainable:
+        if root not in self._trainable:
             return
         if bound is not None and (bound.hold is not None or bound.account.current.micro_batches):
             return  # inside a window: its plan stays to its end
-        self._checked.add(root)
         model, trainable = self._trainable[root]
         if trainable_params(root) != trainable:
             self._rebind(model)
@@ -136,7 +140,8 @@ class Binder:
         again under the name it had. A trained model keeps its counters; a reference model's go
         into the trained model's totals."""
         root = root_of(model)
-        self.generation.release(models=[root], resident=True)  # flags it kept back (resident too), on the old units
+        with resharded_keeping_flags(root):  # the next all-gather carries what the user set, where it set it
+            self.generation.release(models=[root], resident=True)  # flags it kept back (resident too)
         for handle in self._watching.pop(root, []):
             handle.remove()
         old = self.state.bound.pop(root, None) or self.state.frozen.pop(root, None)
@@ -245,7 +250,6 @@ class Binder:
             self.refresh(root)
 
     def _after_optimizer_step(self, optimizer: object, args: object, kwargs: object) -> None:
-        self._checked.clear()
         for frozen in self.state.frozen.values():
             frozen.account.end_step()
 
@@ -253,6 +257,22 @@ class Binder:
 def trainable_params(root: nn.Module) -> tuple[bool, ...]:
     """`requires_grad` of each of the model's parameters, in order: what `refresh` compares."""
     return tuple(p.requires_grad for p in root.parameters())
+
+
+@contextlib.contextmanager
+def resharded_keeping_flags(root: nn.Module) -> Iterator[None]:
+    """Read the `requires_grad` each parameter of `root` shows now (the unsharded one's, where a
+    unit is unsharded), run the block (which may reshard), then reshard every FSDP2 unit of
+    `root` and give each sharded parameter the flag read. Between windows only: nothing is held
+    then. FSDP1 and DDP keep their parameters in place: nothing to carry over."""
+    flags = {name: p.requires_grad for name, p in root.named_parameters()}
+    yield
+    units = [m for m in root.modules() if isinstance(m, FSDPModule)]
+    for unit in units:
+        unit.reshard()  # NOTE: one unit each, not the units inside it
+    for name, p in root.named_parameters():
+        if units and p.requires_grad != flags[name]:
+            p.requires_grad_(flags[name])
 
 
 def adapt_prepared(accelerator: Accelerator, model: nn.Module) -> ModelAdapter | None:
