@@ -12,10 +12,14 @@ CONSTRAINTS ?= constraints.txt
 TORCH_PIP_ARGS ?=
 # The torch pin of $(CONSTRAINTS), installed first and on its own; the extras to install.
 TORCH_PIN = $(shell grep -E '^torch==' $(CONSTRAINTS))
+# What $(CONSTRAINTS)'s installs need in their environment, from its `# pip-env: VAR=value` line
+# (stacks/torch-2.15.txt: its torch is above the cap this machine's pip config puts on torch);
+# empty for constraints.txt and the other stacks.
+PIP_ENV = $(shell sed -n 's/^# pip-env: //p' $(CONSTRAINTS))
 EXTRAS ?= recipes,test,bench,quality
 # The other stacks CI tests (stacks/<name>.txt pins each): the compatibility suite (`-m compat`)
 # runs in .venv-stacks/<name>, which `setup` builds from that file as it builds .venv.
-STACKS ?= vllm-0.33 trl-vllm
+STACKS ?= vllm-0.33 trl-vllm torch-2.15
 
 # Every recipe runs inside the environment: `python`, `accelerate` and `pytest` are its own.
 export VIRTUAL_ENV := $(CURDIR)/$(VENV)
@@ -28,8 +32,8 @@ setup: $(VENV)/.installed
 # so pip never resolves it to a CUDA build while it installs the rest.
 $(VENV)/.installed: setup.cfg pyproject.toml $(CONSTRAINTS)
 	test -x $(VENV)/bin/python || python3 -m venv $(VENV)
-	python -m pip install $(TORCH_PIN) $(TORCH_PIP_ARGS)
-	python -m pip install -c $(CONSTRAINTS) -e ".[$(EXTRAS)]"
+	$(PIP_ENV) python -m pip install $(TORCH_PIN) $(TORCH_PIP_ARGS)
+	$(PIP_ENV) python -m pip install -c $(CONSTRAINTS) -e ".[$(EXTRAS)]"
 	touch $@
 
 # The GRPO recipe on its embedded default (2 processes, FSDP2 with deferral, 500 steps; about

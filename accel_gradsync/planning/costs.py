@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from accel_gradsync.compat.fsdp2 import release as fsdp2_release
 from accel_gradsync.config.settings import DTYPES, reduce_dtype_for
 from accel_gradsync.planning.units import ALL_REDUCE, Level, Plan, Unit, Wrapped
 
@@ -60,18 +61,28 @@ def retained_grad_dtype(
     param_dtype: torch.dtype,
     mp_param_dtype: torch.dtype | None = None,
     mp_reduce_dtype: torch.dtype | None = None,
+    torch_release: str | None = None,
+    grad_dtype: torch.dtype | None = None,
 ) -> torch.dtype:
     """dtype of the unsharded gradient a unit holds between deferred micro-batches.
 
     Gradients are computed in the compute dtype (the mixed-precision `param_dtype`, else the
-    parameter's own). FSDP2's `FSDPParam.to_accumulated_grad_if_needed` then moves a held
-    gradient to `unsharded_accumulated_grad` in `reduce_dtype` when that differs, so bf16
-    params with an fp32 reduce hold 4 bytes/param. FSDP1's `no_sync()` and DDP keep the
-    gradient in the compute dtype.
+    parameter's own). FSDP2 holds them in `reduce_dtype` where the policy sets one (torch
+    2.13/2.14 move a held gradient to `unsharded_accumulated_grad` cast to it, 2.15 casts it on
+    the unsharded parameter), so bf16 params with an fp32 reduce hold 4 bytes/param. Without a
+    `reduce_dtype`, torch 2.13/2.14 hold in the compute dtype and torch 2.15 in the parameter's
+    `grad_dtype` (`grad_dtype`: its own dtype unless set; None, an explicit "any", gives the
+    compute dtype), so fp32 params under a bf16 `param_dtype` hold 4 bytes/param on 2.15 and 2 on
+    2.14. `torch_release` is the series whose rule applies (None: the running torch;
+    `compat.fsdp2.release`). FSDP1's `no_sync()` and DDP keep the gradient in the compute dtype.
     """
     compute = mp_param_dtype or param_dtype
-    if wrapper == "fsdp2" and mp_reduce_dtype is not None:
+    if wrapper != "fsdp2":
+        return compute
+    if mp_reduce_dtype is not None:
         return mp_reduce_dtype
+    if fsdp2_release(torch_release).grads_follow_grad_dtype:
+        return grad_dtype or compute
     return compute
 
 
@@ -80,12 +91,15 @@ def unit_dtypes(
     param_dtype: torch.dtype,
     mp_param_dtype: torch.dtype | None = None,
     mp_reduce_dtype: torch.dtype | None = None,
+    torch_release: str | None = None,
+    grad_dtype: torch.dtype | None = None,
 ) -> tuple[torch.dtype, torch.dtype, torch.dtype]:
     """(held, reduce, compute) dtypes of one unit's gradient. FSDP2 reduce-scatters what it holds
-    (`reduce_dtype`, else the compute dtype); FSDP1 computes and holds in the compute dtype and
-    reduces in its policy's `reduce_dtype`; DDP uses the parameter dtype throughout."""
+    (`retained_grad_dtype`: the reduce dtype, else the compute dtype up to torch 2.14 and the
+    parameter's `grad_dtype` from 2.15); FSDP1 computes and holds in the compute dtype and reduces
+    in its policy's `reduce_dtype`; DDP uses the parameter dtype throughout."""
     compute = mp_param_dtype or param_dtype
-    held = retained_grad_dtype(wrapper, param_dtype, mp_param_dtype, mp_reduce_dtype)
+    held = retained_grad_dtype(wrapper, param_dtype, mp_param_dtype, mp_reduce_dtype, torch_release, grad_dtype)
     reduce = held if wrapper == "fsdp2" else (mp_reduce_dtype or compute)
     return held, reduce, compute
 

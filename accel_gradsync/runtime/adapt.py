@@ -16,12 +16,14 @@ from accel_gradsync.runtime.fsdp1 import FSDP1Adapter
 from accel_gradsync.runtime.fsdp2 import FSDP2Adapter
 
 
-def adapt_model(model: nn.Module) -> ModelAdapter | None:
+def adapt_model(model: nn.Module, torch_release: str | None = None) -> ModelAdapter | None:
     """The adapter for a prepared model, or None when it is not wrapped for data parallelism. A
     module around an FSDP2 root (PEFT's `PeftModel` around a model transformers sharded at load
-    time) is adapted by that root, with its trainable parameters outside the units."""
+    time) is adapted by that root, with its trainable parameters outside the units.
+    `torch_release`: the torch series whose dtype rules FSDP2 units follow (the estimate's
+    `--torch`; None: the running torch's)."""
     if isinstance(model, FSDPModule):
-        return FSDP2Adapter(model)
+        return FSDP2Adapter(model, torch_release)
     if isinstance(model, FSDP1):
         return FSDP1Adapter(model)
     if isinstance(model, DistributedDataParallel):
@@ -31,7 +33,7 @@ def adapt_model(model: nn.Module) -> ModelAdapter | None:
         return None
     from torch.distributed.tensor import DTensor
 
-    adapter = FSDP2Adapter(root)
+    adapter = FSDP2Adapter(root, torch_release)
     adapter.replicated = [p for p in root.parameters() if p.requires_grad and not isinstance(p, DTensor)]
     return adapter
 

@@ -27,6 +27,7 @@ from accel_gradsync.runtime.adapter import ModelAdapter, dim0_shard_numel
 from accel_gradsync.runtime.fsdp2_state import (
     as_fsdp2,
     check_fsdp2_internals,
+    grad_dtype_of,
     group_params,
     param_now,
     sharded_param,
@@ -42,6 +43,12 @@ class FSDP2Adapter(ModelAdapter):
     `set_requires_gradient_sync(False, recurse=False)`."""
 
     kind = "fsdp2"
+
+    def __init__(self, model: nn.Module, torch_release: str | None = None) -> None:
+        self.torch_release = torch_release
+        """The torch series whose dtype rules the units' held and reduce dtypes follow (the
+        estimate's `--torch`); None: the running torch's. Everything else is the running torch's."""
+        super().__init__(model)
 
     def _find_units(self, model: nn.Module) -> list[Unit]:
         check_fsdp2_internals(model)
@@ -61,9 +68,18 @@ class FSDP2Adapter(ModelAdapter):
                 continue  # a module fully_shard gave no parameter of its own: nothing to gather
             params = [p for p in everything if param_now(p).requires_grad]
             numel = sum(sharded_param(p).numel() for p in params)  # DTensor: the global size
-            policy = internals.read(groups[0], "mp_policy")
+            # The first trainable parameter's policy and dtypes stand for the unit's (torch 2.15
+            # resolves a policy per parameter; a unit mixing dtypes is planned by its first).
+            policy = internals.read((params or everything)[0], "mp_policy")
             first = sharded_param((params or everything)[0])
-            held, reduce, compute = unit_dtypes("fsdp2", first.dtype, policy.param_dtype, policy.reduce_dtype)
+            held, reduce, compute = unit_dtypes(
+                "fsdp2",
+                first.dtype,
+                policy.param_dtype,
+                policy.reduce_dtype,
+                torch_release=self.torch_release,
+                grad_dtype=grad_dtype_of(first),
+            )
             if not params:
                 held = reduce = compute  # a frozen unit holds and reduces nothing
             mesh = first.device_mesh  # HSDP: (replicate, shard)
@@ -97,9 +113,12 @@ class FSDP2Adapter(ModelAdapter):
         return fsdp2_grads.held_bytes(self.units)
 
     def holdable(self, units: Sequence[Unit]) -> list[Unit]:
-        """The `units` FSDP2 can hold right now. torch 2.13 fails in its post-backward
+        """The `units` FSDP2 can hold right now. torch 2.13/2.14 fail in their post-backward
         (`to_accumulated_grad_if_needed`) on a unit that was never all-gathered, when a held
-        gradient must be cast to `reduce_dtype`: such a unit syncs until it has run once."""
+        gradient must be cast to `reduce_dtype`: such a unit syncs until it has run once. torch
+        2.15 casts on the unsharded parameter itself and holds any unit."""
+        if internals.release().holds_in_grad:
+            return list(units)
         return [
             u
             for u in units
@@ -112,7 +131,7 @@ class FSDP2Adapter(ModelAdapter):
 
     def drop_held_grads(self) -> None:
         self.model.zero_grad(set_to_none=True)
-        fsdp2_grads.drop(self.units)
+        fsdp2_grads.drop(self.units, self.fsdp_root())
 
     def grad_state(self) -> list:
         return fsdp2_grads.save(self.units)

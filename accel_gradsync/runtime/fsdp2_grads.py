@@ -1,19 +1,24 @@
 """The gradients FSDP2 holds while a unit's sync is held, outside `.grad`: counted
 (`held_bytes`), evened out (`even_out`), dropped (`drop`), saved and put back for a mid-window
-checkpoint (`save`, `load`). torch has no API for any of them: each reads or writes FSDP2's
-private `unsharded_accumulated_grad`, the unsharded param's `.grad` and HSDP's
-`partial_reduce_output` through `compat/fsdp2.py`. The writes are where torch would otherwise
-give wrong gradients or crash: `even_out` (FSDP2's uniform-dtype assertion), `drop` (gradients of
-an aborted accumulation that `zero_grad` cannot reach) and `load` (a window resumed mid-step).
+checkpoint (`save`, `load`). torch has no API to read or put back a held gradient or HSDP's
+`partial_reduce_output`: those go through `compat/fsdp2.py` and, for what each release does
+with a held gradient, `compat/fsdp2_grads.py`. The writes are where torch would otherwise give
+wrong gradients or crash: `even_out` (torch 2.13/2.14's uniform-dtype assertion; 2.15 reduces
+mixed dtypes), `drop` (gradients of an aborted accumulation that `zero_grad` cannot reach;
+2.15's public `reset_iter_state()` drops them itself) and `load` (a window resumed mid-step).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from accel_gradsync.compat import fsdp2 as internals
+from accel_gradsync.compat import fsdp2_grads as held_grads
 from accel_gradsync.planning.units import Unit
 from accel_gradsync.runtime.fsdp2_state import (
     as_fsdp2,
@@ -44,9 +49,12 @@ def held_bytes(units: Sequence[Unit]) -> int:
 def even_out(units: Sequence[Unit]) -> int:
     """After a held backward: in each unit whose held gradients are cast to `reduce_dtype`,
     give the params that got no gradient yet a zero one in that dtype, so a first gradient
-    on a later micro-batch joins a uniform reduce-scatter (torch 2.13 asserts "FSDP
-    reduce-scatter expects uniform gradient dtype" otherwise). Returns how many it filled.
-    Such a param then ends the step with a zero gradient rather than None."""
+    on a later micro-batch joins a uniform reduce-scatter (torch 2.13/2.14 assert "FSDP
+    reduce-scatter expects uniform gradient dtype" otherwise; 2.15 reduces mixed dtypes, and
+    nothing is filled). Returns how many it filled. Such a param then ends the step with a zero
+    gradient rather than None."""
+    if internals.release().holds_in_grad:
+        return 0
     filled = 0
     for unit in units:
         if unit.held_dtype == unit.compute_dtype:
@@ -69,21 +77,25 @@ def even_out(units: Sequence[Unit]) -> int:
     return filled
 
 
-def drop(units: Sequence[Unit]) -> None:
+def drop(units: Sequence[Unit], root: nn.Module) -> None:
     """Discard what FSDP2 holds of an aborted accumulation outside `.grad`: the unsharded and
-    accumulated gradients, and HSDP's partial sums."""
+    accumulated gradients, and HSDP's partial sums. Where `reset_iter_state()` discards them
+    (torch 2.15), the public reset of `root` (the FSDP root, which it must be called on) does,
+    and it also waits for and forgets whatever the aborted forward or backward left in flight."""
+    if internals.release().reset_drops_held_grads:
+        cast(FSDPModule, root).reset_iter_state()
+        return
     for unit in units:
         for group in param_groups(unit):
             internals.write(group, "partial_reduce_output", None)
             for p in group_params(group):
-                internals.write(p, "unsharded_accumulated_grad", None)
-                if internals.has(p, "unsharded_param"):
-                    internals.read(p, "unsharded_param").grad = None
+                held_grads.clear(p)
 
 
 def save(units: Sequence[Unit]) -> list:
     """Copies of what FSDP2 holds for `units` mid-window, per param group: (unsharded, sharded)
-    gradients per param, and the partial sum."""
+    gradients per param, the partial sum, and (torch 2.15) which param each slice of the
+    partial sum is."""
     state = []
     for unit in units:
         for group in param_groups(unit):
@@ -98,34 +110,46 @@ def save(units: Sequence[Unit]) -> list:
                     )
                 )
             partial = internals.read(group, "partial_reduce_output")
-            state.append((params, None if partial is None else partial.detach().clone()))
+            state.append(
+                (params, None if partial is None else partial.detach().clone(), held_grads.partial_layout(group))
+            )
     return state
 
 
 def load(units: Sequence[Unit], state: list) -> None:
-    """Put `save()`'s gradients back into `units` before the window continues."""
-    from torch.distributed.tensor import DTensor
-
-    groups = [g for u in units for g in param_groups(u)]
+    """Put `save()`'s gradients back into `units` before the window continues. Where this torch
+    keeps a held gradient on the unsharded parameter and a unit has none yet (2.15, resumed in a
+    fresh process), the unit is gathered once with the public `unshard()` and resharded."""
+    groups = [(u, g) for u in units for g in param_groups(u)]
     if len(groups) != len(state):
         raise ValueError(
             f"the checkpoint's window gradients are for {len(state)} FSDP2 param groups, this model has "
             f"{len(groups)}: it was saved from a different model or wrapping. Load it into the model it was "
             "saved from, or delete its accel_gradsync_grads_rank*.pt files to resume at the last optimizer step."
         )
-    for group, (params, partial) in zip(groups, state, strict=True):
-        internals.write(group, "partial_reduce_output", partial)
+    for (unit, group), (params, partial, *layout) in zip(groups, state, strict=True):
+        held_grads.put_partial(group, partial, layout[0] if layout else None)  # saved before 2.15: no layout
         for p, (held, sharded) in zip(group_params(group), params, strict=True):
-            # FSDP2 adds later micro-batches' gradients to `unsharded_accumulated_grad` and
-            # reduce-scatters it on the last one, whatever the dtypes.
-            internals.write(p, "unsharded_accumulated_grad", held)
+            if not held_grads.put(p, held):
+                module = as_fsdp2(unit.module)
+                module.unshard()  # creates the unsharded parameters; their data is freed again below
+                module.reshard()
+                if not held_grads.put(p, held):
+                    raise RuntimeError(f"FSDP2 gave unit {unit.name or '<root>'} no unsharded parameter to hold in")
             if sharded is not None:
-                sp = sharded_param(p)
-                sp.grad = DTensor.from_local(
-                    sharded.to(sp.device),
-                    sp.device_mesh,
-                    sp.placements,
-                    run_check=False,
-                    shape=sp.shape,
-                    stride=sp.stride(),
-                )
+                _put_sharded_grad(p, sharded)
+
+
+def _put_sharded_grad(p, sharded: torch.Tensor) -> None:
+    """Give FSDPParam `p`'s sharded parameter the local shard `sharded` of its gradient."""
+    from torch.distributed.tensor import DTensor
+
+    sp = sharded_param(p)
+    sp.grad = DTensor.from_local(
+        sharded.to(sp.device),
+        sp.device_mesh,
+        sp.placements,
+        run_check=False,
+        shape=sp.shape,
+        stride=sp.stride(),
+    )

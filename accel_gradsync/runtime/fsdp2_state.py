@@ -20,6 +20,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from accel_gradsync.compat import fsdp2 as internals
+from accel_gradsync.compat import fsdp2_grads as held_grads
 from accel_gradsync.compat.versions import describe_tested_torch
 from accel_gradsync.planning.units import Unit
 
@@ -45,12 +46,16 @@ def sharded_param(p) -> Any:
 
 
 def held_grad(p) -> torch.Tensor | None:
-    """The unsharded gradient an FSDPParam holds: accumulated in `reduce_dtype`, else on its
-    unsharded parameter (absent until its first all-gather); None when it holds none."""
-    grad = internals.read(p, "unsharded_accumulated_grad")
-    if grad is None and internals.has(p, "unsharded_param"):
-        grad = internals.read(p, "unsharded_param").grad
-    return grad
+    """The unsharded gradient an FSDPParam holds, where this torch keeps it (compat/fsdp2_grads.py:
+    2.13/2.14 accumulate one cast to `reduce_dtype` apart, 2.15 on the unsharded parameter's
+    `.grad`); None when it holds none."""
+    return held_grads.held(p)
+
+
+def grad_dtype_of(param: torch.Tensor) -> torch.dtype | None:
+    """The gradient dtype a parameter asks autograd for (`Tensor.grad_dtype`, public: its own dtype
+    unless set); None where it accepts any (an explicit `grad_dtype=None`)."""
+    return param.grad_dtype
 
 
 def param_now(p) -> nn.Parameter:

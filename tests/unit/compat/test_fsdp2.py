@@ -10,17 +10,35 @@ from accel_gradsync.runtime.fsdp2_state import check_fsdp2_internals
 
 
 @pytest.mark.parametrize(
-    ("version", "series"), [("2.14.0+cu130", "2.14"), ("2.13.0", "2.13"), ("2.15.0", "2.14"), ("nightly", "2.14")]
+    ("version", "series"),
+    [("2.14.0+cu130", "2.14"), ("2.13.0", "2.13"), ("2.15.0", "2.15"), ("2.16.0", "2.15"), ("nightly", "2.15")],
 )
 def test_a_series_reads_its_own_entry_or_the_newest(version, series):
     assert internals.torch_series("2.14.1+cpu") == "2.14"
     assert internals.layout(version) is internals.FSDP2_PRIVATE[series]
+    assert internals.release(version) is internals.FSDP2_RELEASES[series]
 
 
-def test_every_series_names_the_same_state(fsdp2_model):
-    names = [set(table) for table in internals.FSDP2_PRIVATE.values()]
-    assert all(n == names[0] for n in names)
-    assert internals.tabled_series() == ["2.13", "2.14"]
+def test_every_series_has_a_table_and_a_release_and_says_why_each_name_is_private():
+    assert internals.tabled_series() == ["2.13", "2.14", "2.15"]
+    assert set(internals.FSDP2_RELEASES) == set(internals.FSDP2_PRIVATE) == set(internals.PRIVATE_CEILING)
+    for table in internals.FSDP2_PRIVATE.values():
+        assert set(table) <= set(internals.WHY_PRIVATE)
+
+
+def test_private_reads_per_release_only_go_down(capsys):
+    """The count of FSDP2 private attributes each series reads, printed (`pytest -s` shows it), and
+    held to `PRIVATE_CEILING`: a change may lower a ceiling, never raise one. 2.15 reads two fewer
+    than 2.14: it holds gradients on the unsharded parameter's `.grad` and needs no zero ones."""
+    counts = {series: len(table) for series, table in internals.FSDP2_PRIVATE.items()}
+    with capsys.disabled():
+        print("\nFSDP2 private attributes read per torch series (plus FSDPModule._get_fsdp_state()):", counts)
+    assert all(counts[s] <= internals.PRIVATE_CEILING[s] for s in counts), (counts, internals.PRIVATE_CEILING)
+    assert counts["2.15"] < counts["2.14"]
+    assert set(internals.FSDP2_PRIVATE["2.14"]) - set(internals.FSDP2_PRIVATE["2.15"]) == {
+        "unsharded_accumulated_grad",
+        "orig_size",
+    }
 
 
 @pytest.mark.compat

@@ -231,7 +231,10 @@ def test_every_rows_step_peak_holds_the_sharded_reference(good, capsys):
         if row["step_peak_bytes"] is None:
             continue
         assert row["step_peak_parts"]["reference_params"] == sharded
-        assert row["step_peak_bytes"] == without[row["mode"]]["step_peak_bytes"] + sharded, row["mode"]
+        # Every phase holds the sharded reference; its own pass is a phase that can be the peak
+        # (the window row's on torch 2.15, whose windowed micro-batch the tracker sees smaller).
+        expected = max(without[row["mode"]]["step_peak_bytes"] + sharded, row["step_peak_parts"]["reference_pass"])
+        assert row["step_peak_bytes"] == expected, row["mode"]
 
 
 def test_the_window_row_holds_the_trained_params_through_the_reference_pass(good, capsys):

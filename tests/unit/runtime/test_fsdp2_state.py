@@ -22,6 +22,7 @@ def test_a_renamed_attribute_is_named_with_the_torch_version(fsdp2_model, monkey
     monkeypatch.delattr(type(group), "post_forward_mesh_info", raising=False)
     monkeypatch.delattr(group, "post_forward_mesh_info", raising=False)
     with pytest.raises(
-        RuntimeError, match=rf"post_forward_mesh_info.*torch {re.escape(torch.__version__)}.*tested: torch 2.13 or 2.14"
+        RuntimeError,
+        match=rf"post_forward_mesh_info.*torch {re.escape(torch.__version__)}.*tested: torch 2.13, 2.14 or 2.15",
     ):
         check_fsdp2_internals(fsdp2_model)
