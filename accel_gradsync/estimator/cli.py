@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from transformers import HfArgumentParser
 
+from accel_gradsync.compat.versions import TESTED_TORCH
 from accel_gradsync.config.errors import GradSyncWarning
 from accel_gradsync.config.settings import DTYPES, GradSyncConfig
 from accel_gradsync.estimator.inputs import OPTIMIZERS, RECIPE_DEFAULT, read_lora, read_step_shape
@@ -123,6 +124,16 @@ class EstimateArguments:
             "it is the policy with its adapter off (no second model). 0: no reference model."
         },
     )
+    torch: str | None = field(
+        default=None,
+        metadata={
+            "help": "The torch release series the cluster runs, when it is not this process's: the rows follow its "
+            "FSDP2 dtype rules (2.15 holds and reduce-scatters gradients in the parameter's dtype where the "
+            "mixed-precision policy sets no reduce dtype; 2.13 and 2.14 in the compute dtype). The header names "
+            "the torch assumed. Default: this process's torch.",
+            "choices": TESTED_TORCH,
+        },
+    )
 
 
 class _EstimateParser(HfArgumentParser):
@@ -187,6 +198,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 step_shape=shape,
                 lora=lora,
                 beta=args.beta,
+                torch_release=args.torch,
             )
         except ValueError as err:
             estimate_parser.error(str(err))  # exits 2 with the usage line

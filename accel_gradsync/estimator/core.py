@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from accel_gradsync.compat.fsdp2 import release, torch_series
+from accel_gradsync.compat.versions import TESTED_TORCH
 from accel_gradsync.config.errors import GradSyncWarning
 from accel_gradsync.config.settings import GradSyncConfig, SyncMode, dtype_name, reduce_dtype_for
 from accel_gradsync.estimator.inputs import FSDPSetup, LoraSpec, StepShape, load_model_config, read_launch_setup
@@ -59,6 +61,7 @@ def estimate(
     step_shape: StepShape | None = None,
     lora: LoraSpec | None = None,
     beta: float = 0.0,
+    torch_release: str | None = None,
 ) -> Estimate:
     """What each sync mode would cost per optimizer step, before launch, planned by the
     runtime's own policies over the units a launched run would have.
@@ -82,6 +85,11 @@ def estimate(
         beta (`float`): GRPO's KL coefficient; above 0 TRL keeps a reference model, estimated
             apart (`Estimate.reference`, reference.py, for the selected mode) and in every row's
             step peak, resident or not as that row's mode decides.
+        torch_release (`str`, *optional*): the torch series the cluster runs ("2.13", "2.14",
+            "2.15"), whose FSDP2 dtype rules the rows follow (2.15 holds and reduces gradients in
+            the parameter's dtype where the policy sets no reduce dtype; 2.14 in the compute
+            dtype). Default: this process's torch. The model is still sharded, and the step peak
+            simulated, by this process's torch: a step peak for another release says so.
 
     Returns:
         `Estimate`: the model, mesh and units, and one `ModeEstimate` per mode of
@@ -91,9 +99,11 @@ def estimate(
         `ValueError`: an input a launch would also fail on, named with what to change (both or
             neither of the two configs, a config accelerate cannot shard, M below 1, a process
             that already has a torch.distributed group, a negative beta), or a launch the estimate
-            does not model (`lora` on a model transformers shards: the adapter trains outside FSDP).
+            does not model (`lora` on a model transformers shards: the adapter trains outside FSDP),
+            a `torch_release` that is not a tested series.
     """
     check_beta(beta)
+    series = check_torch_release(torch_release)
     if micro_batches < 1:
         raise ValueError(f"micro_batches={micro_batches}: needs at least 1 micro-batch per optimizer step.")
     config = GradSyncConfig() if config is None else config
@@ -105,8 +115,9 @@ def estimate(
             "no unit trains: nothing to plan, and the estimate does not model that launch. Drop --lora-r for the "
             "base model's units, or estimate a LoRA model accelerate shards with --accelerate-config."
         )
-    adapters = _AdaptersByReduceDtype(load_model_config(model_spec), model_dtype, setup, config, lora)
+    adapters = _AdaptersByReduceDtype(load_model_config(model_spec), model_dtype, setup, config, lora, series)
     result = _describe_launch(model_spec, setup, config, adapters.for_mode(config.mode), micro_batches)
+    result.torch, result.torch_running = series, torch.__version__
     reference_model = build_reference(beta, adapters.model_config, model_dtype, setup, config, lora)
     result.reference = count_for_mode(reference_model, config, micro_batches)
     sim = None
@@ -133,19 +144,24 @@ class _AdaptersByReduceDtype:
         setup: FSDPSetup,
         config: GradSyncConfig,
         lora: LoraSpec | None = None,
+        torch_release: str | None = None,
     ):
         self.model_config, self.model_dtype, self.setup, self.config = model_config, model_dtype, setup, config
         self.lora = lora
+        self.torch_release = torch_release
         self.chosen = config.resolved().reduce_dtype
         self.same = bool(setup.distributed_config) or setup.mixed_precision == "no"
-        self.adapters: dict[str, ModelAdapter] = {}
+        self.adapters: dict[tuple[str, str | None], ModelAdapter] = {}
 
-    def for_mode(self, mode: str) -> ModelAdapter:
+    def for_mode(self, mode: str, running: bool = False) -> ModelAdapter:
+        """Mode `mode`'s sharded model, its units following the estimate's torch release, or with
+        `running` this process's torch (what the step simulation holds)."""
         dtype = self.chosen if self.same else reduce_dtype_for(mode, self.chosen)
-        if dtype not in self.adapters:
+        key = (dtype, None if running else self.torch_release)
+        if key not in self.adapters:
             model = build_meta_model(self.model_config, self.model_dtype, self.lora)
-            self.adapters[dtype] = estimated_adapter(model, self.setup, self.config, mode)
-        return self.adapters[dtype]
+            self.adapters[key] = estimated_adapter(model, self.setup, self.config, mode, key[1])
+        return self.adapters[key]
 
 
 def _describe_launch(
@@ -209,7 +225,9 @@ def _estimate_row(
     if sim is not None:
         # The window (or gather_for_generation) keeps the trained params from generation through the pass.
         kept = max(plan.held_param_bytes(), plan.generation_bytes)
-        peak = add_reference(sim.row(plan, adapter, policy_cls.name), reference, kept)
+        other = adapters.torch_release != torch_series()  # the cluster runs another torch than this process
+        running = adapters.for_mode(policy_cls.name, running=True) if other else None
+        peak = add_reference(sim.row(plan, adapter, policy_cls.name, running), reference, kept)
         row.step_peak_bytes, row.step_peak_phase = peak.peak_bytes, peak.phase
         row.step_peak_parts, row.step_peak_unmodeled = peak.parts, peak.unmodeled
     return row
@@ -246,6 +264,21 @@ def _count_row(mode: str, plan: Plan, adapter: ModelAdapter, setup: FSDPSetup, m
         generation_first_all_gathers=first,
         generation_all_gathers_in_window=in_window,
     )
+
+
+def check_torch_release(torch_release: str | None) -> str:
+    """The torch series the estimate plans for: `torch_release` when it is a tested one (raises
+    otherwise, naming the choices), else this process's torch's (the newest tested one where
+    this torch is of no tested series: its rules are the ones a run of it would be planned by)."""
+    if torch_release is None:
+        return release().series
+    if torch_release not in TESTED_TORCH:
+        raise ValueError(
+            f"--torch={torch_release}: not a torch release series accel_gradsync is tested on; give the series the "
+            f"cluster runs, one of {', '.join(TESTED_TORCH)}, or leave --torch out for this process's torch "
+            f"({torch.__version__})."
+        )
+    return torch_release
 
 
 def _check_fits(row: ModeEstimate, config: GradSyncConfig) -> bool | None:

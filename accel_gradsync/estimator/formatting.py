@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 
+from accel_gradsync.compat.fsdp2 import torch_series
 from accel_gradsync.estimator.results import Estimate, ModeEstimate
 from accel_gradsync.planning.costs import format_bytes
 
@@ -110,9 +111,16 @@ def _describe_launch(est: Estimate) -> str:
         f"model {est.model}: {est.params:,} trainable params in {len(est.units)} {est.wrapper} units "
         f"(sharded by {est.sharded_by}); {processes}; "
         f"mixed_precision={est.mixed_precision}, reduce_dtype={est.reduce_dtype}; "
-        f"{est.micro_batches} micro-batches per optimizer step"
+        f"{est.micro_batches} micro-batches per optimizer step; {_describe_torch(est)}"
         + (f"; free memory {format_bytes(est.free_memory)}/rank" if est.free_memory is not None else "")
     )
+
+
+def _describe_torch(est: Estimate) -> str:
+    """Which torch's FSDP2 rules the rows follow, and this process's where it is another."""
+    if torch_series(est.torch_running) == est.torch:
+        return f"torch {est.torch} (this process's {est.torch_running})"
+    return f"torch {est.torch}'s dtype rules (this process runs torch {est.torch_running})"
 
 
 def _format_row(est: Estimate, m: ModeEstimate) -> list[str]:

@@ -56,14 +56,19 @@ def build_meta_model(config: Any, dtype: torch.dtype = torch.float32, lora: Lora
 
 
 def estimated_adapter(
-    model: nn.Module, setup: FSDPSetup, config: GradSyncConfig, mode: str | None = None
+    model: nn.Module,
+    setup: FSDPSetup,
+    config: GradSyncConfig,
+    mode: str | None = None,
+    torch_release: str | None = None,
 ) -> ModelAdapter:
     """The adapter a launched run reads its units from (`fsdp.adapt_model`, the same code), over
     `model` (meta device) sharded as accelerate would shard it for `setup` and sync mode `mode`
     (default: the config's; it decides the reduce dtype), in a fake process group of
-    `setup.num_processes` ranks (fake_shard.py). `model` is wrapped in place."""
+    `setup.num_processes` ranks (fake_shard.py). `model` is wrapped in place. `torch_release`:
+    the torch series whose FSDP2 dtype rules the units follow (None: this process's torch)."""
     if setup.distributed_config:
-        return _adapt_sharded_by_transformers(model, setup, config)
+        return _adapt_sharded_by_transformers(model, setup, config, torch_release)
     if setup.hsdp and setup.fsdp_version != 2:
         raise ValueError("parallelism_config dp_replicate_size > 1 needs fsdp_version: 2 in the accelerate config.")
     plugin = build_accelerate_plugin(setup, config, model, mode)
@@ -80,7 +85,7 @@ def estimated_adapter(
                 f"fsdp_auto_wrap_policy={setup.auto_wrap_policy}, {setup.replicate_size} replicas x "
                 f"{setup.shard_size} shards), so a launch would fail in prepare() too: {first} {fix}"
             ) from None
-        adapter = adapt_model(wrapped)
+        adapter = adapt_model(wrapped, torch_release)
         assert adapter is not None  # wrapped by FSDP just above
         return adapter
 
@@ -143,7 +148,9 @@ def find_layer_classes(model: nn.Module) -> list[str]:
     return [type(max(lists, key=len)[0]).__name__] if lists else []
 
 
-def _adapt_sharded_by_transformers(model: nn.Module, setup: FSDPSetup, config: GradSyncConfig) -> ModelAdapter:
+def _adapt_sharded_by_transformers(
+    model: nn.Module, setup: FSDPSetup, config: GradSyncConfig, torch_release: str | None = None
+) -> ModelAdapter:
     """`estimated_adapter` for a model transformers shards at load time: no plugin, so no reduce
     dtype of the estimate's reaches it."""
     if config.resolved().reduce_dtype != "auto":
@@ -153,7 +160,7 @@ def _adapt_sharded_by_transformers(model: nn.Module, setup: FSDPSetup, config: G
             "params' dtype is reduced."
         )
     with fake_world(setup.num_processes):
-        adapter = adapt_model(shard_like_transformers(model, dict(setup.distributed_config)))
+        adapter = adapt_model(shard_like_transformers(model, dict(setup.distributed_config)), torch_release)
         assert adapter is not None  # fully_shard wraps the root
         return adapter
 

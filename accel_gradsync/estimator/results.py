@@ -121,6 +121,10 @@ class Estimate:
     """Who wraps the model: "accelerate" (at prepare) or "transformers" (at load, `DistributedConfig`)."""
     compute_dtype: str = ""
     """The dtype forward and backward run in (the mixed-precision param dtype, else the model's)."""
+    torch: str = ""
+    """The torch series whose FSDP2 dtype rules the rows follow (`--torch`, else this process's)."""
+    torch_running: str = ""
+    """This process's `torch.__version__`: the FSDP that sharded the model (and simulated the step)."""
     modes: list[ModeEstimate] = field(default_factory=list)
     step_shape: dict | None = None
     """The forecast's inputs (micro-batch size, sequence length, optimizer, gradient

@@ -12,6 +12,7 @@ leaving it out silently.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -130,13 +131,16 @@ class StepForecaster:
                 self.generations[gathered] = one + (layers - 1) * (two - one)
         return self.generations[gathered]
 
-    def row(self, plan: Plan, adapter: ModelAdapter, mode: str) -> StepPeak:
+    def row(self, plan: Plan, adapter: ModelAdapter, mode: str, running: ModelAdapter | None = None) -> StepPeak:
         """Row `plan`'s peak: the simulated step of its schedule. A plan that treats some of a
         model's layers one way and the rest another (budget, auto) is simulated as it is when the
         model is simulated whole; with extrapolated layers, from per_micro_batch's step with the held
         units' sharded gradients swapped for what the plan holds (planning's byte counts), and
         says so in `unmodeled`. Generation (`gather_for_generation`) is a phase of its own: the
-        sharded params, the optimizer state and the gathered params."""
+        sharded params, the optimizer state and the gathered params. `running`: the same model
+        under this process's torch where `adapter`'s units follow another series' dtype rules
+        (`--torch`): the simulation holds this torch's dtype, so the later micro-batch's phase
+        gets the difference, and `unmodeled` says the rest is this torch's FSDP2."""
         unmodeled: list[str] = []
         chosen = self.config.resolved().reduce_dtype
         if self.setup.mixed_precision == "no" or reduce_dtype_for(mode, chosen) == chosen:
@@ -164,6 +168,15 @@ class StepForecaster:
             unmodeled.append(
                 "generation's KV cache and activations (the generation phase counts only the gathered params; "
                 "--max-completion-length simulates them)"
+            )
+        if running is not None:
+            delta = plan.held_grad_bytes() - _on(plan, adapter, running).held_grad_bytes()
+            if delta and "later_micro_batch" in phases:
+                phases["later_micro_batch"] += delta
+            unmodeled.append(
+                f"simulated by this process's torch {torch.__version__}, not by the cluster's: the all-gather and "
+                "reduce-scatter buffers and casts are this torch's FSDP2's"
+                + (f"; the held gradients are counted in the cluster's dtype ({delta:+,} B)" if delta else "")
             )
         phase = max(phases, key=lambda p: phases[p])
         all_sharded = count_sharded_grad_bytes(Plan(SyncMode.PER_MICRO_BATCH), adapter)
@@ -195,3 +208,12 @@ class StepForecaster:
         else:
             held, windowed = {u.name for u in plan.held}, {u.name for u in plan.windowed}
         return Schedule(mode, frozenset(held), frozenset(windowed), plan.held_sync if plan.held else GRADIENT_SYNC)
+
+
+def _on(plan: Plan, adapter: ModelAdapter, other: ModelAdapter) -> Plan:
+    """`plan` (over `adapter`'s units) over the same units of `other`, the same model read
+    under another torch's dtype rules."""
+    same = {id(u): o for u, o in zip(adapter.units, other.units, strict=True)}
+    return dataclasses.replace(
+        plan, held=[same[id(u)] for u in plan.held], windowed=[same[id(u)] for u in plan.windowed]
+    )
