@@ -8,7 +8,9 @@ or flag, the value and what to set: the CLI prints it as its error line.
 
 from __future__ import annotations
 
+import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,11 +37,56 @@ RECIPE_DEFAULT_MODEL: dict[str, Any] = {
 """The config of the GRPO recipe's built-in tiny Qwen2 (`recipes/embedded.py` builds its model
 from it), which `--model recipe-default` estimates without anything outside the package."""
 
+MAX_MICRO_BATCHES = 10**12
+"""Micro-batches per optimizer step the estimate takes: far above any run's gradient accumulation
+(the counts are closed forms in M, and test_core.py estimates 10^11 at once), and M x units
+collectives per step stay within a 64-bit integer."""
+MAX_PROCESSES = 100_000
+"""Processes (and each mesh dimension): torch's `fully_shard` makes one shard record per rank and
+parameter, so sharding takes time in proportion to processes x parameters (the recipe's model
+over 100,000 processes: about 30 s on 2 CPU cores; a 7B model several minutes)."""
+MAX_MICRO_BATCH_SIZE = 100_000
+"""Sequences per micro-batch for the step forecast."""
+MAX_SEQ_LEN = 10_000_000
+"""Tokens per sequence for the step forecast: the longest context windows models ship with."""
+MAX_LORA_R = 100_000
+"""LoRA rank: above any model's hidden size, so above any rank that trains fewer parameters than
+the layer it adapts."""
+
 OPTIMIZERS = ("adamw", "sgd")
 """What the step forecast can build: AdamW (two moments in the params' dtype) and plain SGD (no state)."""
 _MIXED_PRECISION = ("no", "fp16", "bf16", "fp8")
 _WRAP_POLICIES = ("TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP")
 _DISTRIBUTED_KEYS = ("fsdp_size", "dp_replicate_size", "fsdp_mixed_precision", "fsdp_cpu_offload", "fsdp_plan")
+
+
+def check_count(setting: str, value: Any, what: str, high: int | None, low: int = 1) -> int:
+    """`value` as an int from `low` to `high` (None: no upper bound), or a one-line `ValueError`
+    naming `setting` (a flag, or a file and key) and the value, and saying the range. `what` is what
+    is counted, e.g. "micro-batches per optimizer step". A bool, a float or text that is not a
+    whole number is refused, not rounded."""
+    whole = value if isinstance(value, int) and not isinstance(value, bool) else None
+    if whole is None and isinstance(value, str) and re.fullmatch(r"\s*[+-]?\d+\s*", value):
+        whole = int(value)
+    span = f"from {low:,} to {high:,}" if high is not None else f"at least {low:,}"
+    if whole is None:
+        raise ValueError(f"{setting}={value!r} is not a whole number; give {span} {what}.")
+    if whole < low:
+        raise ValueError(f"{setting}={whole}: needs at least {low:,}; give {span} {what}.")
+    if high is not None and whole > high:
+        raise ValueError(f"{setting}={whole}: more than the estimate takes; give at most {high:,} {what}.")
+    return whole
+
+
+def check_micro_batches(micro_batches: int) -> int:
+    """The CLI's `--micro-batches` M, from 1 to `MAX_MICRO_BATCHES`."""
+    what = "micro-batches per optimizer step (gradient_accumulation_steps)"
+    return check_count("--micro-batches", micro_batches, what, MAX_MICRO_BATCHES)
+
+
+def check_processes(setting: str, processes: Any) -> int:
+    """A number of processes (`--num_processes`, or a config's key), from 1 to `MAX_PROCESSES`."""
+    return check_count(setting, processes, "processes, as for accelerate launch", MAX_PROCESSES)
 
 
 @dataclass(frozen=True)
@@ -102,13 +149,16 @@ def read_accelerate_config(
             "distributed_type: FSDP (and an fsdp_config) in the accelerate config."
         )
     fsdp = config.get("fsdp_config") or {}
-    version = int(fsdp.get("fsdp_version", 1))
-    processes = int(num_processes if num_processes is not None else config.get("num_processes", 1))
-    if processes < 1:
-        setting = "--num_processes" if num_processes is not None else f"{where}: num_processes"
-        raise ValueError(
-            f"{setting}={processes} is not a number of processes; give at least 1, as for accelerate launch."
-        )
+    if not isinstance(fsdp, dict):
+        raise ValueError(f"{where}: fsdp_config={fsdp!r} is not a mapping; give its keys, e.g. fsdp_version: 2.")
+    version = fsdp.get("fsdp_version", 1)
+    if str(version) not in ("1", "2"):
+        raise ValueError(f"{where}: fsdp_version={version!r}; valid choices: 1, 2 (accelerate's FSDP1 and FSDP2).")
+    version = int(version)
+    if num_processes is not None:
+        processes = check_processes("--num_processes", num_processes)
+    else:
+        processes = check_processes(f"{where}: num_processes", config.get("num_processes", 1))
     mixed = str(mixed_precision or config.get("mixed_precision", "no")).lower()
     if mixed not in _MIXED_PRECISION:
         raise ValueError(f"{where}: mixed_precision={mixed!r}; valid choices: {', '.join(_MIXED_PRECISION)}.")
@@ -119,8 +169,16 @@ def read_accelerate_config(
     if isinstance(classes, str):
         classes = [c.strip() for c in classes.split(",") if c.strip()]
     parallel = config.get("parallelism_config") or {}
-    replicate = int(parallel.get("parallelism_config_dp_replicate_size", 1))
-    shard = int(parallel.get("parallelism_config_dp_shard_size", processes // replicate))
+    if not isinstance(parallel, dict):
+        raise ValueError(
+            f"{where}: parallelism_config={parallel!r} is not a mapping; give its keys, e.g. "
+            "parallelism_config_dp_replicate_size: 2."
+        )
+    mesh = "processes along this mesh dimension"
+    key = "parallelism_config_dp_replicate_size"
+    replicate = check_count(f"{where}: {key}", parallel.get(key, 1), mesh, MAX_PROCESSES)
+    key = "parallelism_config_dp_shard_size"
+    shard = check_count(f"{where}: {key}", parallel.get(key, processes // replicate), mesh, MAX_PROCESSES)
     if replicate * shard != processes:
         raise ValueError(
             f"{where}: dp_replicate_size x dp_shard_size = {replicate} x {shard} != num_processes={processes}; "
@@ -139,7 +197,9 @@ def read_accelerate_config(
         mixed_precision=mixed,
         auto_wrap_policy=policy,
         layer_cls_to_wrap=tuple(classes) if classes else None,
-        min_num_params=int(fsdp.get("fsdp_min_num_params", 0)),
+        min_num_params=check_count(
+            f"{where}: fsdp_min_num_params", fsdp.get("fsdp_min_num_params", 0), "parameters", None, low=0
+        ),
         replicate_size=replicate,
         shard_size=shard,
         reshard_after_forward=strategy in ("TRUE", "FULL_SHARD", "1"),
@@ -158,8 +218,14 @@ def read_distributed_config(source: str | os.PathLike | dict) -> FSDPSetup:
             f"--distributed-config: {', '.join(unknown)} not covered by the estimate (it plans FSDP and HSDP, "
             f"not tensor, pipeline or expert parallelism); valid keys: {', '.join(_DISTRIBUTED_KEYS)}."
         )
-    replicate, shard = int(keys.get("dp_replicate_size") or 1), int(keys.get("fsdp_size") or 1)
-    if replicate < 1 or shard < 1 or replicate * shard < 2:
+    mesh = "processes along this mesh dimension"
+    sizes = {key: keys.get(key) for key in ("dp_replicate_size", "fsdp_size")}
+    replicate, shard = (
+        1 if value is None else check_count(f"--distributed-config: {key}", value, mesh, MAX_PROCESSES)
+        for key, value in sizes.items()
+    )
+    check_processes("--distributed-config: fsdp_size x dp_replicate_size", replicate * shard)
+    if replicate * shard < 2:
         raise ValueError(
             f"--distributed-config: fsdp_size={shard} x dp_replicate_size={replicate} does not shard anything; "
             "give sizes >= 1 whose product is the number of processes (at least 2)."
@@ -193,6 +259,8 @@ class StepShape:
         for flag, value in (("--micro-batch-size", self.micro_batch_size), ("--seq-len", self.seq_len)):
             if value < 1:
                 raise ValueError(f"{flag}={value}: the forecast needs a positive number of sequences/tokens.")
+        check_count("--micro-batch-size", self.micro_batch_size, "sequences per micro-batch", MAX_MICRO_BATCH_SIZE)
+        check_count("--seq-len", self.seq_len, "tokens per sequence", MAX_SEQ_LEN)
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"--optimizer={self.optimizer!r}: the forecast models {' and '.join(OPTIMIZERS)}.")
         if not 0 <= self.max_completion_length < self.seq_len:
@@ -226,6 +294,7 @@ class LoraSpec:
     def __post_init__(self) -> None:
         if self.r < 1:
             raise ValueError(f"--lora-r={self.r}: the LoRA rank must be at least 1 (or leave --lora-r out).")
+        check_count("--lora-r", self.r, "as the LoRA rank", MAX_LORA_R)
 
 
 def read_lora(r: int | None, target_modules: str = "") -> LoraSpec | None:
@@ -282,7 +351,10 @@ def read_step_shape(
 
 def load_model_config(spec: str | dict) -> Any:
     """A transformers config from `recipe-default` (the GRPO recipe's embedded tiny Qwen2), a dict
-    of config keys with `model_type`, a local directory/config.json, or a hub name (online only)."""
+    of config keys with `model_type`, a local directory/config.json, or a hub name (online only).
+    Whatever cannot be read is one line naming `--model`, the value and what to pass instead: a path
+    that is not there, a config.json that is not a JSON object, an architecture this transformers
+    does not know, a hub name the hub does not give (offline included)."""
     from transformers import AutoConfig
 
     if spec == RECIPE_DEFAULT:
@@ -292,20 +364,139 @@ def load_model_config(spec: str | dict) -> Any:
         model_type = kwargs.pop("model_type", None)
         if model_type is None:
             raise ValueError("a model config dict needs a `model_type` key, e.g. {'model_type': 'qwen2', ...}.")
-        return AutoConfig.for_model(model_type, **kwargs)
-    if Path(spec).is_dir() and not (Path(spec) / "config.json").is_file():
+        _check_model_type("the model config dict", model_type)
+        try:
+            return AutoConfig.for_model(model_type, **kwargs)
+        except _refusals() as err:
+            raise ValueError(
+                f"the model config dict: transformers refuses it ({_one_line(err)}); fix that key."
+            ) from None
+    where, instead = f"--model {spec!r}", _PASS_INSTEAD
+    if not spec.strip():
+        raise ValueError(f"{where} names no model; pass {instead}")
+    path = Path(spec).expanduser()
+    if path.exists():
+        keys = _read_local_config(where, path)
+        if "model_type" in keys:
+            _check_model_type(where, keys["model_type"], custom="auto_map" in keys)
+        refused: tuple[type[Exception], ...] = (OSError, *_refusals())
+        try:
+            return AutoConfig.from_pretrained(str(path))
+        except refused as err:
+            if "model_type" not in keys:  # transformers looked for an architecture in the path's name
+                raise ValueError(
+                    f'{where}: its config.json has no model_type; add one (e.g. "model_type": "llama"), or pass '
+                    f"{instead}"
+                ) from None
+            raise ValueError(
+                f"{where}: transformers refuses its config.json ({_one_line(err)}); fix that key, or pass {instead}"
+            ) from None
+    if path.suffix == ".json" or not _is_hub_name(spec):
+        what = "file" if path.suffix == ".json" else "directory"
+        raise ValueError(f"{where}: no such {what}; pass {instead}")
+    return _load_hub_config(where, spec)
+
+
+_PASS_INSTEAD = (
+    f"a directory holding a transformers config.json (or that file), a hub name such as Qwen/Qwen2-7B (needs "
+    f"network access), or {RECIPE_DEFAULT!r}."
+)
+
+
+def _read_local_config(where: str, path: Path) -> dict:
+    """The keys of the config.json at `path` (the file, or a directory holding it)."""
+    file = path / "config.json" if path.is_dir() else path
+    if not file.is_file():
         # transformers would report a missing `model_type` key, as if there were a config.json.
+        raise ValueError(f"{where}: the directory holds no config.json; pass {_PASS_INSTEAD}")
+    try:
+        keys = json.loads(file.read_text())
+    except json.JSONDecodeError as err:
         raise ValueError(
-            f"--model {spec!r}: the directory holds no config.json; pass a directory with a transformers "
-            f"config.json, a hub name (needs network access), or {RECIPE_DEFAULT!r}."
+            f"{where}: {str(file)!r} is not valid JSON ({err.msg} at line {err.lineno}, column {err.colno}); fix it, "
+            f"or pass {_PASS_INSTEAD}"
+        ) from None
+    except (UnicodeDecodeError, OSError) as err:
+        problem = "not UTF-8 text" if isinstance(err, UnicodeDecodeError) else err.strerror
+        raise ValueError(f"{where}: cannot read {str(file)!r} ({problem}); pass {_PASS_INSTEAD}") from None
+    if not isinstance(keys, dict):
+        kinds = {list: "an array", str: "a string", bool: "a boolean", int: "a number", float: "a number"}
+        kind = "null" if keys is None else kinds[type(keys)]
+        raise ValueError(
+            f"{where}: {str(file)!r} holds {kind}, not a JSON object of config keys; pass a transformers "
+            f"config.json (keys such as model_type and hidden_size), or {RECIPE_DEFAULT!r}."
         )
+    return keys
+
+
+def _check_model_type(where: str, model_type: Any, custom: bool = False) -> None:
+    """Refuse, in one line, a `model_type` this transformers has no config class for (its own
+    message spans four lines, or lists every architecture)."""
+    from transformers import __version__
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if isinstance(model_type, str) and model_type in CONFIG_MAPPING:
+        return
+    code = " (its auto_map names custom code, which the estimate does not run)" if custom else ""
+    raise ValueError(
+        f"{where}: model_type={model_type!r} is not an architecture transformers {__version__} knows{code}; use a "
+        "transformers release that has it, or a config whose model_type it knows (e.g. 'llama' or 'qwen2')."
+    )
+
+
+def _is_hub_name(spec: str) -> bool:
+    """Whether `spec` has a hub repo id's form (`name` or `namespace/name`); anything else is a path."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(spec)
+    except HFValidationError:
+        return False
+    return True
+
+
+def _load_hub_config(where: str, spec: str) -> Any:
+    """The config of hub model `spec`, from the hub or its local cache."""
+    from huggingface_hub import is_offline_mode
+    from transformers import AutoConfig, PretrainedConfig
+
     try:
         return AutoConfig.from_pretrained(spec)
     except OSError as err:
+        if is_offline_mode():
+            raise ValueError(
+                f"{where}: not a local directory, and HF_HUB_OFFLINE is set with no copy of its config in the hub "
+                f"cache; pass a directory holding its config.json, run where the hub is reachable, or pass "
+                f"{RECIPE_DEFAULT!r} (runs offline)."
+            ) from None
         raise ValueError(
-            f"--model {spec!r}: no transformers config found ({err}). Pass a local directory holding a "
-            f"config.json, a hub name (needs network access), or {RECIPE_DEFAULT!r}."
+            f"{where}: not a local directory, and the hub gave no config for it ({_one_line(err)}); check the name "
+            f"and the network, or pass a directory holding its config.json, or {RECIPE_DEFAULT!r}."
         ) from None
+    except _refusals() as err:
+        try:
+            keys, _ = PretrainedConfig.get_config_dict(spec)  # read already: what transformers refused
+        except (OSError, ValueError):
+            keys = {}
+        if "model_type" in keys:
+            _check_model_type(where, keys["model_type"], custom="auto_map" in keys)
+        raise ValueError(
+            f"{where}: transformers refuses its config.json ({_one_line(err)}); pass {_PASS_INSTEAD}"
+        ) from None
+
+
+def _refusals() -> tuple[type[Exception], ...]:
+    """What transformers raises for a config it reads but refuses: a bad value (its config classes
+    are strict dataclasses of the hub client's since transformers 5), an unknown architecture."""
+    from huggingface_hub import errors
+
+    strict = getattr(errors, "StrictDataclassError", None)
+    return (ValueError, TypeError, *([strict] if strict is not None else []))
+
+
+def _one_line(err: BaseException) -> str:
+    """An upstream error's message as one line: its lines joined, each stripped."""
+    return " ".join(str(err).split()) or type(err).__name__
 
 
 def _parse_distributed_keys(source: str | os.PathLike) -> dict:
