@@ -3,31 +3,48 @@
 `estimate` takes its sync settings from `GradSyncConfig` through `HfArgumentParser`, so its flags,
 defaults and environment variables are exactly the recipe's and `attach`'s. Every flag is read and
 checked before the estimate's model machinery (transformers' models, accelerate, PEFT, FSDP) is
-imported, so a refusal is quick: one usage line and one error line, exit 2.
+imported, so a refusal is quick: one usage line and one error line, exit 2. With `--json` a
+refusal is also `{"error": "<the error line's message>"}` on stdout, so a script that reads
+stdout as JSON reads JSON either way.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import sys
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 from transformers import HfArgumentParser
+from transformers.hf_argparser import string_to_bool
 
 from accel_gradsync.compat.versions import TESTED_TORCH
 from accel_gradsync.config.errors import GradSyncWarning
 from accel_gradsync.config.settings import DTYPES, GradSyncConfig
-from accel_gradsync.estimator.inputs import OPTIMIZERS, RECIPE_DEFAULT, read_lora, read_step_shape
+from accel_gradsync.estimator.inputs import (
+    MAX_MICRO_BATCHES,
+    OPTIMIZERS,
+    RECIPE_DEFAULT,
+    check_micro_batches,
+    check_processes,
+    read_lora,
+    read_step_shape,
+)
 
 
 @dataclass
 class EstimateArguments:
     """What `accel-gradsync estimate` reads besides the sync settings."""
 
-    micro_batches: int = field(metadata={"help": "Micro-batches per optimizer step (gradient_accumulation_steps)."})
+    micro_batches: int = field(
+        metadata={
+            "help": f"Micro-batches per optimizer step (gradient_accumulation_steps), 1 to {MAX_MICRO_BATCHES:,}."
+        }
+    )
     accelerate_config: str | None = field(
         default=None,
         metadata={
@@ -71,7 +88,13 @@ class EstimateArguments:
             "choices": tuple(DTYPES),
         },
     )
-    json: bool = field(default=False, metadata={"help": "Print the estimate as JSON instead of a table."})
+    json: bool = field(
+        default=False,
+        metadata={
+            "help": "Print the estimate as JSON instead of a table. A refused input (exit 2) then prints "
+            '{"error": "<message>"} on stdout, as well as the usage and error lines on stderr.'
+        },
+    )
     micro_batch_size: int | None = field(
         default=None,
         metadata={
@@ -137,13 +160,42 @@ class EstimateArguments:
 
 
 class _EstimateParser(HfArgumentParser):
-    """`estimate`'s parser: an error prints one usage line, not every flag (`--help` lists them)."""
+    """`estimate`'s parser: an error prints one usage line, not every flag (`--help` lists them),
+    and one error line, whatever lines the message came in; with `json_errors`, the message also
+    goes to stdout as `{"error": message}`."""
+
+    json_errors = False
 
     def format_usage(self) -> str:
         return f"usage: {self.prog} --micro-batches M [OPTIONS] (--help lists them)\n"
 
+    def error(self, message: str) -> NoReturn:
+        message = " ".join(message.split())
+        if self.json_errors:
+            print(json.dumps({"error": message}), flush=True)
+        super().error(message)
 
-def build_parser() -> tuple[argparse.ArgumentParser, HfArgumentParser]:
+
+class _Probe(argparse.ArgumentParser):
+    """Reads one flag out of a command line it does not otherwise know; raises instead of exiting."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ValueError(message)
+
+
+def _asks_for_json(argv: Sequence[str]) -> bool:
+    """Whether `estimate ARGV` asks for --json, read as its parser reads the flag (`--json`,
+    `--json true`, `--json=no`, ...), before that parser may refuse anything else in `argv`."""
+    probe = _Probe(add_help=False)
+    probe.add_argument("--json", type=string_to_bool, nargs="?", const=True, default=False)
+    try:
+        known, _ = probe.parse_known_args(argv)
+    except ValueError:  # a --json value that is no boolean: the parser refuses it, as text
+        return False
+    return bool(known.json)
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, _EstimateParser]:
     """The top-level parser and the `estimate` sub-parser."""
     parser = argparse.ArgumentParser(
         prog="accel-gradsync",
@@ -160,20 +212,29 @@ def build_parser() -> tuple[argparse.ArgumentParser, HfArgumentParser]:
         "model is built on the meta device and sharded as accelerate shards it, in a fake process group inside this "
         "process: nothing is allocated and no other process is started.",
     )
+    assert isinstance(estimate_parser, _EstimateParser)  # the subparsers' parser_class
     return parser, estimate_parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run `accel-gradsync ARGV`: 0 after printing the estimate; argparse's exit 2 with a usage line
-    and one error line for a bad flag or any input the estimate refuses (its `ValueError`)."""
+    and one error line for a bad flag or any input the estimate refuses (its `ValueError`), and
+    under --json that error as `{"error": ...}` on stdout."""
     argv = _join_negative_values(list(sys.argv[1:] if argv is None else argv))
     parser, estimate_parser = build_parser()
-    parser.parse_args(argv)  # --help, a missing or unknown command, bad flags: argparse's own messages
+    estimate_parser.json_errors = _asks_for_json(argv[1:])
+    # --help, a missing or unknown command, bad flags: argparse's own messages.
+    _, unknown = parser.parse_known_args(argv)
+    if unknown:  # the estimate's error line (and JSON), not the top-level parser's
+        estimate_parser.error(f"unrecognized arguments: {' '.join(unknown)} (--help lists the flags)")
     with warnings.catch_warnings():
         # Every row uses every setting, so "ignored in sync mode X" does not apply here.
         warnings.simplefilter("ignore", GradSyncWarning)
         try:
             args, config = estimate_parser.parse_args_into_dataclasses(argv[1:], look_for_args_file=False)
+            check_micro_batches(args.micro_batches)
+            if args.num_processes is not None:
+                check_processes("--num_processes", args.num_processes)
             shape = read_step_shape(
                 args.micro_batch_size,
                 args.seq_len,

@@ -3,6 +3,7 @@ line and no traceback; negative sizes say they must be >= 0; defer accepts the i
 accepts "0" and "1"; the console script and the module print the help."""
 
 import json
+import os
 import runpy
 import shutil
 import subprocess
@@ -119,3 +120,113 @@ def test_lora_on_a_model_transformers_shards_is_refused_in_one_line(cli_error, c
     """PEFT adds the adapter after transformers sharded the base: no FSDP unit trains, nothing to plan."""
     line = cli_error(capsys, "--distributed-config", '{"fsdp_size": 2}', "--micro-batches", "4", "--lora-r", "8")
     assert "--lora-r=8" in line and "--distributed-config" in line and "--accelerate-config" in line, line
+
+
+# Numbers have an upper bound, said in the refusal: far above any launch, low enough that every
+# count the estimate multiplies stays an honest integer and the fake sharding ends in seconds.
+TWENTY_ONE_DIGITS = "9" * 21
+
+
+@pytest.mark.parametrize(
+    ("args", "named", "bound"),
+    [
+        (["--micro-batches", TWENTY_ONE_DIGITS], f"--micro-batches={TWENTY_ONE_DIGITS}", "1,000,000,000,000"),
+        (["--micro-batches", str(10**12 + 1)], f"--micro-batches={10**12 + 1}", "1,000,000,000,000"),
+        (["--num-processes", TWENTY_ONE_DIGITS], f"--num_processes={TWENTY_ONE_DIGITS}", "100,000"),
+        (["--num-processes", "100001"], "--num_processes=100001", "100,000"),
+        (["--micro-batch-size", "100001", "--seq-len", "8"], "--micro-batch-size=100001", "100,000"),
+        (["--micro-batch-size", "1", "--seq-len", "10000001"], "--seq-len=10000001", "10,000,000"),
+        (["--lora-r", "100001"], "--lora-r=100001", "100,000"),
+    ],
+)
+def test_a_count_above_its_bound_is_refused_saying_the_bound(cli_error, good, capsys, args, named, bound):
+    line = cli_error(capsys, "--accelerate-config", good, *args)
+    assert named in line and f"at most {bound}" in line, line
+
+
+def test_a_micro_batch_count_at_the_bound_is_estimated(good, capsys):
+    assert main(["estimate", "--accelerate-config", good, "--micro-batches", str(10**12), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    rows = {row["mode"]: row for row in result["modes"]}
+    # per_micro_batch reduce-scatters every unit at every micro-batch, deferred once per step.
+    assert rows["per_micro_batch"]["reduce_scatters"] == 10**12 * rows["deferred"]["reduce_scatters"] > 0
+
+
+def _estimate(*args: str) -> subprocess.CompletedProcess:
+    """The real command, offline, as a user runs it."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    cmd = [sys.executable, "-m", "accel_gradsync", "estimate", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+
+
+def test_the_real_command_refuses_a_21_digit_count_before_importing_the_model_machinery(good):
+    args = ["estimate", "--accelerate-config", good, "--micro-batches", TWENTY_ONE_DIGITS]
+    out = subprocess.run([sys.executable, "-c", _REFUSE, *args], capture_output=True, text=True, timeout=300)
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result == {"code": 2, "imported": []}, (result, out.stderr)
+    lines = out.stderr.rstrip("\n").splitlines()
+    assert len(lines) == 2 and f"--micro-batches={TWENTY_ONE_DIGITS}" in lines[1], out.stderr
+
+
+def test_the_real_command_says_no_such_directory_for_a_missing_model_path(good):
+    out = _estimate("--accelerate-config", good, "--micro-batches", "2", "--model", "/no/such/path")
+    lines = out.stderr.rstrip("\n").splitlines()
+    assert out.returncode == 2 and len(lines) == 2 and lines[0].startswith("usage: "), out.stderr
+    assert lines[1].startswith("accel-gradsync estimate: error: --model '/no/such/path': no such directory"), lines
+    assert out.stdout == "", out.stdout
+
+
+def test_the_real_command_names_an_unknown_model_type_in_one_line(good, tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "nosuchmodel"}')
+    out = _estimate("--accelerate-config", good, "--micro-batches", "2", "--model", str(tmp_path))
+    lines = out.stderr.rstrip("\n").splitlines()
+    assert out.returncode == 2 and len(lines) == 2 and "model_type='nosuchmodel'" in lines[1], out.stderr
+
+
+# --json: a refusal is also an object on stdout, {"error": <the error line's message>}, so a script
+# reading stdout as JSON gets JSON either way; the exit code is 2 and stderr keeps its two lines.
+
+
+def _json_error(out: subprocess.CompletedProcess | tuple[str, str]) -> tuple[dict, str]:
+    stdout, stderr = (out.stdout, out.stderr) if isinstance(out, subprocess.CompletedProcess) else out
+    message = stderr.rstrip("\n").splitlines()[-1].removeprefix("accel-gradsync estimate: error: ")
+    return json.loads(stdout), message
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--model", "/no/such/path"],  # refused by the estimate
+        ["--micro-batches", TWENTY_ONE_DIGITS],  # refused by the bounds, before the estimate
+        ["--micro-batches", "many"],  # refused by argparse: not an int
+        ["--no-such-flag", "1"],  # refused by argparse: unknown
+        ["--mixed-precision", "fp64"],  # refused by argparse: not a choice
+    ],
+)
+def test_with_json_a_refusal_is_an_error_object_on_stdout(good, args):
+    out = _estimate("--json", "--accelerate-config", good, "--micro-batches", "2", *args)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    error, message = _json_error(out)
+    assert error == {"error": message}, (error, message)
+
+
+@pytest.mark.parametrize("flags", [["--json", "true"], ["--json=true"], ["--json", "yes"]])
+def test_json_given_a_value_is_read_as_the_parser_reads_it(good, capsys, flags):
+    with pytest.raises(SystemExit):
+        main(["estimate", *flags, "--accelerate-config", good, "--micro-batches", "0"])
+    error, message = _json_error(capsys.readouterr())
+    assert error == {"error": message} and "--micro-batches=0" in message, error
+
+
+def test_without_json_or_with_json_false_a_refusal_prints_nothing_on_stdout(good, capsys):
+    for flags in ([], ["--json", "false"]):
+        with pytest.raises(SystemExit):
+            main(["estimate", *flags, "--accelerate-config", good, "--micro-batches", "0"])
+        assert capsys.readouterr().out == "", flags
+
+
+def test_help_says_how_errors_come_out_with_json(capsys):
+    with pytest.raises(SystemExit):
+        main(["estimate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert '{"error": ' in text and "exit 2" in text, text

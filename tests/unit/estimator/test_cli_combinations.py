@@ -1,7 +1,8 @@
 """`accel-gradsync estimate` under every pair of its flags' values (a pairwise sweep: each value of
 each flag meets each value of every other flag in at least one run): each run either prints an
 estimate (JSON and table) that holds what the modes mean, or exits 2 with one error line naming
-what it gave; none ends in a traceback.
+what it gave (and, as every run asks for --json, that line as an error object on stdout); none ends
+in a traceback.
 
 What a printed estimate must hold comes from the modes' definitions, not from the package's plan:
 per_micro_batch reduce-scatters every trained unit at every micro-batch and holds nothing, deferred
@@ -125,12 +126,14 @@ def run_cli(argv: list[str], capsys) -> tuple[int, str, str]:
     return code, out, err
 
 
-def check_refusal(err: str, argv: list[str]) -> None:
-    """One error line after the usage line, naming a setting or file the run gave."""
+def check_refusal(out: str, err: str, argv: list[str]) -> None:
+    """One error line after the usage line, naming a setting or file the run gave; under --json
+    the same message as an error object on stdout."""
     assert "Traceback" not in err, err
     last = err.rstrip("\n").splitlines()[-1]
     assert last.startswith("accel-gradsync estimate: error: "), err
     assert err.count("error:") == 1, err
+    assert json.loads(out) == {"error": last.removeprefix("accel-gradsync estimate: error: ")}, out
     names = {arg for arg in argv if arg.endswith(".yaml")}
     for arg in argv:
         if arg.startswith("--") and arg != "--json":
@@ -194,7 +197,7 @@ def test_every_pair_of_flags_estimates_or_refuses_in_one_line(run, tmp_path, cap
     code, out, err = run_cli(argv, capsys)
     assert code in (0, 2), (argv, code, err[-3000:])
     if code == 2:
-        check_refusal(err, argv)
+        check_refusal(out, err, argv)
         return
     result = json.loads(out)
     check_estimate(result, run)
