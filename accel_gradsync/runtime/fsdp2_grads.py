@@ -81,9 +81,11 @@ def drop(units: Sequence[Unit], root: nn.Module) -> None:
     """Discard what FSDP2 holds of an aborted accumulation outside `.grad`: the unsharded and
     accumulated gradients, and HSDP's partial sums. Where `reset_iter_state()` discards them
     (torch 2.15), the public reset of `root` (the FSDP root, which it must be called on) does,
-    and it also waits for and forgets whatever the aborted forward or backward left in flight."""
+    and it also waits for and forgets whatever the aborted forward or backward left in flight;
+    a model that holds nothing (a frozen reference model) is left as it is, its kept params too."""
     if internals.release().reset_drops_held_grads:
-        cast(FSDPModule, root).reset_iter_state()
+        if held_bytes(units):
+            cast(FSDPModule, root).reset_iter_state()
         return
     for unit in units:
         for group in param_groups(unit):

@@ -134,13 +134,17 @@ def param_groups(unit: Unit) -> list:
 def pending_reduction(unit: Unit, group, hsdp: bool) -> tuple[int, int, int]:
     """(reduce-scatters, all-reduces, gradient bytes) that `group`'s post-backward issues if it
     runs now: none while its sync is held; else one of each (the all-reduce under HSDP while
-    not held) when it finds a gradient, held from earlier micro-batches or computed since."""
+    not held) when it finds a gradient, held from earlier micro-batches or computed since. torch
+    2.15 also reduces a zero gradient for a param with a slice of HSDP's held partial sum (a
+    unit that ran in an earlier micro-batch of the window and not in this one)."""
     if not internals.read(group, "reduce_grads"):
         return 0, 0, 0
+    partial = held_grads.partial_layout(group) if internals.read(group, "partial_reduce_output") is not None else None
+    in_partial = {i for i, _, _ in partial or ()}
     numel = sum(
         sharded_param(p).numel()
-        for p in group_params(group)
-        if internals.has(p, "unsharded_param") and held_grad(p) is not None
+        for i, p in enumerate(group_params(group))
+        if internals.has(p, "unsharded_param") and (held_grad(p) is not None or i in in_partial)
     )
     if not numel:
         return 0, 0, 0
