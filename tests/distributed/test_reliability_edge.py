@@ -11,9 +11,12 @@ import json
 import tempfile
 
 import pytest
+import torch
 from expected_counts import expected_reduce_scatters
 from launcher import accelerate_config, launch
 from workers.schedules import ROUTES
+
+from accel_gradsync.compat.fsdp2 import torch_series
 
 DEFERRED, PMB = {"defer": True}, {}
 BUDGET = {"sync_mode": "budget", "memory_budget": "1100B"}  # one Block's 1088 B gradient fits, not the head too
@@ -46,7 +49,7 @@ SPECS = (
             "attach_before_prepare": True,
             "config": {**cfg, "reduce_dtype": rd},
         }
-        for rd in ("fp32", "bf16")
+        for rd in ("fp32", "bf16", "auto")  # auto: deferred and per_micro_batch keep the policy's (none)
         for mode, cfg in (("deferred", DEFERRED), ("per_micro_batch", PMB))
     ]
     + [
@@ -191,7 +194,15 @@ def test_abort_discards_the_window_even_without_the_users_zero_grad(fsdp2, mode)
 
 
 # -- mixed precision ---------------------------------------------------------------------------
-@pytest.mark.parametrize("reduce_dtype", ["fp32", "bf16"])
+# What FSDP2 holds and reduce-scatters in for fp32 params under a bf16 param_dtype: the policy's
+# reduce dtype; without one (reduce_dtype "auto" leaves accelerate's plugin policy, here none)
+# torch 2.13/2.14 use the compute dtype, torch 2.15 the parameter's ("versionchanged:: 2.15" of
+# MixedPrecisionPolicy.reduce_dtype).
+_WITHOUT_REDUCE = "bf16" if torch_series(torch.__version__) in ("2.13", "2.14") else "fp32"
+HELD = {"fp32": "fp32", "bf16": "bf16", "auto": _WITHOUT_REDUCE}
+
+
+@pytest.mark.parametrize("reduce_dtype", ["fp32", "bf16", "auto"])
 def test_bf16_params_match_reference_within_rounding(fsdp2, reduce_dtype):
     for rank in fsdp2:
         runs = {m: rank["runs"][f"bf16_{m}_reduce_{reduce_dtype}"] for m in ("deferred", "per_micro_batch")}
@@ -199,14 +210,14 @@ def test_bf16_params_match_reference_within_rounding(fsdp2, reduce_dtype):
             assert run["error"] is None, run["error"]
             assert len(run["steps"]) == run["expected_steps"]
             for step in run["steps"]:
-                assert step["rel_err"] < (1e-2 if reduce_dtype == "fp32" else 3e-2), (mode, step)
+                assert step["rel_err"] < (1e-2 if HELD[reduce_dtype] == "fp32" else 3e-2), (mode, step)
             # From the second step on: with an fp32 reduce the plugin syncs a unit's first micro-batch
             # (torch's FSDP2 cannot hold a not-yet-cast gradient before the unit has run once).
             got = [s["reduce_scatters"] for s in run["steps"]]
             assert got[1:] == expected_reduce_scatters(SPEC[f"bf16_{mode}_reduce_{reduce_dtype}"])[1:], (mode, got)
             _flags_and_memory(mode, run)
         # Deferral holds the unsharded gradient in the reduce dtype (FSDP2 casts it there).
-        itemsize = 4 if reduce_dtype == "fp32" else 2
+        itemsize = 4 if HELD[reduce_dtype] == "fp32" else 2
         assert runs["deferred"]["stats"]["peak_held_grad_bytes"] == (2 * BLOCK + HEAD) * itemsize
 
 
