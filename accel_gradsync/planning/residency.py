@@ -55,8 +55,8 @@ def decide_residency(
     if settings.sync_mode not in PLANNED_MODES:
         return Residency(
             False,
-            f"sync mode {settings.sync_mode} does not plan memory; keep_reference_unsharded=true keeps it unsharded "
-            f"for the run (~{size} per rank, no all-gather after step 1)",
+            f"sync mode {settings.sync_mode} does not plan memory; set keep_reference_unsharded=true to keep it "
+            f"unsharded for the run (~{size} per rank, no all-gather after step 1)",
         )
     room = room_for_residency(settings, free_memory) - taken
     what = "budget" if settings.sync_mode == SyncMode.BUDGET else "free memory less the margin"
