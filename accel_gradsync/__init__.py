@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from accel_gradsync.attach import attach
-    from accel_gradsync.compat.cpu import enable_cpu_fsdp
+    from accel_gradsync.compat.cpu import enable_cpu_fsdp, training_args_defaults
     from accel_gradsync.config.errors import GradSyncWarning
     from accel_gradsync.config.settings import GradSyncConfig
     from accel_gradsync.estimator.core import estimate
@@ -38,6 +38,7 @@ _LAZY = {
     "Unit": "accel_gradsync.planning.units",
     "GradSyncHandle": "accel_gradsync.runtime.handle",
     "PREEMPTED_EXIT_CODE": "accel_gradsync.runtime.preemption",
+    "training_args_defaults": "accel_gradsync.compat.cpu",
 }
 
 
@@ -74,5 +75,6 @@ __all__ = [
     "check_launch",
     "enable_cpu_fsdp",
     "estimate",
+    "training_args_defaults",
 ]
 __version__ = "0.1.0"

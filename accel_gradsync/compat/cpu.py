@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import Any
 
 import torch
 from accelerate import ParallelismConfig
@@ -96,6 +97,41 @@ def enable_cpu_fsdp() -> bool:
     check_fsdp_state()
     install_exit_guard()  # gloo's workers must be done before the interpreter exits (teardown.py)
     return True
+
+
+def training_args_defaults() -> dict[str, Any]:
+    """The `TrainingArguments` (`GRPOConfig`, `SFTConfig`, ...) defaults this launch needs, for
+    `parser.set_defaults(**training_args_defaults())` before parsing, or `GRPOConfig(**...)`.
+
+    Nothing on a machine with a GPU/NPU. On one without: `bf16=False` (TRL's configs default to
+    bf16, which transformers refuses there: "Your setup doesn't support bf16/gpu") and
+    `dataloader_pin_memory=False` (pinning needs a device; the DataLoader warns); where
+    `enable_cpu_fsdp()` made this launch FSDP, also `accelerator_config={"use_configured_state":
+    True}`, so the Trainer keeps that FSDP state instead of building a non-FSDP one. A flag or
+    YAML key given explicitly still wins over these defaults.
+
+    Raises RuntimeError when an FSDP launch of several processes on a machine with no GPU/NPU has
+    not called `enable_cpu_fsdp()` yet: the Trainer would otherwise train without FSDP.
+    """
+    if has_accelerator_device():
+        return {}
+    defaults: dict[str, Any] = {"bf16": False, "dataloader_pin_memory": False}
+    if fsdp_requested() and int(os.environ.get("WORLD_SIZE", "1")) >= 2:
+        if not _cpu_fsdp_enabled():
+            raise RuntimeError(
+                "accel_gradsync.training_args_defaults(): this launch asks for FSDP "
+                f"(ACCELERATE_USE_FSDP=true, WORLD_SIZE={os.environ['WORLD_SIZE']}) on a machine with no "
+                "GPU/NPU, but accel_gradsync.enable_cpu_fsdp() has not run: call it first, before parsing "
+                "the arguments, so that the Trainer keeps its FSDP state."
+            )
+        defaults["accelerator_config"] = {"use_configured_state": True}
+    return defaults
+
+
+def _cpu_fsdp_enabled() -> bool:
+    """True when accelerate's shared state is FSDP (on a machine without GPU/NPU, only
+    `enable_cpu_fsdp()` makes it so)."""
+    return bool(PartialState._shared_state) and PartialState().distributed_type == DistributedType.FSDP
 
 
 def check_fsdp_state() -> None:
