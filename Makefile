@@ -37,9 +37,11 @@ $(VENV)/.installed: setup.cfg pyproject.toml $(CONSTRAINTS)
 	touch $@
 
 # The GRPO recipe on its embedded default (2 processes, FSDP2 with deferral, 500 steps; about
-# 3 minutes on 2 CPU cores, after the install).
+# 2 minutes on 2 CPU cores, after the install), then its reward curve and one summary line (the
+# accuracy reward's mean over the first and the last 100 steps).
 demo: setup
 	HF_HUB_OFFLINE=1 accelerate launch --config_file accelerate_configs/fsdp2.yaml recipes/grpo.py --defer-grad-sync
+	python recipes/plot_rewards.py runs/grpo/trainer_state.json runs/grpo/reward_curve.png
 
 test: setup
 	HF_HUB_OFFLINE=1 python -m pytest -q
