@@ -20,10 +20,13 @@ ROOT = Path(__file__).resolve().parents[2]
 TITLE_COMMAND = "accelerate launch --config_file accelerate_configs/fsdp2.yaml recipes/grpo.py --defer-grad-sync"
 
 
-def _bash_blocks(section: str) -> list[str]:
+def _section(section: str) -> str:
     readme = (ROOT / "README.md").read_text()
-    body = readme.split(f"## {section}\n", 1)[1].split("\n## ", 1)[0]
-    blocks = re.findall(r"```bash\n(.*?)```", body, re.S)
+    return readme.split(f"## {section}\n", 1)[1].split("\n## ", 1)[0]
+
+
+def _bash_blocks(section: str) -> list[str]:
+    blocks = re.findall(r"```bash\n(.*?)```", _section(section), re.S)
     return [line.strip() for block in blocks for line in block.splitlines() if line.strip()]
 
 
@@ -104,8 +107,11 @@ def test_make_test_and_demo_run_the_readme_commands_after_the_set_up():
     (readme_test,) = _bash_blocks("Tests")
     assert _make_would_run("test") == setup + [readme_test]
     demo = _make_would_run("demo")
-    assert demo[:-1] == setup and demo[-1].endswith(TITLE_COMMAND)
+    assert demo[:-2] == setup and demo[-2].endswith(TITLE_COMMAND)
     assert _bash_blocks("GRPO recipe")[0] == TITLE_COMMAND
+    # ...then the summary line and the curve, from the run's output_dir, as README's What next says.
+    assert demo[-1] == "python recipes/plot_rewards.py runs/grpo/trainer_state.json runs/grpo/reward_curve.png"
+    assert demo[-1].removeprefix("python ") in " ".join(_section("What next").split())
 
 
 def test_make_runs_its_commands_inside_the_venv():
@@ -146,8 +152,8 @@ def test_torch_is_the_series_the_plugin_tables():
     assert {f"{p.major}.{p.minor}" for p in pinned} == set(TESTED_TORCH)
 
 
-DOCS = ["README.md", "docs/modes.md", "docs/recipe.md", "docs/estimate.md"]
-REPO_PATH = re.compile(r"`((?:accel_gradsync|recipes|accelerate_configs|benchmarks|tests|docs)/[\w./-]*)")
+DOCS = ["README.md", "docs/modes.md", "docs/recipe.md", "docs/estimate.md", "docs/install.md"]
+REPO_PATH = re.compile(r"`((?:accel_gradsync|recipes|accelerate_configs|benchmarks|tests|docs|examples)/[\w./-]*)")
 
 
 def test_docs_name_only_paths_and_modules_that_exist():
