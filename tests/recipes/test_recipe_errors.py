@@ -1,9 +1,9 @@
-"""recipes/grpo.py: bad input stops with a clear error before training, naming what to change,
-and writes nothing to output_dir. Parsing runs in-process (fast); one run goes through the script.
-Also what the recipe reads from its input without refusing it: the number in an answer, which the
-accuracy reward compares as a number. What the recipe takes from the package is tested with it:
-`check_launch` in tests/unit/test_launch.py, which checkpoint to resume from in
-tests/unit/runtime/test_resume_checkpoints.py."""
+"""recipes/grpo.py and its checks (recipes/grpo_inputs.py): bad input stops with a clear error
+before training, naming what to change, and writes nothing to output_dir. Parsing runs in-process
+(fast); one run goes through the script. Also what the recipe reads from its input without
+refusing it: the number in an answer, which the accuracy reward compares as a number. What the
+recipe takes from the package is tested with it: `check_launch` in tests/unit/test_launch.py,
+which checkpoint to resume from in tests/unit/runtime/test_resume_checkpoints.py."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ sys.path.insert(0, str(REPO / "recipes"))
 
 import embedded  # noqa: E402
 import grpo  # noqa: E402
+import grpo_inputs  # noqa: E402
 
 from accel_gradsync.runtime import resume  # noqa: E402
 
@@ -90,7 +91,7 @@ def test_num_generations_not_dividing_the_generation_batch(tmp_path):
 
 def test_unknown_reward_function_lists_the_choices():
     with pytest.raises(ValueError, match=r"--reward_funcs.*'lenght'.*valid choices: accuracy, format"):
-        grpo.resolve_rewards(["accuracy", "lenght"])
+        grpo_inputs.resolve_rewards(["accuracy", "lenght"])
 
 
 def _dataset_without_answer(tmp_path: Path) -> Path:
@@ -120,7 +121,7 @@ def test_dataset_without_the_needed_column(tmp_path):
         "--output_dir",
         str(tmp_path / "out"),
     )
-    renamed = grpo.load_prompts(args[0])
+    renamed = grpo_inputs.load_prompts(args[0])
     assert {"prompt", "answer"} <= set(renamed.column_names)
 
 
@@ -236,12 +237,12 @@ def test_save_steps_alone_selects_saving_every_n_steps(tmp_path):
 def test_save_steps_that_the_strategy_ignores_get_one_warning(tmp_path):
     args = parse("--save_steps", "7", "--save_strategy", "no", "--output_dir", str(tmp_path / "out"))
     with pytest.warns(UserWarning, match=r"--save_steps 7 is ignored with --save_strategy no") as record:
-        grpo.check_save_steps_used(args[1], grpo.RECIPE_DEFAULTS["save_steps"])
+        grpo_inputs.check_save_steps_used(args[1], grpo.RECIPE_DEFAULTS["save_steps"])
     assert len(record) == 1
 
 
 def test_a_parse_error_is_one_line_and_a_pointer_to_help(tmp_path):
-    with pytest.raises(grpo.ParseError, match=r"--grad-sync-mode.*invalid choice: 'nonsense'"):
+    with pytest.raises(grpo_inputs.ParseError, match=r"--grad-sync-mode.*invalid choice: 'nonsense'"):
         parse("--grad-sync-mode", "nonsense", "--output_dir", str(tmp_path / "out"))
 
 
