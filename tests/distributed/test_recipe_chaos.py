@@ -1,4 +1,4 @@
-"""The chaos run (recipes/chaos.py) for real: one fault per configuration (FSDP2 window, FSDP2
+"""The chaos run (tools/chaos.py) for real: one fault per configuration (FSDP2 window, FSDP2
 deferred, FSDP1 deferred), drawn from a fixed seed, each run ending byte-equal to its undisturbed
 run. About 5 minutes on 2 cores, so --slow only; the figure in docs/recipe.md comes from a longer
 run of the same script."""
@@ -16,7 +16,7 @@ from launcher import REPO
 @pytest.mark.slow
 def test_the_chaos_run_survives_a_fault_in_each_configuration(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "recipes/chaos.py", "--faults", "3", "--seed", "1", "--work_dir", str(tmp_path)],
+        [sys.executable, "tools/chaos.py", "--faults", "3", "--seed", "1", "--work_dir", str(tmp_path)],
         cwd=REPO,
         capture_output=True,
         text=True,

@@ -28,7 +28,7 @@ import recipe_inputs
 from launcher import REPO, recipe_launch
 
 from accel_gradsync import PREEMPTED_EXIT_CODE
-from recipes.chaos import compare_checkpoints
+from tools.chaos import compare_checkpoints
 
 KILLER = Path(__file__).parent / "recipe_killer"
 STEPS, SAVE_STEPS, MICRO_BATCHES = 6, 2, 4

@@ -1,6 +1,6 @@
 """Import structure, read with `ast` (nothing is imported): no import cycle among the modules of
-accel_gradsync/, benchmarks/ and recipes/, and each accel_gradsync sub-package imports only the
-layers before it: config < compat < planning < runtime < estimator < the top-level modules.
+accel_gradsync/, benchmarks/, recipes/ and tools/, and each accel_gradsync sub-package imports only
+the layers before it: config < compat < planning < runtime < estimator < the top-level modules.
 
 Every import statement counts, including those inside functions: a cycle that only a deferred
 import breaks is still a cycle to a reader. `python tests/repo/test_import_layers.py` prints
@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-ROOTS = ("accel_gradsync", "benchmarks", "recipes")
+ROOTS = ("accel_gradsync", "benchmarks", "recipes", "tools")
 LAYERS = ("config", "compat", "planning", "runtime", "estimator")
 # recipes/ is not a package: its scripts import each other by bare name (the script's folder is on sys.path).
 BARE = "recipes"

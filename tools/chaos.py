@@ -1,7 +1,7 @@
 r"""Chaos run: the recipe under its self-restarting launch, with faults at random points, must end
 exactly where a run nobody interrupted ends.
 
-    python recipes/chaos.py --faults 24 --seed 0
+    python tools/chaos.py --faults 24 --seed 0
 
 For each configuration (FSDP2 window, FSDP2 deferred, FSDP1 deferred) it trains the built-in
 model once undisturbed, then again with its share of the faults, drawn from --seed: SIGKILL of
@@ -15,9 +15,13 @@ scheduler and RNG states equal, tensor bytes for tensor bytes, to the undisturbe
 restart that no fault caused. Prints faults injected, survived, and optimizer steps recomputed in
 total; exits 1 if one was not survived or did not fire.
 
-The faults come from outside the recipe (recipes/chaos_faults/sitecustomize.py, on PYTHONPATH).
+The faults come from outside the recipe (tools/chaos_faults/sitecustomize.py, on PYTHONPATH).
 On 2 CPU cores a fault costs about a minute (a restart reloads everything); 24 faults took 29
 minutes. The result of that run is in docs/recipe.md (Preemption, The chaos run).
+
+Tooling that tests the recipe from outside, beside tools/mutants.py; recipes/ holds what a user
+runs. The pieces that decide a verdict (the plan, the checkpoint comparison) are checked fast in
+tests/tools/test_chaos.py; tests/distributed/test_recipe_chaos.py runs it for real (--slow).
 """
 
 from __future__ import annotations

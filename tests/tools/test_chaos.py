@@ -1,4 +1,4 @@
-"""recipes/chaos.py's pieces that decide a verdict, checked fast: the plan gives each launch as
+"""tools/chaos.py's pieces that decide a verdict, checked fast: the plan gives each launch as
 many restarts as it has kills and ends a launch at each preemption, and the checkpoint comparison
 sees a one-bit difference in an optimizer state. The chaos run itself (real launches, real
 faults) is tests/distributed/test_recipe_chaos.py, with --slow."""
@@ -9,7 +9,7 @@ import random
 
 import torch
 
-from recipes.chaos import WHERE, compare_checkpoints, draw_faults, plan_attempts, unplanned_restarts
+from tools.chaos import WHERE, compare_checkpoints, draw_faults, plan_attempts, unplanned_restarts
 
 
 def test_each_kill_is_a_restart_of_its_launch_and_each_preemption_ends_one():

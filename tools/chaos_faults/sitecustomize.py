@@ -1,4 +1,4 @@
-"""The faults `recipes/chaos.py` injects into a launched recipe, from outside it: put on PYTHONPATH
+"""The faults `tools/chaos.py` injects into a launched recipe, from outside it: put on PYTHONPATH
 with CHAOS_PLAN (a JSON file) and CHAOS_LAUNCH (the launch's index), every rank loads this first.
 
 The plan maps `<launch>-<restart>` (CHAOS_LAUNCH, TORCHELASTIC_RESTART_COUNT) to at most one fault:
