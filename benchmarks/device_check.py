@@ -2,7 +2,12 @@
 writes gpu_check.json to $OUT (or here). The CUDA memory probe `auto` plans from: its peak is about
 1 GiB after a 1 GiB allocation and near 0 after the reset. The FSDP2 window on CUDA (world size 1,
 NCCL): memory after each backward stays level inside a window and drops by the unsharded fp32
-params (`param_mib_fp32`) after its last one, in both steps; `flags_restored` is true."""
+params (`param_mib_fp32`) after its last one, in both steps; `flags_restored` is true.
+
+No test or target runs it (CI has no GPU): run it after a change to the device memory probe or to
+how the FSDP2 adapter holds and keeps units, and on a new torch release (docs/performance.md,
+Reproduce). It reads the package's internals (`planning.memory`, `runtime.fsdp2`,
+`runtime.fsdp2_state`): a move of those modules must follow here."""
 
 import json
 import os
