@@ -130,7 +130,7 @@ class Stamps:
 def work(args: argparse.Namespace) -> int:
     import torch
     from accelerate import Accelerator
-    from transformers import LogitsProcessorList, Qwen2Config, Qwen2ForCausalLM
+    from transformers import LogitsProcessorList, Qwen2ForCausalLM
 
     import accel_gradsync
     from accel_gradsync.runtime.adapt import adapt_model
@@ -141,20 +141,7 @@ def work(args: argparse.Namespace) -> int:
     accel_gradsync.enable_cpu_fsdp()
     torch.set_num_threads(1)
     accelerator = Accelerator()
-    size = grpo.SIZES[args.size]
-    config = Qwen2Config(
-        vocab_size=size["vocab"],
-        hidden_size=size["hidden"],
-        intermediate_size=size["intermediate"],
-        num_hidden_layers=size["layers"],
-        num_attention_heads=size["heads"],
-        num_key_value_heads=size["kv_heads"],
-        max_position_embeddings=args.prompt + args.tokens + 8,
-        bos_token_id=None,
-        tie_word_embeddings=False,
-        pad_token_id=0,
-        eos_token_id=1,
-    )
+    config = grpo.qwen2_config(grpo.SIZES[args.size], args.prompt + args.tokens + 8, pad=0, eos=1)
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(config)
     floor = copy.deepcopy(model).eval()

@@ -133,12 +133,31 @@ def embedded():
     return embedded
 
 
+def qwen2_config(size: dict, max_positions: int, pad: int, eos: int):
+    """The Qwen2 of a `SIZES` entry (the benchmark's model; generation_tokens.py's too)."""
+    from transformers import Qwen2Config
+
+    return Qwen2Config(
+        vocab_size=size["vocab"],
+        hidden_size=size["hidden"],
+        intermediate_size=size["intermediate"],
+        num_hidden_layers=size["layers"],
+        num_attention_heads=size["heads"],
+        num_key_value_heads=size["kv_heads"],
+        max_position_embeddings=max_positions,
+        bos_token_id=None,
+        tie_word_embeddings=False,
+        pad_token_id=pad,
+        eos_token_id=eos,
+    )
+
+
 def build_model_dir(path: Path, size_name: str) -> dict:
     """Save the random-weight Qwen2 and its tokenizer to `path`; return its facts. The tokenizer is the
     recipe's characters plus fillers up to the vocabulary, so the head has a language model's share."""
     import torch
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    from transformers import PreTrainedTokenizerFast, Qwen2ForCausalLM
 
     embedded_ = embedded()
     size = SIZES[size_name]
@@ -151,21 +170,8 @@ def build_model_dir(path: Path, size_name: str) -> dict:
         tokenizer_object=tok, pad_token=embedded_.PAD, eos_token=embedded_.EOS, unk_token=embedded_.UNK
     )
     tokenizer.padding_side = "left"
-    config = Qwen2Config(
-        vocab_size=len(vocab),
-        hidden_size=size["hidden"],
-        intermediate_size=size["intermediate"],
-        num_hidden_layers=size["layers"],
-        num_attention_heads=size["heads"],
-        num_key_value_heads=size["kv_heads"],
-        max_position_embeddings=128,
-        bos_token_id=None,
-        tie_word_embeddings=False,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(config)
+    model = Qwen2ForCausalLM(qwen2_config(size, 128, tokenizer.pad_token_id, tokenizer.eos_token_id))
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     params = sum(p.numel() for p in model.parameters())

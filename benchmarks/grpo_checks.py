@@ -11,7 +11,7 @@ import statistics
 
 from benchmarks import grpo, targets
 from benchmarks.records import GrpoResults, GrpoRow, GrpoRun
-from benchmarks.stats import MiB, by_round, judged, ratios
+from benchmarks.stats import MiB, judged, paired
 from benchmarks.targets import FAIL, PASS, SKIP, TargetResult
 
 
@@ -23,19 +23,14 @@ def rows_of(run: GrpoRun) -> dict[str, GrpoRow]:
     return {r.config: r for r in run.rows}
 
 
-def per_round(row: GrpoRow) -> dict[int, float]:
-    """round -> the configuration's median step in that round."""
-    return by_round(row.step_rounds, row.step_times_s)
-
-
 def speedup(run: GrpoRun, config: str, base: str) -> tuple[float, list[float]] | None:
     """base's step / config's step: the median over rounds of the ratio of each round's medians
     (both ran in the same round, under the same load), and the per-round ratios."""
     rows = rows_of(run)
     if config not in rows or base not in rows:
         return None
-    paired = ratios(per_round(rows[base]), per_round(rows[config]))
-    return (statistics.median(paired), paired) if paired else None
+    per_round = paired(rows[base], rows[config])
+    return (statistics.median(per_round), per_round) if per_round else None
 
 
 def pair_over_all_reduce(run: GrpoRun) -> float | None:

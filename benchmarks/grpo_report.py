@@ -8,10 +8,10 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from benchmarks import grpo, targets
-from benchmarks.grpo_checks import check_targets, network, pair_over_all_reduce, per_round, rows_of, speedup
+from benchmarks import grpo, stats
+from benchmarks.grpo_checks import check_targets, network, pair_over_all_reduce, rows_of, speedup
 from benchmarks.records import GrpoResults, GrpoRow, GrpoRun
-from benchmarks.stats import MiB, fmt_count, fmt_held, header, panels, save_figure, write_md
+from benchmarks.stats import MiB, fmt_count, fmt_held, header, panels, save_figure
 
 PHASES = {  # phase -> (label, color)
     "generation": ("generation", "tab:orange"),
@@ -78,7 +78,7 @@ def table_row(run: GrpoRun, r: GrpoRow) -> str:
     x_ddp = f"{floor[0]:.2f}x{fmt_spread(floor[1], fmt='{:.2f}', unit='x')}" if floor else "-"
     x_ddp = "1.00x" if floor and grpo.is_ddp(r.config) else x_ddp  # itself: no spread to show
     return (
-        f"| {r.config} | {r.step_time_s * 1e3:.0f}{fmt_spread(list(per_round(r).values()), 1e3)} | "
+        f"| {r.config} | {r.step_time_s * 1e3:.0f}{fmt_spread(list(stats.per_round(r).values()), 1e3)} | "
         f"{sp[0] if sp else math.nan:.2f}x | {x_ddp} | "
         + " | ".join(f"{ph[p] * 1e3:.0f}" for p in PHASES)
         + f" | {' / '.join(fmt_count(c[p]['all_gathers']) for p in ('generation', 'logprob', 'training'))} | "
@@ -103,8 +103,8 @@ def resident_line(run: GrpoRun, r: GrpoRow) -> str | None:
     )
 
 
-def plot_step_split(results: GrpoResults, path: Path) -> None:
-    """One panel per network: each configuration's median step as stacked phases."""
+def plot_step_split(results: GrpoResults, out: Path) -> None:
+    """grpo_step_split.png, one panel per network: each configuration's median step as stacked phases."""
     fig, axes = panels(len(results.runs), 7, 5.5)
     for ax, run in zip(axes, results.runs, strict=True):
         rows = rows_of(run)
@@ -117,7 +117,7 @@ def plot_step_split(results: GrpoResults, path: Path) -> None:
             left = [a + b for a, b in zip(left, widths, strict=True)]
         ax.invert_yaxis()
         ax.set(xlabel="median GRPO step (s)", title=f"{network(run)}: where a GRPO step goes")
-    save_figure(fig, axes, path)
+    save_figure(fig, axes, out / "grpo_step_split.png")
 
 
 def backend_line(run: GrpoRun) -> str:
@@ -135,7 +135,5 @@ def backend_line(run: GrpoRun) -> str:
 
 def write_report(results: GrpoResults, out: Path) -> str:
     """Write results.md and grpo_step_split.png into `out`; return the target summary."""
-    checked = check_targets(results)
-    write_md(Path(out), [write_table(results)], checked, {"grpo_step_split.png": "GRPO step split"})
-    plot_step_split(results, Path(out) / "grpo_step_split.png")
-    return targets.format_summary(checked)
+    images = {"grpo_step_split.png": "GRPO step split"}
+    return stats.write_report(results, out, [write_table(results)], check_targets(results), images, plot_step_split)

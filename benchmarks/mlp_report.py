@@ -24,18 +24,10 @@ def index(run: Run) -> dict[tuple[str, int], ConfigResult]:
     return {(r.config, r.M): r for r in run.rows}
 
 
-def times_by_round(row: ConfigResult, key: str = "step_times_s") -> dict[int, float]:
-    return stats.by_round(row.step_rounds, getattr(row, key))
-
-
 def paired_ratios(run: Run, a: str, b: str, Ms: list[int], key: str = "step_times_s") -> dict[int, list[float]]:
     """M -> [a's step / b's step, one per round in which both ran]."""
     by = index(run)
-    per_M = {
-        M: stats.ratios(times_by_round(by[(a, M)], key), times_by_round(by[(b, M)], key))
-        for M in Ms
-        if (a, M) in by and (b, M) in by
-    }
+    per_M = {M: stats.paired(by[(a, M)], by[(b, M)], key) for M in Ms if (a, M) in by and (b, M) in by}
     return {M: r for M, r in per_M.items() if r}
 
 
@@ -225,7 +217,7 @@ def check_planner_cost(runs: list[Run], quick: bool) -> list[TargetResult]:
         pmb, deferred, window = (by[(n, M)] for n in ("per_micro_batch", "deferred", "window"))
         rs_removed = pmb.reduce_scatters_per_step - deferred.reduce_scatters_per_step
         ag_removed = deferred.all_gathers_per_step - window.all_gathers_per_step
-        t0, t1, t2 = times_by_round(pmb), times_by_round(deferred), times_by_round(window)
+        t0, t1, t2 = stats.per_round(pmb), stats.per_round(deferred), stats.per_round(window)
         rounds = sorted(t0.keys() & t1.keys() & t2.keys()) if rs_removed > 0 and ag_removed > 0 else []
         per = [((t0[r] - t1[r]) / rs_removed, (t1[r] - t2[r]) / ag_removed) for r in rounds]
         if not (measured := [rs / ag for rs, ag in per if ag > 0]):
@@ -295,7 +287,7 @@ def check_frontier(results: Results, runs: list[Run]) -> TargetResult:
             per_M: dict[int, list[float]] = {}
             for M in [m for m in results.plan["Ms"] if m >= 2 and all((c, m) in by for c in (*corners, name))]:
                 (h0, h1, h2, h) = [held_bytes(by[(c, M)]) for c in (*corners, name)]
-                (t0, t1, t2, t) = [times_by_round(by[(c, M)]) for c in (*corners, name)]
+                (t0, t1, t2, t) = [stats.per_round(by[(c, M)]) for c in (*corners, name)]
                 # Which segment the point's held bytes fall in, and how far along it.
                 (ha, ta), (hb, tb) = ((h0, t0), (h1, t1)) if h <= h1 else ((h1, t1), (h2, t2))
                 where = min(max((h - ha) / (hb - ha), 0), 1) if hb != ha else 0.0
@@ -355,18 +347,11 @@ def check_run_time(results: Results) -> TargetResult:
 
 def write_report(results: Results, out: Path) -> str:
     """Write results.md and the PNGs into `out`; return the target summary."""
-    out = Path(out)
     if results.plan.get("cluster"):
-        checked = check_cluster_targets(results)
-        images = {"speedup_vs_link.png": "speedup vs link bandwidth"}
-        stats.write_md(out, [write_cluster_table(results)], checked, images)
-        plot_cluster_speedup(results, out / "speedup_vs_link.png")
-    else:
-        checked = check_targets(results)
-        images = {"step_time_vs_M.png": "step time vs M", "memory_vs_time.png": "memory vs time"}
-        stats.write_md(out, [write_table(results)], checked, images)
-        plot(results, out)
-    return targets.format_summary(checked)
+        images, tables = {"speedup_vs_link.png": "speedup vs link bandwidth"}, [write_cluster_table(results)]
+        return stats.write_report(results, out, tables, check_cluster_targets(results), images, plot_cluster_speedup)
+    images = {"step_time_vs_M.png": "step time vs M", "memory_vs_time.png": "memory vs time"}
+    return stats.write_report(results, out, [write_table(results)], check_targets(results), images, plot)
 
 
 # -- the simulated cluster ------------------------------------------------------------------------
@@ -402,8 +387,9 @@ def check_cluster_targets(results: Results) -> list[TargetResult]:
     return [*out, check_run_time(results)]
 
 
-def plot_cluster_speedup(results: Results, path: Path) -> None:
-    """Per configuration: per-micro-batch step / its step at the largest M against the link's Gbit/s."""
+def plot_cluster_speedup(results: Results, out: Path) -> None:
+    """speedup_vs_link.png, per configuration: per-micro-batch step / its step at the largest M
+    against the link's Gbit/s."""
     M, speedups = max(results.plan["Ms"]), {}
     for run in results.runs:
         base = baseline_of(run)
@@ -419,7 +405,7 @@ def plot_cluster_speedup(results: Results, path: Path) -> None:
     hosts = results.plan["cluster"]["hosts"]
     ax.set(xlabel="link bandwidth per host (Gbit/s, tc tbf)", ylabel=f"speedup over per-micro-batch at M={M}")
     ax.set_title(f"simulated cluster: {hosts} hosts x 1 rank (HSDP dotted: {hosts} hosts x {4 // hosts} ranks)")
-    stats.save_figure(fig, [ax], path)
+    stats.save_figure(fig, [ax], out / "speedup_vs_link.png")
 
 
 def write_cluster_table(results: Results) -> str:

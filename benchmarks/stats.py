@@ -1,18 +1,22 @@
-"""What both reports share: the paired statistics they judge targets on, the head and targets table
-of a results.md, and the figure helpers (matplotlib imported only to draw). Two configurations in the
-same round saw the same machine load, so a ratio per round cancels it where a ratio of medians does
-not; a target is judged on the median of those ratios with a bootstrap interval.
+"""What both reports share: the paired statistics they judge targets on (`per_round`, `paired`,
+`judge`), and the one writer of a report (`write_report`: results.md's head, the benchmark's
+tables, the targets table and the figures, drawn with the helpers here; matplotlib is imported only
+to draw). Two configurations in the same round saw the same machine load, so a ratio per round
+cancels it where a ratio of medians does not; a target is judged on the median of those ratios with
+a bootstrap interval. `mlp_report.py` and `grpo_report.py` hold only their own tables, figures and
+targets.
 """
 
 from __future__ import annotations
 
 import random
 import statistics
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
-from benchmarks.records import ResultsBase
-from benchmarks.targets import SKIP, UNDECIDED, UNDECIDED_NOTE, Target, TargetResult, worst
+from benchmarks.records import ResultsBase, Row
+from benchmarks.targets import SKIP, UNDECIDED, UNDECIDED_NOTE, Target, TargetResult, format_summary, worst
 
 MiB = 2**20
 
@@ -29,6 +33,16 @@ def by_round(rounds: Iterable[int | None], values: Iterable[float]) -> dict[int,
 def ratios(a: dict[int, float], b: dict[int, float]) -> list[float]:
     """a / b in every round both ran in, in round order."""
     return [a[r] / b[r] for r in sorted(a.keys() & b.keys())]
+
+
+def per_round(row: Row, key: str = "step_times_s") -> dict[int, float]:
+    """round -> a row's median step time (or the per-step list `key` names) in that round."""
+    return by_round(row.step_rounds, getattr(row, key))
+
+
+def paired(a: Row, b: Row, key: str = "step_times_s") -> list[float]:
+    """a's step / b's step per round, in every round both ran in (the same load on both)."""
+    return ratios(per_round(a, key), per_round(b, key))
 
 
 def pooled(per_M: dict[int, list[float]]) -> list[float]:
@@ -80,6 +94,21 @@ def fmt_held(grad: int, handle: int | None) -> str:
 
 
 # -- results.md and the PNGs ------------------------------------------------------------------------
+def write_report(
+    results: ResultsBase,
+    out: Path,
+    tables: list[str],
+    checked: list[TargetResult],
+    images: dict[str, str],
+    draw: Callable[[Any, Path], None],
+) -> str:
+    """A benchmark's report in `out`: results.md (the tables, the targets, the images: file -> alt
+    text), the images (`draw(results, out)` writes them), and the target summary it returns."""
+    write_md(Path(out), tables, checked, images)
+    draw(results, Path(out))
+    return format_summary(checked)
+
+
 def header(title: str, results: ResultsBase) -> list[str]:
     """A results.md's title, command, wall time and machine."""
     m = results.machine

@@ -27,3 +27,12 @@ def test_ratios_pair_by_round_and_a_round_of_several_steps_is_their_median():
     a = stats.by_round([0, 0, 1, None], [1.0, 3.0, 4.0, 9.0])  # None: a step outside the rounds
     assert a == {0: 2.0, 1: 4.0}
     assert stats.ratios(a, {1: 2.0, 2: 5.0}) == [2.0]
+
+
+def test_two_rows_pair_in_the_rounds_they_share():
+    from benchmarks.records import Row
+
+    a = Row(config="a", step_times_s=[1.0, 3.0, 4.0], step_rounds=[0, 0, 1])
+    b = Row(config="b", step_times_s=[1.0, 2.0], step_rounds=[1, 2])
+    assert stats.per_round(a) == {0: 2.0, 1: 4.0}
+    assert stats.paired(a, b) == [4.0]
