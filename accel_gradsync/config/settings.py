@@ -142,6 +142,11 @@ class ResolvedConfig:
         """Whether `auto` plans step 1 from the whole-step forecast (both shape settings given)."""
         return self.forecast_micro_batch_size > 0
 
+    @property
+    def free_memory_bytes(self) -> int | None:
+        """`free_memory` in bytes, or None when it is to be measured."""
+        return parse_bytes(self.free_memory)[0] if self.free_memory else None
+
 
 @dataclass
 class GradSyncConfig:

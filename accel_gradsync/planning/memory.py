@@ -1,12 +1,12 @@
 """Memory per rank, the input of `auto` and fractional `budget` decisions.
 
-`agreed_free_memory` reads free memory once, before the first step (fractional budgets). `auto`
-plans from measurements instead, through a `MemoryProbe`: the memory a rank may use (its
-capacity) and the peak in use during an optimizer step. One small interface with a device
-(CUDA / Ascend NPU) and a CPU implementation, and `ScriptedMemoryProbe`, which plays a device
-with a given capacity and a scripted series of peaks (tests, dry runs). Reading a probe is a
-host-side counter read: no device synchronisation. `RankMemory` is what one run's binding holds
-of all this: free memory agreed once, the probe made once, each step's peak agreed over ranks.
+`free_device_memory` reads free memory (fractional budgets, residency). `auto` plans from
+measurements instead, through a `MemoryProbe`: the memory a rank may use (its capacity) and the
+peak in use during an optimizer step. One small interface with a device (CUDA / Ascend NPU) and a
+CPU implementation, and `ScriptedMemoryProbe`, which plays a device with a given capacity and a
+scripted series of peaks (tests, dry runs). Reading a probe is a host-side counter read: no device
+synchronisation. Agreeing the readings over ranks is the runtime's (runtime/agreement.py's
+`RankMemory`): planning issues no collective.
 """
 
 from __future__ import annotations
@@ -16,9 +16,6 @@ from collections.abc import Sequence
 
 import psutil
 import torch
-import torch.distributed as dist
-
-from accel_gradsync.config.settings import GradSyncConfig
 
 
 def free_device_memory(device: torch.device) -> int:
@@ -28,19 +25,6 @@ def free_device_memory(device: torch.device) -> int:
     if device.type == "npu":
         return torch.npu.mem_get_info(device)[0]  # type: ignore[attr-defined]  # torch_npu adds torch.npu
     return psutil.virtual_memory().available
-
-
-def agreed_free_memory(config: GradSyncConfig, device: torch.device) -> int:
-    """This rank's free memory (or `config.free_memory`), then the minimum over all ranks, so
-    every rank takes the same decision even when their free memory differs."""
-    free = config.free_memory_bytes
-    if free is None:
-        free = free_device_memory(device)
-    if dist.is_available() and dist.is_initialized():
-        value = torch.tensor([free], dtype=torch.int64, device=device)
-        dist.all_reduce(value, op=dist.ReduceOp.MIN)
-        free = int(value.item())
-    return free
 
 
 class MemoryProbe:
@@ -122,45 +106,11 @@ class ScriptedMemoryProbe(MemoryProbe):
         return self.peaks[min(max(self.step, 0), len(self.peaks) - 1)]
 
 
-def memory_probe(device: torch.device, config: GradSyncConfig) -> MemoryProbe:
-    """The probe for `device`; `config.free_memory` replaces the device's capacity."""
-    capacity = config.free_memory_bytes
+def memory_probe(device: torch.device, capacity: int | None = None) -> MemoryProbe:
+    """The probe for `device`; `capacity` (the free_memory setting) replaces the device's."""
     if device.type in ("cuda", "npu"):
         return DeviceMemoryProbe(device, capacity)
     return CpuMemoryProbe(capacity)
-
-
-class RankMemory:
-    """One run's memory readings, agreed over ranks so that every rank plans the same: free memory
-    (one all-reduce, at the first plan that reads it), the `MemoryProbe` (made at the first `auto`
-    model) and each step's peak against the capacity (`auto`: one all-reduce per optimizer step)."""
-
-    def __init__(self, config: GradSyncConfig, device: torch.device, probe: MemoryProbe | None = None) -> None:
-        self.config = config
-        self.device = device
-        self._probe = probe
-        self._free: int | None = None
-
-    def free(self) -> int:
-        """`agreed_free_memory`, read once per run: budgets and residency decided later read the same."""
-        if self._free is None:
-            self._free = agreed_free_memory(self.config, self.device)
-        return self._free
-
-    @property
-    def probe(self) -> MemoryProbe:
-        """The probe given at construction, else `memory_probe` for the device, made once."""
-        if self._probe is None:
-            self._probe = memory_probe(self.device, self.config)
-        return self._probe
-
-    def agree_peak(self, peak: int, capacity: int) -> tuple[int, int]:
-        """(the largest peak, the smallest capacity) over all ranks."""
-        if not (dist.is_available() and dist.is_initialized()):
-            return peak, capacity
-        value = torch.tensor([peak, -capacity], dtype=torch.int64, device=self.device)
-        dist.all_reduce(value, op=dist.ReduceOp.MAX)
-        return int(value[0].item()), -int(value[1].item())
 
 
 def _rss() -> int:

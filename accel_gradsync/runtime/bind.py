@@ -36,13 +36,14 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 from accel_gradsync.config.errors import GradSyncWarning
 from accel_gradsync.config.settings import SyncMode
-from accel_gradsync.planning.memory import MemoryProbe, RankMemory
+from accel_gradsync.planning.memory import MemoryProbe
 from accel_gradsync.planning.replan import Forecast, Forecaster, MeasuredAuto
 from accel_gradsync.planning.residency import decide_residency
 from accel_gradsync.planning.units import Plan
 from accel_gradsync.runtime.accounting import SyncAccounting
 from accel_gradsync.runtime.adapt import adapt_model, is_fsdp_wrapped
 from accel_gradsync.runtime.adapter import ModelAdapter
+from accel_gradsync.runtime.agreement import RankMemory
 from accel_gradsync.runtime.decision import describe_decision, describe_frozen, frozen_keeps, warn_about_plan
 from accel_gradsync.runtime.fsdp2_counts import watch_fsdp2
 from accel_gradsync.runtime.generation import GenerationGather
@@ -71,7 +72,7 @@ class Binder:
         self.state = state
         self.window = window
         self.generation = generation
-        self.memory = RankMemory(state.config, state.accelerator.device, probe)
+        self.memory = RankMemory(state.settings, state.accelerator.device, state.control, probe)
         self._forecaster = forecaster
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._trainer_seen = False

@@ -112,12 +112,12 @@ class SaveOnSignal(TrainerCallback):
         self.preemption.install()  # from attach on: a signal while the model loads is not lost
 
     def on_step_end(self, args, state, control, **kwargs: Any):
-        if self.preemption.agree(self.accelerator):
+        if self.preemption.agree():
             control.should_save = True
             control.should_training_stop = True
 
     def on_save(self, args, state, control, **kwargs: Any):
-        if self.preemption.agree(self.accelerator):
+        if self.preemption.agree():
             control.should_training_stop = True  # this save is complete once on_save returns (resume.py)
 
     def on_train_end(self, args, state, control, **kwargs: Any):

@@ -54,7 +54,7 @@ class Connection:
         signal_name, trainer = self._state.settings.save_on_signal, self._state.trainer
         if signal_name == NO_SIGNAL:
             return
-        self.preemption = Preemption(signal_name)
+        self.preemption = Preemption(signal_name, self._state.control)
         if trainer is None:
             self.preemption.install()
             self.preemption.watch_loop()

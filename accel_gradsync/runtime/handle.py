@@ -178,13 +178,21 @@ class GradSyncHandle:
         call `exit_preempted()`. Call it on every rank after every micro-batch (or at least after
         each one that ends an optimizer step): it is a collective there, and answers False without
         one inside an accumulation window. False without a collective when `save_on_signal` is
-        `none`. (A Trainer asks by itself.)
+        `none`, and inside `join()` (a rank that left would never ask, and `save_state` is refused
+        there): ask again after the block. (A Trainer asks by itself.)
 
         Returns:
             `bool`: whether to save and exit now.
         """
         preemption = self._connection.preemption
-        return preemption is not None and preemption.ask(self.accelerator)
+        if preemption is not None and self._join.inside:
+            self._state.warn_once(
+                "preempted_inside_join",
+                "accel_gradsync: grad_sync.preempted() answers False inside grad_sync.join(): a rank that left the "
+                "loop would never ask, and save_state() is refused there. Ask after the `with grad_sync.join():` "
+                "block too; a signal that came inside it is acted on there.",
+            )
+        return preemption is not None and preemption.ask(self.accelerator, inside_join=self._join.inside)
 
     def exit_preempted(self, checkpoint: str | None = None) -> None:
         """After `preempted()` said True and the checkpoint is saved on every rank: print one line
@@ -207,13 +215,18 @@ class GradSyncHandle:
         preemption.exit(self.accelerator)
 
     def detach(self) -> None:
-        """Undo `attach`: every unit's flags as they were, units kept for generation resharded,
-        the accelerator's (and a Trainer's) own class, hooks and callback removed. The counters
-        stay readable."""
+        """Undo `attach`: every unit's flags as they were, every unit the plugin kept unsharded
+        (for generation, a resident model, a window left mid-way) resharded, the accelerator's
+        (and a Trainer's) own class, hooks and callback removed. Gradients a window held stay
+        where FSDP keeps them, and the next synced backward reduces them. The counters stay readable."""
         self._generation.close()  # units kept for generation: flags back, resharded
         self._window.end_hold()  # a window left mid-way: its flags back
+        adapters = [b.adapter for b in self._state.bound.values()] + [f.adapter for f in self._state.frozen.values()]
+        for adapter in adapters:
+            adapter.reshard(adapter.units)  # what the window kept: plain tensors no more
         self._connection.disconnect()
         self._binder.close()
+        self._state.control.close()
 
     def __enter__(self) -> GradSyncHandle:
         return self

@@ -40,7 +40,8 @@ def hook_accelerator(
     """Give `accelerator` a subclass of its class whose `no_sync` binds the model and enters the
     window's, whose `accumulate` ends the window's hold on entering a micro-batch that syncs and
     aborts the window when an exception leaves it, and whose `prepare` binds the models it wraps;
-    `accumulate`, `clip_grad_norm_` and `wait_for_everyone` also serve `grad_sync.join()` (join.py).
+    `accumulate`, `backward`, `clip_grad_norm_`, the loop's collectives (`gather`, `reduce`, ...),
+    `wait_for_everyone` and `save_state`/`load_state` also serve `grad_sync.join()` (join.py).
     `discard_on_exception`: a Trainer's `no_sync` aborts the window itself (`Window.no_sync`).
     Returns the original class."""
     base = type(accelerator)
@@ -76,6 +77,36 @@ def hook_accelerator(
             join.refuse_inside("accelerator.wait_for_everyone()")  # a rank that left would never come
             join.check_even("accelerator.wait_for_everyone()")  # uneven counts without join()
             super().wait_for_everyone()
+
+        def backward(self, loss, **kwargs):
+            join.backward()  # inside join(): a rank that left backs up its replay here too
+            return super().backward(loss, **kwargs)
+
+        # Inside join(): a rank that left issues each of these with zeros, as DDP's Join does.
+        def gather(self, tensor):
+            with join.loop_collective("gather", tensor, {}):
+                return super().gather(tensor)
+
+        def gather_for_metrics(self, input_data, use_gather_object=False):
+            with join.loop_collective("gather_for_metrics", input_data, {"use_gather_object": use_gather_object}):
+                return super().gather_for_metrics(input_data, use_gather_object=use_gather_object)
+
+        def reduce(self, tensor, reduction="sum", scale=1.0):
+            with join.loop_collective("reduce", tensor, {"reduction": reduction, "scale": scale}):
+                return super().reduce(tensor, reduction=reduction, scale=scale)
+
+        def pad_across_processes(self, tensor, dim=0, pad_index=0, pad_first=False):
+            kwargs = {"dim": dim, "pad_index": pad_index, "pad_first": pad_first}
+            with join.loop_collective("pad_across_processes", tensor, kwargs):
+                return super().pad_across_processes(tensor, **kwargs)
+
+        def save_state(self, *args, **kwargs):
+            join.refuse_inside("accelerator.save_state()")  # before a file is written
+            return super().save_state(*args, **kwargs)
+
+        def load_state(self, *args, **kwargs):
+            join.refuse_inside("accelerator.load_state()")
+            return super().load_state(*args, **kwargs)
 
         def prepare(self, *args, **kwargs):
             result = super().prepare(*args, **kwargs)

@@ -4,57 +4,52 @@ Semantics are those of DDP's `torch.distributed.algorithms.Join` with
 `divide_by_initial_world_size=True`: the run ends where a run would end in which every rank that
 ran out had gone on with extra micro-batches of loss x 0. Gradients are still averaged over all
 ranks, so a micro-batch some ranks miss weighs less than a full one; the shards every rank owns
-step with the others' at every optimizer step.
+step with the others' at every optimizer step, with the others' learning rates.
 
-How. Inside `join()` every `accelerator.accumulate()` entry and `clip_grad_norm_` (hooks.py) issue
-one all-reduce (`_poll`, slots below) before any collective of theirs; a training rank waits for
-the answer only at its first (a rank that left with nothing to shadow answers that one) and reads
-the others at its next poll, for refusals (`_settle`). A rank that left its loop
-polls with 0 and, while any other rank trains, follows them (`_shadow`): for each micro-batch it
-replays its last one (`_replay`: the same forwards of the same models, recorded by a forward
-pre-hook ahead of FSDP's, inputs detached; outputs x 0; `accelerator.backward` inside
-`accelerator.accumulate` of those models; then `step()` of every optimizer and scheduler accelerate
-prepared, which act only where `sync_gradients`), for each clip it clips. So the plan, the window
-and FSDP's all-gathers and reduce-scatters pair with the others' in every mode. When the last rank
-leaves, all polls say 0 and every rank leaves together.
+How. Inside `join()` every micro-batch (an `accelerator.accumulate()` entry; in a loop without it,
+the first forward after an optimizer step) and every `clip_grad_norm_` and loop collective
+(`gather`, `reduce`, ...: hooks.py) issue one all-reduce (`_poll`, slots below) on the plugin's own
+group (agreement.py) before any collective of theirs. A training rank waits for the answer only at
+its first and at a loop collective, and reads the others at its next poll, for refusals
+(`_settle`). Each poll also carries which prepared optimizers the rank stepped since its last one
+and with which hyperparameters (join_steps.py). A rank that left its loop polls with 0 and, while
+any other rank trains, follows them (`_shadow`): per micro-batch it replays its last one x 0
+(join_record.py), clips where they clip, contributes zeros to their loop collectives, and steps the
+optimizers they stepped, with their learning rates; it steps no scheduler (only the loop knows
+when). When the last rank leaves, all polls say 0, every rank leaves together, and the ranks that
+shadowed take the schedulers' states and hyperparameters of the rank that trained longest.
 
-Trade-off: one small all-reduce per micro-batch and per clip, on uneven.py's `ControlGroup`
-(gloo: no device synchronisation), and the last micro-batch's inputs kept until the next. What the
-loop issues itself beyond the models' forwards and backwards, `clip_grad_norm_` and the optimizers'
-steps (a loss gathered for logging) has no counterpart on a rank that left; a forward outside
-`accumulate()` and `wait_for_everyone()` inside `join()` are refused on every rank instead.
+Trade-off: one small all-reduce per micro-batch, per clip and per loop collective, and the last
+micro-batch's inputs kept until the next. Refused on every rank in one line instead of a hang:
+`wait_for_everyone()`, `save_state()` and `load_state()` inside the block (a rank that left would
+never make them), a forward outside `accumulate()` in a loop that uses it (and the reverse), a
+step of an optimizer accelerate did not prepare, a rank with nothing to replay.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.utils.hooks
 from torch import nn
+from torch.nn.modules.module import register_module_forward_pre_hook
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from accel_gradsync.runtime.bind import model_name
-from accel_gradsync.runtime.state import Attachment, root_of
-from accel_gradsync.runtime.uneven import ControlGroup, EvenCounts, by_rank
+from accel_gradsync.runtime.join_record import Iteration, replay, spec, zeros_like_tree
+from accel_gradsync.runtime.join_steps import StepReports, adopt_loop_state, decode, encode, loop_state
+from accel_gradsync.runtime.state import Attachment
+from accel_gradsync.runtime.uneven import EvenCounts, by_rank
 
-TRAINING, CANNOT_SHADOW, FAILED, CLIPPING, MAX_NORM, NORM_TYPE = range(6)
+TRAINING, CANNOT_SHADOW, FAILED, CLIPPING, COLLECTIVE, MAX_NORM, NORM_TYPE, STEPS = 0, 1, 2, 3, 4, 5, 7, 9
 """The poll's slots, summed over ranks: the ranks still training, those that left with nothing to
-shadow, those that stopped on an error, those about to clip gradients, and their `max_norm` and
-`norm_type`."""
-
-
-@dataclass
-class _Forward:
-    """One recorded forward of a micro-batch: the module the hook saw, its inputs, its grad mode."""
-
-    module: nn.Module
-    args: tuple
-    kwargs: dict
-    grad: bool
+shadow, those that stopped on an error, those about to clip gradients, those about to issue a
+loop collective, the clip's `max_norm` and `norm_type` (two halves each, join_steps.encode), and
+from `STEPS` on the optimizer steps taken since the last poll (join_steps.StepReports)."""
 
 
 class Join:
@@ -65,14 +60,18 @@ class Join:
         self.inside = False
         self._shadowing = False
         self._open = False  # inside an accumulate() of the loop
-        self._models: tuple = ()
-        self._current: list[_Forward] = []
-        self._last: tuple[tuple, list[_Forward]] = ((), [])  # (accumulate()'s models, forwards)
+        self._style = ""  # "accumulate", or "loop" (no accumulate()): the first micro-batch's
+        self._current: Iteration | None = None  # the micro-batch under way
+        self._last: Iteration | None = None  # the one a shadow replays
         self._hooks: dict[nn.Module, torch.utils.hooks.RemovableHandle] = {}
+        self._global_hook: torch.utils.hooks.RemovableHandle | None = None
+        self._ddp_call: tuple[nn.Module, nn.Module] | None = None  # (module, its DDP wrapper) under way
+        self._step_hook: Any = None
         self._clip_params: list = []  # what this rank's loop clipped inside join()
         self._pending: tuple | None = None  # a training rank's last poll: (its work, its tensor)
-        self.group = ControlGroup()
-        self.even = EvenCounts(state, self.group)  # without join(): the counts must agree
+        self._in_collective = False
+        self.steps = StepReports(state.accelerator)
+        self.even = EvenCounts(state)  # without join(): the counts must agree
         self.micro_batches = 0  # this rank's own inside join()
 
     # -- join() ------------------------------------------------------------------------------
@@ -85,7 +84,7 @@ class Join:
             )
         if self.inside:
             raise ValueError("grad_sync.join() is already active: enter it once, around the whole training loop.")
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        if not self.state.control.distributed:
             yield  # one process: nothing to pair
             return
         accelerator = self.state.accelerator
@@ -96,10 +95,13 @@ class Join:
                 "with GradientAccumulationPlugin(sync_with_dataloader=False)."
             )
         self.inside, self.micro_batches = True, 0
+        self._watch()
+        self._step_hook = register_optimizer_step_pre_hook(self._before_step)
         try:
             yield
             self._promote()
             self._shadow()
+            self._even_out_loop_state()
         finally:
             self._leave()
 
@@ -110,15 +112,20 @@ class Join:
         if not self.inside or self._shadowing:
             yield
             return
-        self._promote()
-        self._watch()
-        self._poll(training=True, wait=not self.micro_batches)  # the first answers a rank that left empty
-        self.micro_batches += 1
-        self._models, self._open = models, True
+        if self._style == "loop":
+            self._refuse("accelerator.accumulate() in a loop whose micro-batches ran outside it", "use it in each")
+        self._style = "accumulate"
+        self._begin(models)
+        self._open = True
         try:
             yield
         finally:
             self._open = False
+
+    def backward(self) -> None:
+        """`accelerator.backward` (hooks.py): the recorded micro-batch backs up here too."""
+        if self.inside and not self._shadowing and self._current is not None:
+            self._current.backward()
 
     def clip(self, parameters: Any, max_norm: float, norm_type: float) -> Any:
         """`accelerator.clip_grad_norm_` (hooks.py) inside `join()`: announced in a poll, so that a
@@ -129,9 +136,26 @@ class Join:
         self._poll(training=True, clip=(float(max_norm), float(norm_type)), wait=False)
         return self._clip_params
 
+    @contextlib.contextmanager
+    def loop_collective(self, name: str, data: Any, kwargs: dict) -> Iterator[None]:
+        """`accelerator.<name>(data, **kwargs)` (gather, gather_for_metrics, reduce,
+        pad_across_processes; hooks.py) inside `join()`: announced in a poll; where a rank has left,
+        the training ranks send it the shape, and it issues the same call with zeros."""
+        if not self.inside or self._shadowing or self._in_collective:
+            yield
+            return
+        self._in_collective = True  # gather_for_metrics calls gather: one announcement
+        try:
+            counts = self._poll(training=True, collective=True)
+            if counts[TRAINING] < self.state.control.world_size:
+                self.state.control.gather((name, spec(data), kwargs))
+            yield
+        finally:
+            self._in_collective = False
+
     def refuse_inside(self, what: str) -> None:
-        """A call every rank must make together (`wait_for_everyone()`) inside `join()`: refused on
-        every rank, since a rank that left would never make it."""
+        """A call every rank must make together (`wait_for_everyone()`, `save_state()`) inside
+        `join()`: refused on every rank, since a rank that left would never make it."""
         if self.inside and not self._shadowing:
             self._refuse(f"{what} inside grad_sync.join()", "call it after the `with grad_sync.join():` block")
 
@@ -146,16 +170,27 @@ class Join:
         self.even.close()
 
     # -- the protocol ----------------------------------------------------------------------------
-    def _poll(self, training: bool, clip: tuple = (), failed: bool = False, wait: bool = True) -> list:
+    def _begin(self, models: tuple | None) -> None:
+        """A micro-batch starts on this training rank: poll before any collective of it."""
+        self._promote()
+        self._watch()
+        self._poll(training=True, wait=not self.micro_batches)  # the first answers a rank that left empty
+        self.micro_batches += 1
+        self._current = Iteration(models)
+
+    def _poll(
+        self, training: bool, clip: tuple = (), failed: bool = False, collective: bool = False, wait: bool = True
+    ) -> list:
         """One all-reduce of what each rank does next, summed (`TRAINING`, ...). A training rank
         needs no answer but refusals, so after its first poll it does not wait (`wait=False`): the
         poll completes in gloo's thread while it trains on, and the next poll reads it first."""
         self._settle()
-        cannot_shadow = not training and not failed and not self._last[1]
+        cannot_shadow = not training and not failed and self._last is None
         max_norm, norm_type = clip or (0.0, 0.0)
-        mine = [training, cannot_shadow, failed, bool(clip), max_norm, norm_type]
-        polled = torch.tensor(mine, dtype=torch.float64)
-        work = dist.all_reduce(polled, group=self.group.get(), async_op=True)
+        flags = [training, cannot_shadow, failed, bool(clip), collective]
+        mine = [*map(int, flags), *encode(max_norm), *encode(norm_type), *self.steps.take()]
+        polled = torch.tensor(mine, dtype=torch.int64)
+        work = self.state.control.all_reduce(polled, async_op=True)
         if not wait:
             self._pending = (work, polled)
             return []
@@ -177,15 +212,15 @@ class Join:
         if counts[FAILED]:
             raise ValueError("grad_sync.join(): another rank stopped inside join() with an error (see its output).")
         if counts[CANNOT_SHADOW] and counts[TRAINING]:  # a rank's first poll, which no rank leaves unanswered
-            done = self.group.gather((self.micro_batches, not training))
+            done = self.state.control.gather((self.micro_batches, not training))
             raise ValueError(
                 f"grad_sync.join(): a rank left the loop with no micro-batch to shadow the others' with "
                 f"({by_rank(done)}): give every rank at least one micro-batch inside join()."
             )
-        if counts[CLIPPING] not in (0, counts[TRAINING]):
+        if counts[CLIPPING] not in (0, counts[TRAINING]) or counts[COLLECTIVE] not in (0, counts[TRAINING]):
             raise ValueError(
-                "grad_sync.join(): the ranks still training disagree: some clip gradients while others start a "
-                "micro-batch; every rank's loop must clip at the same micro-batches."
+                "grad_sync.join(): the ranks still training disagree: some clip gradients or gather while others "
+                "start a micro-batch; every rank's loop must clip and gather at the same micro-batches."
             )
 
     def _refuse(self, what: str, fix: str) -> None:
@@ -195,100 +230,140 @@ class Join:
 
     def _shadow(self) -> None:
         """After this rank's loop, while any other rank trains: replay its last micro-batch x 0 for
-        each of theirs, clip where they clip, and step where they step."""
+        each of theirs, clip where they clip, gather zeros where they gather, and step the
+        optimizers they stepped with their hyperparameters."""
         self._shadowing = True
+        stepped: dict[int, list[float]] = {}  # what the others stepped since the replay began
+        accelerator = self.state.accelerator
+        replaying = False
         try:
             with contextlib.ExitStack() as replayed:
                 while True:
+                    # Its first poll carries its own last step: the others' replays (if any) need it.
                     counts = self._poll(training=False)
+                    if replaying:
+                        self.steps.apply(counts[STEPS:], stepped)
                     if counts[CLIPPING]:
                         n = counts[CLIPPING]
-                        self.state.accelerator.clip_grad_norm_(
-                            self._clipped(), counts[MAX_NORM] / n, counts[NORM_TYPE] / n
-                        )
+                        max_norm = decode(counts[MAX_NORM], counts[MAX_NORM + 1], n)
+                        norm_type = decode(counts[NORM_TYPE], counts[NORM_TYPE + 1], n)
+                        accelerator.clip_grad_norm_(self._clipped(), max_norm, norm_type)
                         continue
-                    replayed.close()  # the optimizer steps of the micro-batch before
+                    if counts[COLLECTIVE]:
+                        name, tree, kwargs = next(s for s in self.state.control.gather(None) if s is not None)
+                        zeros = zeros_like_tree(tree, accelerator.device) if tree is not None else []
+                        getattr(accelerator, name)(zeros, **kwargs)
+                        continue
+                    self.steps.step(stepped)  # the others' steps in the micro-batch just replayed
+                    stepped.clear()
+                    replayed.close()
                     if not counts[TRAINING]:
                         return
-                    replayed.enter_context(self._replay())
+                    assert self._last is not None  # else CANNOT_SHADOW refused
+                    replayed.enter_context(replay(accelerator, self._last))
+                    replaying = True
         finally:
             self._shadowing = False
 
-    @contextlib.contextmanager
-    def _replay(self) -> Iterator[None]:
-        """The last micro-batch again, in `accumulate()` of its models, its outputs x 0; on leaving,
-        the steps of every optimizer and scheduler accelerate prepared (they act where sync_gradients)."""
-        accelerator = self.state.accelerator
-        models, forwards = self._last
-        by_root = {root_of(m): m for m in models}
-        with accelerator.accumulate(*models):
-            outputs = []
-            for f in forwards:
-                with torch.set_grad_enabled(f.grad):
-                    out = by_root.get(f.module, f.module)(*f.args, **f.kwargs)
-                if f.grad:
-                    outputs += [t for t in _tensors(out) if t.requires_grad]
-            if outputs:
-                accelerator.backward(torch.stack([t.float().sum() for t in outputs]).sum() * 0.0)
-            yield
-            for optimizer in accelerator._optimizers:
-                optimizer.step()
-            for scheduler in accelerator._schedulers:
-                scheduler.step()
-            for optimizer in accelerator._optimizers:
-                optimizer.zero_grad()
+    def _even_out_loop_state(self) -> None:
+        """Every rank has left: the ranks that shadowed take the schedulers' states and the
+        optimizers' hyperparameters from a rank that trained longest (its loop stepped them)."""
+        control, accelerator = self.state.control, self.state.accelerator
+        counts = control.gather(self.micro_batches)
+        if len(set(counts)) == 1:
+            return
+        src = counts.index(max(counts))
+        state = control.broadcast(
+            loop_state(accelerator) if counts[accelerator.process_index] == max(counts) else None, src
+        )
+        if self.micro_batches < max(counts):
+            adopt_loop_state(accelerator, state)
 
     def _clipped(self) -> list:
-        """What this rank clipped while it trained; else every parameter of its last micro-batch's models."""
-        return self._clip_params or [p for m in self._last[0] for p in m.parameters()]
+        """What this rank clipped while it trained; else every parameter of the models it ran."""
+        if self._clip_params:
+            return self._clip_params
+        models = self._last.models if self._last is not None and self._last.models else self.state.accelerator._models
+        return [p for m in models for p in m.parameters()]
 
     # -- recording -------------------------------------------------------------------------------
     def _watch(self) -> None:
-        """A forward pre-hook on every model the attach has seen, ahead of FSDP's own."""
+        """A forward pre-hook on every FSDP model the attach has seen, ahead of FSDP's own; DDP's
+        wrapper, which accelerate does not list and whose forward may issue collectives before
+        its module's, is seen by torch's global one (every module's forward: `_record_ddp`)."""
+        if self._global_hook is None:
+            self._global_hook = register_module_forward_pre_hook(self._record_ddp)
         for root, adapter in self.state.adapters.items():
-            if adapter is not None and root not in self._hooks:
+            if adapter is not None and adapter.kind != "ddp" and root not in self._hooks:
                 self._hooks[root] = root.register_forward_pre_hook(self._record, prepend=True, with_kwargs=True)
+
+    def _record_ddp(self, module: nn.Module, args: tuple) -> None:
+        """Every module's forward inside `join()`: a DDP wrapper starts its micro-batch here, before
+        its own collectives, and its module's hook records the call (a global hook gets no kwargs)."""
+        if not isinstance(module, DistributedDataParallel) or self._shadowing:
+            return
+        inner = module.module
+        if inner not in self._hooks:
+            self._hooks[inner] = inner.register_forward_pre_hook(self._record, prepend=True, with_kwargs=True)
+        self._start(module)
+        self._ddp_call = (inner, module)
 
     def _record(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if self._shadowing:
             return
-        if not self._open:
+        called = module
+        if self._ddp_call is not None and self._ddp_call[0] is module:
+            called, self._ddp_call = self._ddp_call[1], None  # replayed through its wrapper
+        else:
+            self._start(module)
+        assert self._current is not None  # begun at accumulate() or by _start
+        self._current.forward(called, args, kwargs)
+
+    def _start(self, module: nn.Module) -> None:
+        """A forward of a watched model: outside `accumulate()`, it starts a loop's micro-batch."""
+        if self._open:
+            return
+        if self._style == "accumulate":
             self._refuse(
                 f"a forward of {model_name(module)} outside accelerator.accumulate()",
                 "run evaluation and generation after the `with grad_sync.join():` block",
             )
-        self._current.append(_Forward(module, _detached(args), _detached(kwargs), torch.is_grad_enabled()))
+        self._style = "loop"
+        if self._current is None:  # a loop without accumulate(): its micro-batch starts here
+            self._begin(None)
+
+    def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        """torch's global optimizer pre-step hook, inside `join()`: report the step in the next
+        poll; in a loop without accumulate() it ends the micro-batch."""
+        if not self.inside or self._shadowing:
+            return
+        index = self.steps.index(optimizer)
+        if index is None:
+            self._refuse(
+                f"a step of an optimizer accelerate did not prepare ({type(optimizer).__name__})",
+                "pass it through accelerator.prepare",
+            )
+        assert index is not None
+        self.steps.record(index)
+        if self._style == "loop":
+            self._promote()
 
     def _promote(self) -> None:
         """The micro-batch that just ended becomes the one a shadow replays."""
-        if self._current:
-            self._last, self._current = (self._models, self._current), []
+        if self._current is not None and self._current.events:
+            self._last = self._current
+        self._current = None
 
     def _leave(self) -> None:
         for handle in self._hooks.values():
             handle.remove()
         self._hooks.clear()
-        self.inside, self._open, self._current, self._last, self._models = False, False, [], ((), []), ()
+        if self._global_hook is not None:
+            self._global_hook.remove()
+            self._global_hook = None
+        if self._step_hook is not None:
+            self._step_hook.remove()
+            self._step_hook = None
+        self.inside, self._open, self._style, self._current, self._last = False, False, "", None, None
         self._clip_params, self._pending = [], None  # an unanswered poll is not waited for on the way out
-
-
-def _detached(tree: Any) -> Any:
-    """Inputs as recorded: tensors detached (no graph kept alive) in tuples, lists and dicts."""
-    if torch.is_tensor(tree):
-        return tree.detach()
-    if isinstance(tree, (tuple, list)):
-        return type(tree)(_detached(v) for v in tree)
-    if isinstance(tree, dict):
-        return {k: _detached(v) for k, v in tree.items()}
-    return tree
-
-
-def _tensors(tree: Any) -> list[torch.Tensor]:
-    """The tensors of a model's output: a tensor, tuples, lists, dicts (transformers' ModelOutput)."""
-    if torch.is_tensor(tree):
-        return [tree]
-    if isinstance(tree, (tuple, list)):
-        return [t for v in tree for t in _tensors(v)]
-    if isinstance(tree, dict):
-        return [t for v in tree.values() for t in _tensors(v)]
-    return []
+        self.steps.clear()

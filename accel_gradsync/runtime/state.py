@@ -24,6 +24,7 @@ from accel_gradsync.planning.residency import kept_bytes
 from accel_gradsync.planning.units import Plan, Unit
 from accel_gradsync.runtime.accounting import SyncAccounting, combined_stats
 from accel_gradsync.runtime.adapter import ModelAdapter
+from accel_gradsync.runtime.agreement import ControlGroup
 from accel_gradsync.runtime.quiet_generation import skip_idle_forward_work
 
 NOT_READ = -1
@@ -185,6 +186,8 @@ class Attachment:
     """The models with trainable units, in bind order (the first one is the default of plan())."""
     frozen: dict[nn.Module, FrozenModel] = field(default_factory=dict)
     """The FSDP2 models nothing trains (reference models), by `root_of(model)`."""
+    control: ControlGroup = field(init=False)
+    """The gloo group of the plugin's own collectives (agreement.py), made here on every rank."""
     warned: set[str] = field(default_factory=set)
     window_seen: int = 0
     """Micro-batches of the first window of a loop that holds them with `no_sync` outside
@@ -193,6 +196,7 @@ class Attachment:
     def __post_init__(self) -> None:
         self.settings = self.config.resolved()
         self.policy = resolve_policy(self.settings)
+        self.control = ControlGroup()
 
     @property
     def micro_batches_per_step(self) -> int:

@@ -227,3 +227,6 @@ def test_fsdp2_restores_each_units_previous_flags(run):
         assert flags["after_raise"] == flags["before"]
         assert all(v == [False, False, True] for v in flags["held_at_detach"].values())
         assert flags["after_detach"] == flags["before"]
+        # detach() in the middle of a window that kept its params unsharded reshards them.
+        shapes = {n: list(p.shape) for n, p in TinyNet().named_parameters()}
+        assert rank["window_detach"] == {n: ["DTensor", shape] for n, shape in shapes.items()}

@@ -3,7 +3,9 @@ under `accelerate launch`, no restarts): SIGTERM to rank 1 alone in the middle o
 makes both ranks learn it at the end of step 2 (`grad_sync.preempted()`), save there with
 `accelerator.save_state` and exit with `PREEMPTED_EXIT_CODE`, which torch elastic's agent reports
 for each rank; a launch that loads that checkpoint ends with parameters and optimizer state equal,
-bit for bit, to an uninterrupted run's (`--slow`).
+bit for bit, to an uninterrupted run's (`--slow`). SIGTERM to rank 1 after the loop's last ask,
+with no `detach()`, while it does AFTER_S seconds of after-training work, is not swallowed: it takes
+its own action at the deadline (`preemption.DEADLINE_FLOOR_S` here, the loop's asks being quick).
 """
 
 from __future__ import annotations
@@ -12,11 +14,13 @@ import pytest
 from launcher import WORKERS, accelerate_config
 
 from accel_gradsync import PREEMPTED_EXIT_CODE
+from accel_gradsync.runtime.preemption import DEADLINE_FLOOR_S
 from benchmarks.launch import launch
 
 M = 3  # micro-batches per optimizer step (the worker's)
 SIGNAL_AT = 4  # 0-based: the second micro-batch of step 2
 STEP = (SIGNAL_AT // M) + 1  # the step in progress when the signal comes: every rank saves at its end
+AFTER_S = 4 * DEADLINE_FLOOR_S  # rank 1's after-training work, in which the signal must act
 
 
 @pytest.fixture(scope="module")
@@ -56,3 +60,18 @@ def test_resuming_from_that_checkpoint_ends_as_if_uninterrupted(preempted):
     assert len(done.ranks) == 2
     for rank in done.ranks:
         assert rank["tensors"] > 0 and rank["differs"] == [], rank
+
+
+def test_sigterm_after_the_last_ask_without_detach_takes_its_own_action_at_the_deadline(tmp_path):
+    paths = ["--checkpoint", str(tmp_path / "checkpoint"), "--reference", str(tmp_path)]
+    done = launch(
+        WORKERS / "preemption_loop.py",
+        ["--phase", "after-loop", *paths, "--after-s", str(AFTER_S)],
+        accelerate_config("fsdp2"),
+        timeout=600,
+    )
+    output = done.output
+    # Rank 1 died of its SIGTERM (torch elastic reports -15) inside its after-training work.
+    assert done.returncode != 0 and "exitcode  : -15" in output, output[-6000:]
+    assert "rank 1: after-training work done" not in output, output[-6000:]
+    assert not (tmp_path / "checkpoint").exists()  # no agreement point: nothing saved

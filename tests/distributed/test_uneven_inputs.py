@@ -12,7 +12,9 @@ DataLoader would end each rank's window apart) and uneven counts without join() 
 import json
 
 import pytest
-from launcher import accelerate_config, launch
+from launcher import WORKERS, accelerate_config, launch
+
+from benchmarks.launch import launch as launch_ranks
 
 M = 4
 CASES = {"mid_window": [8, 7], "boundary": [4, 8]}
@@ -25,6 +27,7 @@ MODES = {
 }
 FSDP1_MODES = ("per_micro_batch", "deferred")  # budget is FSDP2's; FSDP1 ignores the window
 TIMEOUT = 300  # a hang fails the launch instead of the suite
+HANG = 20  # seconds a launch that must hang runs before it is killed
 
 
 def _runs(modes, cases=tuple(CASES)):
@@ -44,6 +47,45 @@ def _runs(modes, cases=tuple(CASES)):
 SHORT = _runs(["window"]) + _runs(["budget"], ["mid_window"])
 
 
+def _pair(name: str, **run) -> list[dict]:
+    """A join run named `name` and its padded reference."""
+    return [
+        {"name": f"{name}/reference", "pad": True, **run},
+        {"name": name, "join": True, "reference": f"{name}/reference", **run},
+    ]
+
+
+# What a loop does around join() beyond the plain accumulate loop: each scheduler (the runs above
+# step a prepared one every micro-batch), per epoch with join() around each epoch, a loop without
+# accumulate() (M = 1 and 4), a loss logged through each loop collective.
+LOOPS = {
+    "scheduler_unprepared_step": {"config": MODES["deferred"], "counts": [3, 21], "scheduler": "unprepared_step"},
+    "scheduler_prepared_epoch": {
+        "config": MODES["window"],
+        "counts": [[6, 9], [9, 6]],
+        "epochs": 2,
+        "scheduler": "prepared_epoch",
+    },
+    "scheduler_unprepared_epoch": {
+        "config": MODES["deferred"],
+        "counts": [[6, 9], [9, 6]],
+        "epochs": 2,
+        "scheduler": "unprepared_epoch",
+    },
+    "scheduler_none": {"config": MODES["budget"], "counts": [8, 7], "scheduler": "none"},
+    "no_accumulate_M1": {"config": {}, "counts": [5, 3], "accumulate": False, "M": 1},
+    "no_accumulate_M4": {"config": {}, "counts": [5, 3], "accumulate": False},
+    "log_gather": {"config": MODES["deferred"], "counts": [8, 7], "log": "gather"},
+    "log_reduce": {"config": MODES["window"], "counts": [8, 7], "log": "reduce"},
+    "log_gather_for_metrics": {"config": {}, "counts": [7, 8], "log": "gather_for_metrics"},
+}
+DDP_LOOPS = ("scheduler_unprepared_step", "scheduler_prepared_epoch", "no_accumulate_M1", "log_gather")
+
+
+def _loop_runs(names) -> list[dict]:
+    return [run for name in names for run in _pair(name, **LOOPS[name])]
+
+
 REFUSALS = [
     {"name": "empty_rank", "config": {"defer": True}, "counts": [8, 0], "join": True},
     {"name": "evaluate_inside", "config": {"defer": True}, "counts": [3, 2], "join": True, "evaluate_after": 2},
@@ -52,12 +94,14 @@ REFUSALS = [
     # A window's held micro-batches issue no collective: the 7th reaches wait_for_everyone() silently.
     {"name": "uneven_without_join", "config": MODES["window"], "counts": [7, 6]},
     {"name": "uneven_at_save_state", "config": MODES["window"], "counts": [7, 6], "check": "save_state"},
+    # Rank 0 saves at its third micro-batch, when rank 1 (two) already shadows it.
+    {"name": "save_state_inside", "config": {"defer": True}, "counts": [3, 2], "join": True, "save_at": 2},
 ]
 
 
 @pytest.fixture(scope="module")
 def fsdp2(slow):
-    runs = (_runs(MODES) if slow else SHORT) + REFUSALS
+    runs = (_runs(MODES) if slow else SHORT) + _loop_runs(LOOPS) + REFUSALS
     return launch(
         "uneven_inputs", ["--M", str(M), "--runs", json.dumps(runs)], accelerate_config("fsdp2"), timeout=TIMEOUT
     )
@@ -69,6 +113,65 @@ def fsdp1():
     return launch(
         "uneven_inputs", ["--M", str(M), "--runs", json.dumps(runs)], accelerate_config("fsdp1"), timeout=TIMEOUT
     )
+
+
+@pytest.fixture(scope="module")
+def ddp():
+    runs = _loop_runs(DDP_LOOPS) + [
+        # DDP's held micro-batches issue no collective: the 7th reaches wait_for_everyone() silently.
+        {"name": "uneven_without_join", "config": {"defer": True}, "counts": [7, 6]},
+    ]
+    return launch("uneven_inputs", ["--M", str(M), "--runs", json.dumps(runs)], timeout=TIMEOUT)
+
+
+def _check_loops(ranks, names):
+    for r, rank in enumerate(ranks):
+        for name in names:
+            join, ref = rank["runs"][name], rank["runs"][f"{name}/reference"]
+            assert join["error"] is None and ref["error"] is None, (name, join, ref)
+            assert join["equal"], (name, join["max_diff"])
+            # Every rank steps with the same learning rate, the one the padded run ends at.
+            assert join["lr"] == join["reference_lr"], (name, join["lr"], join["reference_lr"])
+            # Each rank logs its own micro-batches, as the padded run does: a rank that left
+            # gave the others' gathers the zeros a loss x 0 gives.
+            logs = LOOPS[name]["counts"][r] if "log" in LOOPS[name] else 0
+            assert join["logged"] == ref["logged"][:logs] and len(join["logged"]) == logs, name
+    lrs = [[rank["runs"][name]["lr"] for rank in ranks] for name in names]
+    assert all(len(set(per_rank)) == 1 for per_rank in lrs), lrs
+
+
+def test_fsdp2_join_follows_every_scheduler_loop_style_and_logged_collective(fsdp2):
+    _check_loops(fsdp2, LOOPS)
+    # From first principles: LambdaLR 1 / (1 + steps), stepped at each of the 21 // M optimizer steps.
+    for rank in fsdp2:
+        assert rank["runs"]["scheduler_unprepared_step"]["lr"] == 0.01 * (1.0 / (1 + 21 // M))
+        # The losses gathered are each rank's own: rank 1's share of the last is zero on rank 0's side.
+        gathered = rank["runs"]["log_gather"]["logged"]
+        assert len(gathered) == 8 and gathered[-1][1] == 0.0 and gathered[-1][0] > 0, gathered
+
+
+def test_ddp_join_follows_schedulers_loop_style_and_logged_collectives(ddp):
+    _check_loops(ddp, DDP_LOOPS)
+
+
+def test_ddp_uneven_counts_without_join_are_refused_at_wait_for_everyone(ddp):
+    for rank in ddp:
+        error = rank["runs"]["uneven_without_join"]["error"]
+        assert error is not None and "\n" not in error, error
+        assert "rank 0: 7 micro-batches, rank 1: 6 micro-batches" in error and "grad_sync.join()" in error
+
+
+def test_ddp_per_micro_batch_uneven_without_join_never_pairs_the_check_with_a_gradient_all_reduce():
+    """Rank 0's 7th micro-batch all-reduces its gradients on the default group while rank 1 checks
+    the counts at wait_for_everyone(): on a group of its own the check cannot pair with it (gloo
+    would abort rank 1 with a collective mismatch), so both wait: the hang docs/modes.md names."""
+    runs = [{"name": "uneven_per_micro_batch", "config": {}, "counts": [7, 6]}]
+    done = launch_ranks(
+        WORKERS / "uneven_inputs.py", ["--M", str(M), "--runs", json.dumps(runs)], None, nprocs=2, timeout=HANG
+    )
+    assert "rank 1 ran 6 micro-batches and checks" in done.output, done.output[-3000:]
+    assert f"killed after {HANG} s" in done.output, done.output[-3000:]
+    assert "preamble" not in done.output and "mismatch" not in done.output, done.output[-3000:]
 
 
 def _check_join_equals_reference(ranks, modes):
@@ -138,6 +241,13 @@ def test_even_batches_false_with_sync_with_dataloader_is_refused_at_join(fsdp2):
         error = rank["runs"]["even_batches_false"]["error"]
         assert error is not None and "\n" not in error, error
         assert "even_batches=False" in error and "sync_with_dataloader=False" in error, error
+
+
+def test_save_state_inside_join_is_refused_on_every_rank_before_a_file_is_written(fsdp2):
+    errors = [rank["runs"]["save_state_inside"]["error"] for rank in fsdp2]
+    assert "accelerator.save_state() inside grad_sync.join()" in errors[0], errors
+    assert "another rank stopped inside join()" in errors[1], errors
+    assert not any(rank["runs"]["save_state_inside"]["saved_inside"] for rank in fsdp2)
 
 
 def test_uneven_counts_without_join_are_refused_at_save_state(fsdp2):

@@ -249,5 +249,16 @@ if result["wrapper"] == "fsdp2":
     handle.detach()
     flags["after_detach"] = sync_flags(model)
     result["flags"] = flags
+    # A window that keeps its params unsharded, left after its first micro-batch, then detach:
+    # every parameter is FSDP2's sharded DTensor again, its full tensor readable.
+    handle = accel_gradsync.attach(accelerator, accel_gradsync.GradSyncConfig(defer=True, keep_params_unsharded=True))
+    accelerator.step = 0
+    with accelerator.accumulate(model):
+        accelerator.backward(model(X[:b]).sum())
+    handle.detach()
+    result["window_detach"] = {
+        name: [type(p).__name__, list(p.full_tensor().shape) if hasattr(p, "full_tensor") else None]
+        for name, p in model.named_parameters()
+    }
 
 write_result(args.out, result)

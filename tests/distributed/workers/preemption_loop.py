@@ -8,7 +8,10 @@ step uninterrupted and keeps this rank's parameter shards and optimizer state in
 `GradSyncConfig(defer=True, save_on_signal="SIGTERM")`, and rank `--signal-rank` sends SIGTERM to
 itself (to it alone, not to the launcher) before micro-batch `--signal-at`'s forward. Each rank
 writes `rank<R>.json` (the optimizer step it was told at) before it saves to `--checkpoint` and
-exits. `--phase resume`: from another seed, loads `--checkpoint`, skips the micro-batches it
+exits. `--phase after-loop`: the same loop with no signal inside it and no `detach()`; then rank
+`--signal-rank` sends SIGTERM to itself and goes on with `--after-s` seconds of after-training work
+(a final evaluation, save or upload that never asks again), printing when that work is done.
+`--phase resume`: from another seed, loads `--checkpoint`, skips the micro-batches it
 holds, trains to the end and writes which tensors differ from `--reference`, bit for bit.
 """
 
@@ -17,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 from pathlib import Path
 
 import torch
@@ -79,6 +83,13 @@ def train(accelerator, config, seed: int, args, load_from: str | None = None, si
                 Path(args.checkpoint, "micro_batches.json").write_text(json.dumps({"micro_batches": k + 1}))
             grad_sync.exit_preempted(args.checkpoint)
     out = snapshot(model, optimizer)
+    if args.phase == "after-loop":
+        if rank == args.signal_rank:
+            os.kill(os.getpid(), signal.SIGTERM)
+            for _ in range(int(args.after_s * 10)):  # the after-training work: the signal must not wait for it
+                time.sleep(0.1)
+            print(f"rank {rank}: after-training work done", flush=True)
+        return out
     grad_sync.detach()
     accelerator.free_memory()
     return out
@@ -86,11 +97,12 @@ def train(accelerator, config, seed: int, args, load_from: str | None = None, si
 
 args = parse_args(
     [
-        (("--phase",), {"choices": ["preempt", "resume"], "required": True}),
+        (("--phase",), {"choices": ["preempt", "after-loop", "resume"], "required": True}),
         (("--checkpoint",), {"required": True}),
         (("--reference",), {"required": True}),
         (("--signal-at",), {"type": int, "default": -1}),
         (("--signal-rank",), {"type": int, "default": 1}),
+        (("--after-s",), {"type": float, "default": 0.0}),
     ]
 )
 accel_gradsync.enable_cpu_fsdp()
@@ -101,6 +113,9 @@ if args.phase == "preempt":
     torch.save(train(accelerator, accel_gradsync.GradSyncConfig(defer=True), 0, args), mine)
     train(accelerator, preempting, 0, args, signal_at=args.signal_at)
     write_result(args.out, {"finished": True})  # not reached when the signal came
+elif args.phase == "after-loop":
+    train(accelerator, preempting, 0, args)
+    write_result(args.out, {"finished": True})
 else:
     resumed = train(
         accelerator, preempting, 1, args, load_from=args.checkpoint

@@ -15,7 +15,7 @@ from torch import nn
 
 import accel_gradsync
 from accel_gradsync import GradSyncConfig
-from accel_gradsync.runtime.join import _detached, _tensors
+from accel_gradsync.runtime.join_record import _detached, _tensors
 
 
 @pytest.fixture(autouse=True)
