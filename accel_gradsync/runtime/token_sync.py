@@ -9,11 +9,21 @@ units, `gather_for_generation`, `gathered()`), only that first forward all-gathe
 runs it; no later forward issues a collective, so the per-token all-reduce only holds each rank to
 the slowest at every token. DDP's `generate` runs none.
 
+Kept units are not enough: a forward may issue collectives of its own at every token (tensor
+parallel over a 2-D mesh, an MoE all-to-all, context parallel, a model's own `all_reduce`), and a
+rank that stopped early would leave the others waiting in one. So the per-token sync goes off only
+for a model proven free of them (`CollectiveProof`): a generation left to transformers' default
+counts the c10d operations (a `TorchDispatchMode`) in its second forward, the first that finds
+the units gathered; none there, and later generations run without the sync; one, and the sync
+stays on for good. The first generation with units kept thus runs synced, and one forward of it
+pays the mode's per-operation cost.
+
 `skip_token_sync` wraps `generate` on each transformers `GenerationMixin` module of a bound model
 (the root; a PEFT model's inner transformers model, whose `generate` is the one that decides):
-when `kept()` holds at the call, `synced_gpus` left unset is passed as False; a value the caller
-passes is kept. The wrapper is an instance attribute, as `register_fsdp_forward_method` sets one
-(transformers' Trainer registers `generate` so); no class is touched. Removing the handle takes
+when `kept()` holds at the call and the module is proven free of collectives, `synced_gpus` left
+unset is passed as False; a value the caller passes is kept. The wrapper is an instance
+attribute, as `register_fsdp_forward_method` sets one (transformers' Trainer registers `generate`
+so); no class is touched. Removing the handle takes
 the wrapper off where it is still the instance's `generate` (else whoever wrapped it after keeps
 theirs, and ours passes calls through). A torch or transformers whose `generate` takes no
 `synced_gpus` gets no wrapper.
@@ -21,15 +31,65 @@ theirs, and ours passes calls through). A torch or transformers whose `generate`
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 ARGUMENT = "synced_gpus"
+COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional")
+"""Operator namespaces of collectives: the process group's ops, the functional ones DTensor and
+compiled code issue."""
+
+
+class _CollectiveCount(TorchDispatchMode):
+    """Counts the collective operations dispatched while it is active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if func.namespace in COLLECTIVE_NAMESPACES:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+class CollectiveProof:
+    """Whether a generation module's forwards after a generation's first issue no collective:
+    `free` is None until a generation with two forwards or more was watched (`watching`)."""
+
+    def __init__(self) -> None:
+        self.free: bool | None = None
+
+    @contextlib.contextmanager
+    def watching(self, module: nn.Module) -> Iterator[None]:
+        """One `generate` of `module` with transformers' sync: count the collectives of its second
+        forward (the first gathers the units) and settle `free`."""
+        forwards, mode = [0], _CollectiveCount()
+
+        def before(_: nn.Module, args: Any) -> None:
+            forwards[0] += 1
+            if forwards[0] == 2:
+                mode.__enter__()
+
+        def after(_: nn.Module, args: Any, output: Any) -> None:
+            if forwards[0] == 2:
+                mode.__exit__(None, None, None)
+
+        handles = [module.register_forward_pre_hook(before), module.register_forward_hook(after, always_call=True)]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+        if forwards[0] >= 2:
+            self.free = mode.count == 0
 
 
 class TokenSyncHandle:
@@ -68,17 +128,23 @@ def skip_token_sync(root: nn.Module, kept: Callable[[], bool]) -> list[TokenSync
             continue
         position = parameters.index(ARGUMENT) - 1  # without self
         previous = vars(module).get("generate")
-        wrapper = _unsynced(module.generate, position, kept)
+        wrapper = _unsynced(module, position, kept, CollectiveProof())
         setattr(module, "generate", wrapper)  # noqa: B010  NOTE: an instance attribute, as FSDP2's register sets
         wrapped.append((module, wrapper, previous))
     return [TokenSyncHandle(wrapped)] if wrapped else []
 
 
-def _unsynced(generate: Callable, position: int, kept: Callable[[], bool]) -> Callable:
+def _unsynced(module: nn.Module, position: int, kept: Callable[[], bool], proof: CollectiveProof) -> Callable:
+    generate = module.generate
+
     @functools.wraps(generate)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         if wrapper.active and ARGUMENT not in kwargs and len(args) <= position and kept():  # type: ignore[attr-defined]
-            kwargs[ARGUMENT] = False
+            if proof.free is None:
+                with proof.watching(module):  # transformers' default, this once
+                    return generate(*args, **kwargs)
+            if proof.free:
+                kwargs[ARGUMENT] = False
         return generate(*args, **kwargs)
 
     wrapper.active = True  # type: ignore[attr-defined]

@@ -4,9 +4,12 @@ numbers of new tokens (3 and 7), so a rank that finishes first and stops running
 leave the other alone in any all-gather its forwards issue.
 
 - Where every FSDP2 unit stays unsharded through the generation (the window's units, generating
-  inside its first micro-batch as TRL does; `gather_for_generation` before the window), no
-  all-reduce runs during `generate`: each rank stops at its own length, nothing hangs, and the
-  tokens and losses equal the run with transformers' default.
+  inside its first micro-batch as TRL does; `gather_for_generation` before the window), the first
+  generation runs with transformers' default and proves that no forward after the first issues a
+  collective; from the second on, no all-reduce runs during `generate`: each rank stops at its own
+  length, nothing hangs, and the tokens and losses equal the run with transformers' default.
+- A model whose forward issues a collective of its own (a decoder layer all-reducing, as tensor
+  parallel does) keeps transformers' default at every generation: it would hang otherwise.
 - Where units reshard after each forward (per_micro_batch without the setting), transformers'
   default holds: one all-reduce per decoding loop on every rank, max(tokens) + 1 (the last finds
   every rank done), and the rank done first keeps running forwards with the other.
@@ -25,6 +28,12 @@ RUNS = [
     {"name": "window_inside", "config": WINDOW, "at": "inside"},
     {"name": "gather_for_generation", "config": {"gather_for_generation": True}, "at": "outside"},
     {"name": "caller_synced", "config": {"gather_for_generation": True}, "at": "outside", "synced_gpus": True},
+    {
+        "name": "collective_in_forward",
+        "config": {"gather_for_generation": True},
+        "at": "outside",
+        "collective_in_forward": True,
+    },
 ]
 
 
@@ -46,9 +55,19 @@ def test_each_rank_generates_its_own_length(ranks):
 def test_no_all_reduce_per_token_where_every_unit_stays_unsharded(ranks):
     for rank in ranks:
         for name in ("window_inside", "gather_for_generation"):
-            for step in rank["runs"][name]["steps"]:
+            proof, *later = rank["runs"][name]["steps"]
+            assert proof["generate"]["all_reduces"] == SYNCED, (name, proof["generate"])  # transformers' default
+            for step in later:
                 assert step["generate"]["all_reduces"] == 0, (name, step["generate"])
                 assert step["generate"]["all_gathers"] > 0, name  # the first forward gathered the units
+
+
+def test_a_forward_with_a_collective_of_its_own_keeps_the_per_token_sync(ranks):
+    """Every generation: the per-token flag's all-reduces and one of the layer's per forward, each
+    rank running max(TOKENS) forwards (the rank done first runs on with the other)."""
+    for rank in ranks:
+        for step in rank["runs"]["collective_in_forward"]["steps"]:
+            assert step["generate"]["all_reduces"] == SYNCED + max(TOKENS), step["generate"]
 
 
 def test_transformers_default_where_units_reshard_and_where_the_caller_asks(ranks):
@@ -61,7 +80,7 @@ def test_transformers_default_where_units_reshard_and_where_the_caller_asks(rank
 def test_same_tokens_and_losses_as_transformers_default(ranks):
     for rank in ranks:
         stock = rank["runs"]["stock"]["steps"]
-        for name in ("window_inside", "gather_for_generation", "caller_synced"):
+        for name in ("window_inside", "gather_for_generation", "caller_synced", "collective_in_forward"):
             steps = rank["runs"][name]["steps"]
             assert [s["completions"] for s in steps] == [s["completions"] for s in stock], name
             for mine, theirs in zip(steps, stock, strict=True):

@@ -4,11 +4,13 @@ what it generated, for 2 steps. Each run names a sync config, where generation h
 window, or inside its first micro-batch as in TRL) and the `synced_gpus` the caller passes (unset:
 transformers' default). Reported per step: the all-reduces issued during `generate` (counted from
 outside, by wrapping torch.distributed), the all-gathers, the tokens, the losses; per run whether
-the model's `generate` is back to what it was before attach after detach."""
+the model's `generate` is back to what it was before attach after detach. `collective_in_forward`:
+the first decoder layer all-reduces at every forward, as a tensor-parallel layer would."""
 
 import json
 
 import torch
+import torch.distributed as dist
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 from common import CollectiveCounter, parse_args, tiny_qwen2_config, train_lm_micro_batch, write_result
@@ -34,6 +36,8 @@ def one_run(run: dict) -> dict:
     config = tiny_qwen2_config(vocab_size=VOCAB, pad_token_id=0, eos_token_id=None, bos_token_id=None)
     model = Qwen2ForCausalLM(config)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    if run.get("collective_in_forward"):  # a collective of the model's own at every forward, as tensor parallel
+        model.model.layers[0].register_forward_hook(lambda module, args, out: dist.all_reduce(torch.zeros(1)))
     model, optimizer = accelerator.prepare(model, optimizer)
     own_generate = vars(model).get("generate")
     handle = accel_gradsync.attach(accelerator, accel_gradsync.GradSyncConfig(**run["config"]))

@@ -41,9 +41,8 @@ def model():
 
 def generate(model: nn.Module, **kwargs) -> torch.Tensor:
     ids = torch.tensor([[1, 2, 3]])
-    return model.generate(
-        input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, do_sample=False, **kwargs
-    )
+    kwargs.setdefault("max_new_tokens", 2)
+    return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, **kwargs)
 
 
 @pytest.mark.parametrize("kept", [True, False])
@@ -51,8 +50,18 @@ def test_synced_gpus_is_false_only_while_every_unit_is_kept(model, kept):
     recorder = model.generate
     handles = skip_token_sync(model, lambda: kept)
     assert len(handles) == 1
+    generate(model)  # the first keeps transformers' default: it proves the forwards issue no collective
+    assert "synced_gpus" not in recorder.calls[-1]
     generate(model)
     assert recorder.calls[-1].get("synced_gpus") is (False if kept else None)
+
+
+def test_one_forward_proves_nothing(model):
+    recorder = model.generate
+    skip_token_sync(model, lambda: True)
+    for _ in range(2):
+        generate(model, max_new_tokens=1)  # a single forward: the one that gathers
+        assert "synced_gpus" not in recorder.calls[-1]
 
 
 def test_a_value_the_caller_passes_is_kept(model):
