@@ -135,7 +135,7 @@ def skip_token_sync(root: nn.Module, kept: Callable[[], bool]) -> list[TokenSync
 
 
 def _unsynced(module: nn.Module, position: int, kept: Callable[[], bool], proof: CollectiveProof) -> Callable:
-    generate = module.generate
+    generate: Callable = module.generate  # type: ignore[assignment]  # nn.Module types attributes as Tensor | Module
 
     @functools.wraps(generate)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
