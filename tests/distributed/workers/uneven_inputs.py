@@ -2,7 +2,8 @@
 GradSyncConfig, each rank's count, and how the loop meets the unevenness). `join`: the loop inside
 `grad_sync.join()`; `pad`: the reference, every rank runs the largest count, a rank past its own
 repeating its last micro-batch with loss x 0 (what join() promises to equal); neither: uneven
-counts met by `accelerator.wait_for_everyone()` or `save_state` (`check`).
+counts met by `accelerator.wait_for_everyone()` or `save_state` (`check`). A run given
+`watchdog_s` must hang: after that many seconds from its start each rank prints its stack and exits.
 
 The loop, per run: AdamW and a LambdaLR scheduler (`scheduler`: prepared and stepped every
 micro-batch, as accelerate expects, the default; `unprepared_step`: not prepared, stepped where an
@@ -15,6 +16,7 @@ Reports per run the final parameters (compared in the worker, bit for bit, with 
 `reference`), the final learning rate, the logged values, the all-reduces counted from outside
 over the loop, `stats()`, and the message of a ValueError raised on this rank."""
 
+import faulthandler
 import json
 import os
 
@@ -145,6 +147,8 @@ for run in args.runs:
     accelerator.step = 0  # accelerate's count of micro-batches: each run starts a window
     accelerator.gradient_state._set_sync_gradients(True)  # a run that ended mid-window left it False
     counter.take()
+    if "watchdog_s" in run:  # a run that must hang: each rank prints where it waits, then exits 1
+        faulthandler.dump_traceback_later(run["watchdog_s"], exit=True)
     error = None
     accelerator.even_batches = run.get("even_batches", True)
     try:
