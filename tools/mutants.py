@@ -153,6 +153,31 @@ MUTANTS: dict[str, dict] = {
         "edits": [("recipes/grpo.py", "model = embedded.reload_from(model, folder)", "pass")],
         "tests": ["tests/distributed/test_grpo_recipe.py::test_the_default_model_trains_with_a_reference_model"],
     },
+    "join_shadow_keeps_its_own_learning_rate": {
+        "what": "a rank that left join() steps with its own hyperparameters, not the training ranks'",
+        "edits": [
+            (
+                "accel_gradsync/runtime/join_steps.py",
+                "                _write(group, values[at : at + n])\n",
+                "                pass\n",
+            )
+        ],
+        "tests": [
+            "tests/distributed/test_uneven_inputs.py::test_fsdp2_join_follows_every_scheduler_loop_style_and_logged_collective"
+        ],
+    },
+    "token_sync_off_without_proof": {
+        "what": "generate skips transformers' per-token sync without the proof that forwards issue no collective",
+        "edits": [
+            ("accel_gradsync/runtime/token_sync.py", "            if proof.free is None:\n", "            if False:\n"),
+            (
+                "accel_gradsync/runtime/token_sync.py",
+                "            if proof.free:\n",
+                "            if proof.free is not False:\n",
+            ),
+        ],
+        "tests": ["tests/unit/runtime/test_token_sync.py"],
+    },
     "canary_launched_ranks_import_the_copy": {
         "what": "(the tool's own check) the package fails to import in a launched rank: caught only if the "
         "ranks a test launches import the copy",
