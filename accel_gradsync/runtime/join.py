@@ -7,17 +7,18 @@ ranks, so a micro-batch some ranks miss weighs less than a full one; the shards 
 step with the others' at every optimizer step, with the others' learning rates.
 
 How. Inside `join()` every micro-batch (an `accelerator.accumulate()` entry; in a loop without it,
-the first forward after an optimizer step) and every `clip_grad_norm_` and loop collective
-(`gather`, `reduce`, ...: hooks.py) issue one all-reduce (`_poll`, slots below) on the plugin's own
-group (agreement.py) before any collective of theirs. A training rank waits for the answer only at
-its first and at a loop collective, and reads the others at its next poll, for refusals
-(`_settle`). Each poll also carries which prepared optimizers the rank stepped since its last one
-and with which hyperparameters (join_steps.py). A rank that left its loop polls with 0 and, while
-any other rank trains, follows them (`_shadow`): per micro-batch it replays its last one x 0
-(join_record.py), clips where they clip, contributes zeros to their loop collectives, and steps the
-optimizers they stepped, with their learning rates; it steps no scheduler (only the loop knows
-when). When the last rank leaves, all polls say 0, every rank leaves together, and the ranks that
-shadowed take the schedulers' states and hyperparameters of the rank that trained longest.
+the first forward after an optimizer step: join_watch.py sees the loop's forwards) and every
+`clip_grad_norm_` and loop collective (`gather`, `reduce`, ...: hooks.py) issue one all-reduce
+(join_poll.py) on the plugin's own group (agreement.py) before any collective of theirs. A
+training rank waits for the answer only at its first and at a loop collective, and reads the
+others at its next poll, for refusals. Each poll also carries which prepared optimizers the rank
+stepped since its last one and with which hyperparameters (join_steps.py). A rank that left its
+loop polls with 0 and, while any other rank trains, follows them (`_shadow`): per micro-batch it
+replays its last one x 0 (join_record.py), clips where they clip, contributes zeros to their loop
+collectives, and steps the optimizers they stepped, with their learning rates; it steps no
+scheduler (only the loop knows when). When the last rank leaves, all polls say 0, every rank
+leaves together, and the ranks that shadowed take the schedulers' states and hyperparameters of
+the rank that trained longest.
 
 Trade-off: one small all-reduce per micro-batch, per clip and per loop collective, and the last
 micro-batch's inputs kept until the next. Refused on every rank in one line instead of a hang:
@@ -33,23 +34,16 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-import torch.utils.hooks
 from torch import nn
-from torch.nn.modules.module import register_module_forward_pre_hook
-from torch.nn.parallel import DistributedDataParallel
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from accel_gradsync.runtime.bind import model_name
+from accel_gradsync.runtime.join_poll import CLIPPING, COLLECTIVE, MAX_NORM, NORM_TYPE, STEPS, TRAINING, Poll
 from accel_gradsync.runtime.join_record import Iteration, replay, spec, zeros_like_tree
-from accel_gradsync.runtime.join_steps import StepReports, adopt_loop_state, decode, encode, loop_state
+from accel_gradsync.runtime.join_steps import StepReports, decode, even_out_loop_state
+from accel_gradsync.runtime.join_watch import ForwardWatch
 from accel_gradsync.runtime.state import Attachment
-from accel_gradsync.runtime.uneven import EvenCounts, by_rank
-
-TRAINING, CANNOT_SHADOW, FAILED, CLIPPING, COLLECTIVE, MAX_NORM, NORM_TYPE, STEPS = 0, 1, 2, 3, 4, 5, 7, 9
-"""The poll's slots, summed over ranks: the ranks still training, those that left with nothing to
-shadow, those that stopped on an error, those about to clip gradients, those about to issue a
-loop collective, the clip's `max_norm` and `norm_type` (two halves each, join_steps.encode), and
-from `STEPS` on the optimizer steps taken since the last poll (join_steps.StepReports)."""
+from accel_gradsync.runtime.uneven import EvenCounts
 
 
 class Join:
@@ -63,14 +57,12 @@ class Join:
         self._style = ""  # "accumulate", or "loop" (no accumulate()): the first micro-batch's
         self._current: Iteration | None = None  # the micro-batch under way
         self._last: Iteration | None = None  # the one a shadow replays
-        self._hooks: dict[nn.Module, torch.utils.hooks.RemovableHandle] = {}
-        self._global_hook: torch.utils.hooks.RemovableHandle | None = None
-        self._ddp_call: tuple[nn.Module, nn.Module] | None = None  # (module, its DDP wrapper) under way
+        self._forwards = ForwardWatch(self)
         self._step_hook: Any = None
         self._clip_params: list = []  # what this rank's loop clipped inside join()
-        self._pending: tuple | None = None  # a training rank's last poll: (its work, its tensor)
         self._in_collective = False
         self.steps = StepReports(state.accelerator)
+        self._poll = Poll(state.control, self.steps)
         self.even = EvenCounts(state)  # without join(): the counts must agree
         self.micro_batches = 0  # this rank's own inside join()
 
@@ -95,13 +87,13 @@ class Join:
                 "with GradientAccumulationPlugin(sync_with_dataloader=False)."
             )
         self.inside, self.micro_batches = True, 0
-        self._watch()
+        self._forwards.watch(self.state.adapters)
         self._step_hook = register_optimizer_step_pre_hook(self._before_step)
         try:
             yield
             self._promote()
             self._shadow()
-            self._even_out_loop_state()
+            even_out_loop_state(self.state.control, accelerator, self.micro_batches)
         finally:
             self._leave()
 
@@ -133,7 +125,7 @@ class Join:
         if not self.inside or self._shadowing:
             return parameters
         self._clip_params = [parameters] if torch.is_tensor(parameters) else list(parameters)
-        self._poll(training=True, clip=(float(max_norm), float(norm_type)), wait=False)
+        self._send(training=True, clip=(float(max_norm), float(norm_type)), wait=False)
         return self._clip_params
 
     @contextlib.contextmanager
@@ -146,7 +138,7 @@ class Join:
             return
         self._in_collective = True  # gather_for_metrics calls gather: one announcement
         try:
-            counts = self._poll(training=True, collective=True)
+            counts = self._send(training=True, collective=True)
             if counts[TRAINING] < self.state.control.world_size:
                 self.state.control.gather((name, spec(data), kwargs))
             yield
@@ -173,59 +165,18 @@ class Join:
     def _begin(self, models: tuple | None) -> None:
         """A micro-batch starts on this training rank: poll before any collective of it."""
         self._promote()
-        self._watch()
-        self._poll(training=True, wait=not self.micro_batches)  # the first answers a rank that left empty
+        self._forwards.watch(self.state.adapters)  # a model bound since
+        self._send(training=True, wait=not self.micro_batches)  # the first answers a rank that left empty
         self.micro_batches += 1
         self._current = Iteration(models)
 
-    def _poll(
-        self, training: bool, clip: tuple = (), failed: bool = False, collective: bool = False, wait: bool = True
-    ) -> list:
-        """One all-reduce of what each rank does next, summed (`TRAINING`, ...). A training rank
-        needs no answer but refusals, so after its first poll it does not wait (`wait=False`): the
-        poll completes in gloo's thread while it trains on, and the next poll reads it first."""
-        self._settle()
+    def _send(self, training: bool, failed: bool = False, **what: Any) -> list:
         cannot_shadow = not training and not failed and self._last is None
-        max_norm, norm_type = clip or (0.0, 0.0)
-        flags = [training, cannot_shadow, failed, bool(clip), collective]
-        mine = [*map(int, flags), *encode(max_norm), *encode(norm_type), *self.steps.take()]
-        polled = torch.tensor(mine, dtype=torch.int64)
-        work = self.state.control.all_reduce(polled, async_op=True)
-        if not wait:
-            self._pending = (work, polled)
-            return []
-        work.wait()
-        counts = polled.tolist()
-        if not failed:
-            self._judge(counts, training)
-        return counts
-
-    def _settle(self) -> None:
-        """The training rank's last poll, answered by now: its refusals."""
-        if self._pending is not None:
-            (work, polled), self._pending = self._pending, None
-            work.wait()
-            self._judge(polled.tolist(), training=True)
-
-    def _judge(self, counts: list, training: bool) -> None:
-        """Refuse, on every rank alike, what cannot be shadowed."""
-        if counts[FAILED]:
-            raise ValueError("grad_sync.join(): another rank stopped inside join() with an error (see its output).")
-        if counts[CANNOT_SHADOW] and counts[TRAINING]:  # a rank's first poll, which no rank leaves unanswered
-            done = self.state.control.gather((self.micro_batches, not training))
-            raise ValueError(
-                f"grad_sync.join(): a rank left the loop with no micro-batch to shadow the others' with "
-                f"({by_rank(done)}): give every rank at least one micro-batch inside join()."
-            )
-        if counts[CLIPPING] not in (0, counts[TRAINING]) or counts[COLLECTIVE] not in (0, counts[TRAINING]):
-            raise ValueError(
-                "grad_sync.join(): the ranks still training disagree: some clip gradients or gather while others "
-                "start a micro-batch; every rank's loop must clip and gather at the same micro-batches."
-            )
+        return self._poll.send(self.micro_batches, training, cannot_shadow, failed=failed, **what)
 
     def _refuse(self, what: str, fix: str) -> None:
         """Refuse `what` on this rank and, through the poll, on every other rank at its next one."""
-        self._poll(training=False, failed=True)
+        self._send(training=False, failed=True)
         raise ValueError(f"grad_sync.join(): {what} cannot be shadowed by a rank that left the loop; {fix}.")
 
     def _shadow(self) -> None:
@@ -240,7 +191,7 @@ class Join:
             with contextlib.ExitStack() as replayed:
                 while True:
                     # Its first poll carries its own last step: the others' replays (if any) need it.
-                    counts = self._poll(training=False)
+                    counts = self._send(training=False)
                     if replaying:
                         self.steps.apply(counts[STEPS:], stepped)
                     if counts[CLIPPING]:
@@ -265,20 +216,6 @@ class Join:
         finally:
             self._shadowing = False
 
-    def _even_out_loop_state(self) -> None:
-        """Every rank has left: the ranks that shadowed take the schedulers' states and the
-        optimizers' hyperparameters from a rank that trained longest (its loop stepped them)."""
-        control, accelerator = self.state.control, self.state.accelerator
-        counts = control.gather(self.micro_batches)
-        if len(set(counts)) == 1:
-            return
-        src = counts.index(max(counts))
-        state = control.broadcast(
-            loop_state(accelerator) if counts[accelerator.process_index] == max(counts) else None, src
-        )
-        if self.micro_batches < max(counts):
-            adopt_loop_state(accelerator, state)
-
     def _clipped(self) -> list:
         """What this rank clipped while it trained; else every parameter of the models it ran."""
         if self._clip_params:
@@ -286,42 +223,10 @@ class Join:
         models = self._last.models if self._last is not None and self._last.models else self.state.accelerator._models
         return [p for m in models for p in m.parameters()]
 
-    # -- recording -------------------------------------------------------------------------------
-    def _watch(self) -> None:
-        """A forward pre-hook on every FSDP model the attach has seen, ahead of FSDP's own; DDP's
-        wrapper, which accelerate does not list and whose forward may issue collectives before
-        its module's, is seen by torch's global one (every module's forward: `_record_ddp`)."""
-        if self._global_hook is None:
-            self._global_hook = register_module_forward_pre_hook(self._record_ddp)
-        for root, adapter in self.state.adapters.items():
-            if adapter is not None and adapter.kind != "ddp" and root not in self._hooks:
-                self._hooks[root] = root.register_forward_pre_hook(self._record, prepend=True, with_kwargs=True)
-
-    def _record_ddp(self, module: nn.Module, args: tuple) -> None:
-        """Every module's forward inside `join()`: a DDP wrapper starts its micro-batch here, before
-        its own collectives, and its module's hook records the call (a global hook gets no kwargs)."""
-        if not isinstance(module, DistributedDataParallel) or self._shadowing:
-            return
-        inner = module.module
-        if inner not in self._hooks:
-            self._hooks[inner] = inner.register_forward_pre_hook(self._record, prepend=True, with_kwargs=True)
-        self._start(module)
-        self._ddp_call = (inner, module)
-
-    def _record(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if self._shadowing:
-            return
-        called = module
-        if self._ddp_call is not None and self._ddp_call[0] is module:
-            called, self._ddp_call = self._ddp_call[1], None  # replayed through its wrapper
-        else:
-            self._start(module)
-        assert self._current is not None  # begun at accumulate() or by _start
-        self._current.forward(called, args, kwargs)
-
-    def _start(self, module: nn.Module) -> None:
+    # -- recording (join_watch.py calls start and record) ---------------------------------------
+    def start(self, module: nn.Module) -> None:
         """A forward of a watched model: outside `accumulate()`, it starts a loop's micro-batch."""
-        if self._open:
+        if self._shadowing or self._open:
             return
         if self._style == "accumulate":
             self._refuse(
@@ -331,6 +236,12 @@ class Join:
         self._style = "loop"
         if self._current is None:  # a loop without accumulate(): its micro-batch starts here
             self._begin(None)
+
+    def record(self, called: nn.Module, args: tuple, kwargs: dict) -> None:
+        if self._shadowing:
+            return
+        assert self._current is not None  # begun at accumulate() or by start
+        self._current.forward(called, args, kwargs)
 
     def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         """torch's global optimizer pre-step hook, inside `join()`: report the step in the next
@@ -355,15 +266,11 @@ class Join:
         self._current = None
 
     def _leave(self) -> None:
-        for handle in self._hooks.values():
-            handle.remove()
-        self._hooks.clear()
-        if self._global_hook is not None:
-            self._global_hook.remove()
-            self._global_hook = None
+        self._forwards.close()
         if self._step_hook is not None:
             self._step_hook.remove()
             self._step_hook = None
         self.inside, self._open, self._style, self._current, self._last = False, False, "", None, None
-        self._clip_params, self._pending = [], None  # an unanswered poll is not waited for on the way out
+        self._clip_params = []
+        self._poll.clear()
         self.steps.clear()

@@ -25,6 +25,8 @@ import torch
 from accelerate import Accelerator
 from torch.optim.lr_scheduler import LRScheduler
 
+from accel_gradsync.runtime.agreement import ControlGroup
+
 
 def encode(value: float) -> list[int]:
     """`value`'s float64 bits as two non-negative int64 halves (sum them over ranks, then `decode`)."""
@@ -173,3 +175,16 @@ def adopt_loop_state(accelerator: Accelerator, state: dict) -> None:
         )
     for scheduler, saved in zip(schedulers, state["schedulers"], strict=True):
         scheduler.load_state_dict(saved)
+
+
+def even_out_loop_state(control: ControlGroup, accelerator: Accelerator, micro_batches: int) -> None:
+    """Every rank has left `join()`: the ranks that shadowed (fewer `micro_batches` of their own)
+    take the schedulers' states and the optimizers' hyperparameters from a rank that trained
+    longest (its loop stepped them)."""
+    counts = control.gather(micro_batches)
+    if len(set(counts)) == 1:
+        return
+    src = counts.index(max(counts))
+    state = control.broadcast(loop_state(accelerator) if micro_batches == max(counts) else None, src)
+    if micro_batches < max(counts):
+        adopt_loop_state(accelerator, state)
