@@ -195,7 +195,7 @@ class Binder:
         )
         state.bound[root] = BoundModel(name, adapter, plan, account, auto)
         # One line at start, on the main process only: this model's decision and what it costs.
-        state.accelerator.print(describe_decision(plan, adapter, m))
+        state.accelerator.print(describe_decision(plan, adapter, m, generation=state.generates))
         return adapter
 
     def _plan(self, root: nn.Module, adapter: ModelAdapter, auto: MeasuredAuto | None) -> Plan:
@@ -216,7 +216,9 @@ class Binder:
             if not bound.started:
                 bound.take_plan(self._plan(root, bound.adapter, bound.auto))
                 self.state.accelerator.print(
-                    describe_decision(bound.plan, bound.adapter, self.state.micro_batches_per_step)
+                    describe_decision(
+                        bound.plan, bound.adapter, self.state.micro_batches_per_step, generation=self.state.generates
+                    )
                 )
 
     def _bind_frozen(self, root: nn.Module, adapter: ModelAdapter | None = None, name: str = "") -> None:

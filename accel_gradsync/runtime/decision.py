@@ -28,10 +28,11 @@ from accel_gradsync.planning.units import ALL_REDUCE, GRADIENT_SYNC, Level, Plan
 from accel_gradsync.runtime.adapter import ModelAdapter
 
 
-def describe_decision(plan: Plan, adapter: ModelAdapter, micro_batches: int) -> str:
+def describe_decision(plan: Plan, adapter: ModelAdapter, micro_batches: int, generation: bool = True) -> str:
     """One line: the mode, each unit's level, the collectives per optimizer step it implies and
-    what it holds, gradients and params apart; then what forwards without gradients
-    (generation) all-gather, and hold with `gather_for_generation`. Frozen units count in the
+    what it holds, gradients and params apart; then, with `generation`, what forwards without
+    gradients (generation) all-gather, and hold with `gather_for_generation` (a loop of its own
+    that has not generated leaves it out: `describe_generation` says it then). Frozen units count in the
     all-gathers (they reduce nothing). Where the policy gives a reason (auto's forecast or
     measurement, the memory it planned within), a second line (`WHY`) says it."""
     m = micro_batches
@@ -68,11 +69,17 @@ def describe_decision(plan: Plan, adapter: ModelAdapter, micro_batches: int) -> 
         )
     elif plan.windowed:  # one micro-batch per step: no gradient to hold, the window is that micro-batch
         line += f"; keeps {_kept_params(plan)} per rank from each forward to its backward"
-    if adapter.collective != "all_reduce":
+    if generation and adapter.collective != "all_reduce":
         line += "; " + _generation_cost(plan, adapter)
     if plan.reason:  # how the mode chose (auto's forecast or measurement, budget's room): a line of its own
         line += f"\n{WHY}{plan.reason}"
     return line
+
+
+def describe_generation(name: str, plan: Plan, adapter: ModelAdapter) -> str:
+    """One line at the first forward without gradients (generation, evaluation) of the model
+    `name` in a loop of its own: what its decision line left out."""
+    return f"grad sync: {name}: {_generation_cost(plan, adapter)}"
 
 
 WHY = "grad sync:   why: "

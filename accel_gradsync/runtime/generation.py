@@ -30,6 +30,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from accel_gradsync.planning.units import Unit
 from accel_gradsync.runtime.adapter import ModelAdapter
+from accel_gradsync.runtime.decision import describe_generation
 from accel_gradsync.runtime.quiet_generation import skip_idle_forward_work
 from accel_gradsync.runtime.state import Attachment, BoundModel, FrozenModel, Removable, root_of
 from accel_gradsync.runtime.token_sync import skip_token_sync
@@ -105,9 +106,20 @@ class GenerationGather:
 
     def _resume_hook(self, module: nn.Module, args: Any) -> None:
         """A forward with gradients (in train or eval mode, as the window counts it): training
-        resumes, generation's units go back."""
-        if self._kept and torch.is_grad_enabled():
+        resumes, generation's units go back. The first forward without them of a loop whose
+        decision line left generation out prints what generation all-gathers, once."""
+        if not torch.is_grad_enabled():
+            if not self.state.generates:
+                self._announce(module)
+            return
+        if self._kept:
             self.release()
+
+    def _announce(self, root: nn.Module) -> None:
+        bound = self.state.bound.get(root)
+        if bound is not None:
+            self.state.accelerator.print(describe_generation(bound.name, bound.plan, bound.adapter))
+            self.state.generated = True
 
     def _pre_hook(self, key: nn.Module, adapter: ModelAdapter, unit: Unit) -> Callable:
         always = self.keeps(key)

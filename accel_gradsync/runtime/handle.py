@@ -115,7 +115,7 @@ class GradSyncHandle:
         bound = next(iter(self._state.bound.values()), None)
         if bound is None:
             return f"grad sync: {self.policy.name} (no FSDP/DDP model bound yet)"
-        return describe_decision(bound.plan, bound.adapter, self.micro_batches_per_step)
+        return describe_decision(bound.plan, bound.adapter, self.micro_batches_per_step, self._state.generates)
 
     def bind(self, model: nn.Module) -> ModelAdapter | None:
         """Inspect a model once: its wrapper and units, its plan and counters; prints the

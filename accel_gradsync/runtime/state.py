@@ -192,6 +192,9 @@ class Attachment:
     window_seen: int = 0
     """Micro-batches of the first window of a loop that holds them with `no_sync` outside
     `accumulate()` while the Accelerator says one per step (0 until such a window ends)."""
+    generated: bool = False
+    """A bound FSDP2 model ran a forward without gradients (generation.py): a loop of its own
+    generates, evaluates or scores."""
 
     def __post_init__(self) -> None:
         self.settings = self.config.resolved()
@@ -205,6 +208,13 @@ class Attachment:
         if self.trainer is not None:
             return int(self.trainer.args.gradient_accumulation_steps)
         return int(self.accelerator.gradient_accumulation_steps) if not self.window_seen else self.window_seen
+
+    @property
+    def generates(self) -> bool:
+        """Whether the decision line says what generation all-gathers: a Trainer's (GRPO's
+        generates; the estimate shows it too), `gather_for_generation`, or a loop of its own once
+        a bound model ran a forward without gradients (until then its line leaves generation out)."""
+        return self.trainer is not None or bool(self.settings.gather_for_generation) or self.generated
 
     def stats(self) -> dict:
         """Every bound model's counters, combined (`GradSyncHandle.stats`), and the frozen

@@ -176,7 +176,7 @@ class Window:
         change = bound.replan(m)
         if change is not None:
             self.state.accelerator.print(change.message)
-            self.state.accelerator.print(describe_decision(change.plan, bound.adapter, m))
+            self.state.accelerator.print(describe_decision(change.plan, bound.adapter, m, self.state.generates))
 
     def on_forward(self, module: nn.Module, args: Any) -> None:
         """Forward pre-hook: count the micro-batch at its first forward; before each forward of a
@@ -203,7 +203,7 @@ class Window:
         if ends_step and bound.account.current.micro_batches and state.micro_batches_per_step == 1:
             # A loop holding micro-batches with no_sync outside accumulate(): its first window tells M.
             state.window_seen = bound.account.current.micro_batches + 1
-            state.accelerator.print(describe_decision(bound.plan, bound.adapter, state.window_seen))
+            state.accelerator.print(describe_decision(bound.plan, bound.adapter, state.window_seen, state.generates))
         if ends_step and bound.account.current.deferred_micro_batches:
             # Held gradients only grow through a window: their bytes before its last forward are
             # its peak, read once per window instead of after every held backward.

@@ -12,6 +12,7 @@ during training, the handle's counters over the same spans, completions, losses,
 largest parameter difference to an earlier run named by `compare_to` (kept in memory here)."""
 
 import contextlib
+import io
 import json
 import os
 
@@ -274,6 +275,7 @@ def one_run(run: dict) -> dict:
         out["param_diff"] = max((a[n] - b[n]).abs().max().item() for a, b in zip(params, ref, strict=True) for n in a)
     out["stats"] = stats()
     out["flags_restored"] = flags(model) == flags_before
+    out["decision_after"] = handle.describe()
     handle.detach()
     accelerator.free_memory()
     return out
@@ -359,5 +361,9 @@ def trainer_run(run: dict) -> dict:
 
 
 for run in args.runs:
-    result["runs"][run["name"]] = trainer_run(run) if run.get("entry") == "trainer" else one_run(run)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):  # what the plugin prints (on the main process)
+        result["runs"][run["name"]] = trainer_run(run) if run.get("entry") == "trainer" else one_run(run)
+    print(printed.getvalue(), end="")
+    result["runs"][run["name"]]["printed"] = [line for line in printed.getvalue().splitlines() if "grad sync" in line]
 write_result(args.out, result)
