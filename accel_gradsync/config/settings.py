@@ -84,6 +84,9 @@ DEFAULTS: dict[str, Any] = {
     # Where the bytes are planned (budget, auto): a reference model resident when it fits; in the
     # other modes it all-gathers once per step, as before the setting existed.
     "keep_reference_unsharded": "auto",
+    # Memory first, as the reference model's residency outside budget and auto: the frozen base of
+    # a LoRA model unsharded for the run costs its whole unsharded size on every rank.
+    "keep_frozen_unsharded": False,
     # A Trainer log line carries the few per-step counters; the ~20 others stay in stats().
     "log_all_counters": False,
     # No shape, no forecast: auto measures step 1 per micro-batch, which needs no model config.
@@ -132,6 +135,7 @@ class ResolvedConfig:
     gather_for_generation: bool
     keep_reference_unsharded: str
     """One of `RESIDENCY`: auto, true or false."""
+    keep_frozen_unsharded: bool
     log_all_counters: bool
     forecast_micro_batch_size: int
     forecast_seq_len: int
@@ -250,6 +254,19 @@ class GradSyncConfig:
         "so do detach and the end of a Trainer's training.",
         nargs="?",
         const="true",
+    )
+    keep_frozen_unsharded: Boolean | None = _flag(
+        "keep_frozen_unsharded",
+        "FSDP2, a trained model with frozen parameters (LoRA over a frozen base): the trainable "
+        "parameters inside each unit the accelerate config wraps (the adapters of a decoder layer) get an "
+        "FSDP2 unit of their own at prepare, and the units left with only frozen parameters stay unsharded "
+        "for the whole run: one all-gather at their first forward, then none; each step gathers only the "
+        "adapters. Costs the frozen parameters' whole unsharded size (compute dtype) on every rank for the "
+        "whole run. attach() must come before accelerator.prepare(model) (a Trainer prepares in train()); "
+        "not with fsdp_cpu_ram_efficient_loading. A checkpoint save or load reshards the kept units (the "
+        "next forward gathers them again), and so does detach. Not yet planned by budget or auto.",
+        nargs="?",
+        const=True,
     )
     log_all_counters: Boolean | None = _flag(
         "log_all_counters",

@@ -126,8 +126,11 @@ def collectives_per_step(plan: Plan, units: Sequence[Unit], hsdp: bool, micro_ba
 def unit_all_gathers(unit: Unit, level: Level, micro_batches: int, keeps_params_when_held: bool = False) -> int:
     """Parameter all-gathers of one unit per optimizer step of `micro_batches` (`step_all_gathers`):
     one in each forward, another in each backward when it reshards after forward; a windowed unit
-    gathers once per step (with one micro-batch too: its params stay from forward to backward).
+    gathers once per step (with one micro-batch too: its params stay from forward to backward); a
+    resident one none after the run's first step.
     FSDP1 SHARD_GRAD_OP under `no_sync()` keeps params after a held backward: one gather per step too."""
+    if unit.resident:
+        return 0  # gathered once, at the run's first forward
     windowed = level == Level.WINDOWED
     keeps = windowed or (level == Level.DEFERRED and keeps_params_when_held)
     return step_all_gathers(unit, micro_batches, windowed, keeps)

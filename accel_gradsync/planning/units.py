@@ -70,6 +70,9 @@ class Unit:
     """The unit frees its unsharded params after forward, so backward all-gathers them again
     (FSDP2 `reshard_after_forward`, FSDP1 FULL_SHARD; never the root, whose params backward
     needs at once)."""
+    resident: bool = False
+    """A frozen unit that never reshards (FSDP2, `keep_frozen_unsharded`): gathered at its first
+    forward of the run, then never; no all-gather in any step after the first."""
 
     def __post_init__(self) -> None:
         if self.param_numel == 0:

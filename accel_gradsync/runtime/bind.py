@@ -143,6 +143,7 @@ class Binder:
         root = root_of(model)
         with resharded_keeping_flags(root):  # the next all-gather carries what the user set, where it set it
             self.generation.release(models=[root], resident=True)  # flags it kept back (resident too)
+            self.state.residency.review(root)  # a kept unit given trainable parameters reshards again
         for handle in self._watching.pop(root, []):
             handle.remove()
         old = self.state.bound.pop(root, None) or self.state.frozen.pop(root, None)
@@ -166,6 +167,12 @@ class Binder:
             return None
         state.adapters[root] = adapter
         self._trainable[root] = (model, trainable_params(root))
+        if state.settings.keep_frozen_unsharded and adapter.kind != "fsdp2":
+            state.warn_once(
+                "keep_frozen_unsharded_not_fsdp2",
+                f"accel_gradsync: keep_frozen_unsharded is ignored on {adapter.kind}: it keeps FSDP2 units of "
+                "frozen parameters unsharded across steps (fsdp_version: 2).",
+            )
         if not adapter.trainable and account is None:  # a frozen reference model: no gradient to schedule
             if adapter.kind == "fsdp2":
                 self._bind_frozen(root, adapter, name)

@@ -69,6 +69,11 @@ def describe_decision(plan: Plan, adapter: ModelAdapter, micro_batches: int, gen
         )
     elif plan.windowed:  # one micro-batch per step: no gradient to hold, the window is that micro-batch
         line += f"; keeps {_kept_params(plan)} per rank from each forward to its backward"
+    resident = [u for u in adapter.units if u.resident]
+    if resident:
+        dtype = str(resident[0].compute_dtype).removeprefix("torch.")
+        kept = format_bytes(sum(u.param_bytes for u in resident))
+        line += f"; keeps ~{kept} unsharded {dtype} params of {len(resident)} frozen units for the run"
     if generation and adapter.collective != "all_reduce":
         line += "; " + _generation_cost(plan, adapter)
     if plan.reason:  # how the mode chose (auto's forecast or measurement, budget's room): a line of its own

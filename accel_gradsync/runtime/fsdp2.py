@@ -92,6 +92,7 @@ class FSDP2Adapter(ModelAdapter):
             auto_root = name == "" and internals.read(state, "auto_reshard_after_forward")
             reshards = not auto_root and all(internals.read(g, "post_forward_mesh_info") is not None for g in groups)
             reducing = sum(any(param_now(p).requires_grad for p in group_params(g)) for g in groups)
+            kept = not any(internals.read(g, "reshard_after_backward") for g in groups)
             units.append(
                 Unit(
                     name,
@@ -105,6 +106,7 @@ class FSDP2Adapter(ModelAdapter):
                     sharded_numel=sum(dim0_shard_numel(sharded_param(p).shape, shard) for p in params),
                     param_numel=sum(sharded_param(p).numel() for p in everything),
                     reshards_after_forward=reshards,
+                    resident=not params and not reshards and kept,
                 )
             )
         return units

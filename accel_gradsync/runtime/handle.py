@@ -19,10 +19,11 @@ from accel_gradsync.planning.policies import SyncPolicy
 from accel_gradsync.planning.replan import Forecaster
 from accel_gradsync.planning.units import Plan
 from accel_gradsync.runtime.adapter import ModelAdapter
-from accel_gradsync.runtime.bind import Binder, wants_binding
+from accel_gradsync.runtime.bind import Binder, model_name, wants_binding
 from accel_gradsync.runtime.checkpoint import CheckpointHooks
 from accel_gradsync.runtime.connection import Connection
 from accel_gradsync.runtime.decision import describe_decision
+from accel_gradsync.runtime.frozen_units import applies
 from accel_gradsync.runtime.generation import GenerationGather
 from accel_gradsync.runtime.join import Join
 from accel_gradsync.runtime.preemption import PREEMPTED_EXIT_CODE
@@ -220,6 +221,7 @@ class GradSyncHandle:
         (and a Trainer's) own class, hooks and callback removed. Gradients a window held stay
         where FSDP keeps them, and the next synced backward reduces them. The counters stay readable."""
         self._generation.close()  # units kept for generation: flags back, resharded
+        self._state.residency.release()  # keep_frozen_unsharded's units: flags back, resharded
         self._window.end_hold()  # a window left mid-way: its flags back
         adapters = [b.adapter for b in self._state.bound.values()] + [f.adapter for f in self._state.frozen.values()]
         for adapter in adapters:
@@ -243,6 +245,13 @@ class GradSyncHandle:
         """Bind the models prepared before attach, then connect the policy to the accelerator,
         its checkpoints and the Trainer (connection.py)."""
         try:
+            trained = [m for m in models if any(p.requires_grad for p in m.parameters())]
+            if trained and self._state.settings.keep_frozen_unsharded and applies(self.accelerator):
+                raise ValueError(
+                    f"keep_frozen_unsharded=True, but {model_name(trained[0])} was prepared before "
+                    "accel_gradsync.attach(): its adapters get FSDP2 units of their own when accelerate shards it; "
+                    "call attach() before accelerator.prepare(model) (a Trainer prepares in train())."
+                )
             for model in models:
                 if wants_binding(self.accelerator, model):
                     self.bind(model)

@@ -25,6 +25,7 @@ from accel_gradsync.planning.units import Plan, Unit
 from accel_gradsync.runtime.accounting import SyncAccounting, combined_stats
 from accel_gradsync.runtime.adapter import ModelAdapter
 from accel_gradsync.runtime.agreement import ControlGroup
+from accel_gradsync.runtime.frozen_units import FrozenResidency
 from accel_gradsync.runtime.quiet_generation import skip_idle_forward_work
 
 NOT_READ = -1
@@ -188,6 +189,8 @@ class Attachment:
     """The FSDP2 models nothing trains (reference models), by `root_of(model)`."""
     control: ControlGroup = field(init=False)
     """The gloo group of the plugin's own collectives (agreement.py), made here on every rank."""
+    residency: FrozenResidency = field(default_factory=FrozenResidency)
+    """The frozen units `keep_frozen_unsharded` keeps for the run (frozen_units.py)."""
     warned: set[str] = field(default_factory=set)
     window_seen: int = 0
     """Micro-batches of the first window of a loop that holds them with `no_sync` outside

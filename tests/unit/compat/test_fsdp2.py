@@ -58,6 +58,9 @@ def test_an_attribute_a_release_moved_is_read_where_the_table_says(fsdp2_model, 
     monkeypatch.setitem(table, "reshard_after_backward", (internals.GROUP, "_reshard_after_backward_v2"))
     with pytest.raises(RuntimeError, match=r"FSDPParamGroup\._reshard_after_backward_v2, which torch"):
         check_fsdp2_internals(fsdp2_model)
-    monkeypatch.setattr(group, "_reshard_after_backward_v2", True, raising=False)
+    for unit in fsdp2_model.modules():  # the adapter reads it on every unit (a resident frozen one)
+        if hasattr(unit, "_get_fsdp_state"):
+            for each in internals.read(unit._get_fsdp_state(), "param_groups"):
+                monkeypatch.setattr(each, "_reshard_after_backward_v2", True, raising=False)
     check_fsdp2_internals(fsdp2_model)
     assert len(FSDP2Adapter(fsdp2_model).units) == 2

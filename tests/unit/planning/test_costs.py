@@ -54,3 +54,14 @@ def test_all_gathers_worked_out_by_hand():
     assert unit_all_gathers(block, Level.DEFERRED, 4, keeps_params_when_held=True) == 1 + 4
     assert [unit_all_gathers(root, level, 4) for level in ("per_micro_batch", "deferred", "windowed")] == [4, 4, 1]
     assert unit_all_gathers(block, Level.WINDOWED, 1) == 1  # kept from its forward to its backward
+
+
+@pytest.mark.parametrize("level", [Level.PER_MICRO_BATCH, Level.WINDOWED, Level.FROZEN])
+def test_a_resident_unit_gathers_nothing_per_step(level):
+    """keep_frozen_unsharded: a frozen unit that never reshards was gathered at the run's first
+    forward; a step of any M gathers it no more (a resharding one: twice per micro-batch)."""
+    resident = Unit("layer", torch.nn.Linear(2, 2), 0, 0, param_numel=6, resident=True)
+    resharding = dataclasses.replace(resident, resident=False, reshards_after_forward=True)
+    for m in (1, 4):
+        assert unit_all_gathers(resident, level, m) == 0
+    assert unit_all_gathers(resharding, Level.FROZEN, 4) == 8

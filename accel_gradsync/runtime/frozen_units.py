@@ -1,0 +1,165 @@
+"""`keep_frozen_unsharded`: the frozen base of a trained model (LoRA) gathered once per run, only
+the trainable parameters (the adapters) after each optimizer step.
+
+FSDP2 all-gathers a unit's parameters together, frozen and trained alike, so keeping a decoder
+layer unsharded across optimizer steps would keep its adapters stale. Of the two exact ways
+(gather only the trainable parameters' new shards into FSDP2's unsharded storage, or give the
+trainable parameters units of their own), this takes the second: it is FSDP2's own machinery
+through `fully_shard` and its public setters, where the first would write FSDP2's private
+unsharded storage on every step of every torch series. `split_trainable` runs inside
+`accelerator.prepare` (hooks.py), before accelerate shards the model: within each module its
+auto-wrap policy will make a unit (a decoder layer), the modules whose own parameters are all
+trainable (LoRA's `lora_A`/`lora_B` Linears) become one FSDP2 unit, with the mesh, mixed
+precision, offload and `reshard_after_forward` accelerate will give the layer; accelerate then
+skips them and the layer's unit holds only frozen parameters. An optimizer built before, passed to
+the same or a later `prepare`, gets the new parameters by name. `FrozenResidency.keep` then sets
+`reshard_after_forward` and `reshard_after_backward` off on every unit left with no trainable
+parameter, so FSDP2 gathers it at its first forward and never again; the adapter units reshard as
+usual and are gathered each step.
+
+Cost: every kept unit's whole unsharded parameters (compute dtype) on every rank for the run.
+Refused where it cannot work: a model prepared before attach (accelerate has sharded it), and
+`fsdp_cpu_ram_efficient_loading` (accelerate moves the model to meta and reloads its state dict,
+which would then hold the adapters' shards, not their full tensors). A state-dict save or load
+reshards the kept units (FSDP2's own hooks): the next forward gathers them again.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DistributedType
+from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy, get_module_children_bottom_up
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from accel_gradsync.compat import fsdp2 as internals
+from accel_gradsync.runtime.fsdp2_state import param_now, unit_params
+
+
+def applies(accelerator: Accelerator) -> bool:
+    """FSDP2 under accelerate: where the setting does anything."""
+    plugin = accelerator.state.fsdp_plugin
+    return accelerator.distributed_type == DistributedType.FSDP and getattr(plugin, "fsdp_version", 1) == 2
+
+
+def split_trainable(accelerator: Accelerator, model: nn.Module) -> dict[int, nn.Parameter]:
+    """Before accelerate shards `model`: one FSDP2 unit for the trainable modules inside each
+    module its auto-wrap policy will shard. Returns the parameters replaced, by the id of the old
+    one (for the optimizers built before)."""
+    plugin = accelerator.state.fsdp_plugin
+    if isinstance(model, FSDPModule) or any(isinstance(m, FSDPModule) for m in model.modules()):
+        return {}  # sharded already (a model prepared again): nothing to split
+    if plugin.cpu_ram_efficient_loading:
+        raise ValueError(
+            "keep_frozen_unsharded=True with fsdp_cpu_ram_efficient_loading=true: accelerate reloads the model's "
+            "state dict after sharding, which would hold the adapters' shards instead of their tensors; set "
+            "fsdp_cpu_ram_efficient_loading: false in the accelerate config, or keep_frozen_unsharded=False."
+        )
+    plugin.set_auto_wrap_policy(model)  # what accelerate's fsdp2_prepare_model does first
+    policy = fsdp2_prepare_auto_wrap_policy(plugin, model)
+    if policy is None:
+        return {}
+    before = dict(model.named_parameters())
+    mesh = accelerator.torch_device_mesh
+    kwargs: dict[str, Any] = {
+        "mesh": mesh[tuple(accelerator.parallelism_config.fsdp_dim_names)] if mesh is not None else None,
+        "mp_policy": plugin.mixed_precision_policy or MixedPrecisionPolicy(),
+        "offload_policy": plugin.cpu_offload,
+        "reshard_after_forward": plugin.reshard_after_forward,
+    }
+    for layer in get_module_children_bottom_up(model)[:-1]:
+        if policy(layer) and not isinstance(layer, FSDPModule):
+            trained = _trainable_leaves(layer)
+            if trained and any(not p.requires_grad for p in layer.parameters()):
+                fully_shard(trained, **kwargs)
+    after = dict(model.named_parameters())
+    return {id(p): after[name] for name, p in before.items() if after[name] is not p}
+
+
+def switch_optimizer_params(optimizer: Any, replaced: dict[int, nn.Parameter]) -> None:
+    """An optimizer built before `split_trainable`: its parameters that were replaced, by the new
+    ones (before accelerate maps them to their shards, as it does the others')."""
+    inner = getattr(optimizer, "optimizer", optimizer)
+    if not any(id(p) in replaced for g in inner.param_groups for p in g["params"]):
+        return
+    if inner.state:
+        raise ValueError(
+            "keep_frozen_unsharded=True: the optimizer passed to accelerator.prepare() has already stepped; "
+            "prepare the model and the optimizer before the first step."
+        )
+    for group in inner.param_groups:
+        group["params"] = [replaced.get(id(p), p) for p in group["params"]]
+
+
+class FrozenResidency:
+    """The units of one `attach()` kept unsharded for the run, with the flags they had."""
+
+    def __init__(self) -> None:
+        self._kept: dict[int, tuple[FSDPModule, bool]] = {}  # by unit state: (its module, reshard_after_forward)
+        self.replaced: dict[int, nn.Parameter] = {}  # split_trainable's, for optimizers prepared later
+
+    def split(self, accelerator: Accelerator, objects: tuple) -> None:
+        """In `accelerator.prepare(*objects)`, before accelerate: split each model, switch each
+        optimizer's parameters (this call's or, where it comes later, a later one's)."""
+        for obj in objects:
+            if isinstance(obj, nn.Module):
+                self.replaced.update(split_trainable(accelerator, obj))
+        for obj in objects:
+            if isinstance(obj, torch.optim.Optimizer) or hasattr(obj, "param_groups"):
+                switch_optimizer_params(obj, self.replaced)
+
+    def keep(self, model: nn.Module) -> None:
+        """Every FSDP2 unit of the prepared `model` with no trainable parameter: never resharded."""
+        for module in model.modules():
+            if not isinstance(module, FSDPModule):
+                continue
+            state = module._get_fsdp_state()
+            params = unit_params(module)
+            if id(state) in self._kept or not params or any(param_now(p).requires_grad for p in params):
+                continue
+            self._kept[id(state)] = (module, _reshards_after_forward(module))
+            module.set_reshard_after_forward(False, False)  # `recurse` is positional in torch 2.13
+            module.set_reshard_after_backward(False, recurse=False)
+
+    def review(self, model: nn.Module) -> None:
+        """`model`'s trainable parameters changed (progressive unfreezing): a kept unit given one
+        reshards as before from now on (its kept copy would go stale at the optimizer step)."""
+        for module in model.modules():
+            if not isinstance(module, FSDPModule):
+                continue
+            key = id(module._get_fsdp_state())
+            if key in self._kept and any(param_now(p).requires_grad for p in unit_params(module)):
+                self._give_back(key)
+
+    def release(self) -> None:
+        """Detach: every kept unit's flags back, resharded."""
+        for key in list(self._kept):
+            self._give_back(key)
+
+    def _give_back(self, key: int) -> None:
+        module, reshards = self._kept.pop(key)
+        module.set_reshard_after_forward(reshards, False)
+        module.set_reshard_after_backward(True, recurse=False)
+        module.reshard()
+
+
+def _trainable_leaves(layer: nn.Module) -> list[nn.Module]:
+    """The modules under `layer` whose own parameters are all trainable (LoRA's Linears), outermost
+    first, none inside another."""
+    found: list[nn.Module] = []
+    for module in layer.modules():
+        if module is layer or any(module in set(f.modules()) for f in found):
+            continue
+        own = list(module.parameters(recurse=False))
+        if own and all(p.requires_grad for p in own) and all(p.requires_grad for p in module.parameters()):
+            found.append(module)
+    return found
+
+
+def _reshards_after_forward(module: FSDPModule) -> bool:
+    """What `set_reshard_after_forward` last set (the root: False, FSDP2's choice for it)."""
+    groups = internals.read(module._get_fsdp_state(), "param_groups")
+    return all(internals.read(g, "post_forward_mesh_info") is not None for g in groups)

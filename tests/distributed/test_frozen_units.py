@@ -1,0 +1,113 @@
+"""`keep_frozen_unsharded` (runtime/frozen_units.py) on 2 gloo ranks under `accelerate launch`,
+FSDP2 with decoder layers as units: a tiny Qwen2 with PEFT LoRA (r = 4 on q_proj and v_proj), the
+optimizer built before `prepare` (workers/frozen_units.py).
+
+- Each decoder layer's adapters get a unit of their own; the layer's unit keeps only frozen
+  parameters, as do the root and the embeddings.
+- All-gathers counted from outside: the first step gathers every unit, each later step only the
+  adapter units, forward and backward of each micro-batch (they reshard after forward as the
+  accelerate config says): the bytes of the adapters and nothing else.
+- The losses and every final parameter equal the run without the setting, bit for bit; so they do
+  with a base layer unfrozen after the first step (its unit reshards again from then on, and
+  trains), and with the whole state dict taken between steps (FSDP2 reshards every unit for it:
+  the next step gathers them again).
+- detach puts every unit back sharded; a model prepared before attach is refused in one line.
+"""
+
+import json
+
+import pytest
+from launcher import accelerate_config, launch
+
+M, STEPS, WORLD = 2, 3, 2
+LAYERS, HIDDEN, HEADS, KV_HEADS, R = 2, 32, 4, 2, 4  # workers/common.tiny_qwen2_config, LoraConfig(r=4)
+HEAD_DIM = HIDDEN // HEADS
+# One layer's adapters: q_proj (hidden -> hidden) and v_proj (hidden -> kv heads x head dim), A: r x in, B: out x r.
+ADAPTER_NUMEL = (R * HIDDEN + HIDDEN * R) + (R * HIDDEN + KV_HEADS * HEAD_DIM * R)
+FROZEN_UNITS = 2 + LAYERS  # the root (the final norm), the tied embeddings, each decoder layer
+CONFIG = accelerate_config("fsdp2", fsdp_transformer_layer_cls_to_wrap="Qwen2DecoderLayer")
+KEEP = {"keep_frozen_unsharded": True}
+RUNS = [
+    {"name": "stock", "config": {}},
+    {"name": "keep", "config": KEEP},
+    {"name": "stock_unfreeze", "config": {}, "unfreeze_at": 1},
+    {"name": "keep_unfreeze", "config": KEEP, "unfreeze_at": 1},
+    {"name": "keep_state_dict", "config": KEEP, "state_dict_at": 1},
+    {"name": "attach_after_prepare", "config": KEEP, "attach_after_prepare": True},
+]
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    return launch("frozen_units", ["--M", str(M), "--runs", json.dumps(RUNS)], CONFIG, timeout=600)
+
+
+def test_each_layers_adapters_get_a_unit_and_the_layer_keeps_only_frozen_parameters(ranks):
+    for rank in ranks:
+        units = rank["runs"]["keep"]["units"]
+        layers = [n for n in units if n.endswith(tuple(f"layers.{i}" for i in range(LAYERS)))]
+        adapters = [n for n in units if "lora_A" in n]
+        assert len(layers) == len(adapters) == LAYERS, units
+        assert all(units[n] == [0, 12] for n in layers), units  # 12 base tensors per Qwen2 layer
+        assert all(units[n] == [4, 0] for n in adapters), units  # q and v: lora_A and lora_B each
+        assert all(frozen == 0 or trained == 0 for trained, frozen in units.values()), units
+        stock = rank["runs"]["stock"]["units"]
+        assert all(stock[n] == [4, 12] for n in layers), stock  # without it, one unit holds both
+
+
+def test_after_the_first_step_only_the_adapters_are_gathered(ranks):
+    per_step = LAYERS * M * 2  # each adapter unit in each micro-batch's forward and backward
+    for rank in ranks:
+        steps = rank["runs"]["keep"]["steps"]
+        assert steps[0]["all_gathers"] == per_step + FROZEN_UNITS, steps[0]  # the kept units once
+        for step in steps[1:]:
+            assert step["all_gathers"] == per_step, step
+            assert step["gathered_bytes"] == per_step * ADAPTER_NUMEL * 4, step  # fp32 adapters only
+        stock = rank["runs"]["stock"]["steps"]
+        assert all(s["gathered_bytes"] > 10 * steps[1]["gathered_bytes"] for s in stock), stock
+        decision = rank["runs"]["keep"]["decision"]
+        assert f"{per_step} all-gathers/step" in decision and f"of {FROZEN_UNITS} frozen units for the run" in decision
+
+
+@pytest.mark.parametrize(
+    "keep,stock", [("keep", "stock"), ("keep_unfreeze", "stock_unfreeze"), ("keep_state_dict", "stock")]
+)
+def test_losses_and_parameters_equal_the_run_without_it(ranks, keep, stock):
+    for rank in ranks:
+        mine, theirs = rank["runs"][keep], rank["runs"][stock]
+        assert [s["losses"] for s in mine["steps"]] == [s["losses"] for s in theirs["steps"]]
+        assert mine["params"] == theirs["params"]
+    if keep == "keep_unfreeze":  # the unfrozen layer trained
+        first = ranks[0]["runs"]["keep"]["params"]
+        moved = [n for n in first if "layers.1.mlp" in n and first[n] != ranks[0]["runs"][keep]["params"][n]]
+        assert moved, "the unfrozen MLP did not train"
+
+
+def test_a_base_layer_unfrozen_reshards_again(ranks):
+    for rank in ranks:
+        steps = rank["runs"]["keep_unfreeze"]["steps"]
+        # Layer 1 is released before step 2: gathered in each micro-batch's forward and backward
+        # again. Binding the model again reshards every unit (the next all-gather carries the new
+        # flags): the units still kept are gathered once more in step 2, then no more.
+        adapters, layer = LAYERS * M * 2, M * 2
+        assert steps[1]["all_gathers"] == adapters + layer + FROZEN_UNITS - 1, steps[1]
+        assert steps[2]["all_gathers"] == adapters + layer, steps[2]
+
+
+def test_a_state_dict_between_steps_costs_one_gather_of_each_kept_unit(ranks):
+    for rank in ranks:
+        steps = rank["runs"]["keep_state_dict"]["steps"]
+        assert steps[1]["all_gathers"] == LAYERS * M * 2 + FROZEN_UNITS, steps[1]
+        assert steps[2]["all_gathers"] == LAYERS * M * 2, steps[2]
+
+
+def test_detach_leaves_every_parameter_sharded(ranks):
+    for rank in ranks:
+        assert all(run["sharded_after_detach"] for name, run in rank["runs"].items() if "error" not in run)
+
+
+def test_a_model_prepared_before_attach_is_refused_in_one_line(ranks):
+    for rank in ranks:
+        error = rank["runs"]["attach_after_prepare"]["error"]
+        assert "\n" not in error and "keep_frozen_unsharded=True" in error, error
+        assert "call attach() before accelerator.prepare(model)" in error, error

@@ -1,0 +1,113 @@
+"""LoRA over a frozen base under FSDP2 (`keep_frozen_unsharded`): a tiny Qwen2 with PEFT LoRA on
+q_proj and v_proj (decoder layers as units), an SGD optimizer built before `prepare`, attach
+before `prepare`, then STEPS optimizer steps of M causal-LM micro-batches under
+`accelerator.accumulate`, clipping at each step. Each run names its GradSyncConfig, and may
+unfreeze a base layer's MLP before step `unfreeze_at` or take the whole state dict before step
+`state_dict_at`; `attach_after_prepare` reports the refusal.
+
+Reported per run: per step the all-gathers (calls, and the bytes of their outputs) counted from
+outside by wrapping torch.distributed, the losses; the final parameters (full tensors); the
+FSDP2 units with their trainable and frozen parameter counts; the decision line; whether every
+unit's flags are back after detach; and, after detach, whether the parameters are sharded again."""
+
+import json
+
+import torch
+import torch.distributed as dist
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+from common import CollectiveCounter, parse_args, tiny_qwen2_config, write_result
+from peft import LoraConfig, get_peft_model
+from torch.distributed.fsdp import FSDPModule
+from transformers import Qwen2ForCausalLM
+
+import accel_gradsync
+
+VOCAB, SEQ, B, STEPS = 32, 8, 2, 3
+
+args = parse_args([(("--runs",), {"type": json.loads, "required": True}), (("--M",), {"type": int, "default": 2})])
+accel_gradsync.enable_cpu_fsdp()
+counter = CollectiveCounter()
+gathered_bytes = [0]
+_all_gather_single = dist.all_gather_single
+
+
+def _counted(output, *a, **k):
+    gathered_bytes[0] += output.numel() * output.element_size()
+    return _all_gather_single(output, *a, **k)
+
+
+dist.all_gather_single = _counted  # the bytes each all-gather brings together, on top of the counter
+accelerator = Accelerator(gradient_accumulation_steps=args.M)
+rank, M = accelerator.process_index, args.M
+DATA = torch.randint(
+    1, VOCAB, (STEPS, M, accelerator.num_processes, B, SEQ), generator=torch.Generator().manual_seed(3)
+)
+
+
+def units(model) -> dict[str, list[int]]:
+    """Each FSDP2 unit (by the name of its first module) with the trainable and frozen parameters
+    it manages, read from FSDP2's own param group."""
+    out, seen = {}, set()
+    for name, module in model.named_modules():
+        state = module._get_fsdp_state() if isinstance(module, FSDPModule) else None
+        if state is None or id(state) in seen or state._fsdp_param_group is None:
+            continue
+        seen.add(id(state))
+        flags = [p.sharded_param.requires_grad for p in state._fsdp_param_group.fsdp_params]
+        out[name] = [sum(flags), len(flags) - sum(flags)]
+    return out
+
+
+def one_run(run: dict) -> dict:
+    set_seed(0)
+    base = Qwen2ForCausalLM(tiny_qwen2_config(vocab_size=VOCAB, pad_token_id=0))
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+    for name, p in model.named_parameters():
+        if "lora_B" in name:  # PEFT starts B at zero: give the adapters something to carry
+            torch.nn.init.normal_(p, std=0.02, generator=torch.Generator().manual_seed(len(name)))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)  # before prepare; frozen ones step once unfrozen
+    config = accel_gradsync.GradSyncConfig(**run["config"])
+    if run.get("attach_after_prepare"):  # too late to give the adapters units of their own: refused
+        model, optimizer = accelerator.prepare(model, optimizer)
+        try:
+            accel_gradsync.attach(accelerator, config)
+        except ValueError as e:
+            accelerator.free_memory()
+            return {"error": str(e)}
+        raise AssertionError("attach after prepare was not refused")
+    handle = accel_gradsync.attach(accelerator, config)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    out: dict = {"units": units(model), "decision": handle.describe(), "steps": []}
+    model.train()
+    for step in range(STEPS):
+        if run.get("unfreeze_at") == step:  # progressive unfreezing of a base layer, at a step boundary
+            for p in model.base_model.model.model.layers[1].mlp.parameters():
+                p.requires_grad_(True)
+        if run.get("state_dict_at") == step:  # a save between steps: FSDP2's hooks reshard every unit
+            accelerator.get_state_dict(model)
+        counter.take()
+        gathered_bytes[0] = 0
+        losses = []
+        for k in range(M):
+            with accelerator.accumulate(model):
+                batch = DATA[step, k, rank]
+                loss = model(input_ids=batch, labels=batch).loss
+                accelerator.backward(loss)
+                if accelerator.sync_gradients:
+                    accelerator.clip_grad_norm_(model.parameters(), 1.0)
+                optimizer.step()
+                optimizer.zero_grad()
+                losses.append(loss.item())
+        counts = counter.take()
+        out["steps"].append(
+            {"all_gathers": counts.get("all_gather_single", 0), "gathered_bytes": gathered_bytes[0], "losses": losses}
+        )
+    handle.detach()  # kept units are unsharded until here: their params plain tensors
+    out["params"] = {n: p.full_tensor().tolist() for n, p in model.named_parameters()}
+    out["sharded_after_detach"] = all(type(p).__name__ == "DTensor" for p in model.parameters())
+    accelerator.free_memory()
+    return out
+
+
+write_result(args.out, {"runs": {run["name"]: one_run(run) for run in args.runs}})
