@@ -12,12 +12,17 @@ optimizer built before `prepare` (workers/frozen_units.py).
   trains), and with the whole state dict taken between steps (FSDP2 reshards every unit for it:
   the next step gathers them again).
 - detach puts every unit back sharded; a model prepared before attach is refused in one line.
+- TRL's GRPOTrainer through the recipe, `--use_peft` with `--beta` 0 and 0.04 (the reference is
+  the policy with its adapter off), deferred: the logged losses, rewards and KL equal the run without
+  the setting at every step; every all-gather the ranks issued (counted from outside the recipe)
+  is one the plugin's counters name, and the run issues fewer.
 """
 
 import json
 
 import pytest
 from launcher import accelerate_config, launch
+from test_grpo_recipe import run_command
 
 M, STEPS, WORLD = 2, 3, 2
 LAYERS, HIDDEN, HEADS, KV_HEADS, R = 2, 32, 4, 2, 4  # workers/common.tiny_qwen2_config, LoraConfig(r=4)
@@ -111,3 +116,41 @@ def test_a_model_prepared_before_attach_is_refused_in_one_line(ranks):
         error = rank["runs"]["attach_after_prepare"]["error"]
         assert "\n" not in error and "keep_frozen_unsharded=True" in error, error
         assert "call attach() before accelerator.prepare(model)" in error, error
+
+
+LORA = (
+    "accelerate launch --config_file accelerate_configs/fsdp2.yaml recipes/grpo.py --grad-sync-log-all-counters"
+    " --defer-grad-sync --use_peft --lora_r 8 --lora_target_modules q_proj v_proj"
+)
+KEEP_FLAG = " --grad-sync-keep-frozen-unsharded"
+
+
+@pytest.fixture(scope="module", params=["0", "0.04"], ids=lambda beta: f"beta{beta}")
+def grpo(request, tmp_path_factory):
+    """Under LoRA, TRL's reference (beta > 0) is the policy with its adapter off."""
+    command = LORA + f" --beta {request.param}"
+    runs = {
+        name: run_command(command + flag, tmp_path_factory.mktemp(name), timeout=600)
+        for name, flag in (("stock", ""), ("keep", KEEP_FLAG))
+    }
+    return {**runs, "beta": float(request.param)}
+
+
+def _gathers(rank: dict) -> int:
+    return sum(rank["counts"].get(n, 0) for n in ("all_gather_single", "all_gather_into_tensor"))
+
+
+def test_grpo_with_lora_logs_what_it_logs_without_and_gathers_less(grpo):
+    stock, keep = grpo["stock"], grpo["keep"]
+    assert len(keep["logs"]) == len(stock["logs"]) > 0
+    assert all(("kl" in log) == (grpo["beta"] > 0) for log in keep["logs"]), keep["logs"]
+    for mine, theirs in zip(keep["logs"], stock["logs"], strict=True):
+        for key in ("loss", "reward", "kl"):
+            assert mine.get(key) == theirs.get(key), (key, mine, theirs)
+    last = keep["logs"][-1]
+    for rank, stock_rank in zip(keep["ranks"], stock["ranks"], strict=True):
+        # Every all-gather counted from outside is one the plugin's counters name; fewer than without.
+        assert _gathers(rank) == last["grad_sync/all_gathers"] + last["grad_sync/generation_all_gathers"], rank
+        assert _gathers(rank) < _gathers(stock_rank), (rank, stock_rank)
+    line = next(line for line in keep["stdout"].splitlines() if line.startswith("grad sync: deferred"))
+    assert "frozen units for the run" in line, line
