@@ -88,6 +88,23 @@ def test_losses_and_parameters_equal_the_run_without_it(ranks, keep, stock):
         assert moved, "the unfrozen MLP did not train"
 
 
+@pytest.fixture(scope="module")
+def bf16():
+    """accelerate's bf16 mixed precision: FSDP2 casts each unit's parameters to bf16 to gather them."""
+    runs = [{"name": "stock", "config": {}}, {"name": "keep", "config": KEEP}]
+    return launch("frozen_units", ["--M", str(M), "--runs", json.dumps(runs)], {**CONFIG, "mixed_precision": "bf16"})
+
+
+def test_under_bf16_the_kept_copy_and_the_adapters_gathered_are_bf16_and_exact(bf16):
+    per_step = LAYERS * M * 2
+    for rank in bf16:
+        keep, stock = rank["runs"]["keep"], rank["runs"]["stock"]
+        assert all(step["gathered_bytes"] == per_step * ADAPTER_NUMEL * 2 for step in keep["steps"][1:]), keep
+        assert "unsharded bfloat16 params of" in keep["decision"], keep["decision"]
+        assert [s["losses"] for s in keep["steps"]] == [s["losses"] for s in stock["steps"]]
+        assert keep["params"] == stock["params"]
+
+
 def test_a_base_layer_unfrozen_reshards_again(ranks):
     for rank in ranks:
         steps = rank["runs"]["keep_unfreeze"]["steps"]
