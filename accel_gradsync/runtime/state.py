@@ -71,10 +71,13 @@ class BoundModel:
     def stats(self) -> dict:
         """This model's `stats()`: the counters, with the plan's levels and `auto`'s record."""
         levels = {u.name: self.plan.level(u) for u in self.adapter.units}
+        resident = [u for u in self.adapter.units if u.resident]  # keep_frozen_unsharded's
+        kept = {"units_resident": len(resident), "resident_param_bytes": sum(u.param_bytes for u in resident)}
         if self.auto is None:
-            return self.account.stats(self.plan.mode, levels)
+            return {**self.account.stats(self.plan.mode, levels), **kept}
         auto = self.auto
-        return self.account.stats(self.plan.mode, levels, auto.changes, list(auto.peaks), auto.forecast_of(self.plan))
+        changes, peaks, forecast = auto.changes, list(auto.peaks), auto.forecast_of(self.plan)
+        return {**self.account.stats(self.plan.mode, levels, changes, peaks, forecast), **kept}
 
     @property
     def started(self) -> bool:

@@ -21,6 +21,7 @@ FORECAST = "test_forecast_auto.py::test_step_one_runs_the_forecast_plan_with_no_
 ADAPTER = "test_sharded_by_transformers.py::test_a_peft_adapter_added_after_load_time_sharding_is_governed_and_counted"
 REFERENCE = "test_grpo_reference.py::test_the_reference_model_gathers_once_per_step_and_changes_nothing"
 TWO_MODELS = "test_two_models.py::test_each_model_has_its_own_counters_and_decision_line"
+FROZEN_UNITS = "test_frozen_units.py::test_after_the_first_step_only_the_adapters_are_gathered"
 
 REGISTRY: dict[str, str] = {
     "mode": ACCUMULATE,
@@ -38,6 +39,8 @@ REGISTRY: dict[str, str] = {
     "units_windowed": ADAPTER,
     "units_defer_all_reduce": HSDP,
     "units_frozen": ADAPTER,
+    "units_resident": FROZEN_UNITS,
+    "resident_param_bytes": FROZEN_UNITS,
     "measured_peaks": AUTO,
     "measured_peak_bytes": FORECAST,
     "forecast_peak_bytes": FORECAST,

@@ -70,6 +70,14 @@ def test_after_the_first_step_only_the_adapters_are_gathered(ranks):
             assert step["gathered_bytes"] == per_step * ADAPTER_NUMEL * 4, step  # fp32 adapters only
         stock = rank["runs"]["stock"]["steps"]
         assert all(s["gathered_bytes"] > 10 * steps[1]["gathered_bytes"] for s in stock), stock
+        # stats(): the kept units and their bytes, from the model's sizes (fp32): the root's final
+        # norm, the tied embeddings (vocab x hidden), each layer's base (all but its adapters).
+        total = sum(
+            len(v) if isinstance(v[0], float) else len(v) * len(v[0]) for v in rank["runs"]["keep"]["params"].values()
+        )
+        stats = rank["runs"]["keep"]["stats"]
+        assert stats["units_resident"] == FROZEN_UNITS and rank["runs"]["stock"]["stats"]["units_resident"] == 0
+        assert stats["resident_param_bytes"] == (total - LAYERS * ADAPTER_NUMEL) * 4, stats
         decision = rank["runs"]["keep"]["decision"]
         assert f"{per_step} all-gathers/step" in decision and f"of {FROZEN_UNITS} frozen units for the run" in decision
 

@@ -103,6 +103,7 @@ def one_run(run: dict) -> dict:
         out["steps"].append(
             {"all_gathers": counts.get("all_gather_single", 0), "gathered_bytes": gathered_bytes[0], "losses": losses}
         )
+    out["stats"] = {k: handle.stats()[k] for k in ("units_resident", "resident_param_bytes", "units_frozen")}
     handle.detach()  # kept units are unsharded until here: their params plain tensors
     out["params"] = {n: p.full_tensor().tolist() for n, p in model.named_parameters()}
     out["sharded_after_detach"] = all(type(p).__name__ == "DTensor" for p in model.parameters())
