@@ -2,7 +2,7 @@
 # Both create the environment in $(VENV) when it is missing, with the README's Install commands,
 # then run the README's command. .ci/run is `make quality`, `make test`, then `make test-stacks`,
 # so CI installs and tests the way a user does.
-.PHONY: demo test quality setup test-stacks test-compat
+.PHONY: demo test test-fast quality setup test-stacks test-compat
 
 VENV ?= .venv
 CONSTRAINTS ?= constraints.txt
@@ -45,6 +45,12 @@ demo: setup
 
 test: setup
 	HF_HUB_OFFLINE=1 python -m pytest -q
+
+# The one-process tests only: the unit tests of each layer and the repository's own checks (README,
+# docs, layering, CI), no multi-rank launch: 2.5 minutes on 2 CPU cores (measured: 617 passed,
+# 3 skipped, 2m34s wall, with other jobs on the cores), against about 9 for `make test`.
+test-fast: setup
+	HF_HUB_OFFLINE=1 python -m pytest -q tests/unit tests/repo
 
 # The compatibility suite on each of $(STACKS), each in its own venv (a make of its own, so that
 # VIRTUAL_ENV and PATH are that venv's).
