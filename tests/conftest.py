@@ -1,6 +1,7 @@
 """`@pytest.mark.slow` tests and params are skipped unless `--slow` or `-m slow`: the default suite
-keeps one short case of each multi-rank scenario (CI, stacks included, within 35 minutes), and a
-module fixture that launches many runs at once asks the `slow` fixture whether to launch them all or a short share.
+keeps one short case of each multi-rank scenario (about 9 minutes on 2 CPU cores, torch 2.13), and
+a module fixture that launches many runs at once asks the `slow` fixture whether to launch them all
+or a short share.
 
 The package alone (`pip install accel-gradsync`, no extras) runs the tests of the package itself:
 the recipe's tests and the multi-rank suite (which trains the recipe's models with TRL and PEFT)
