@@ -133,6 +133,11 @@ class FSDP2Adapter(ModelAdapter):
 
     def drop_held_grads(self) -> None:
         self.model.zero_grad(set_to_none=True)
+        # NOTE: zero_grad reaches the parameters a unit registers now: a unit the exception left
+        # unsharded shows its unsharded ones, and the gradients reduced into its shards survive.
+        for unit in self.units:
+            for p in unit_params(as_fsdp2(unit.module)):
+                sharded_param(p).grad = None
         fsdp2_grads.drop(self.units, self.fsdp_root())
 
     def grad_state(self) -> list:

@@ -11,6 +11,10 @@ optimizer built before `prepare` (workers/frozen_units.py).
   with a base layer unfrozen after the first step (its unit reshards again from then on, and
   trains), and with the whole state dict taken between steps (FSDP2 reshards every unit for it:
   the next step gathers them again).
+- So they do with a checkpoint saved before step 2 and loaded back before step 3, and with a
+  forward that fails in the second decoder layer of step 2's last micro-batch (accumulate()
+  discards the window's gradients, the reduced ones included, whatever each unit's state was
+  when it failed).
 - detach puts every unit back sharded; a model prepared before attach is refused in one line.
 - TRL's GRPOTrainer through the recipe, `--use_peft` with `--beta` 0 and 0.04 (the reference is
   the policy with its adapter off), deferred: the logged losses, rewards and KL equal the run without
@@ -39,6 +43,10 @@ RUNS = [
     {"name": "keep_unfreeze", "config": KEEP, "unfreeze_at": 1},
     {"name": "keep_state_dict", "config": KEEP, "state_dict_at": 1},
     {"name": "attach_after_prepare", "config": KEEP, "attach_after_prepare": True},
+    {"name": "stock_save_load", "config": {}, "save_at": 1, "load_at": 2},
+    {"name": "keep_save_load", "config": KEEP, "save_at": 1, "load_at": 2},
+    {"name": "stock_raise", "config": {}, "raise_at": [1, 1]},
+    {"name": "keep_raise", "config": KEEP, "raise_at": [1, 1]},
 ]
 
 
@@ -83,7 +91,14 @@ def test_after_the_first_step_only_the_adapters_are_gathered(ranks):
 
 
 @pytest.mark.parametrize(
-    "keep,stock", [("keep", "stock"), ("keep_unfreeze", "stock_unfreeze"), ("keep_state_dict", "stock")]
+    "keep,stock",
+    [
+        ("keep", "stock"),
+        ("keep_unfreeze", "stock_unfreeze"),
+        ("keep_state_dict", "stock"),
+        ("keep_save_load", "stock_save_load"),
+        ("keep_raise", "stock_raise"),
+    ],
 )
 def test_losses_and_parameters_equal_the_run_without_it(ranks, keep, stock):
     for rank in ranks:

@@ -3,7 +3,9 @@ q_proj and v_proj (decoder layers as units), an SGD optimizer built before `prep
 before `prepare`, then STEPS optimizer steps of M causal-LM micro-batches under
 `accelerator.accumulate`, clipping at each step. Each run names its GradSyncConfig, and may
 unfreeze a base layer's MLP before step `unfreeze_at` or take the whole state dict before step
-`state_dict_at`; `attach_after_prepare` reports the refusal.
+`state_dict_at`, save the state before step `save_at` and load it back before step `load_at`,
+or fail a forward before micro-batch `raise_at` ([step, k]); `attach_after_prepare` reports the
+refusal.
 
 Reported per run: per step the all-gathers (calls, and the bytes of their outputs) counted from
 outside by wrapping torch.distributed, the losses; the final parameters (full tensors); the
@@ -11,6 +13,7 @@ FSDP2 units with their trainable and frozen parameter counts; the decision line;
 unit's flags are back after detach; and, after detach, whether the parameters are sharded again."""
 
 import json
+import os
 
 import torch
 import torch.distributed as dist
@@ -59,6 +62,10 @@ def units(model) -> dict[str, list[int]]:
     return out
 
 
+def _raise(*_):
+    raise RuntimeError("a forward that fails")
+
+
 def one_run(run: dict) -> dict:
     set_seed(0)
     base = Qwen2ForCausalLM(tiny_qwen2_config(vocab_size=VOCAB, pad_token_id=0))
@@ -86,10 +93,22 @@ def one_run(run: dict) -> dict:
                 p.requires_grad_(True)
         if run.get("state_dict_at") == step:  # a save between steps: FSDP2's hooks reshard every unit
             accelerator.get_state_dict(model)
+        if run.get("save_at") == step:
+            accelerator.save_state(os.path.join(args.out, run["name"]))
+        if run.get("load_at") == step:  # back to the checkpoint taken at `save_at`: the adapters revert
+            accelerator.load_state(os.path.join(args.out, run["name"]))
         counter.take()
         gathered_bytes[0] = 0
         losses = []
         for k in range(M):
+            if run.get("raise_at") == [step, k]:  # a forward that fails in its second decoder layer
+                fail = model.base_model.model.model.layers[1].register_forward_pre_hook(_raise)
+                try:
+                    with accelerator.accumulate(model):
+                        model(input_ids=DATA[step, k, rank], labels=DATA[step, k, rank])
+                except RuntimeError:
+                    pass  # the loop goes on with its next micro-batch
+                fail.remove()
             with accelerator.accumulate(model):
                 batch = DATA[step, k, rank]
                 loss = model(input_ids=batch, labels=batch).loss
