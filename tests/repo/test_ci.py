@@ -152,7 +152,15 @@ def test_torch_is_the_series_the_plugin_tables():
     assert {f"{p.major}.{p.minor}" for p in pinned} == set(TESTED_TORCH)
 
 
-DOCS = ["README.md", "docs/modes.md", "docs/recipe.md", "docs/estimate.md", "docs/install.md"]
+DOCS = [
+    "README.md",
+    "docs/modes.md",
+    "docs/recipe.md",
+    "docs/estimate.md",
+    "docs/install.md",
+    "docs/architecture.md",
+    "docs/performance.md",
+]
 REPO_PATH = re.compile(r"`((?:accel_gradsync|recipes|accelerate_configs|benchmarks|tests|docs|examples)/[\w./-]*)")
 
 
