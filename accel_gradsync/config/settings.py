@@ -84,9 +84,9 @@ DEFAULTS: dict[str, Any] = {
     # Where the bytes are planned (budget, auto): a reference model resident when it fits; in the
     # other modes it all-gathers once per step, as before the setting existed.
     "keep_reference_unsharded": "auto",
-    # Memory first, as the reference model's residency outside budget and auto: the frozen base of
-    # a LoRA model unsharded for the run costs its whole unsharded size on every rank.
-    "keep_frozen_unsharded": False,
+    # As the reference model's residency: where the bytes are planned (budget, auto), the frozen
+    # base of a LoRA model unsharded for the run where it fits; elsewhere gathered every step.
+    "keep_frozen_unsharded": "auto",
     # A Trainer log line carries the few per-step counters; the ~20 others stay in stats().
     "log_all_counters": False,
     # No shape, no forecast: auto measures step 1 per micro-batch, which needs no model config.
@@ -135,7 +135,8 @@ class ResolvedConfig:
     gather_for_generation: bool
     keep_reference_unsharded: str
     """One of `RESIDENCY`: auto, true or false."""
-    keep_frozen_unsharded: bool
+    keep_frozen_unsharded: str
+    """One of `RESIDENCY`: auto, true or false."""
     log_all_counters: bool
     forecast_micro_batch_size: int
     forecast_seq_len: int
@@ -255,18 +256,21 @@ class GradSyncConfig:
         nargs="?",
         const="true",
     )
-    keep_frozen_unsharded: Boolean | None = _flag(
+    keep_frozen_unsharded: str | None = _flag(
         "keep_frozen_unsharded",
         "FSDP2, a trained model with frozen parameters (LoRA over a frozen base): the trainable "
         "parameters inside each unit the accelerate config wraps (the adapters of a decoder layer) get an "
         "FSDP2 unit of their own at prepare, and the units left with only frozen parameters stay unsharded "
         "for the whole run: one all-gather at their first forward, then none; each step gathers only the "
-        "adapters. Costs the frozen parameters' whole unsharded size (compute dtype) on every rank for the "
-        "whole run. attach() must come before accelerator.prepare(model) (a Trainer prepares in train()); "
-        "not with fsdp_cpu_ram_efficient_loading. A checkpoint save or load reshards the kept units (the "
-        "next forward gathers them again), and so does detach. Not yet planned by budget or auto.",
+        "adapters. Costs the kept units' whole unsharded parameters (compute dtype) on every rank for the "
+        "whole run. true/false force it; auto: sync modes budget and auto keep each frozen unit, in order, "
+        "while its bytes fit what they plan within (after resident reference models), and plan the trained "
+        "units within what is left; the other modes do not. attach() must come before "
+        "accelerator.prepare(model) (a Trainer prepares in train()); not with fsdp_cpu_ram_efficient_loading. "
+        "A checkpoint save or load reshards the kept units (the next forward gathers them again), and so "
+        "does detach.",
         nargs="?",
-        const=True,
+        const="true",
     )
     log_all_counters: Boolean | None = _flag(
         "log_all_counters",
@@ -395,15 +399,16 @@ class GradSyncConfig:
 _CHOICES = {"sync_mode": SYNC_MODES, "reduce_dtype": REDUCE_DTYPES, "save_on_signal": SAVE_SIGNALS}
 
 
-def _coerce_residency(value: Any, source: str) -> str:
-    """`keep_reference_unsharded`: auto, or a boolean in any spelling a source gives (true/false)."""
+def _coerce_residency(name: str, value: Any, source: str) -> str:
+    """`keep_reference_unsharded`, `keep_frozen_unsharded`: auto, or a boolean in any spelling a
+    source gives (true/false)."""
     if isinstance(value, str) and value.strip().lower() == "auto":
         return "auto"
     try:
         return "true" if parse_bool(value) else "false"
     except ValueError:
         raise ValueError(
-            f"{source}={value!r} is not a valid `keep_reference_unsharded`; use auto (budget and auto modes "
+            f"{source}={value!r} is not a valid `{name}`; use auto (budget and auto modes "
             f"decide from the bytes) or a boolean ({BOOLEAN_SPELLINGS})."
         ) from None
 
@@ -411,8 +416,8 @@ def _coerce_residency(value: Any, source: str) -> str:
 def _coerce(name: str, value: Any, source: str) -> Any:
     """Validate one field, accepting the string spellings a CLI, YAML or environment gives."""
     expected = type(DEFAULTS[name])
-    if name == "keep_reference_unsharded":
-        return _coerce_residency(value, source)
+    if name in ("keep_reference_unsharded", "keep_frozen_unsharded"):
+        return _coerce_residency(name, value, source)
     if expected is bool:
         return parse_bool(value, source, name)
     if name in _CHOICES:

@@ -265,10 +265,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             estimate_parser.error(str(err))  # exits 2 with the usage line
     from accel_gradsync.estimator.formatting import format_json, format_table
 
-    if config.keep_frozen_unsharded:  # NOTE: a setting the estimate reads no byte of: one warning, on stderr
+    frozen = config.resolved().keep_frozen_unsharded
+    if frozen == "true" or (lora is not None and frozen == "auto"):  # NOTE: not modelled: one warning, on stderr
         print(
-            "accel-gradsync estimate: --keep_frozen_unsharded is not modelled yet: every row gathers and holds "
-            "as without it (docs/modes.md, LoRA).",
+            f"accel-gradsync estimate: --keep_frozen_unsharded ({frozen}) is not modelled yet: every row gathers "
+            "and holds as without it (docs/modes.md, LoRA).",
             file=sys.stderr,
         )
     print(format_json(result) if args.json else format_table(result))

@@ -1,5 +1,6 @@
 """Whether a model nothing trains (a reference model) stays unsharded for the whole run:
-`decide_residency`, which binding and the estimate both call.
+`decide_residency`, which binding and the estimate both call; and which frozen units of a trained
+model `keep_frozen_unsharded` keeps (`frozen_units_to_keep`), by the same room.
 
 A reference model never changes, yet FSDP2 all-gathers it at least once per optimizer step (for its
 log-prob pass; resharded before training). Resident, it gathers once, at its first forward, then
@@ -66,6 +67,31 @@ def decide_residency(
         f"its ~{size} unsharded params per rank {'fit' if fits else 'do not fit'} the {format_bytes(max(room, 0))} "
         f"of {settings.sync_mode}'s {what}" + (" left by other reference models" if taken else ""),
     )
+
+
+def splits_frozen(settings: ResolvedConfig) -> bool:
+    """Whether `keep_frozen_unsharded` gives a trained model's trainable modules FSDP2 units of
+    their own at prepare (runtime/frozen_units.py): true, or auto under a mode that plans memory."""
+    value = settings.keep_frozen_unsharded
+    return value == "true" or (value == "auto" and settings.sync_mode in PLANNED_MODES)
+
+
+def frozen_units_to_keep(
+    settings: ResolvedConfig, sizes: Sequence[int], free_memory: Callable[[], int], taken: int = 0
+) -> list[bool]:
+    """Which of a trained model's frozen units (their unsharded param bytes per rank, `sizes`, in
+    model order) `keep_frozen_unsharded` keeps for the run: true all, false none; auto under a
+    planned mode each in order while the bytes kept so far fit its room less `taken` (what
+    resident reference models keep already), else none."""
+    if settings.keep_frozen_unsharded == "true":
+        return [True] * len(sizes)
+    if not splits_frozen(settings):
+        return [False] * len(sizes)
+    room, kept = room_for_residency(settings, free_memory) - taken, []
+    for size in sizes:
+        kept.append(size <= room)
+        room -= size if kept[-1] else 0
+    return kept
 
 
 def kept_bytes(units: Sequence[Unit], keeps: bool, resident: bool) -> int:

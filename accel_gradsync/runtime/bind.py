@@ -167,7 +167,7 @@ class Binder:
             return None
         state.adapters[root] = adapter
         self._trainable[root] = (model, trainable_params(root))
-        if state.settings.keep_frozen_unsharded and adapter.kind != "fsdp2":
+        if state.settings.keep_frozen_unsharded == "true" and adapter.kind != "fsdp2":
             state.warn_once(
                 "keep_frozen_unsharded_not_fsdp2",
                 f"accel_gradsync: keep_frozen_unsharded is ignored on {adapter.kind}: it keeps FSDP2 units of "
@@ -207,9 +207,11 @@ class Binder:
 
     def _plan(self, root: nn.Module, adapter: ModelAdapter, auto: MeasuredAuto | None) -> Plan:
         """The first plan of the trained model `root`, within memory less what the frozen models
-        bound so far keep (`FrozenModel.kept_bytes`)."""
+        bound so far keep (`FrozenModel.kept_bytes`) and its own resident units
+        (`keep_frozen_unsharded`)."""
         m = self.state.micro_batches_per_step
         reserved = sum(f.kept_bytes for f in self.state.frozen.values())
+        reserved += sum(u.param_bytes for u in adapter.units if u.resident)
         if auto is not None:
             return auto.first_plan(adapter, m, self._forecasts.get(root), reserved)
         return self.state.policy.plan(adapter, self.memory.free, m, reserved)

@@ -26,6 +26,7 @@ reshards the kept units (FSDP2's own hooks): the next forward gathers them again
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -36,7 +37,9 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from accel_gradsync.compat import fsdp2 as internals
-from accel_gradsync.runtime.fsdp2_state import param_now, unit_params
+from accel_gradsync.config.settings import ResolvedConfig
+from accel_gradsync.planning.residency import frozen_units_to_keep
+from accel_gradsync.runtime.fsdp2_state import param_now, sharded_param, unit_params
 
 
 def applies(accelerator: Accelerator) -> bool:
@@ -52,16 +55,22 @@ def split_trainable(accelerator: Accelerator, model: nn.Module) -> dict[int, nn.
     plugin = accelerator.state.fsdp_plugin
     if isinstance(model, FSDPModule) or any(isinstance(m, FSDPModule) for m in model.modules()):
         return {}  # sharded already (a model prepared again): nothing to split
-    if plugin.cpu_ram_efficient_loading:
-        raise ValueError(
-            "keep_frozen_unsharded=True with fsdp_cpu_ram_efficient_loading=true: accelerate reloads the model's "
-            "state dict after sharding, which would hold the adapters' shards instead of their tensors; set "
-            "fsdp_cpu_ram_efficient_loading: false in the accelerate config, or keep_frozen_unsharded=False."
-        )
+    if not any(p.requires_grad for p in model.parameters()) or all(p.requires_grad for p in model.parameters()):
+        return {}  # nothing frozen beside something trained (a reference model, full fine-tuning)
     plugin.set_auto_wrap_policy(model)  # what accelerate's fsdp2_prepare_model does first
     policy = fsdp2_prepare_auto_wrap_policy(plugin, model)
-    if policy is None:
+    layers = [m for m in get_module_children_bottom_up(model)[:-1] if policy is not None and policy(m)]
+    splits = [(layer, leaves) for layer in layers if (leaves := _trainable_leaves(layer))]
+    splits = [(layer, leaves) for layer, leaves in splits if any(not p.requires_grad for p in layer.parameters())]
+    if not splits:
         return {}
+    if plugin.cpu_ram_efficient_loading:
+        raise ValueError(
+            "keep_frozen_unsharded (true, or auto under budget or auto) with fsdp_cpu_ram_efficient_loading=true: "
+            "accelerate reloads the model's state dict after sharding, which would hold the adapters' shards "
+            "instead of their tensors; set fsdp_cpu_ram_efficient_loading: false in the accelerate config, or "
+            "keep_frozen_unsharded=false."
+        )
     before = dict(model.named_parameters())
     mesh = accelerator.torch_device_mesh
     kwargs: dict[str, Any] = {
@@ -70,11 +79,9 @@ def split_trainable(accelerator: Accelerator, model: nn.Module) -> dict[int, nn.
         "offload_policy": plugin.cpu_offload,
         "reshard_after_forward": plugin.reshard_after_forward,
     }
-    for layer in get_module_children_bottom_up(model)[:-1]:
-        if policy(layer) and not isinstance(layer, FSDPModule):
-            trained = _trainable_leaves(layer)
-            if trained and any(not p.requires_grad for p in layer.parameters()):
-                fully_shard(trained, **kwargs)
+    for _, leaves in splits:  # bottom-up, as accelerate shards: no layer inside another is split twice
+        if not any(isinstance(m, FSDPModule) for m in leaves):
+            fully_shard(leaves, **kwargs)
     after = dict(model.named_parameters())
     return {id(p): after[name] for name, p in before.items() if after[name] is not p}
 
@@ -87,7 +94,7 @@ def switch_optimizer_params(optimizer: Any, replaced: dict[int, nn.Parameter]) -
         return
     if inner.state:
         raise ValueError(
-            "keep_frozen_unsharded=True: the optimizer passed to accelerator.prepare() has already stepped; "
+            "keep_frozen_unsharded: the optimizer passed to accelerator.prepare() has already stepped; "
             "prepare the model and the optimizer before the first step."
         )
     for group in inner.param_groups:
@@ -111,18 +118,24 @@ class FrozenResidency:
             if isinstance(obj, torch.optim.Optimizer) or hasattr(obj, "param_groups"):
                 switch_optimizer_params(obj, self.replaced)
 
-    def keep(self, model: nn.Module) -> None:
-        """Every FSDP2 unit of the prepared `model` with no trainable parameter: never resharded."""
+    def keep(self, model: nn.Module, settings: ResolvedConfig, free_memory: Callable[[], int], taken: int) -> None:
+        """The FSDP2 units of the prepared `model` with no trainable parameter that
+        `keep_frozen_unsharded` keeps (planning/residency.py: all, or those that fit): never
+        resharded. `taken`: what resident reference models keep already."""
+        frozen, seen = [], set()
         for module in model.modules():
-            if not isinstance(module, FSDPModule):
+            if not isinstance(module, FSDPModule) or id(module._get_fsdp_state()) in seen:
                 continue
-            state = module._get_fsdp_state()
+            seen.add(id(module._get_fsdp_state()))
             params = unit_params(module)
-            if id(state) in self._kept or not params or any(param_now(p).requires_grad for p in params):
-                continue
-            self._kept[id(state)] = (module, _reshards_after_forward(module))
-            module.set_reshard_after_forward(False, False)  # `recurse` is positional in torch 2.13
-            module.set_reshard_after_backward(False, recurse=False)
+            if params and not any(param_now(p).requires_grad for p in params):
+                frozen.append((module, sum(_unsharded_bytes(p) for p in params)))
+        chosen = frozen_units_to_keep(settings, [size for _, size in frozen], free_memory, taken)
+        for (module, _), keep in zip(frozen, chosen, strict=True):
+            if keep and id(module._get_fsdp_state()) not in self._kept:
+                self._kept[id(module._get_fsdp_state())] = (module, _reshards_after_forward(module))
+                module.set_reshard_after_forward(False, False)  # `recurse` is positional in torch 2.13
+                module.set_reshard_after_backward(False, recurse=False)
 
     def review(self, model: nn.Module) -> None:
         """`model`'s trainable parameters changed (progressive unfreezing): a kept unit given one
@@ -157,6 +170,12 @@ def _trainable_leaves(layer: nn.Module) -> list[nn.Module]:
         if own and all(p.requires_grad for p in own) and all(p.requires_grad for p in module.parameters()):
             found.append(module)
     return found
+
+
+def _unsharded_bytes(p: Any) -> int:
+    """One FSDPParam's unsharded bytes in the dtype FSDP2 gathers it in (its `param_dtype`)."""
+    dtype = internals.read(p, "mp_policy").param_dtype or sharded_param(p).dtype
+    return sharded_param(p).numel() * dtype.itemsize
 
 
 def _reshards_after_forward(module: FSDPModule) -> bool:

@@ -246,9 +246,9 @@ class GradSyncHandle:
         its checkpoints and the Trainer (connection.py)."""
         try:
             trained = [m for m in models if any(p.requires_grad for p in m.parameters())]
-            if trained and self._state.settings.keep_frozen_unsharded and applies(self.accelerator):
+            if trained and self._state.settings.keep_frozen_unsharded == "true" and applies(self.accelerator):
                 raise ValueError(
-                    f"keep_frozen_unsharded=True, but {model_name(trained[0])} was prepared before "
+                    f"keep_frozen_unsharded=true, but {model_name(trained[0])} was prepared before "
                     "accel_gradsync.attach(): its adapters get FSDP2 units of their own when accelerate shards it; "
                     "call attach() before accelerator.prepare(model) (a Trainer prepares in train())."
                 )

@@ -21,6 +21,7 @@ from accelerate import Accelerator
 from torch import nn
 
 from accel_gradsync.compat.releases import TRAINER_DEFER, TRAINER_DEFER_SINCE
+from accel_gradsync.planning.residency import splits_frozen
 from accel_gradsync.runtime.bind import Binder, wants_binding
 from accel_gradsync.runtime.frozen_units import applies
 from accel_gradsync.runtime.join import Join
@@ -110,16 +111,18 @@ def hook_accelerator(
             return super().load_state(*args, **kwargs)
 
         def prepare(self, *args, **kwargs):
-            residency = binder.state.residency
-            if binder.state.settings.keep_frozen_unsharded and applies(self):
-                residency.split(self, args)  # adapters in units of their own, before accelerate shards
+            state = binder.state
+            splits = splits_frozen(state.settings) and applies(self)
+            if splits:
+                state.residency.split(self, args)  # adapters in units of their own, before accelerate shards
             result = super().prepare(*args, **kwargs)
             # One object comes back alone; several as a tuple (a list under FSDP2).
             objs = result if isinstance(result, (tuple, list)) else (result,)
             models = [obj for obj in objs if isinstance(obj, nn.Module) and wants_binding(self, obj)]
-            if binder.state.settings.keep_frozen_unsharded and applies(self):
-                for model in models:
-                    residency.keep(model)  # before bind: the units it reads keep their params
+            if splits:
+                taken = sum(f.kept_bytes for f in state.frozen.values() if f.resident)
+                for model in models:  # before bind: the units it reads keep their params
+                    state.residency.keep(model, state.settings, binder.memory.free, taken)
             # Frozen models first: budget and auto plan the trained ones within what those keep.
             for model in sorted(models, key=lambda m: any(p.requires_grad for p in m.parameters())):
                 binder.bind(model)

@@ -45,6 +45,10 @@ RUNS = [
     {"name": "attach_after_prepare", "config": KEEP, "attach_after_prepare": True},
     {"name": "stock_save_load", "config": {}, "save_at": 1, "load_at": 2},
     {"name": "keep_save_load", "config": KEEP, "save_at": 1, "load_at": 2},
+    # The default, auto: budget keeps each frozen unit while it fits (all of 1 MiB, none of 100 B,
+    # less than the root's final norm alone); per_micro_batch (the stock run) splits and keeps nothing.
+    {"name": "budget_all", "config": {"sync_mode": "budget", "memory_budget": "1MiB"}},
+    {"name": "budget_none", "config": {"sync_mode": "budget", "memory_budget": "100B"}},
     {"name": "stock_raise", "config": {}, "raise_at": [1, 1]},
     {"name": "keep_raise", "config": KEEP, "raise_at": [1, 1]},
 ]
@@ -151,10 +155,21 @@ def test_detach_leaves_every_parameter_sharded(ranks):
         assert all(run["sharded_after_detach"] for name, run in rank["runs"].items() if "error" not in run)
 
 
+def test_auto_keeps_under_budget_what_fits_and_nothing_elsewhere(ranks):
+    for rank in ranks:
+        everything, nothing = rank["runs"]["budget_all"], rank["runs"]["budget_none"]
+        assert everything["stats"]["units_resident"] == FROZEN_UNITS, everything["stats"]
+        # With 1 MiB the budget also windows the adapter units: each gathered once per step.
+        assert [s["all_gathers"] for s in everything["steps"]][1:] == [LAYERS] * (STEPS - 1)
+        assert nothing["stats"]["units_resident"] == 0, nothing["stats"]
+        assert len(nothing["units"]) == len(everything["units"]) > len(rank["runs"]["stock"]["units"])  # split
+        assert rank["runs"]["stock"]["stats"]["units_resident"] == 0  # per_micro_batch: auto keeps nothing
+
+
 def test_a_model_prepared_before_attach_is_refused_in_one_line(ranks):
     for rank in ranks:
         error = rank["runs"]["attach_after_prepare"]["error"]
-        assert "\n" not in error and "keep_frozen_unsharded=True" in error, error
+        assert "\n" not in error and "keep_frozen_unsharded=true" in error, error
         assert "call attach() before accelerator.prepare(model)" in error, error
 
 

@@ -324,30 +324,30 @@ def test_a_yaml_key_spelled_as_its_flag_suggests_the_key(recipe, tmp_path, key, 
         _recipe_grad_sync(recipe, tmp_path, yaml=f"{key}: 1\n")
 
 
+@pytest.mark.parametrize("name", ["keep_reference_unsharded", "keep_frozen_unsharded"])
 @pytest.mark.parametrize(
     ("given", "expected"), [("auto", "auto"), ("AUTO", "auto"), ("on", "true"), ("1", "true"), ("No", "false")]
 )
-def test_keep_reference_unsharded_is_auto_or_a_boolean_from_every_source(
-    recipe, tmp_path, monkeypatch, given, expected
+def test_a_residency_setting_is_auto_or_a_boolean_from_every_source(
+    recipe, tmp_path, monkeypatch, name, given, expected
 ):
     """A tri-state: auto (budget and auto decide from the bytes) or forced by any boolean spelling,
     read the same by the environment, both parsers, the recipe's command line and its YAML; a bare
     flag means true."""
-    flag = ["--grad-sync-keep-reference-unsharded", given]
-    answers = [GradSyncConfig(keep_reference_unsharded=given).keep_reference_unsharded]
+    option = "--grad-sync-" + name.replace("_", "-")
+    flag = [option, given]
+    answers = [getattr(GradSyncConfig(**{name: given}), name)]
     with monkeypatch.context() as env:
-        env.setenv("ACCEL_GRADSYNC_KEEP_REFERENCE_UNSHARDED", given)
-        answers.append(GradSyncConfig().keep_reference_unsharded)
+        env.setenv("ACCEL_GRADSYNC_" + name.upper(), given)
+        answers.append(getattr(GradSyncConfig(), name))
     for parser_cls in (HfArgumentParser, TrlParser):
-        answers.append(parser_cls(GradSyncConfig).parse_args_into_dataclasses(flag)[0].keep_reference_unsharded)
-    answers.append(_recipe_grad_sync(recipe, tmp_path, flag).keep_reference_unsharded)
-    answers.append(
-        _recipe_grad_sync(recipe, tmp_path, yaml=f'keep_reference_unsharded: "{given}"\n').keep_reference_unsharded
-    )
+        answers.append(getattr(parser_cls(GradSyncConfig).parse_args_into_dataclasses(flag)[0], name))
+    answers.append(getattr(_recipe_grad_sync(recipe, tmp_path, flag), name))
+    answers.append(getattr(_recipe_grad_sync(recipe, tmp_path, yaml=f'{name}: "{given}"\n'), name))
     assert answers == [expected] * 6
-    bare = HfArgumentParser(GradSyncConfig).parse_args_into_dataclasses(["--grad-sync-keep-reference-unsharded"])[0]
-    assert bare.keep_reference_unsharded == "true"
-    assert GradSyncConfig().keep_reference_unsharded == DEFAULTS["keep_reference_unsharded"] == "auto"
+    bare = HfArgumentParser(GradSyncConfig).parse_args_into_dataclasses([option])[0]
+    assert getattr(bare, name) == "true"
+    assert getattr(GradSyncConfig(), name) == DEFAULTS[name] == "auto"
 
 
 def test_a_bad_keep_reference_unsharded_names_the_choices():

@@ -4,14 +4,21 @@ import pytest
 
 from accel_gradsync import GradSyncConfig
 from accel_gradsync.config.settings import ENV_PREFIX
-from accel_gradsync.planning.residency import decide_residency
+from accel_gradsync.planning.residency import decide_residency, frozen_units_to_keep
 
 MiB = 2**20
 
 
 @pytest.fixture(autouse=True)
 def clean_env(monkeypatch):
-    for name in ("SYNC_MODE", "DEFER", "MEMORY_BUDGET", "KEEP_REFERENCE_UNSHARDED", "MEMORY_MARGIN"):
+    for name in (
+        "SYNC_MODE",
+        "DEFER",
+        "MEMORY_BUDGET",
+        "KEEP_REFERENCE_UNSHARDED",
+        "KEEP_FROZEN_UNSHARDED",
+        "MEMORY_MARGIN",
+    ):
         monkeypatch.delenv(ENV_PREFIX + name, raising=False)
 
 
@@ -55,3 +62,26 @@ def test_auto_keeps_it_where_its_bytes_fit_free_memory_less_the_margin():
     assert residency.reason == (
         "its ~75.0 MiB unsharded params per rank do not fit the 75.0 MiB of auto's free memory less the margin"
     )
+
+
+@pytest.mark.parametrize(
+    ("value", "mode", "expected"),
+    [
+        ("true", "per_micro_batch", [True, True, True]),  # forced, whatever the mode
+        ("false", "budget", [False, False, False]),
+        ("auto", "per_micro_batch", [False, False, False]),  # a mode that plans no memory
+        ("auto", "deferred", [False, False, False]),
+        ("auto", "budget", [True, True, False]),  # 100 B: 60 fits, 30 of the 40 left, 20 of the 10 not
+    ],
+)
+def test_frozen_units_kept_in_order_while_they_fit_the_budget(value, mode, expected):
+    budget = {"memory_budget": "100B"} if mode == "budget" else {}
+    settings = GradSyncConfig(sync_mode=mode, keep_frozen_unsharded=value, **budget).resolved()
+    assert frozen_units_to_keep(settings, [60, 30, 20], never) == expected
+
+
+def test_frozen_units_count_what_resident_reference_models_take_first():
+    settings = GradSyncConfig(sync_mode="budget", memory_budget="100B").resolved()
+    assert frozen_units_to_keep(settings, [60, 30, 20], never, taken=50) == [False, True, True]
+    auto = GradSyncConfig(sync_mode="auto", memory_margin=0.5).resolved()  # half of 200 B free
+    assert frozen_units_to_keep(auto, [60, 30, 20], lambda: 200) == [True, True, False]
