@@ -44,8 +44,9 @@ from accel_gradsync.runtime.fsdp2_state import param_now, sharded_param, unit_pa
 
 def applies(accelerator: Accelerator) -> bool:
     """FSDP2 under accelerate: where the setting does anything."""
-    plugin = accelerator.state.fsdp_plugin
-    return accelerator.distributed_type == DistributedType.FSDP and getattr(plugin, "fsdp_version", 1) == 2
+    if accelerator.distributed_type != DistributedType.FSDP:
+        return False  # NOTE: accelerate's state raises on `fsdp_plugin` when it has none
+    return getattr(getattr(accelerator.state, "fsdp_plugin", None), "fsdp_version", 1) == 2
 
 
 def split_trainable(accelerator: Accelerator, model: nn.Module) -> dict[int, nn.Parameter]:
