@@ -49,9 +49,10 @@ MODES: dict[str, tuple[dict[str, Any] | None, str]] = {
     "per_micro_batch": ({"defer": False}, "plugin, per-micro-batch sync"),
     "deferred": ({"defer": True}, "plugin, deferred sync"),
     "window": (
-        {"defer": True, "keep_params_unsharded": True, "keep_reference_unsharded": True},
+        {"defer": True, "keep_params_unsharded": True, "keep_reference_unsharded": True, "keep_frozen_unsharded": True},
         "plugin, deferred + keep_params_unsharded (the window) + keep_reference_unsharded (full fine-tuning: "
-        "the reference model gathered once, at its first forward, and kept)",
+        "the reference model gathered once, at its first forward, and kept) + keep_frozen_unsharded (LoRA: the "
+        "frozen base gathered once, at its first forward, and kept; only the adapters each step)",
     ),
     "auto": (
         {"sync_mode": "auto", "free_memory": AUTO_FREE_MEMORY},
@@ -72,12 +73,15 @@ REORDERED = ("ddp", "per_micro_batch", "auto")
 LOG_RTOL = 1e-4
 TUNINGS = ("full", "lora")
 # Under LoRA, TRL's reference is the policy with its adapter off, no model of its own: nothing for
-# keep_reference_unsharded to keep (the window already keeps the policy).
+# keep_reference_unsharded to keep (the window already keeps the policy). Full fine-tuning has no
+# frozen base for keep_frozen_unsharded.
 FULL_ONLY = ("keep_reference_unsharded",)
+LORA_ONLY = ("keep_frozen_unsharded",)
 
 
 def gradsync_kwargs(kwargs: dict[str, Any] | None, lora: bool) -> dict[str, Any] | None:
-    return None if kwargs is None else {k: v for k, v in kwargs.items() if not (lora and k in FULL_ONLY)}
+    skip = FULL_ONLY if lora else LORA_ONLY
+    return None if kwargs is None else {k: v for k, v in kwargs.items() if k not in skip}
 
 
 CONFIGS: dict[str, dict[str, Any]] = {

@@ -88,18 +88,25 @@ def check_floor(run: GrpoRun, where: str, tuning: str, quick: bool) -> list[Targ
     )
     if w.ref_unsharded_bytes:
         state += f"; of it, the reference model kept unsharded: {w.ref_unsharded_bytes / MiB:.2f} MiB"
-    state_result = TargetResult(state_what, PASS if w.state_bytes < d else FAIL, state)
+    if w.resident_bytes:  # keep_frozen_unsharded's price, said; the target reads the rest
+        state += (
+            f"; of it, the frozen base kept unsharded for the run: {w.resident_bytes / MiB:.2f} MiB, "
+            f"without which {(w.state_bytes - w.resident_bytes) / MiB:.2f} MiB"
+        )
+    state_result = TargetResult(state_what, PASS if w.state_bytes - w.resident_bytes < d else FAIL, state)
     return [judged(time_what, targets.GRPO_DDP_FLOOR, ratio[1], quick, measured), state_result]
 
 
 def check_window_gathers(where: str, row: GrpoRow) -> TargetResult:
     """The window gathers each unit of the trained model once per step (a reference model's log-prob
-    passes are a model of their own): at generation's first forward, kept to the optimizer step."""
-    U, seen = row.units, row.counts_seen
+    passes are a model of their own): at generation's first forward, kept to the optimizer step;
+    units kept unsharded for the run (keep_frozen_unsharded) never after step 1."""
+    U, seen = row.units - row.resident_units, row.counts_seen  # resident units: gathered at step 1 only
     trained = {g + t for g in seen["generation"]["all_gathers"] for t in seen["training"]["all_gathers"]}
     what = f"[{where}] {row.config}: {targets.GRPO_WINDOW_GATHERS.name}"
+    kept = f" ({row.units} units, {row.resident_units} kept unsharded for the run)" if row.resident_units else ""
     detail = (
-        f"U = {U}; every timed step: generation {seen['generation']['all_gathers']}, training "
+        f"U = {U}{kept}; every timed step: generation {seen['generation']['all_gathers']}, training "
         f"{seen['training']['all_gathers']} (log-prob passes: {seen['logprob']['all_gathers']})"
     )
     return TargetResult(what, PASS if trained == {U} else FAIL, detail)

@@ -88,6 +88,8 @@ def row_of(name: str, rounds: list[tuple[GrpoRankRun, ...]]) -> GrpoRow:
         **memory_max(every, [run.handle_held_grad_bytes for runs in rounds for run in runs]),
         state_bytes=max((s.state_bytes for s in every), default=0),
         ref_unsharded_bytes=max((s.ref_unsharded_bytes for s in every), default=0),
+        resident_units=int(rank0_runs[0].stats.get("units_resident", 0)),
+        resident_bytes=int(rank0_runs[0].stats.get("resident_param_bytes", 0)),
         logprob_gathers=[
             [s.phases["logprob"].all_gathers for s in ([run.first_step] if run.first_step else []) + run.steps]
             for run in rank0_runs

@@ -219,6 +219,8 @@ class GrpoRow(Row):
     ref_units: int = 0  # FSDP2 units of a reference model of its own (0: none, as under LoRA or beta 0; DDP)
     state_bytes: int = 0  # the most `GrpoStep.state_bytes` over ranks and steps: what stays between steps
     ref_unsharded_bytes: int = 0  # the most `GrpoStep.ref_unsharded_bytes`: a resident reference model's share
+    resident_units: int = 0  # units of the trained model kept unsharded for the run (keep_frozen_unsharded)
+    resident_bytes: int = 0  # their unsharded parameter bytes per rank (stats()'s resident_param_bytes)
     # Per round, rank 0's all-gathers in the log-prob passes at every step, step 1 included (counted
     # around `torch.distributed`): with beta > 0 under full fine-tuning, the reference model's.
     logprob_gathers: list[list[int]] = field(default_factory=list)

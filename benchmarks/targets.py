@@ -130,7 +130,8 @@ GRPO_WINDOW_SPEEDUP = {
 }
 GRPO_WINDOW_GATHERS = Target("the trained model's all-gathers per optimizer step = U exactly",
     "generation's and training's all-gathers of the trained model on every timed step",
-    "the window gathers each unit once, at generation's first forward, and keeps it to the optimizer step")
+    "the window gathers each unit once, at generation's first forward, and keeps it to the optimizer step; "
+    "U counts the units not kept unsharded for the run (LoRA's frozen base with keep_frozen_unsharded)")
 GRPO_GENERATION_ALL_REDUCES = Target("generation issues no all-reduce (no collective per decoded token)",
     "the all-reduces issued inside TRL's _generate on every timed step, counted around torch.distributed on rank 0",
     "with every unit kept unsharded after generation's first forward no rank's forward issues a collective, so "
@@ -149,7 +150,8 @@ GRPO_STATE = Target("memory between optimizer steps below DDP's",
     "each rank's params (FSDP2: shards plus unsharded storage still allocated), grads and optimizer state, of "
     "both models, after every timed optimizer step, the max; of it, the reference model's unsharded params",
     "the window gathers the trained model within a step only and keeps FSDP's 1/N shard between steps where "
-    "DDP keeps everything; a reference model kept resident adds its unsharded params, which DDP holds too")
+    "DDP keeps everything; a reference model kept resident adds its unsharded params, which DDP holds too; "
+    "LoRA's frozen base kept unsharded (keep_frozen_unsharded) is said apart and left out of the comparison")
 GRPO_IDENTICAL = Target("completions, rewards, KL and losses identical to stock at every logged step (exact; "
     "logged values within 1e-4 relative where gradients are summed in another order)",
     "every configuration's completion digests, rewards and logged values (loss, reward, reward_std, kl with "

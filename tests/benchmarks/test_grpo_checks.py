@@ -168,3 +168,20 @@ def test_the_floor_says_what_the_collectives_alone_cost_on_the_network():
     # A results.json from before the measurement: no note.
     plain = grpo_checks.check_floor(GrpoRun(size="quick", facts={}, rows=[ddp, window]), "loopback", "full", False)
     assert "collectives alone" not in plain[0].measured
+
+
+def test_a_frozen_base_kept_unsharded_is_said_and_left_out_of_the_window_targets():
+    """keep_frozen_unsharded: the units kept for the run gather at step 1 only (U counts the
+    others), and their bytes are said beside the state, which is compared without them."""
+    kept = row("lora/window", [1.0], [0], gen_gathers=4, train_gathers=0, units=11, resident_units=7)
+    assert grpo_checks.check_window_gathers("loopback", kept).status == "PASS"
+    assert "U = 4 (11 units, 7 kept unsharded for the run)" in grpo_checks.check_window_gathers("loopback", kept).measured
+    every = row("lora/window", [1.0], [0], gen_gathers=11, train_gathers=0, units=11, resident_units=7)
+    assert grpo_checks.check_window_gathers("loopback", every).status == "FAIL"  # the kept ones gathered again
+    ddp = row("lora/ddp", [1.0], [0], state_bytes=4 * 2**20)
+    window = row("lora/window", [1.1], [0], state_bytes=6 * 2**20, resident_bytes=3 * 2**20, units=11, resident_units=7)
+    ((state_status, state),) = status(
+        grpo_checks.check_targets(results([ddp, window])), "[loopback] lora/window: memory between"
+    ).values()
+    assert state_status == "PASS", state
+    assert state.endswith("of it, the frozen base kept unsharded for the run: 3.00 MiB, without which 3.00 MiB"), state
