@@ -175,7 +175,8 @@ def test_a_frozen_base_kept_unsharded_is_said_and_left_out_of_the_window_targets
     others), and their bytes are said beside the state, which is compared without them."""
     kept = row("lora/window", [1.0], [0], gen_gathers=4, train_gathers=0, units=11, resident_units=7)
     assert grpo_checks.check_window_gathers("loopback", kept).status == "PASS"
-    assert "U = 4 (11 units, 7 kept unsharded for the run)" in grpo_checks.check_window_gathers("loopback", kept).measured
+    measured = grpo_checks.check_window_gathers("loopback", kept).measured
+    assert "U = 4 (11 units, 7 kept unsharded for the run)" in measured, measured
     every = row("lora/window", [1.0], [0], gen_gathers=11, train_gathers=0, units=11, resident_units=7)
     assert grpo_checks.check_window_gathers("loopback", every).status == "FAIL"  # the kept ones gathered again
     ddp = row("lora/ddp", [1.0], [0], state_bytes=4 * 2**20)
