@@ -45,20 +45,8 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 """The dtype names settings and tables use, and the torch dtypes they stand for."""
 REDUCE_DTYPES = ("auto", "fp32", "bf16")
 RESIDENCY = ("auto", "true", "false")
-"""What `keep_reference_unsharded` resolves to (any boolean spelling gives true or false)."""
-FP32_HELD_MODES = (SyncMode.AUTO.value, SyncMode.BUDGET.value)
-"""The sync modes whose `reduce_dtype` `auto` means fp32. FSDP2 holds deferred gradients in the
-reduce dtype, so with a bf16 reduce M micro-batches are summed in bf16, where per-micro-batch
-sync sums each one's reduced shard in fp32 (measured in docs/modes.md). These modes choose what to
-hold themselves, so they hold in fp32 unless `reduce_dtype` says bf16; the others keep
-accelerate's choice, the param dtype."""
-
-
-def reduce_dtype_for(sync_mode: str, reduce_dtype: str) -> str:
-    """The reduce dtype a sync mode asks for: `reduce_dtype` itself, except that `auto` is fp32
-    in `FP32_HELD_MODES` (else `auto`: accelerate's choice stays). `attach.reduce_dtype_policy`
-    writes fp32 only where the model computes in less (bf16 mixed precision)."""
-    return "fp32" if reduce_dtype == "auto" and sync_mode in FP32_HELD_MODES else reduce_dtype
+"""What `keep_reference_unsharded` and `keep_frozen_unsharded` resolve to (any boolean spelling gives
+true or false)."""
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -17,7 +17,7 @@ import torch
 from accel_gradsync.compat.fsdp2 import release, torch_series
 from accel_gradsync.compat.versions import TESTED_TORCH
 from accel_gradsync.config.errors import GradSyncWarning
-from accel_gradsync.config.settings import GradSyncConfig, SyncMode, dtype_name, reduce_dtype_for
+from accel_gradsync.config.settings import GradSyncConfig, SyncMode, dtype_name
 from accel_gradsync.estimator.inputs import FSDPSetup, LoraSpec, StepShape, load_model_config, read_launch_setup
 from accel_gradsync.estimator.meta_model import build_meta_model, estimated_adapter
 from accel_gradsync.estimator.reference import (
@@ -37,6 +37,7 @@ from accel_gradsync.estimator.row_costs import (
 from accel_gradsync.estimator.step_peak import StepForecaster
 from accel_gradsync.planning.costs import all_gathers_per_step, collectives_per_step, generation_cost
 from accel_gradsync.planning.policies import POLICIES, DeferredSync, SyncPolicy
+from accel_gradsync.planning.reduce_dtype import reduce_dtype_for
 from accel_gradsync.planning.units import ALL_REDUCE, Plan
 from accel_gradsync.runtime.adapter import ModelAdapter
 
@@ -133,7 +134,7 @@ def estimate(
 
 class _AdaptersByReduceDtype:
     """The sharded model per reduce dtype the rows need, each sharded once: auto and budget hold
-    fp32 where the others keep accelerate's reduce dtype (`config.reduce_dtype_for`), as attach
+    fp32 where the others keep accelerate's reduce dtype (`planning.reduce_dtype.reduce_dtype_for`), as attach
     writes it per mode. Nothing reaches a model transformers shards, and without mixed precision
     there is nothing to widen: one adapter serves every row."""
 

@@ -94,7 +94,7 @@ def build_accelerate_plugin(setup: FSDPSetup, config: GradSyncConfig, model: nn.
     """accelerate's `FullyShardedDataParallelPlugin` as a launch with `setup` builds it: its wrap
     policy resolved on `model`, the mixed precision set as `AcceleratorState` sets it, and the
     reduce dtype of sync mode `mode` (default: the config's) written into it as `attach` does
-    before `prepare` (`config.reduce_dtype_for`: fp32 for auto and budget when `auto`)."""
+    before `prepare` (`planning.reduce_dtype.reduce_dtype_for`: fp32 for auto and budget when `auto`)."""
     from accelerate.utils import FullyShardedDataParallelPlugin
 
     fsdp1 = setup.fsdp_version == 1

@@ -18,10 +18,11 @@ from typing import Any
 
 import torch
 
-from accel_gradsync.config.settings import GradSyncConfig, SyncMode, reduce_dtype_for
+from accel_gradsync.config.settings import GradSyncConfig, SyncMode
 from accel_gradsync.estimator.fake_step import FakeStep, Schedule, SimulatedStep, unit_key
 from accel_gradsync.estimator.inputs import FSDPSetup, LoraSpec, StepShape
 from accel_gradsync.estimator.row_costs import count_sharded_grad_bytes
+from accel_gradsync.planning.reduce_dtype import reduce_dtype_for
 from accel_gradsync.planning.units import GRADIENT_SYNC, Plan
 from accel_gradsync.runtime.adapter import ModelAdapter
 

@@ -12,7 +12,8 @@ from typing import Any
 import torch
 
 from accel_gradsync.compat.fsdp2 import release as fsdp2_release
-from accel_gradsync.config.settings import DTYPES, reduce_dtype_for
+from accel_gradsync.config.settings import DTYPES
+from accel_gradsync.planning.reduce_dtype import reduce_dtype_for
 from accel_gradsync.planning.units import ALL_REDUCE, Level, Plan, Unit, Wrapped
 
 
@@ -238,7 +239,7 @@ def format_bytes(n: int) -> str:
 def reduce_dtype_policy(plugin: Any, reduce_dtype: str, mode: str) -> Any:
     """The FSDP mixed-precision policy accelerate's `plugin` is to wrap with in sync mode `mode`:
     its own with `reduce_dtype` written in, or fp32 where `reduce_dtype` is `auto`, the mode is
-    `auto` or `budget` (`config.reduce_dtype_for`) and the policy computes in less than fp32 (it
+    `auto` or `budget` (`reduce_dtype.reduce_dtype_for`) and the policy computes in less than fp32 (it
     is there that per-micro-batch sync sums in the fp32 params and a bf16 hold would not). None
     where the policy stays as it is. The estimate builds its plugin with it too."""
     from torch.distributed.fsdp import MixedPrecision, MixedPrecisionPolicy

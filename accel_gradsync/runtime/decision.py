@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from accel_gradsync.config.errors import GradSyncWarning
-from accel_gradsync.config.settings import FP32_HELD_MODES, ResolvedConfig, SyncMode
+from accel_gradsync.config.settings import ResolvedConfig, SyncMode
 from accel_gradsync.planning.costs import (
     all_gathers_per_step,
     collectives_per_step,
@@ -23,6 +23,7 @@ from accel_gradsync.planning.costs import (
     generation_cost,
     narrower_than_reduce,
 )
+from accel_gradsync.planning.reduce_dtype import FP32_HELD_MODES
 from accel_gradsync.planning.residency import Residency
 from accel_gradsync.planning.units import ALL_REDUCE, GRADIENT_SYNC, Level, Plan, Unit
 from accel_gradsync.runtime.adapter import ModelAdapter

@@ -11,12 +11,13 @@ import pytest
 from transformers import HfArgumentParser
 
 from accel_gradsync import GradSyncConfig, GradSyncWarning
-from accel_gradsync.config.settings import ENV_PREFIX, reduce_dtype_for
+from accel_gradsync.config.settings import ENV_PREFIX
 from accel_gradsync.estimator.core import estimate
 from accel_gradsync.estimator.formatting import format_table
 from accel_gradsync.estimator.inputs import load_model_config, read_accelerate_config
 from accel_gradsync.estimator.meta_model import build_meta_model, estimated_adapter
 from accel_gradsync.planning.policies import resolve_policy
+from accel_gradsync.planning.reduce_dtype import reduce_dtype_for
 from accel_gradsync.planning.units import Plan
 from accel_gradsync.runtime.decision import describe_decision, warn_about_plan
 
