@@ -49,10 +49,13 @@ def applies(accelerator: Accelerator) -> bool:
     return getattr(getattr(accelerator.state, "fsdp_plugin", None), "fsdp_version", 1) == 2
 
 
-def split_trainable(accelerator: Accelerator, model: nn.Module) -> dict[int, nn.Parameter]:
+def split_trainable(
+    accelerator: Accelerator, model: nn.Module, worth: Callable[[list[int]], bool] = lambda sizes: True
+) -> dict[int, nn.Parameter]:
     """Before accelerate shards `model`: one FSDP2 unit for the trainable modules inside each
-    module its auto-wrap policy will shard. Returns the parameters replaced, by the id of the old
-    one (for the optimizers built before)."""
+    module its auto-wrap policy will shard, where `worth` says the frozen units that leaves
+    (their unsharded bytes, in model order) are worth it: some would be kept. Returns the
+    parameters replaced, by the id of the old one (for the optimizers built before)."""
     plugin = accelerator.state.fsdp_plugin
     if isinstance(model, FSDPModule) or any(isinstance(m, FSDPModule) for m in model.modules()):
         return {}  # sharded already (a model prepared again): nothing to split
@@ -63,8 +66,11 @@ def split_trainable(accelerator: Accelerator, model: nn.Module) -> dict[int, nn.
     layers = [m for m in get_module_children_bottom_up(model)[:-1] if policy is not None and policy(m)]
     splits = [(layer, leaves) for layer in layers if (leaves := _trainable_leaves(layer))]
     splits = [(layer, leaves) for layer, leaves in splits if any(not p.requires_grad for p in layer.parameters())]
-    if not splits:
-        return {}
+    dtype = getattr(plugin.mixed_precision_policy, "param_dtype", None)  # what FSDP2 will gather them in
+    sizes = [sum(p.numel() * (dtype or p.dtype).itemsize for p in layer.parameters() if not p.requires_grad)
+             for layer, _ in splits]  # fmt: skip
+    if not splits or not worth(sizes):
+        return {}  # nothing to split, or no frozen layer would be kept: more, smaller all-gathers for nothing
     if plugin.cpu_ram_efficient_loading:
         raise ValueError(
             "keep_frozen_unsharded (true, or auto under budget or auto) with fsdp_cpu_ram_efficient_loading=true: "
@@ -109,12 +115,24 @@ class FrozenResidency:
         self._kept: dict[int, tuple[FSDPModule, bool]] = {}  # by unit state: (its module, reshard_after_forward)
         self.replaced: dict[int, nn.Parameter] = {}  # split_trainable's, for optimizers prepared later
 
-    def split(self, accelerator: Accelerator, objects: tuple) -> None:
-        """In `accelerator.prepare(*objects)`, before accelerate: split each model, switch each
+    def split(
+        self,
+        accelerator: Accelerator,
+        objects: tuple,
+        settings: ResolvedConfig,
+        free_memory: Callable[[], int],
+        taken: int,
+    ) -> None:
+        """In `accelerator.prepare(*objects)`, before accelerate: split each model where some frozen
+        layer would be kept (`frozen_units_to_keep` over the layers' frozen bytes), switch each
         optimizer's parameters (this call's or, where it comes later, a later one's)."""
+
+        def worth(sizes: list[int]) -> bool:
+            return any(frozen_units_to_keep(settings, sizes, free_memory, taken))
+
         for obj in objects:
             if isinstance(obj, nn.Module):
-                self.replaced.update(split_trainable(accelerator, obj))
+                self.replaced.update(split_trainable(accelerator, obj, worth))
         for obj in objects:
             if isinstance(obj, torch.optim.Optimizer) or hasattr(obj, "param_groups"):
                 switch_optimizer_params(obj, self.replaced)

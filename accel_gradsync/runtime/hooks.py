@@ -113,14 +113,14 @@ def hook_accelerator(
         def prepare(self, *args, **kwargs):
             state = binder.state
             splits = splits_frozen(state.settings) and applies(self)
-            if splits:
-                state.residency.split(self, args)  # adapters in units of their own, before accelerate shards
+            taken = sum(f.kept_bytes for f in state.frozen.values() if f.resident)
+            if splits:  # adapters in units of their own, before accelerate shards
+                state.residency.split(self, args, state.settings, binder.memory.free, taken)
             result = super().prepare(*args, **kwargs)
             # One object comes back alone; several as a tuple (a list under FSDP2).
             objs = result if isinstance(result, (tuple, list)) else (result,)
             models = [obj for obj in objs if isinstance(obj, nn.Module) and wants_binding(self, obj)]
             if splits:
-                taken = sum(f.kept_bytes for f in state.frozen.values() if f.resident)
                 for model in models:  # before bind: the units it reads keep their params
                     state.residency.keep(model, state.settings, binder.memory.free, taken)
             # Frozen models first: budget and auto plan the trained ones within what those keep.
