@@ -23,21 +23,20 @@ STEP = (SIGNAL_AT // M) + 1  # the step in progress when the signal comes: every
 AFTER_S = 30 * DEADLINE_FLOOR_S  # rank 1's after-training work: the signal must end it first, however slow the loop was
 
 
+def _launch(phase: str, tmp, *extra: str):
+    """workers/preemption_loop.py's `phase` on 2 ranks, FSDP2, its files under `tmp`."""
+    args = ["--phase", phase, "--checkpoint", str(tmp / "checkpoint"), "--reference", str(tmp), *extra]
+    return launch(WORKERS / "preemption_loop.py", args, accelerate_config("fsdp2"), timeout=600)
+
+
 @pytest.fixture(scope="module")
 def preempted(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("preemption_loop")
-    paths = ["--checkpoint", str(tmp / "checkpoint"), "--reference", str(tmp)]
-    done = launch(
-        WORKERS / "preemption_loop.py",
-        ["--phase", "preempt", *paths, "--signal-at", str(SIGNAL_AT)],
-        accelerate_config("fsdp2"),
-        timeout=600,
-    )
-    return done, tmp, paths
+    return _launch("preempt", tmp, "--signal-at", str(SIGNAL_AT)), tmp
 
 
 def test_sigterm_to_one_rank_saves_every_rank_at_that_step_and_each_exits_with_the_code(preempted):
-    done, tmp, _ = preempted
+    done, tmp = preempted
     output = done.output
     assert done.returncode != 0, output[-6000:]
     assert [r["step"] for r in done.ranks] == [STEP, STEP], output[-6000:]  # both told at the same step
@@ -54,8 +53,7 @@ def test_sigterm_to_one_rank_saves_every_rank_at_that_step_and_each_exits_with_t
 # test_resume.py and test_reliability_edge.py, this case only adds who chose the step.
 @pytest.mark.slow
 def test_resuming_from_that_checkpoint_ends_as_if_uninterrupted(preempted):
-    _, _, paths = preempted
-    done = launch(WORKERS / "preemption_loop.py", ["--phase", "resume", *paths], accelerate_config("fsdp2"))
+    done = _launch("resume", preempted[1])
     assert done.returncode == 0, done.output[-6000:]
     assert len(done.ranks) == 2
     for rank in done.ranks:
@@ -63,13 +61,7 @@ def test_resuming_from_that_checkpoint_ends_as_if_uninterrupted(preempted):
 
 
 def test_sigterm_after_the_last_ask_without_detach_takes_its_own_action_at_the_deadline(tmp_path):
-    paths = ["--checkpoint", str(tmp_path / "checkpoint"), "--reference", str(tmp_path)]
-    done = launch(
-        WORKERS / "preemption_loop.py",
-        ["--phase", "after-loop", *paths, "--after-s", str(AFTER_S)],
-        accelerate_config("fsdp2"),
-        timeout=600,
-    )
+    done = _launch("after-loop", tmp_path, "--after-s", str(AFTER_S))
     output = done.output
     # Rank 1 died of its SIGTERM (torch elastic reports -15) inside its after-training work.
     assert done.returncode != 0 and "exitcode  : -15" in output, output[-6000:]
