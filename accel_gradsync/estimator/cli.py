@@ -127,7 +127,10 @@ class EstimateArguments:
         default=None,
         metadata={
             "help": "A LoRA fine-tune (PEFT) of rank R: only the adapters train, so units, held gradients, optimizer "
-            "state and the step peak are those of the adapters, the frozen base sharded. Not given: full fine-tuning."
+            "state and the step peak are those of the adapters, the frozen base sharded, or, where "
+            "--grad-sync-keep-frozen-unsharded keeps it for a row's mode (FSDP2), split from the adapters and kept "
+            "unsharded for the run: gathered in step 1 only and counted in every step peak. Not given: full "
+            "fine-tuning."
         },
     )
     lora_target_modules: str = field(
@@ -265,13 +268,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             estimate_parser.error(str(err))  # exits 2 with the usage line
     from accel_gradsync.estimator.formatting import format_json, format_table
 
-    frozen = config.resolved().keep_frozen_unsharded
-    if frozen == "true" or (lora is not None and frozen == "auto"):  # NOTE: not modelled: one warning, on stderr
-        print(
-            f"accel-gradsync estimate: --keep_frozen_unsharded ({frozen}) is not modelled yet: every row gathers "
-            "and holds as without it (docs/modes.md, LoRA).",
-            file=sys.stderr,
-        )
     print(format_json(result) if args.json else format_table(result))
     return 0
 

@@ -19,7 +19,7 @@ from accel_gradsync.compat.versions import TESTED_TORCH
 from accel_gradsync.config.errors import GradSyncWarning
 from accel_gradsync.config.settings import GradSyncConfig, SyncMode, dtype_name
 from accel_gradsync.estimator.inputs import FSDPSetup, LoraSpec, StepShape, load_model_config, read_launch_setup
-from accel_gradsync.estimator.meta_model import build_meta_model, estimated_adapter
+from accel_gradsync.estimator.meta_model import NeedsFreeMemory, build_meta_model, estimated_adapter, keep_frozen_for
 from accel_gradsync.estimator.reference import (
     ReferenceModel,
     add_reference,
@@ -34,7 +34,7 @@ from accel_gradsync.estimator.row_costs import (
     count_sent_bytes,
     count_sharded_grad_bytes,
 )
-from accel_gradsync.estimator.step_peak import StepForecaster
+from accel_gradsync.estimator.step_peak import StepForecaster, resident_beyond_window
 from accel_gradsync.planning.costs import all_gathers_per_step, collectives_per_step, generation_cost
 from accel_gradsync.planning.policies import POLICIES, DeferredSync, SyncPolicy
 from accel_gradsync.planning.reduce_dtype import reduce_dtype_for
@@ -117,8 +117,14 @@ def estimate(
             "base model's units, or estimate a LoRA model accelerate shards with --accelerate-config."
         )
     adapters = _AdaptersByReduceDtype(load_model_config(model_spec), model_dtype, setup, config, lora, series)
-    result = _describe_launch(model_spec, setup, config, adapters.for_mode(config.mode), micro_batches)
+    try:
+        header = adapters.for_mode(config.mode)
+    except ValueError:  # its keep_frozen_unsharded reads free memory, not given: the row says so
+        header = adapters.for_mode(config.mode, keep=False)
+    result = _describe_launch(model_spec, setup, config, header, micro_batches)
     result.torch, result.torch_running = series, torch.__version__
+    if lora is not None:  # frozen units to keep: each row says which it keeps
+        result.keep_frozen_unsharded = config.resolved().keep_frozen_unsharded
     reference_model = build_reference(beta, adapters.model_config, model_dtype, setup, config, lora)
     result.reference = count_for_mode(reference_model, config, micro_batches)
     sim = None
@@ -152,16 +158,28 @@ class _AdaptersByReduceDtype:
         self.torch_release = torch_release
         self.chosen = config.resolved().reduce_dtype
         self.same = bool(setup.distributed_config) or setup.mixed_precision == "no"
-        self.adapters: dict[tuple[str, str | None], ModelAdapter] = {}
+        self.adapters: dict[tuple[str, str | None, str | None], ModelAdapter] = {}
 
-    def for_mode(self, mode: str, running: bool = False) -> ModelAdapter:
+    def for_mode(self, mode: str, running: bool = False, keep: bool = True) -> ModelAdapter:
         """Mode `mode`'s sharded model, its units following the estimate's torch release, or with
-        `running` this process's torch (what the step simulation holds)."""
+        `running` this process's torch (what the step simulation holds); a LoRA model split and its
+        frozen units kept as `keep_frozen_unsharded` does under `mode` (`keep_frozen_for`), unless
+        not `keep`. A mode whose keeping reads free memory, with none given, raises the
+        `ValueError` its row shows."""
         dtype = self.chosen if self.same else reduce_dtype_for(mode, self.chosen)
-        key = (dtype, None if running else self.torch_release)
+        # A LoRA model's frozen units, kept as a live prepare keeps them under `mode`. Only a LoRA
+        # model has any (no reference model beside it: nothing resident to take room first).
+        frozen = keep_frozen_for(self.setup, self.config, mode, self.config.free_memory_bytes)
+        frozen = frozen if keep and self.lora is not None else None
+        # The same decision for every mode where the setting is true: one model serves them all.
+        kept = None if frozen is None else "all" if frozen.settings.keep_frozen_unsharded == "true" else mode
+        key = (dtype, None if running else self.torch_release, kept)
         if key not in self.adapters:
             model = build_meta_model(self.model_config, self.model_dtype, self.lora)
-            self.adapters[key] = estimated_adapter(model, self.setup, self.config, mode, key[1])
+            try:
+                self.adapters[key] = estimated_adapter(model, self.setup, self.config, mode, key[1], frozen)
+            except NeedsFreeMemory as err:
+                raise ValueError(str(err)) from None
         return self.adapters[key]
 
 
@@ -204,12 +222,14 @@ def _estimate_row(
     try:
         # The deferred rows show deferral without and with the window, whatever the config says.
         window = {SyncMode.DEFERRED: False, WINDOW_ROW: True}.get(name)
-        adapter = adapters.for_mode(policy_cls.name)
         if policy_cls.name == SyncMode.BUDGET and not config.memory_budget:
             raise ValueError("needs a budget: set --grad-sync-memory-budget (e.g. 12GiB or 0.5 of free memory).")
+        adapter = adapters.for_mode(policy_cls.name)
         reference = count_for_mode(reference_model, config, micro_batches, policy_cls.name)
-        # Within memory less what the reference model keeps, as a live run plans (budget, auto).
+        # Within memory less what the reference model and the kept frozen units keep, as a live
+        # run plans (budget, auto: bind.py's `_plan`).
         reserved = reference.reserved_bytes if reference is not None else 0
+        reserved += sum(u.param_bytes for u in adapter.units if u.resident)
         plan = _plan_mode(policy_cls, config, adapter, config.free_memory_bytes, micro_batches, window, reserved)
         plan = plan.over(micro_batches)
         if setup.num_processes == 1:
@@ -224,8 +244,9 @@ def _estimate_row(
         row.reference_resident, row.reference_all_gathers = reference.resident, reference.all_gathers_per_step
     row.fits = _check_fits(row, config)
     if sim is not None:
-        # The window (or gather_for_generation) keeps the trained params from generation through the pass.
-        kept = max(plan.held_param_bytes(), plan.generation_bytes)
+        # The window (or gather_for_generation) keeps the trained params from generation through the
+        # pass, and keep_frozen_unsharded its kept units through every phase.
+        kept = max(plan.held_param_bytes() + resident_beyond_window(plan, adapter), plan.generation_bytes)
         other = adapters.torch_release != torch_series()  # the cluster runs another torch than this process
         running = adapters.for_mode(policy_cls.name, running=True) if other else None
         peak = add_reference(sim.row(plan, adapter, policy_cls.name, running), reference, kept)
@@ -245,6 +266,7 @@ def _count_row(mode: str, plan: Plan, adapter: ModelAdapter, setup: FSDPSetup, m
         rs = ar = all_gathers = generation_all_gathers = first = 0
         in_window = None
     held_dtype = dtype_name(plan.held[0].held_dtype) if plan.held else ""
+    resident = [u for u in adapter.units if u.resident]  # keep_frozen_unsharded's, as stats() counts them
     return ModeEstimate(
         mode=mode,
         reason=plan.reason,
@@ -264,6 +286,12 @@ def _count_row(mode: str, plan: Plan, adapter: ModelAdapter, setup: FSDPSetup, m
         generation_all_gathers=generation_all_gathers,
         generation_first_all_gathers=first,
         generation_all_gathers_in_window=in_window,
+        units_resident=len(resident),
+        resident_param_bytes=sum(u.param_bytes for u in resident),
+        resident_units=[u.name or "<root>" for u in resident],
+        resident_dtype=dtype_name(resident[0].compute_dtype) if resident else "",
+        # Step 1 also gathers each kept unit once, at its first forward; no step after it does.
+        first_step_all_gathers=all_gathers + (len(resident) if setup.num_processes > 1 else 0),
     )
 
 
@@ -283,11 +311,13 @@ def check_torch_release(torch_release: str | None) -> str:
 
 
 def _check_fits(row: ModeEstimate, config: GradSyncConfig) -> bool | None:
-    """Whether the row's worst moment fits free memory less the margin; None without free memory."""
+    """Whether the row's worst moment, beside the frozen units kept for the run, fits free memory
+    less the margin; None without free memory."""
     free = config.free_memory_bytes
     if free is None:
         return None
-    worst = max(row.peak_bytes, row.generation_bytes + row.held_bytes)
+    # Generation's gathered params include the kept units' already.
+    worst = max(row.peak_bytes + row.resident_param_bytes, row.generation_bytes + row.held_bytes)
     return worst <= int(free * (1 - config.resolved().memory_margin))
 
 

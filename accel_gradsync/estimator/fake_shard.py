@@ -11,16 +11,30 @@ from __future__ import annotations
 import contextlib
 import sys
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from accel_gradsync.config.settings import ResolvedConfig
+
 _CPU = torch.device("cpu")
+
+
+@dataclass(frozen=True)
+class KeepFrozen:
+    """`keep_frozen_unsharded` as a live `accelerator.prepare` applies it (runtime/hooks.py): the
+    settings of one sync mode, free memory per rank (read only where that mode decides from it)
+    and what resident reference models keep already; `FrozenResidency.split` before accelerate
+    shards, `FrozenResidency.keep` after."""
+
+    settings: ResolvedConfig
+    free_memory: Callable[[], int]
+    taken: int = 0
 
 
 @contextlib.contextmanager
@@ -61,25 +75,32 @@ class _PreparingAccelerator:
 
 
 def shard_like_accelerate(
-    model: nn.Module, plugin: Any, mixed_precision: str, replicate_size: int, shard_size: int
+    model: nn.Module,
+    plugin: Any,
+    mixed_precision: str,
+    replicate_size: int,
+    shard_size: int,
+    keep: KeepFrozen | None = None,
+    split: bool = False,
 ) -> nn.Module:
     """`model` (on the meta device) wrapped as `Accelerator.prepare` wraps it with `plugin` (an
     `accelerate.utils.FullyShardedDataParallelPlugin` whose mixed precision is already set), on
     a `replicate_size` x `shard_size` mesh (FSDP2; FSDP1 shards over the whole world). Must run
-    inside `fake_world`; the model is modified in place."""
-    if plugin.fsdp_version == 2:
-        return _shard_fsdp2(model, plugin, mixed_precision, replicate_size, shard_size)
-    return _shard_fsdp1(model, plugin, mixed_precision)
+    inside `fake_world`; the model is modified in place.
 
-
-def _shard_fsdp2(
-    model: nn.Module, plugin: Any, mixed_precision: str, replicate_size: int, shard_size: int
-) -> nn.Module:
-    """accelerate's own `fsdp2_prepare_model` (its wrap policy, its carving of the input embedding
-    and of the [final norm, lm_head] group, its root call, its fp32 upcast) calls `fully_shard` on
-    the meta-device model; the DTensor shards stay on the meta device."""
+    FSDP2: accelerate's own `fsdp2_prepare_model` (its wrap policy, its carving of the input
+    embedding and of the [final norm, lm_head] group, its root call, its fp32 upcast) calls
+    `fully_shard` on the meta-device model; the DTensor shards stay on the meta device. With
+    `keep`, the runtime's own `FrozenResidency` splits the trainable modules off before and keeps
+    the frozen units after, as `keep_frozen_unsharded` makes the live prepare do, with the same
+    accelerator-like object accelerate reads; with `split`, only `split_trainable`, whatever
+    would be kept."""
+    if plugin.fsdp_version != 2:
+        return _shard_fsdp1(model, plugin, mixed_precision)
     from accelerate import ParallelismConfig
     from accelerate.utils import fsdp2_prepare_model
+
+    from accel_gradsync.runtime.frozen_units import FrozenResidency, split_trainable
 
     # Always accelerate's mesh for a parallelism_config, also for a config without one (where a
     # launch lets fully_shard build its default 1-D mesh over the world: the same shards, but on
@@ -91,7 +112,16 @@ def _shard_fsdp2(
         with warnings.catch_warnings():
             # accelerate slices its own flattened mesh (a launched run warns the same); not the user's to fix.
             warnings.filterwarnings("ignore", message="Slicing a flattened dim", category=UserWarning)
-            return fsdp2_prepare_model(accelerator, model)
+            residency = FrozenResidency()
+            live = cast(Any, accelerator)  # what split_trainable reads of an Accelerator, as accelerate's does
+            if keep is not None:
+                residency.split(live, (model,), keep.settings, keep.free_memory, keep.taken)
+            elif split:
+                split_trainable(live, model)
+            wrapped = fsdp2_prepare_model(accelerator, model)
+            if keep is not None:
+                residency.keep(wrapped, keep.settings, keep.free_memory, keep.taken)
+            return wrapped
     except AttributeError as err:
         if not isinstance(getattr(err, "obj", None), (_PreparingAccelerator, SimpleNamespace)):
             raise

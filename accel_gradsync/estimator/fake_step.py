@@ -32,7 +32,7 @@ from accel_gradsync.runtime.adapt import adapt_model
 from accel_gradsync.runtime.adapter import ModelAdapter
 
 PHASES = ("first_micro_batch", "later_micro_batch", "optimizer_step")
-_INDEXED = re.compile(r"^(.*)\.(\d+)$")
+_INDEXED = re.compile(r"\.\d+(?=\.|$)")
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,10 @@ class Schedule:
     held: frozenset[str] = frozenset()
     windowed: frozenset[str] = frozenset()
     held_sync: str = GRADIENT_SYNC
+    resident: frozenset[str] = frozenset()
+    """Frozen units `keep_frozen_unsharded` keeps unsharded for the run: where any, the model's
+    trainable modules are split into units of their own first, as a live prepare splits them
+    (`split_trainable`), and these never reshard (as `FrozenResidency.keep` sets them)."""
 
 
 @dataclass
@@ -63,9 +67,10 @@ class SimulatedStep:
 
 
 def unit_key(name: str) -> str:
-    """`model.layers.7` -> `model.layers.*`; other names as they are."""
-    match = _INDEXED.match(name)
-    return f"{match.group(1)}.*" if match else name
+    """`model.layers.7` -> `model.layers.*`, and a unit inside a layer (LoRA's adapters, split by
+    `keep_frozen_unsharded`) `model.layers.7.self_attn.q_proj.lora_A.default` ->
+    `model.layers.*.self_attn.q_proj.lora_A.default`; other names as they are."""
+    return _INDEXED.sub(".*", name)
 
 
 class FakeStep:
@@ -107,10 +112,12 @@ class FakeStep:
 
     @contextlib.contextmanager
     def _tracked_model(
-        self, model_config: Any, mode: str, checkpointing: bool
+        self, model_config: Any, mode: str, checkpointing: bool, split: bool = False
     ) -> Iterator[tuple[torch.nn.Module, ModelAdapter, torch.optim.Optimizer, Any]]:
-        """`model_config`'s model sharded as accelerate shards it for `mode`, on fake tensors in a
-        fake world, with the optimizer state a step after the first holds, inside `FSDPMemTracker`."""
+        """`model_config`'s model sharded as accelerate shards it for `mode` (with `split`, its
+        trainable modules in units of their own first, as `keep_frozen_unsharded` splits them), on
+        fake tensors in a fake world, with the optimizer state a step after the first holds,
+        inside `FSDPMemTracker`."""
         from torch._subclasses.fake_tensor import FakeTensorMode
         from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
@@ -127,7 +134,8 @@ class FakeStep:
                 enable_checkpointing(model)
             model.train()
             plugin = build_accelerate_plugin(setup, self.config, model, mode)
-            model = shard_like_accelerate(model, plugin, setup.mixed_precision, setup.replicate_size, setup.shard_size)
+            shards = (setup.mixed_precision, setup.replicate_size, setup.shard_size)
+            model = shard_like_accelerate(model, plugin, *shards, split=split)
             adapter = adapt_model(model)
             assert adapter is not None  # fully_shard wrapped the root
             with FakeTensorMode(allow_non_fake_inputs=True):
@@ -171,11 +179,21 @@ class FakeStep:
     def _run(self, model_config: Any, schedule: Schedule, whole: bool) -> SimulatedStep:
         """The tracked fake step of the module docstring, for `model_config` as given."""
         shape = self.shape
-        tracked = self._tracked_model(model_config, schedule.mode, shape.gradient_checkpointing)
+        split = bool(schedule.resident)
+        tracked = self._tracked_model(model_config, schedule.mode, shape.gradient_checkpointing, split)
         with tracked as (model, adapter, optimizer, tracker):
             name = (lambda n: n) if whole else unit_key
             held = [cast(FSDPModule, u.module) for u in adapter.units if name(u.name) in schedule.held]
-            windowed = [cast(FSDPModule, u.module) for u in adapter.units if name(u.name) in schedule.windowed]
+            resident = [cast(FSDPModule, u.module) for u in adapter.units if name(u.name) in schedule.resident]
+            # A kept unit's flags stay as keep set them: the window's restore gives them back (fsdp2.py's `hold`).
+            windowed = [
+                cast(FSDPModule, u.module)
+                for u in adapter.units
+                if name(u.name) in schedule.windowed and name(u.name) not in schedule.resident
+            ]
+            for module in resident:  # never resharded, as FrozenResidency.keep sets them
+                module.set_reshard_after_forward(False, False)  # `recurse` is positional in torch 2.13
+                module.set_reshard_after_backward(False, recurse=False)
             phases: dict[str, int] = {}
             count = min(self.micro_batches, 2)  # micro-batches after the second repeat the second
             for k, phase in enumerate(PHASES[:count] if count == 2 else PHASES[:1]):

@@ -37,21 +37,107 @@ def format_json(est: Estimate) -> str:
 
 
 def format_table(est: Estimate) -> str:
-    """The human-readable table: a header line, one row per mode, then the n/a reasons."""
+    """The human-readable table: a header line (with `--beta` the reference model's line, with
+    frozen units to keep `keep_frozen_unsharded`'s), one row per mode, then the n/a reasons."""
     rows, notes = [], []
-    header = _HEADER + ([_STEP_PEAK] if est.step_shape is not None else [])
+    kept = any(m.applicable and m.units_resident for m in est.modes)  # the column only where a row keeps some
+    header = _HEADER + ([_KEPT_FROZEN] if kept else []) + ([_STEP_PEAK] if est.step_shape is not None else [])
     for m in est.modes:
-        rows.append(_format_row(est, m) + ([_format_step_peak(m)] if est.step_shape is not None else []))
+        cells = _format_row(est, m) + ([_format_kept_frozen(m)] if kept else [])
+        rows.append(cells + ([_format_step_peak(m)] if est.step_shape is not None else []))
         if not m.applicable:
             notes.append(f"{m.mode}: n/a: {m.reason}")
         elif m.reason:
             notes.append(f"{m.mode}: {m.reason}")
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    lines = [_describe_launch(est), *([est.reference.line] if est.reference is not None else []), ""]
+    lines = [_describe_launch(est), *([est.reference.line] if est.reference is not None else [])]
+    lines += [*_describe_kept_frozen(est), ""]
     for r in [header, *rows]:
         lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
-    lines += ["", "* the mode GradSyncConfig selects", *notes, *_explain_held_dtype(est), *_explain_step_peak(est)]
+    lines += ["", "* the mode GradSyncConfig selects", *notes, *_explain_kept_frozen(est)]
+    lines += [*_explain_held_dtype(est), *_explain_step_peak(est)]
     return "\n".join(lines)
+
+
+_KEPT_FROZEN = "kept frozen/rank"
+
+
+def _format_kept_frozen(m: ModeEstimate) -> str:
+    """The kept frozen cell: the units `keep_frozen_unsharded` keeps for the run and their bytes."""
+    if not m.applicable or not m.units_resident:
+        return "" if not m.applicable else "-"
+    return f"{m.units_resident} ({format_bytes(m.resident_param_bytes)})"
+
+
+def _describe_kept_frozen(est: Estimate) -> list[str]:
+    """The header's `keep_frozen_unsharded` line, for the selected mode, in the words of its
+    decision line (runtime/decision.py): which frozen units it keeps for the run."""
+    if est.keep_frozen_unsharded is None:
+        return []
+    setting = f"grad sync: keep_frozen_unsharded={est.keep_frozen_unsharded}"
+    selected = next((m for m in est.modes if m.selected), None)
+    if selected is None or not selected.applicable:
+        return [f"{setting}: the selected mode is n/a here (below)"]
+    if not selected.units_resident:
+        why = {
+            "false": "",
+            "true": " (one process: attach does nothing)",
+            "auto": " (auto keeps them only where budget and auto plan memory, as their bytes fit)",
+        }[est.keep_frozen_unsharded]
+        return [
+            f"{setting}: {selected.mode} keeps no frozen unit unsharded{why}; the frozen base is gathered every step"
+        ]
+    return [
+        f"{setting}: {selected.mode} keeps ~{format_bytes(selected.resident_param_bytes)} unsharded "
+        f"{selected.resident_dtype} params of {selected.units_resident} frozen units for the run "
+        f"({_name_units(selected.resident_units)}); the adapters are units of their own, gathered every step"
+    ]
+
+
+def _explain_kept_frozen(est: Estimate) -> list[str]:
+    """What the kept frozen column holds, and which units each row keeps."""
+    rows = [m for m in est.modes if m.applicable and m.units_resident]
+    if not rows:
+        return []
+    lines = [
+        f"{_KEPT_FROZEN}: frozen units keep_frozen_unsharded keeps unsharded for the whole run, and their params "
+        "(compute dtype), split from the adapters as a live prepare splits them and counted in the step peak; "
+        "each is gathered once, at step 1's first forward: all-gathers/step counts the steps after it."
+    ]
+    for m in rows:
+        lines.append(
+            f"{m.mode}: keeps {_name_units(m.resident_units)}; step 1 all-gathers {m.first_step_all_gathers}, "
+            f"each step after {m.all_gathers}"
+        )
+    return lines
+
+
+def _name_units(names: list[str]) -> str:
+    """Unit names with the layers of one list said once: `model.layers.0-27` (`0-3,5` where some
+    are left out)."""
+    groups: dict[str, list[int]] = {}
+    out: list[str] = []
+    for name in names:
+        prefix, dot, index = name.rpartition(".")
+        if dot and index.isdigit():
+            if prefix not in groups:
+                groups[prefix] = []
+                out.append(prefix)
+            groups[prefix].append(int(index))
+        else:
+            out.append(name)
+    return ", ".join(f"{n}.{_ranges(groups[n])}" if n in groups else n for n in out)
+
+
+def _ranges(indices: list[int]) -> str:
+    """[0, 1, 2, 5] -> `0-2,5`."""
+    spans: list[list[int]] = []
+    for i in sorted(indices):
+        if spans and i == spans[-1][1] + 1:
+            spans[-1][1] = i
+        else:
+            spans.append([i, i])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
 
 
 def _format_step_peak(m: ModeEstimate) -> str:

@@ -8,6 +8,7 @@ accelerate cannot shard fails as `prepare()` would, in one line naming what to s
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import warnings
 from collections import Counter
@@ -17,9 +18,10 @@ import torch
 from torch import nn
 
 from accel_gradsync.config.settings import GradSyncConfig
-from accel_gradsync.estimator.fake_shard import fake_world, shard_like_accelerate, shard_like_transformers
+from accel_gradsync.estimator.fake_shard import KeepFrozen, fake_world, shard_like_accelerate, shard_like_transformers
 from accel_gradsync.estimator.inputs import FSDPSetup, LoraSpec
 from accel_gradsync.planning.costs import reduce_dtype_policy
+from accel_gradsync.planning.residency import splits_frozen
 from accel_gradsync.runtime.adapt import adapt_model
 from accel_gradsync.runtime.adapter import ModelAdapter
 
@@ -55,18 +57,49 @@ def build_meta_model(config: Any, dtype: torch.dtype = torch.float32, lora: Lora
         raise ValueError(f"--lora-target-modules: PEFT cannot apply LoRA to {config.model_type}: {first}") from None
 
 
+class NeedsFreeMemory(Exception):
+    """`keep_frozen_unsharded`'s decision reads free memory per rank, and the estimate was given
+    none (not a `ValueError`: that would read as accelerate refusing the config)."""
+
+
+def keep_frozen_for(
+    setup: FSDPSetup, config: GradSyncConfig, mode: str, free: int | None, taken: int = 0
+) -> KeepFrozen | None:
+    """What `keep_frozen_unsharded` makes a live prepare do under sync mode `mode` for `setup`:
+    None where it does nothing (FSDP1, a model transformers shards, one process, where attach does
+    nothing, or `splits_frozen` false for the mode, as runtime/hooks.py decides); else its
+    settings for the mode, `free` (free memory per rank, where given) and `taken` (what resident
+    reference models keep). Which units it keeps is decided while sharding, by the runtime's own
+    `FrozenResidency` (`estimated_adapter`'s `keep`)."""
+    settings = dataclasses.replace(config.resolved(), sync_mode=mode)
+    if setup.fsdp_version != 2 or setup.distributed_config or setup.num_processes == 1 or not splits_frozen(settings):
+        return None
+
+    def free_memory() -> int:
+        if free is None:
+            # The words of the policy's own need (core.py's `_plan_mode`): the row says it once.
+            raise NeedsFreeMemory(f"{mode} needs free memory per rank: set --grad-sync-free-memory (e.g. 40GiB).")
+        return free
+
+    return KeepFrozen(settings, free_memory, taken)
+
+
 def estimated_adapter(
     model: nn.Module,
     setup: FSDPSetup,
     config: GradSyncConfig,
     mode: str | None = None,
     torch_release: str | None = None,
+    keep: KeepFrozen | None = None,
 ) -> ModelAdapter:
     """The adapter a launched run reads its units from (`fsdp.adapt_model`, the same code), over
     `model` (meta device) sharded as accelerate would shard it for `setup` and sync mode `mode`
     (default: the config's; it decides the reduce dtype), in a fake process group of
     `setup.num_processes` ranks (fake_shard.py). `model` is wrapped in place. `torch_release`:
-    the torch series whose FSDP2 dtype rules the units follow (None: this process's torch)."""
+    the torch series whose FSDP2 dtype rules the units follow (None: this process's torch).
+    `keep` (`keep_frozen_for`): the trainable modules split into units of their own and the
+    frozen units kept unsharded (`Unit.resident`) as `keep_frozen_unsharded` does in a live
+    prepare; raises `NeedsFreeMemory` where that decision needs free memory and `keep` has none."""
     if setup.distributed_config:
         return _adapt_sharded_by_transformers(model, setup, config, torch_release)
     if setup.hsdp and setup.fsdp_version != 2:
@@ -76,7 +109,7 @@ def estimated_adapter(
     with fake_world(setup.num_processes):
         try:
             wrapped = shard_like_accelerate(
-                model, plugin, setup.mixed_precision, setup.replicate_size, setup.shard_size
+                model, plugin, setup.mixed_precision, setup.replicate_size, setup.shard_size, keep
             )
         except (ValueError, KeyError, RuntimeError) as err:  # what `accelerate launch` would fail with, at prepare()
             first = str(err).strip().splitlines()[0]  # torch appends the whole module's repr

@@ -48,9 +48,20 @@ class ModeEstimate:
     (residency.py); None without one to count (no --beta, LoRA, not estimated)."""
     reference_all_gathers: int | None = None
     """The reference model's all-gathers per step under this row's mode (resident: after step 1)."""
+    units_resident: int = 0
+    """Frozen units `keep_frozen_unsharded` keeps unsharded for the run under this row's mode
+    (stats()' `units_resident`): gathered once, at step 1's first forward, then never."""
+    resident_param_bytes: int = 0
+    """Their unsharded params per rank, in the compute dtype (stats()' `resident_param_bytes`)."""
+    resident_units: list = field(default_factory=list)
+    """Their names ("<root>" for the root), in model order."""
+    resident_dtype: str = ""
+    """The dtype they are kept in (the compute dtype); "" where none is kept."""
+    first_step_all_gathers: int = 0
+    """All-gathers of the run's first step: `all_gathers` plus one per kept unit (its only one)."""
     fits: bool | None = None
-    """max(peak_bytes, generation_bytes + held gradients) <= free memory x (1 - memory_margin); None
-    without --grad-sync-free-memory."""
+    """max(peak_bytes + resident_param_bytes, generation_bytes + held gradients) <= free memory x
+    (1 - memory_margin); None without --grad-sync-free-memory."""
     selected: bool = False
     step_peak_bytes: int | None = None
     """The whole optimizer step's peak bytes per rank (step_peak.py); None where it was not asked
@@ -100,6 +111,13 @@ class ReferenceEstimate:
 
 
 _STEP_PEAK_KEYS = ("step_peak_bytes", "step_peak_phase", "step_peak_parts", "step_peak_unmodeled")
+_RESIDENT_KEYS = (
+    "units_resident",
+    "resident_param_bytes",
+    "resident_units",
+    "resident_dtype",
+    "first_step_all_gathers",
+)
 
 
 @dataclass
@@ -131,12 +149,20 @@ class Estimate:
     checkpointing) when a step peak was asked for; None (and no step_peak keys) otherwise."""
     reference: ReferenceEstimate | None = None
     """GRPO's reference model with `--beta` > 0; None (and no `reference` key) without one."""
+    keep_frozen_unsharded: str | None = None
+    """The setting (auto, true, false) where the model has frozen units to keep (`--lora-r`);
+    None (and no `keep_frozen_unsharded` key nor the rows' resident keys) otherwise."""
 
     def to_dict(self) -> dict:
         """Every field; without a step forecast the step_peak keys are left out, and without
-        `--beta` the reference key and each row's reference keys, so the JSON is what it was
-        before either existed."""
+        `--beta` the reference key and each row's reference keys, and without frozen units to keep
+        the resident keys, so the JSON is what it was before any of them existed."""
         values = asdict(self)
+        if self.keep_frozen_unsharded is None:
+            del values["keep_frozen_unsharded"]
+            for row in values["modes"]:
+                for key in _RESIDENT_KEYS:
+                    del row[key]
         if self.reference is None:
             del values["reference"]
             for row in values["modes"]:

@@ -147,23 +147,36 @@ class StepForecaster:
         if self.setup.mixed_precision == "no" or reduce_dtype_for(mode, chosen) == chosen:
             mode = SyncMode.PER_MICRO_BATCH  # the same sharded model: one simulation serves both
         schedule = self._schedule(plan, adapter, mode)
+        resident = sum(u.param_bytes for u in adapter.units if u.resident)  # keep_frozen_unsharded's
+        activations_less = 0
         if schedule is not None:
             sim = self.simulate(schedule)
             phases = dict(sim.phases)
+            activations_less = resident  # simulated: the tracker counts them among the other live bytes
         else:
             sim = self.simulate(Schedule(mode))
             all_sharded = count_sharded_grad_bytes(Plan(SyncMode.PER_MICRO_BATCH), adapter)
             held_sharded = all_sharded - count_sharded_grad_bytes(plan, adapter)
             phases = dict(sim.phases)
-            phases["first_micro_batch"] += plan.held_param_bytes()
+            beyond = resident_beyond_window(plan, adapter)  # a windowed kept unit is in held_param_bytes already
+            phases["first_micro_batch"] += plan.held_param_bytes() + beyond
             if "later_micro_batch" in phases:
-                phases["later_micro_batch"] += plan.held_bytes() - held_sharded
+                phases["later_micro_batch"] += plan.held_bytes() - held_sharded + beyond
+            phases["optimizer_step"] += resident
             unmodeled.append(
-                "a plan that holds only some layers, with layers extrapolated: its held bytes are added to the "
-                "per_micro_batch step (not simulated)"
+                "a plan that treats only some layers so (held, windowed or kept frozen), with layers extrapolated: "
+                "its held bytes and kept frozen units are added to the per_micro_batch step (not simulated; a kept "
+                "unit the step gathers anyway is counted twice at that moment)"
             )
         if self.shape.max_completion_length:
-            phases["generation"] = self.simulate_generation(gathered=plan.generation_bytes > 0)
+            gathered = plan.generation_bytes > 0
+            # Gathered for generation, the kept units are among every unit's params already.
+            phases["generation"] = self.simulate_generation(gathered) + (0 if gathered else resident)
+            if resident and not gathered:
+                unmodeled.append(
+                    "generation beside the kept frozen units: their bytes are added to the simulated generation "
+                    "(not simulated with them kept)"
+                )
         elif plan.generation_bytes:
             phases["generation"] = sim.sharded_params + sim.optimizer_state + plan.generation_bytes
             unmodeled.append(
@@ -187,7 +200,8 @@ class StepForecaster:
             "sharded_grads": count_sharded_grad_bytes(plan, adapter) if plan.held else all_sharded,
             "held_grads": plan.held_grad_bytes(),
             "held_params": plan.held_param_bytes(),
-            "activations": sim.activations,
+            "activations": max(sim.activations - activations_less, 0),
+            **({"resident_params": resident} if resident else {}),
             "generation_params": plan.generation_bytes,
             **({"generation_peak": phases["generation"]} if "generation" in phases else {}),
         }
@@ -198,6 +212,7 @@ class StepForecaster:
         differently and the model is simulated with fewer layers."""
         held = {unit_key(u.name) for u in plan.held}
         windowed = {unit_key(u.name) for u in plan.windowed}
+        resident = {unit_key(u.name) for u in adapter.units if u.resident}
         whole = self.layers is None or self.layers <= 2
         if not whole:
             for u in adapter.units:
@@ -206,9 +221,19 @@ class StepForecaster:
                     return None
                 if (key in windowed) != any(w is u for w in plan.windowed):
                     return None
+                if (key in resident) != u.resident:
+                    return None
         else:
             held, windowed = {u.name for u in plan.held}, {u.name for u in plan.windowed}
-        return Schedule(mode, frozenset(held), frozenset(windowed), plan.held_sync if plan.held else GRADIENT_SYNC)
+            resident = {u.name for u in adapter.units if u.resident}
+        sync = plan.held_sync if plan.held else GRADIENT_SYNC
+        return Schedule(mode, frozenset(held), frozenset(windowed), sync, frozenset(resident))
+
+
+def resident_beyond_window(plan: Plan, adapter: ModelAdapter) -> int:
+    """Unsharded param bytes per rank of the frozen units `keep_frozen_unsharded` keeps for the run
+    (`Unit.resident`) that `plan` does not window (a windowed one is in `held_param_bytes`)."""
+    return sum(u.param_bytes for u in adapter.units if u.resident and not any(w is u for w in plan.windowed))
 
 
 def _on(plan: Plan, adapter: ModelAdapter, other: ModelAdapter) -> Plan:

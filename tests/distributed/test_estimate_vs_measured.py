@@ -6,15 +6,20 @@ estimated dtype, and the estimated reduce-scatters (FSDP2: and all-gathers) per 
 equal the real ones
 (in the second optimizer step: the estimate describes the steady state).
 
-One launch per (FSDP version, mixed precision), each running both models in both modes."""
+One launch per (FSDP version, mixed precision), each running both models in both modes; one more
+for a LoRA fine-tune with `keep_frozen_unsharded` (the workers/frozen_units.py runs): the frozen
+units the estimate keeps resident, their bytes and the all-gathers of step 1 and after are the
+live run's."""
 
 import json
 
 import pytest
 from launcher import accelerate_config, launch
+from workers.common import tiny_qwen2_config
 
 from accel_gradsync import GradSyncConfig
 from accel_gradsync.estimator.core import estimate
+from accel_gradsync.estimator.inputs import LoraSpec
 
 M = 2
 # ~10M parameters, untied embeddings: FSDP2 then carves the input embedding into its own unit.
@@ -154,3 +159,42 @@ def test_units_are_the_runs_units_by_name_size_and_order(run):
             assert sizes == [(n, u["numel"]) for n, u in zip(names, est.units, strict=True)], est.model
             checked += 1
     assert checked >= 2
+
+
+# workers/frozen_units.py's model, from the function it is built with; LoRA r=4 on q_proj and v_proj.
+LORA_MODEL = tiny_qwen2_config(vocab_size=32, pad_token_id=0).to_dict()
+LORA_RUNS = {  # run name: (its GradSyncConfig, the estimate's row)
+    "keep": ({"keep_frozen_unsharded": True}, "per_micro_batch"),
+    "budget": ({"sync_mode": "budget", "memory_budget": "1MiB"}, "budget"),  # auto: kept as the budget allows
+}
+
+
+@pytest.fixture(scope="module")
+def lora_ranks():
+    runs = [{"name": name, "config": config} for name, (config, _) in LORA_RUNS.items()]
+    return launch("frozen_units", ["--M", str(M), "--runs", json.dumps(runs)], _config("fsdp2", "no"))
+
+
+def test_lora_kept_frozen_units_and_their_all_gathers_are_the_live_runs(lora_ranks):
+    """keep_frozen_unsharded: the units (split as the live prepare splits them), the kept ones and
+    their bytes (stats()), step 1's all-gathers (the kept units once) and every later step's (the
+    adapters only), and the bytes those gather (ring: half of the gathered outputs over 2 ranks)."""
+    for name, (config, mode) in LORA_RUNS.items():
+        est = estimate(
+            LORA_MODEL, _config("fsdp2", "no"), M, GradSyncConfig(**config), lora=LoraSpec(4, ("q_proj", "v_proj"))
+        )
+        row = est.mode(mode)
+        assert row.units_resident > 0, (name, row)
+        for rank in lora_ranks:
+            live = rank["runs"][name]
+            assert ["" if u["name"] == "<root>" else u["name"] for u in est.units] == list(live["units"]), name
+            assert (row.units_resident, row.resident_param_bytes) == (
+                live["stats"]["units_resident"],
+                live["stats"]["resident_param_bytes"],
+            ), name
+            assert row.first_step_all_gathers == live["steps"][0]["all_gathers"], (name, live["steps"])
+            for step in live["steps"][1:]:
+                assert (row.all_gathers, 2 * row.all_gather_bytes) == (step["all_gathers"], step["gathered_bytes"]), (
+                    name,
+                    step,
+                )

@@ -230,9 +230,3 @@ def test_help_says_how_errors_come_out_with_json(capsys):
         main(["estimate", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert '{"error": ' in text and "exit 2" in text, text
-
-
-def test_keep_frozen_unsharded_is_not_modelled_and_says_so_once(good, capsys):
-    assert main(["estimate", "--micro-batches", "2", "--accelerate-config", good, "--keep_frozen_unsharded"]) == 0
-    err = capsys.readouterr().err
-    assert err.count("--keep_frozen_unsharded (true) is not modelled yet") == 1, err
