@@ -33,6 +33,19 @@ REPO = Path(__file__).resolve().parents[1]
 
 # name -> {"what": the break, "edits": [(file, exact old text, new text)], "tests": [...]}
 MUTANTS: dict[str, dict] = {
+    "uneven_steps_evened_uncounted": {
+        "what": "grad_sync.step(n) never counts the micro-batches a window makes free",
+        "edits": [
+            (
+                "accel_gradsync/runtime/accounting.py",
+                "counts.evened_micro_batches += evened",
+                "counts.evened_micro_batches += 0",
+            )
+        ],
+        "tests": [
+            "tests/distributed/test_uneven_steps.py::test_fsdp2_every_mode_ends_at_the_padded_run_with_per_rank_counts"
+        ],
+    },
     "deferred_plan_holds_nothing": {
         "what": "DeferredSync.plan holds nothing: deferred behaves as per-micro-batch",
         "edits": [
@@ -73,8 +86,8 @@ MUTANTS: dict[str, dict] = {
         "edits": [
             (
                 "accel_gradsync/runtime/accounting.py",
-                'if f.name != "held_grad_bytes")',
-                'if f.name not in ("held_grad_bytes", "bytes_reduced", "all_reduces_skipped"))',
+                "if f.name not in _LEVELS)",
+                'if f.name not in (*_LEVELS, "bytes_reduced", "all_reduces_skipped"))',
             ),
             (
                 "accel_gradsync/runtime/accounting.py",

@@ -14,7 +14,7 @@ import torch
 from accel_gradsync.compat.fsdp2 import release as fsdp2_release
 from accel_gradsync.config.settings import DTYPES
 from accel_gradsync.planning.reduce_dtype import reduce_dtype_for
-from accel_gradsync.planning.units import ALL_REDUCE, Level, Plan, Unit, Wrapped
+from accel_gradsync.planning.units import ALL_REDUCE, GRADIENT_SYNC, Level, Plan, Unit, Wrapped
 
 
 def micro_batch_all_gathers(
@@ -48,6 +48,21 @@ def step_all_gathers(unit: Unit, micro_batches: int, kept_through_forward: bool,
     between, _ = one(gathered, False)  # leaves the params as it found them
     last, _ = one(gathered, True)
     return first + (micro_batches - 2) * between + last
+
+
+def counts_are_free(plan: Plan, wrapped: Wrapped) -> bool:
+    """Whether ranks may run different numbers of micro-batches in one optimizer step with no
+    collective added (`grad_sync.step(n)`): a step then issues the same collectives whatever its
+    count. FSDP2: every unit windowed (all-gathered at the window's first forward, reduced at its
+    last backward) or resident (gathered once per run); DDP: held at its root (`no_sync`: one
+    all-reduce pass, at the last backward). FSDP1 all-gathers at every forward; HSDP's
+    `defer_all_reduce` reduce-scatters every micro-batch."""
+    if wrapped.kind == "ddp":
+        return bool(plan.held)
+    if wrapped.kind != "fsdp2" or plan.held_sync != GRADIENT_SYNC:
+        return False
+    windowed = {id(u) for u in plan.windowed}
+    return all(id(u) in windowed or u.resident for u in wrapped.units)
 
 
 def no_grad_forward_all_gathers(unit: Unit, gathered: bool, kept: bool) -> tuple[int, bool]:

@@ -3,7 +3,8 @@ private reads it shares in `fsdp2_state`, `fsdp2_grads` and `fsdp2_counts`; `fsd
 binding it (`bind`) into what one `attach()` holds (`state`), the hot path per micro-batch
 (`window`, what it tells the user in `window_checks`), generation (`generation`,
 `quiet_generation`, `token_sync`), uneven inputs (`join`, with
-`join_poll`, `join_watch`, `join_record`, `join_steps`; `uneven`), the plugin's own collectives
+`join_poll`, `join_watch`, `join_record`, `join_steps`; `uneven`; per-rank counts every step:
+`uneven_steps`), the plugin's own collectives
 (`agreement`), counters (`accounting`),
 the decision line (`decision`), checkpoints (`checkpoint`, `plan_checkpoint`, `resume`), the
 hooks into Accelerate and the Trainer (`connection`, `hooks`, `callback`, `preemption`) and

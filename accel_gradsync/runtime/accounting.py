@@ -45,9 +45,19 @@ class StepCounts:
     replicated_all_reduces: int = 0
     """All-reduces transformers' Trainer issues itself, one per trainable parameter outside the
     FSDP2 units (an adapter added after load-time sharding) at the window's last backward."""
+    replayed_micro_batches: int = 0
+    """Inside `grad_sync.step(n)` (uneven_steps.py): micro-batches this rank replayed x 0 up to the
+    step's largest count (counted in `micro_batches` too)."""
+    evened_micro_batches: int = 0
+    """Inside `grad_sync.step(n)`: micro-batches this rank ran below the step's largest count and
+    did not replay, a plan whose collectives do not depend on the count making them free."""
     held_grad_bytes: int = 0
     """Unsharded gradient bytes the wrapper held after the last deferred micro-batch, measured
     before the window's last forward."""
+    fewest_micro_batches: int = 0
+    """Inside `grad_sync.step(n)`: the step's smallest count over ranks (0 outside)."""
+    most_micro_batches: int = 0
+    """Inside `grad_sync.step(n)`: the step's largest count over ranks (0 outside)."""
 
     def add(self, other: StepCounts) -> None:
         # Runs on every micro-batch: plain getattr, not asdict (which deep-copies).
@@ -55,7 +65,8 @@ class StepCounts:
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
 
-_FLOWS = tuple(f.name for f in fields(StepCounts) if f.name != "held_grad_bytes")  # a level, not a flow
+_LEVELS = ("held_grad_bytes", "fewest_micro_batches", "most_micro_batches")  # per step, not flows
+_FLOWS = tuple(f.name for f in fields(StepCounts) if f.name not in _LEVELS)
 
 
 @dataclass
@@ -187,6 +198,14 @@ class SyncAccounting:
         self.aborted_steps += 1
         self.current, self.step_ending = StepCounts(), False
 
+    def record_uneven(self, fewest: int, most: int, replayed: int, evened: int) -> None:
+        """A `grad_sync.step(n)` block starts the window (uneven_steps.py): the step's smallest and
+        largest count over ranks, the micro-batches this rank will replay and those it evens out."""
+        self.current.fewest_micro_batches, self.current.most_micro_batches = fewest, most
+        for counts in (self.current, self.total):
+            counts.replayed_micro_batches += replayed
+            counts.evened_micro_batches += evened
+
     def record_held(self, held_grad_bytes: int) -> None:
         """The bytes measured after the window's held micro-batches, before its last forward."""
         self.current.held_grad_bytes = held_grad_bytes
@@ -221,7 +240,8 @@ class SyncAccounting:
             **({"forecast_peak_bytes": forecast_peak} if forecast_peak is not None else {}),
             **asdict(self.total),
         }
-        del out["held_grad_bytes"]  # per step only: see last_step/held_grad_bytes
+        for level in _LEVELS:  # per step only: see last_step/
+            del out[level]
         out.update({f"last_step/{k}": v for k, v in asdict(self.last_step).items()})
         return out
 
@@ -231,7 +251,16 @@ class SyncAccounting:
 # model skip a forward); what the models issue and hold is theirs, added up.
 _PER_PROCESS = ("measured_peak_bytes", "forecast_peak_bytes")
 """Peaks of the whole process, kept as the first model reports them, not added up."""
-_ONCE_PER_WINDOW = ("optimizer_steps", "aborted_steps", "micro_batches", "deferred_micro_batches")
+_ONCE_PER_WINDOW = (
+    "optimizer_steps",
+    "aborted_steps",
+    "micro_batches",
+    "deferred_micro_batches",
+    "replayed_micro_batches",
+    "evened_micro_batches",
+    "fewest_micro_batches",
+    "most_micro_batches",
+)
 
 
 def combined_stats(per_model: dict[str, dict], mode_selected: str) -> dict:

@@ -21,6 +21,7 @@ from accel_gradsync.runtime.hooks import hook_accelerator, hook_trainer, unhook_
 from accel_gradsync.runtime.join import Join
 from accel_gradsync.runtime.preemption import NO_SIGNAL, Preemption
 from accel_gradsync.runtime.state import Attachment
+from accel_gradsync.runtime.uneven_steps import UnevenSteps
 from accel_gradsync.runtime.window import Window
 
 
@@ -36,10 +37,11 @@ class Connection:
         generation: GenerationGather,
         checkpoints: CheckpointHooks,
         join: Join,
+        steps: UnevenSteps,
     ) -> None:
         self.accelerator = accelerator
         self._state, self._binder, self._window, self._generation = state, binder, window, generation
-        self._checkpoints, self._join = checkpoints, join
+        self._checkpoints, self._join, self._steps = checkpoints, join, steps
         self.preemption: Preemption | None = None
         """With `save_on_signal`: the Trainer's or the loop's (`GradSyncHandle.preempted`)."""
         self._callback: Any = None  # callback.GradSyncCallback, with a Trainer
@@ -80,7 +82,12 @@ class Connection:
                 self._original_trainer_class = hook_trainer(trainer, self._binder, self._window)
         self._join.even.register()
         self._original_class = hook_accelerator(
-            self.accelerator, self._binder, self._window, self._join, discard_on_exception=trainer is not None
+            self.accelerator,
+            self._binder,
+            self._window,
+            self._join,
+            self._steps,
+            discard_on_exception=trainer is not None,
         )
 
     def disconnect(self) -> None:
@@ -91,6 +98,7 @@ class Connection:
             self._original_class = None
         self._checkpoints.close()
         self._join.close()
+        self._steps.close()
         if self._callback is not None:
             self._state.trainer.remove_callback(self._callback)
             self._callback = None

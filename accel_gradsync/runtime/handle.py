@@ -1,7 +1,7 @@
 """`GradSyncHandle`: what `attach` returns. It builds one attach's owners (state.py's `Attachment`
 and bound models, bind.py's `Binder`, window.py's `Window`, generation.py's `GenerationGather`,
 checkpoint.py's `CheckpointHooks`, join.py's `Join`), connects them to the Accelerator and Trainer
-(connection.py), and answers for them: `stats()`, `plan()`, `units()`, `gathered()`, `join()`, `detach()`;
+(connection.py), and answers for them: `stats()`, `plan()`, `units()`, `gathered()`, `join()`, `step()`, `detach()`;
 with `save_on_signal`, a loop of its own asks `preempted()` and calls `exit_preempted()` (preemption.py).
 """
 
@@ -28,6 +28,7 @@ from accel_gradsync.runtime.generation import GenerationGather
 from accel_gradsync.runtime.join import Join
 from accel_gradsync.runtime.preemption import PREEMPTED_EXIT_CODE
 from accel_gradsync.runtime.state import Attachment, root_of
+from accel_gradsync.runtime.uneven_steps import StepShape, UnevenSteps
 from accel_gradsync.runtime.window import Window
 
 
@@ -51,8 +52,16 @@ class GradSyncHandle:
         self._binder = Binder(self._state, self._window, self._generation, memory_probe, forecaster)
         self._checkpoints = CheckpointHooks(self._state)
         self._join = Join(self._state)
+        self._steps = UnevenSteps(self._state, self._window, self._join)
         self._connection = Connection(
-            accelerator, self._state, self._binder, self._window, self._generation, self._checkpoints, self._join
+            accelerator,
+            self._state,
+            self._binder,
+            self._window,
+            self._generation,
+            self._checkpoints,
+            self._join,
+            self._steps,
         )
 
     # -- public ---------------------------------------------------------------------------
@@ -172,6 +181,39 @@ class GradSyncHandle:
                 with `sync_with_dataloader`; a Trainer (its ranks run equal counts).
         """
         return self._join.joined()
+
+    def step(
+        self, n: int, tokens: int | None = None, samples: int | None = None
+    ) -> contextlib.AbstractContextManager[StepShape]:
+        """Around one optimizer step in which this rank runs `n` micro-batches, a count of its own
+        that may differ from the other ranks' and change every step (micro-batches packed by a
+        token budget): `with grad_sync.step(len(batches)) as step: for batch in batches: with
+        accelerator.accumulate(model): ...`. Every rank enters it, before the step's first
+        micro-batch; it sets accelerate's `gradient_accumulation_steps` to `n` for the block (its
+        counter restarted), so `accumulate()` syncs at this rank's n-th micro-batch, and puts it
+        back after. The step ends where padding every rank to the step's largest count with
+        micro-batches of loss x 0 ends: under a plan whose collectives do not depend on the count
+        (sync mode `window` on FSDP2, any deferring mode on DDP) with no extra work; otherwise a
+        rank below the largest count replays its last micro-batch x 0 up to it, at its first clip,
+        loop collective or optimizer step after that micro-batch's `accelerator.backward`. Costs
+        one small collective per step, on the plugin's own group.
+
+        Args:
+            n (`int`): this rank's micro-batches in the step, at least 1.
+            tokens (`int`, *optional*): this rank's tokens in the step (summed over every rank in
+                `step.tokens`, the number to scale a summed loss by).
+            samples (`int`, *optional*): the same for samples.
+
+        Returns:
+            A context manager giving a `StepShape`: `micro_batches`, the step's `largest` and
+            `smallest` counts, `tokens`, `samples` (`stats()` counts the replays).
+
+        Raises:
+            `ValueError`: `n` below 1 on any rank (on every rank); a Trainer; inside `join()` or
+                another `step()`; mid-window; a prepared DataLoader with `sync_with_dataloader`; a
+                rank that ran another count than its `n` (at the block's end).
+        """
+        return self._steps.step(n, tokens, samples)
 
     def preempted(self) -> bool:
         """A loop of its own with `save_on_signal`: True, on every rank alike, at the end of the

@@ -25,6 +25,7 @@ from accel_gradsync.planning.residency import splits_frozen
 from accel_gradsync.runtime.bind import Binder, wants_binding
 from accel_gradsync.runtime.frozen_units import applies
 from accel_gradsync.runtime.join import Join
+from accel_gradsync.runtime.uneven_steps import UnevenSteps
 from accel_gradsync.runtime.window import Window
 
 _HOOKED_ATTR = "_accel_gradsync_hooked"  # marks the per-instance subclass; it refers to nothing
@@ -37,13 +38,20 @@ def is_hooked(accelerator: Accelerator) -> bool:
 
 
 def hook_accelerator(
-    accelerator: Accelerator, binder: Binder, window: Window, join: Join, discard_on_exception: bool
+    accelerator: Accelerator,
+    binder: Binder,
+    window: Window,
+    join: Join,
+    steps: UnevenSteps,
+    discard_on_exception: bool,
 ) -> type:
     """Give `accelerator` a subclass of its class whose `no_sync` binds the model and enters the
     window's, whose `accumulate` ends the window's hold on entering a micro-batch that syncs and
     aborts the window when an exception leaves it, and whose `prepare` binds the models it wraps;
     `accumulate`, `backward`, `clip_grad_norm_`, the loop's collectives (`gather`, `reduce`, ...),
-    `wait_for_everyone` and `save_state`/`load_state` also serve `grad_sync.join()` (join.py).
+    `wait_for_everyone` and `save_state`/`load_state` also serve `grad_sync.join()` (join.py), and
+    `accumulate`, `backward`, `clip_grad_norm_` and the loop's collectives `grad_sync.step(n)`
+    (uneven_steps.py).
     `discard_on_exception`: a Trainer's `no_sync` aborts the window itself (`Window.no_sync`).
     Returns the original class."""
     base = type(accelerator)
@@ -60,18 +68,26 @@ def hook_accelerator(
             # Inside join(): who still trains, before any collective of this micro-batch.
             with join.micro_batch(models):
                 for model in models:
-                    binder.refresh(model)  # at a window's first micro-batch: trainable parameters changed?
+                    # A DDP model prepared before attach (accelerate lists it unwrapped) binds here,
+                    # even at a step's only micro-batch; a bound one is refreshed (bind.py).
+                    binder.bind(model)
                 with super().accumulate(*models):
-                    if self.sync_gradients:
+                    if steps.begin(models):  # step(n): this rank's last, replayed up to the largest count
+                        for model in models:
+                            steps.hold(window.no_sync(model, super().no_sync))
+                    elif self.sync_gradients:
                         window.end_hold()  # before the last forward: the flags the window held come back
                     try:
                         yield
+                        steps.flush()  # step(n): the replays, where the loop stepped outside the block
                     except BaseException:
+                        steps.abort()
                         window.abort()
                         self.step = 0  # accelerate's window counter: the next window starts fresh
                         raise
 
         def clip_grad_norm_(self, parameters, max_norm, norm_type=2):  # accelerate's signature
+            steps.after_backward_point()  # step(n): the last micro-batch's replays first
             parameters = join.clip(parameters, max_norm, norm_type)  # inside join(): a rank that left clips too
             return super().clip_grad_norm_(parameters, max_norm, norm_type)
 
@@ -82,23 +98,28 @@ def hook_accelerator(
 
         def backward(self, loss, **kwargs):
             join.backward()  # inside join(): a rank that left backs up its replay here too
+            steps.backward()
             return super().backward(loss, **kwargs)
 
         # Inside join(): a rank that left issues each of these with zeros, as DDP's Join does.
         def gather(self, tensor):
+            steps.after_backward_point()
             with join.loop_collective("gather", tensor, {}):
                 return super().gather(tensor)
 
         def gather_for_metrics(self, input_data, use_gather_object=False):
+            steps.after_backward_point()
             with join.loop_collective("gather_for_metrics", input_data, {"use_gather_object": use_gather_object}):
                 return super().gather_for_metrics(input_data, use_gather_object=use_gather_object)
 
         def reduce(self, tensor, reduction="sum", scale=1.0):
+            steps.after_backward_point()
             with join.loop_collective("reduce", tensor, {"reduction": reduction, "scale": scale}):
                 return super().reduce(tensor, reduction=reduction, scale=scale)
 
         def pad_across_processes(self, tensor, dim=0, pad_index=0, pad_first=False):
             kwargs = {"dim": dim, "pad_index": pad_index, "pad_first": pad_first}
+            steps.after_backward_point()
             with join.loop_collective("pad_across_processes", tensor, kwargs):
                 return super().pad_across_processes(tensor, **kwargs)
 

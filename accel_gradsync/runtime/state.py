@@ -198,6 +198,9 @@ class Attachment:
     window_seen: int = 0
     """Micro-batches of the first window of a loop that holds them with `no_sync` outside
     `accumulate()` while the Accelerator says one per step (0 until such a window ends)."""
+    step_largest: int = 0
+    """Inside `grad_sync.step(n)` (uneven_steps.py): the step's largest count over ranks, the M
+    every rank plans with and the decision line names (0 outside)."""
     generated: bool = False
     """A bound FSDP2 model ran a forward without gradients (generation.py): a loop of its own
     generates, evaluates or scores."""
@@ -210,9 +213,12 @@ class Attachment:
     @property
     def micro_batches_per_step(self) -> int:
         """M: micro-batches per optimizer step (the Trainer keeps it outside accelerate; a loop
-        with `no_sync` and `gradient_accumulation_steps=1` shows it in its first window)."""
+        with `no_sync` and `gradient_accumulation_steps=1` shows it in its first window; inside
+        `grad_sync.step(n)` the step's largest count)."""
         if self.trainer is not None:
             return int(self.trainer.args.gradient_accumulation_steps)
+        if self.step_largest:
+            return self.step_largest
         return int(self.accelerator.gradient_accumulation_steps) if not self.window_seen else self.window_seen
 
     @property

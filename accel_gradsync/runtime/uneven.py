@@ -29,7 +29,9 @@ class EvenCounts:
         control = self.state.control
         if self.state.trainer is not None or not self.state.bound or not control.distributed:
             return
-        count = sum(b.account.total.micro_batches for b in self.state.bound.values())
+        # grad_sync.step(n)'s evened micro-batches count as run: padding would have run them.
+        totals = [b.account.total for b in self.state.bound.values()]
+        count = sum(t.micro_batches + t.evened_micro_batches for t in totals)
         most, fewest = control.max([count, -count])
         if most + fewest == 0:
             return

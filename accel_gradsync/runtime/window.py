@@ -118,7 +118,7 @@ class Window:
         # accumulate() and the Trainer enter no_sync only on micro-batches that do not end an
         # optimizer step (sync_gradients False); with it True, the user called no_sync directly, as
         # accelerate documents for a loop without accumulate(), and that micro-batch holds too.
-        if self.state.accelerator.sync_gradients:
+        if self.state.accelerator.sync_gradients and not self.state.step_largest:  # step(n)'s last: uneven_steps.py
             check_explicit_no_sync(self.state)
         self._replan(bound)
         plan = bound.plan
@@ -169,6 +169,12 @@ class Window:
         self._open.clear()
         for bound in self.state.bound.values():
             self._end_hold(bound)
+
+    def replan_all(self) -> None:
+        """`auto`'s re-plan of every bound model now: `grad_sync.step(n)` asks at each step's start,
+        on every rank alike, since a rank with one micro-batch in the step holds none."""
+        for bound in self.state.bound.values():
+            self._replan(bound)
 
     def _replan(self, bound: BoundModel) -> None:
         """At the first held micro-batch after an optimizer step: `auto` may change the plan."""

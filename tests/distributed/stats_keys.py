@@ -22,6 +22,7 @@ ADAPTER = "test_sharded_by_transformers.py::test_a_peft_adapter_added_after_load
 REFERENCE = "test_grpo_reference.py::test_the_reference_model_gathers_once_per_step_and_changes_nothing"
 TWO_MODELS = "test_two_models.py::test_each_model_has_its_own_counters_and_decision_line"
 FROZEN_UNITS = "test_frozen_units.py::test_after_the_first_step_only_the_adapters_are_gathered"
+UNEVEN_STEPS = "test_uneven_steps.py::test_fsdp2_every_mode_ends_at_the_padded_run_with_per_rank_counts"
 
 REGISTRY: dict[str, str] = {
     "mode": ACCUMULATE,
@@ -54,6 +55,8 @@ REGISTRY: dict[str, str] = {
     "all_gathers": LIVE,
     "generation_all_gathers": LIVE,
     "replicated_all_reduces": ADAPTER,
+    "replayed_micro_batches": UNEVEN_STEPS,
+    "evened_micro_batches": UNEVEN_STEPS,
     "reference_units": REFERENCE,
     "reference_all_gathers": REFERENCE,
     "reference_models": ACCUMULATE,
@@ -71,6 +74,10 @@ REGISTRY: dict[str, str] = {
     "last_step/replicated_all_reduces": ADAPTER,
     "last_step/held_grad_bytes": ACCUMULATE,
     "last_step/reference_all_gathers": REFERENCE,
+    "last_step/replayed_micro_batches": UNEVEN_STEPS,
+    "last_step/evened_micro_batches": UNEVEN_STEPS,
+    "last_step/fewest_micro_batches": UNEVEN_STEPS,
+    "last_step/most_micro_batches": UNEVEN_STEPS,
 }
 
 

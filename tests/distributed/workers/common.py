@@ -86,6 +86,18 @@ def full_grads(model: nn.Module) -> dict[str, torch.Tensor]:
     return {clean(n): p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Unsharded parameters by name, for FSDP2, FSDP1 and DDP models."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
+
+    if isinstance(model, FSDP1):
+        with FSDP1.summon_full_params(model):
+            return {n: p.detach().clone() for n, p in model.named_parameters()}
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return {n: p.detach().clone() for n, p in model.module.named_parameters()}
+    return {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+
+
 def max_diff(a: dict, b: dict) -> float:
     assert a.keys() == b.keys(), (sorted(a), sorted(b))
     return max((a[k] - b[k]).abs().max().item() for k in a)

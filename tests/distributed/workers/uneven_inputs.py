@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
 from accelerate.utils import set_seed
-from common import CollectiveCounter, TinyNet, make_data, parse_args, write_result
+from common import CollectiveCounter, TinyNet, full_params, make_data, parse_args, write_result
 
 import accel_gradsync
 from benchmarks.collectives import KIND
@@ -49,17 +49,6 @@ def batch(k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's micro-batch k (no two ranks, no two micro-batches alike)."""
     rows = slice((k * N + R) * B, (k * N + R + 1) * B)
     return X[rows], Y[rows]
-
-
-def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
-
-    if isinstance(model, FSDP1):
-        with FSDP1.summon_full_params(model):
-            return {n: p.detach().clone() for n, p in model.named_parameters()}
-    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
-        return {n: p.detach().clone() for n, p in model.module.named_parameters()}
-    return {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
 
 
 class Loop:

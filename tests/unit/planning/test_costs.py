@@ -2,12 +2,13 @@
 written here from what FSDP does, and a few counts worked out by hand."""
 
 import dataclasses
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from accel_gradsync.planning.costs import unit_all_gathers
-from accel_gradsync.planning.units import Level, Unit
+from accel_gradsync.planning.costs import counts_are_free, unit_all_gathers
+from accel_gradsync.planning.units import ALL_REDUCE, GRADIENT_SYNC, Level, Plan, Unit
 
 
 def _walked_all_gathers(unit, level, m, keeps_params_when_held):
@@ -65,3 +66,40 @@ def test_a_resident_unit_gathers_nothing_per_step(level):
     for m in (1, 4):
         assert unit_all_gathers(resident, level, m) == 0
     assert unit_all_gathers(resharding, Level.FROZEN, 4) == 8
+
+
+@pytest.mark.parametrize(
+    ("kind", "held", "windowed", "held_sync", "free"),
+    [
+        # FSDP2: free only where every unit keeps its params through the window (or for the run).
+        ("fsdp2", ("block", "root"), ("block", "root"), GRADIENT_SYNC, True),
+        ("fsdp2", ("block", "root"), ("block",), GRADIENT_SYNC, False),  # the root re-gathers each forward
+        ("fsdp2", ("block", "root"), (), GRADIENT_SYNC, False),  # deferred: all-gathers every micro-batch
+        ("fsdp2", (), (), GRADIENT_SYNC, False),  # per micro-batch: reduce-scatters every micro-batch
+        ("fsdp2", ("block", "root"), ("block", "root"), ALL_REDUCE, False),  # HSDP: reduce-scatters each
+        # DDP: no_sync at the root makes every micro-batch but the last silent.
+        ("ddp", ("block", "root"), (), GRADIENT_SYNC, True),
+        ("ddp", (), (), GRADIENT_SYNC, False),
+        # FSDP1 all-gathers at every forward, held or not.
+        ("fsdp1", ("block", "root"), ("block", "root"), GRADIENT_SYNC, False),
+    ],
+)
+def test_uneven_counts_are_free_only_where_no_micro_batch_between_first_and_last_issues_a_collective(
+    kind, held, windowed, held_sync, free
+):
+    units = {
+        "block": Unit("block", torch.nn.Linear(2, 2), 6, 1, reshards_after_forward=True),
+        "root": Unit("", torch.nn.Linear(2, 2), 6, 1),
+    }
+    plan = Plan("m", [units[u] for u in held], held_sync, [units[u] for u in windowed])
+    wrapped = SimpleNamespace(kind=kind, units=list(units.values()))
+    assert counts_are_free(plan, wrapped) is free
+
+
+def test_a_resident_frozen_unit_keeps_uneven_counts_free():
+    trained = Unit("adapter", torch.nn.Linear(2, 2), 6, 1, reshards_after_forward=True)
+    base = Unit("base", torch.nn.Linear(2, 2), 0, 0, param_numel=6, reshards_after_forward=True)
+    plan = Plan("window", [trained], GRADIENT_SYNC, [trained])
+    assert not counts_are_free(plan, SimpleNamespace(kind="fsdp2", units=[trained, base]))  # gathered each forward
+    kept = dataclasses.replace(base, resident=True)
+    assert counts_are_free(plan, SimpleNamespace(kind="fsdp2", units=[trained, kept]))
