@@ -1,0 +1,164 @@
+"""Micro-batch counts that differ across ranks and change every step, on 2 gloo ranks:
+`grad_sync.step(n)` around each optimizer step of a plain `accumulate` loop, the counts per step
+[3, 1], [2, 4], [1, 1], [4, 2] (rank 0, rank 1), micro-batches of 1 to 3 rows scaled by the step's
+samples over every rank. In every sync mode, FSDP2 (FSDP1 and DDP in one more launch each), the
+run ends at the parameters of the padded run (every rank runs the step's largest count, a rank past
+its own repeating its last micro-batch with loss x 0) bit for bit, with the same config attached,
+and for the modes stock accelerate also runs (deferred, window) at stock accelerate's padded run.
+Under window (FSDP2) and DDP's deferral the collectives per step, counted from outside, are the
+same whatever the counts and nothing is replayed; in the other modes each rank issues per step what
+the padded run issues. Bad uses are refused in one line, on every rank where a count is wrong."""
+
+import json
+
+import pytest
+from launcher import accelerate_config, launch
+
+COUNTS = [[3, 1], [2, 4], [1, 1], [4, 2]]
+LARGEST = [max(c) for c in COUNTS]
+TINYNET_UNITS = 3  # workers/common.py: two Blocks and the root
+MODES = {
+    "per_micro_batch": {},
+    "deferred": {"defer": True},
+    "window": {"defer": True, "keep_params_unsharded": True},
+    "budget": {"sync_mode": "budget", "memory_budget": "1200B"},  # holds some units, not all
+    "auto": {"sync_mode": "auto", "free_memory": "64GiB"},  # room for all: every unit windowed
+}
+STOCK = ("deferred", "window")  # stock accelerate defers every unit: the same sums
+# The plans whose step issues the same collectives whatever its count, from the step they start:
+# window's first; auto's second (auto measures its first step per micro-batch, then windows every
+# unit when all fits); DDP held at its root (no_sync).
+FREE = {"fsdp2": {"window": 0, "auto": 1}, "fsdp1": {}, "ddp": {"deferred": 0, "window": 0}}
+TIMEOUT = 300
+
+
+def _runs(modes) -> list[dict]:
+    runs = [{"name": "stock/pad", "config": None, "counts": COUNTS, "style": "pad"}]
+    for mode in modes:
+        runs.append({"name": f"{mode}/pad", "config": MODES[mode], "counts": COUNTS, "style": "pad"})
+        refs = [f"{mode}/pad", *(["stock/pad"] if mode in STOCK else [])]
+        runs.append({"name": mode, "config": MODES[mode], "counts": COUNTS, "style": "step", "references": refs})
+    return runs
+
+
+def _accelerate_alone(mode: str) -> dict:
+    """accelerate's own count per step, without step(): a plan that makes uneven counts free."""
+    refs = [f"{mode}/pad", "stock/pad"]
+    return {
+        "name": f"{mode}/accelerate",
+        "config": MODES[mode],
+        "counts": COUNTS,
+        "style": "accelerate",
+        "references": refs,
+    }
+
+
+REFUSALS = [
+    {"name": f"refuse/{what}", "config": MODES["deferred"], "refuse": what}
+    for what in ("zero_on_one_rank", "nested", "inside_join", "mid_window", "ran_other_count", "prepared_dataloader")
+]
+
+
+@pytest.fixture(scope="module")
+def fsdp2():
+    runs = _runs(MODES) + [_accelerate_alone("window")] + REFUSALS
+    return launch("uneven_steps", ["--runs", json.dumps(runs)], accelerate_config("fsdp2"), timeout=TIMEOUT)
+
+
+@pytest.fixture(scope="module")
+def fsdp1():
+    runs = _runs(("per_micro_batch", "deferred"))
+    return launch("uneven_steps", ["--runs", json.dumps(runs)], accelerate_config("fsdp1"), timeout=TIMEOUT)
+
+
+@pytest.fixture(scope="module")
+def ddp():
+    runs = _runs(("per_micro_batch", "deferred", "window")) + [_accelerate_alone("deferred")]
+    return launch("uneven_steps", ["--runs", json.dumps(runs)], timeout=TIMEOUT)
+
+
+def _check(ranks: list[dict], wrapper: str, modes) -> None:
+    for r, rank in enumerate(ranks):
+        runs = rank["runs"]
+        for mode in modes:
+            run, pad = runs[mode], runs[f"{mode}/pad"]
+            assert run["error"] is None and pad["error"] is None, (mode, run["error"], pad["error"])
+            assert run["equal"] and all(run["equal"].values()), (wrapper, mode, run["equal"])
+            own = [c[r] for c in COUNTS]
+            free = FREE[wrapper].get(mode, len(COUNTS))  # the first step that replays nothing
+            replays = sum(LARGEST[:free]) - sum(own[:free])
+            stats = run["stats"]
+            assert stats["optimizer_steps"] == len(COUNTS), (mode, stats)
+            assert stats["replayed_micro_batches"] == replays, (mode, stats)
+            assert stats["micro_batches"] == sum(own) + replays, (mode, stats)
+            assert stats["evened_micro_batches"] == sum(LARGEST) - sum(own) - replays, (mode, stats)
+            assert stats["last_step/fewest_micro_batches"] == min(COUNTS[-1]), (mode, stats)
+            assert stats["last_step/most_micro_batches"] == max(COUNTS[-1]), (mode, stats)
+            # Each step that replays issues what the padded run's step issues, collective for
+            # collective; from `free` on, every step issues the same, whatever the counts.
+            assert run["per_step"][:free] == pad["per_step"][:free], (mode, run["per_step"], pad["per_step"])
+            assert len({json.dumps(s, sort_keys=True) for s in run["per_step"][free:]}) <= 1, (mode, run["per_step"])
+    for mode in modes:  # both ranks issue the same collectives in every step: they pair
+        assert ranks[0]["runs"][mode]["per_step"] == ranks[1]["runs"][mode]["per_step"], mode
+
+
+def test_fsdp2_every_mode_ends_at_the_padded_run_with_per_rank_counts(fsdp2):
+    _check(fsdp2, "fsdp2", MODES)
+    for r, rank in enumerate(fsdp2):  # from the counts alone: per micro-batch replays, window evens out
+        own, last = [c[r] for c in COUNTS], COUNTS[-1]
+        per, window = rank["runs"]["per_micro_batch"]["stats"], rank["runs"]["window"]["stats"]
+        assert per["replayed_micro_batches"] == sum(LARGEST) - sum(own) and per["evened_micro_batches"] == 0
+        assert per["last_step/replayed_micro_batches"] == max(last) - last[r], per
+        assert window["evened_micro_batches"] == sum(LARGEST) - sum(own), window
+        assert window["last_step/evened_micro_batches"] == max(last) - last[r], window
+        assert window["last_step/fewest_micro_batches"] == min(last), window
+        assert window["last_step/most_micro_batches"] == max(last), window
+    # Window: from first principles, one all-gather and one reduce-scatter per unit and step.
+    for rank in fsdp2:
+        for step in rank["runs"]["window"]["per_step"]:
+            assert step["all_gathers"] == step["reduce_scatters"] == TINYNET_UNITS, step
+
+
+def _check_accelerate_alone(ranks: list[dict], mode: str) -> None:
+    for rank in ranks:
+        run = rank["runs"][f"{mode}/accelerate"]
+        assert run["error"] is None and run["equal"] and all(run["equal"].values()), run
+        assert len({json.dumps(s, sort_keys=True) for s in run["per_step"]}) == 1, run["per_step"]
+        assert run["stats"]["optimizer_steps"] == len(COUNTS), run["stats"]
+
+
+def test_fsdp2_window_takes_accelerates_own_count_per_step_without_step(fsdp2):
+    _check_accelerate_alone(fsdp2, "window")
+
+
+def test_ddp_deferral_takes_accelerates_own_count_per_step_without_step(ddp):
+    _check_accelerate_alone(ddp, "deferred")
+
+
+def test_fsdp1_every_mode_ends_at_the_padded_run_with_per_rank_counts(fsdp1):
+    _check(fsdp1, "fsdp1", ("per_micro_batch", "deferred"))
+
+
+def test_ddp_every_mode_ends_at_the_padded_run_with_per_rank_counts(ddp):
+    _check(ddp, "ddp", ("per_micro_batch", "deferred", "window"))
+    for rank in ddp:  # held at the root: one all-reduce pass (TinyNet fits one bucket) per step
+        assert {json.dumps(s) for s in rank["runs"]["deferred"]["per_step"]} == {
+            json.dumps(rank["runs"]["deferred"]["per_step"][0])
+        }
+
+
+@pytest.mark.parametrize(
+    ("what", "says", "every_rank"),
+    [
+        ("zero_on_one_rank", "n must be an int >= 1 on every rank", True),
+        ("nested", "already active", True),
+        ("inside_join", "inside grad_sync.join()", True),
+        ("mid_window", "after 1 micro-batch of an accumulation window", True),
+        ("ran_other_count", "this rank ran 1 micro-batch inside the block", True),
+        ("prepared_dataloader", "sync_with_dataloader=False", True),
+    ],
+)
+def test_bad_uses_are_refused_in_one_line(fsdp2, what, says, every_rank):
+    for rank in fsdp2 if every_rank else fsdp2[:1]:
+        error = rank["runs"][f"refuse/{what}"]["error"]
+        assert error is not None and says in error and "\n" not in error, (what, error)

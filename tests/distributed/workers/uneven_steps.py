@@ -1,0 +1,166 @@
+"""Per-step micro-batch counts that differ across ranks: TinyNet trained over steps in which each
+rank runs its own count (`--runs`: per run the GradSyncConfig, or none for stock accelerate, and
+`counts`, per step each rank's count). `style` `step`: each step inside `grad_sync.step(n,
+samples=...)`, each micro-batch's summed loss scaled by the step's samples over every rank;
+`accelerate`: accelerate's own `gradient_accumulation_steps = n` and its counter restarted
+before each step, without `step()`; `pad`: the reference, every rank runs the step's largest count with accelerate's own
+`gradient_accumulation_steps` set to it, a rank past its own count repeating its last micro-batch
+with loss x 0. A micro-batch has 1 to 3 rows (as a token budget packs them), the loop clips
+gradients at every optimizer step and steps AdamW.
+
+Reports per run: the collectives counted from outside per step, `stats()` (totals and last step),
+the final parameters compared bit for bit in the worker with the runs named in `references`, and
+the message of a ValueError raised on this rank (`refuse`: one of the refusals to provoke)."""
+
+import json
+
+import torch
+import torch.nn.functional as F
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+from common import CollectiveCounter, TinyNet, full_params, make_data, parse_args, write_result
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+import accel_gradsync
+from benchmarks.collectives import KIND
+
+CLIP = 0.05  # below the gradients' norm: every step clips
+STATS = (
+    "micro_batches",
+    "optimizer_steps",
+    "mode",
+    "replayed_micro_batches",
+    "evened_micro_batches",
+    "last_step/fewest_micro_batches",
+    "last_step/most_micro_batches",
+    "last_step/replayed_micro_batches",
+    "last_step/evened_micro_batches",
+)
+
+args = parse_args([(("--runs",), {"type": json.loads, "required": True})])
+accel_gradsync.enable_cpu_fsdp()
+counter = CollectiveCounter()
+accelerator = Accelerator()
+N, R = accelerator.num_processes, accelerator.process_index
+X, Y = make_data(4096)
+
+
+def rows(step: int, k: int, rank: int) -> int:
+    """Rows of rank `rank`'s micro-batch `k` in step `step`: 1 to 3, as a token budget packs them."""
+    return 1 + (step + k + rank) % 3
+
+
+def batch(step: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's micro-batch k of step `step` (no two alike)."""
+    start = (step * 64 + k * 8 + R * 4) * 3
+    n = rows(step, k, R)
+    return X[start : start + n], Y[start : start + n]
+
+
+def samples_of(step: int, counts: list[int]) -> int:
+    """The step's samples over every rank, from the rows each rank's micro-batches have."""
+    return sum(rows(step, k, r) for r, n in enumerate(counts) for k in range(n))
+
+
+class Loop:
+    def __init__(self) -> None:
+        set_seed(0)
+        model = TinyNet()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+        self.model, self.optimizer = accelerator.prepare(model, optimizer)
+        if isinstance(self.model, torch.nn.parallel.DistributedDataParallel):
+            # DDP all-reduces from C++; the default hook does the same through torch.distributed.
+            self.model.register_comm_hook(None, allreduce_hook)
+
+    def micro_batch(self, x, y, samples: int, scale: float = 1.0) -> None:
+        with accelerator.accumulate(self.model):
+            loss = F.mse_loss(self.model(x), y, reduction="sum") * (N / samples)
+            # accelerate divides by gradient_accumulation_steps: the step's own count cancels it.
+            accelerator.backward(loss * accelerator.gradient_accumulation_steps * scale)
+            if accelerator.sync_gradients:
+                accelerator.clip_grad_norm_(self.model.parameters(), CLIP)
+            self.optimizer.step()
+            self.optimizer.zero_grad()
+
+
+def train(run: dict, handle, loop: Loop) -> list[dict]:
+    per_step = []
+    for s, counts in enumerate(run["counts"]):
+        n, most, samples = counts[R], max(counts), samples_of(s, counts)
+        if run["style"] == "pad":
+            accelerator.gradient_accumulation_steps, accelerator.step = most, 0
+            for k in range(most):
+                loop.micro_batch(*batch(s, min(k, n - 1)), samples, scale=1.0 if k < n else 0.0)
+        elif run["style"] == "accelerate":  # accelerate's own count, restarted: what step(n) sets
+            accelerator.gradient_accumulation_steps, accelerator.step = n, 0
+            for k in range(n):
+                loop.micro_batch(*batch(s, k), samples)
+        else:
+            mine = sum(rows(s, k, R) for k in range(n))
+            with handle.step(n, samples=mine) as step:
+                assert (step.largest, step.smallest, step.samples) == (most, min(counts), samples), step
+                for k in range(n):
+                    loop.micro_batch(*batch(s, k), step.samples)
+        ran = counter.take()
+        per_step.append({kind: sum(c for name, c in ran.items() if KIND[name] == kind) for kind in set(KIND.values())})
+    return per_step
+
+
+def refuse(run: dict, handle, loop: Loop) -> None:
+    what = run["refuse"]
+    if what == "zero_on_one_rank":
+        with handle.step(0 if R == 1 else 2):
+            pass
+    elif what == "nested":
+        with handle.step(1), handle.step(1):
+            pass
+    elif what == "inside_join":
+        with handle.join(), handle.step(1):
+            pass
+    elif what == "mid_window":
+        loop.micro_batch(*batch(0, 0), 8)  # the first of M = 2
+        with handle.step(1):
+            pass
+    elif what == "ran_other_count":
+        with handle.step(2):
+            loop.micro_batch(*batch(0, 0), 8)
+    elif what == "prepared_dataloader":
+        loader = accelerator.prepare(torch.utils.data.DataLoader(list(range(8)), batch_size=2))
+        for _ in loader:
+            with handle.step(1):
+                pass
+
+
+result: dict = {"runs": {}}
+params: dict[str, dict] = {}
+for run in args.runs:
+    accelerator.gradient_accumulation_steps = 2
+    loop = Loop()
+    config = run.get("config")
+    handle = accel_gradsync.attach(accelerator, accel_gradsync.GradSyncConfig(**config)) if config is not None else None
+    accelerator.step = 0
+    accelerator.gradient_state._set_sync_gradients(True)  # a run that ended mid-window left it False
+    counter.take()
+    out: dict = {"error": None}
+    try:
+        if "refuse" in run:
+            refuse(run, handle, loop)
+        else:
+            out["per_step"] = train(run, handle, loop)
+    except ValueError as e:
+        out["error"] = str(e)
+    if handle is not None:
+        stats = handle.stats()
+        out["stats"] = {k: stats[k] for k in STATS}
+        handle.detach()
+    if out["error"] is None and "refuse" not in run:
+        params[run["name"]] = full_params(loop.model)
+        out["equal"] = {}
+        for ref in run.get("references", []):
+            mine, theirs = params[run["name"]], params[ref]
+            out["equal"][ref] = all(torch.equal(mine[n], theirs[n]) for n in theirs)
+    result["runs"][run["name"]] = out
+    accelerator.free_memory()
+    del loop
+
+write_result(args.out, result)
