@@ -3,18 +3,16 @@ during gradient accumulation, inside Hugging Face Accelerate and the transformer
 
 Layers, each importing only those before it: `config` < `compat` (shims for other libraries) <
 `planning` (units, costs, policies) < `runtime` (binding, the window, counters, hooks) <
-`estimator`; `attach` composes them.
+`estimator`; `attach` (`_attach.py`) composes them.
 """
 
 from __future__ import annotations
 
 import importlib
-import sys
-import types
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from accel_gradsync.attach import attach
+    from accel_gradsync._attach import attach
     from accel_gradsync.compat.cpu import enable_cpu_fsdp, training_args_defaults
     from accel_gradsync.config.errors import GradSyncWarning
     from accel_gradsync.config.settings import GradSyncConfig
@@ -27,7 +25,7 @@ if TYPE_CHECKING:
 # Imported on first use (PEP 562), so `accel-gradsync estimate` can refuse a bad flag before
 # accelerate and transformers' models are imported: name -> the module that defines it.
 _LAZY = {
-    "attach": "accel_gradsync.attach",
+    "attach": "accel_gradsync._attach",
     "enable_cpu_fsdp": "accel_gradsync.compat.cpu",
     "GradSyncWarning": "accel_gradsync.config.errors",
     "GradSyncConfig": "accel_gradsync.config.settings",
@@ -48,19 +46,6 @@ def __getattr__(name: str) -> Any:
     value = getattr(importlib.import_module(_LAZY[name]), name)
     globals()[name] = value
     return value
-
-
-class _Package(types.ModuleType):
-    """This package: `attach` names the function, also once its submodule is imported (the import
-    system sets a submodule as an attribute of its package; here that would hide the function)."""
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name == "attach" and isinstance(value, types.ModuleType):
-            return  # `accel_gradsync.attach` is the function, got through __getattr__
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package
 
 
 __all__ = [

@@ -197,8 +197,8 @@ MUTANTS: dict[str, dict] = {
         "edits": [
             (
                 "accel_gradsync/__init__.py",
-                "\nimport sys\n",
-                '\nimport sys\n\nif "LOCAL_RANK" in __import__("os").environ:\n'
+                "\nimport importlib\n",
+                '\nimport importlib\n\nif "LOCAL_RANK" in __import__("os").environ:\n'
                 '    raise ImportError("mutants canary: a launched rank imported the mutated copy")\n',
             )
         ],

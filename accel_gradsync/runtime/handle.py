@@ -53,6 +53,7 @@ class GradSyncHandle:
         self._checkpoints = CheckpointHooks(self._state)
         self._join = Join(self._state)
         self._steps = UnevenSteps(self._state, self._window, self._join)
+        self._connected = False  # connect() ran (attach's last step)
         self._connection = Connection(
             accelerator,
             self._state,
@@ -278,14 +279,23 @@ class GradSyncHandle:
     def __exit__(self, *exc: Any) -> None:
         self.detach()
 
-    # -- set-up (attach.py) -------------------------------------------------------------------
-    def _add_save_on_signal(self) -> None:
-        """With `save_on_signal`, also on one process and where attach() does nothing else."""
-        self._connection.add_save_on_signal()
+    # -- assembly (accel_gradsync/_attach.py) ----------------------------------------------------
+    def connect(self, models: list | None) -> None:
+        """`attach()`'s last step, once, after its checks: with `save_on_signal`, the handler (also
+        where attach() does nothing else: `models` None); then bind `models`, those prepared
+        before attach, and connect the policy to the accelerator, its checkpoints and the Trainer
+        (connection.py). On a refusal everything is undone (`detach`) before it raises.
 
-    def _connect(self, models: list) -> None:
-        """Bind the models prepared before attach, then connect the policy to the accelerator,
-        its checkpoints and the Trainer (connection.py)."""
+        Raises:
+            `ValueError`: called again; `keep_frozen_unsharded=true` with a trained model prepared
+                before attach; what binding refuses.
+        """
+        if self._connected:
+            raise ValueError("GradSyncHandle.connect() is attach()'s own step and runs once; call attach() instead.")
+        self._connected = True
+        self._connection.add_save_on_signal()
+        if models is None:
+            return
         try:
             trained = [m for m in models if any(p.requires_grad for p in m.parameters())]
             if trained and self._state.settings.keep_frozen_unsharded == "true" and applies(self.accelerator):

@@ -98,7 +98,7 @@ except SystemExit as done:
     code = done.code
 heavy = ("accelerate", "peft", "torch.distributed.fsdp", "transformers.modeling_utils", "accel_gradsync.estimator.core")
 imported = [m for m in heavy if m in sys.modules]
-import accel_gradsync.attach  # the submodule, then the package's function of that name
+import accel_gradsync._attach  # the submodule, then the package's function: `attach` stays the function
 import accel_gradsync
 assert callable(accel_gradsync.attach) and callable(accel_gradsync.estimate)
 print(json.dumps({"code": code, "imported": imported}))

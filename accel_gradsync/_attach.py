@@ -1,11 +1,15 @@
 """`attach()`: put a sync policy behind an Accelerator's `accumulate()` / `no_sync()`, or a Trainer's.
+(A module of another name, as torch's `fully_shard` lives in `_fully_shard.py`, so that the
+package's `attach` stays the function.)
 
 Everything that can be refused is refused here, before any training step: a target that is
 neither, fewer than one micro-batch per optimizer step, a second attach, an accelerate config
 that would train unsharded or sync every micro-batch anyway, a `reduce_dtype` that comes after
 the model was wrapped. `reduce_dtype` (fp32 for `auto` and `budget` under bf16 mixed precision)
-is written into the FSDP plugin's public `mixed_precision_policy` field before `prepare`. The
-handle (runtime/handle.py) then builds the runtime and hooks the accelerator and the Trainer.
+is written into the FSDP plugin's public `mixed_precision_policy` field before `prepare`. This is
+the one place a handle is assembled: `GradSyncHandle(...)` (runtime/handle.py) builds the runtime's
+owners, then, after the checks, `connect` binds the models prepared before and hooks the
+accelerator and the Trainer.
 
 Shims for other libraries that attach relies on (accel_gradsync/compat/): `cpu` (real FSDP over
 gloo without a GPU: `enable_cpu_fsdp`), `teardown` (gloo's exit-time abort), `optimizer_state`
@@ -79,17 +83,17 @@ def attach(
             "handle it returned before attaching again."
         )
     forecaster = LiveForecaster(accelerator, config.resolved())  # auto's step-1 plan, when a shape is set
-    handle = GradSyncHandle(accelerator, config, trainer, memory_probe, forecaster)
+    handle = GradSyncHandle(accelerator, config, trainer, memory_probe, forecaster)  # builds, hooks nothing
     _check_accelerate_config(accelerator, handle.policy)
     install_exit_guard()  # gloo's workers must be done before the interpreter exits (teardown.py)
-    handle._add_save_on_signal()  # a Trainer only; also on one process
     reason = _reason_not_applicable(accelerator)
     if reason is not None:
         warnings.warn(f"accel_gradsync: {reason}; attach() does nothing.", GradSyncWarning, stacklevel=2)
+        handle.connect(None)  # save_on_signal only: a Trainer's, also on one process
         return handle
     models = list(getattr(accelerator, "_models", [])) if trainer is None else []
     _apply_reduce_dtype(accelerator, config, handle.policy.name, already_prepared=bool(models))
-    handle._connect(models)
+    handle.connect(models)
     return handle
 
 
