@@ -32,7 +32,7 @@ FSDP1 and DDP models get none: their collectives are counted per micro-batch (ac
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -91,13 +91,14 @@ class _Residency:
         """Count the all-gathers FSDP issues for `unit` when it acts on it now (`training`: with
         gradients); its groups are accounted for from then on."""
         pending = pending_all_gathers(unit)
-        groups = param_groups(unit) if unit.shard_size > 1 else []
+        ids = [id(g) for g in param_groups(unit)] if unit.shard_size > 1 else []
+        counted = self.counted
 
         def gather(training: bool) -> None:
             gathers = pending()
             if gathers:
                 self.account.record_all_gathers(gathers, training=training)
-            self.counted.update(id(g) for g in groups)
+            counted.update(ids)
 
         return gather
 
@@ -124,6 +125,8 @@ class _EndOfBackward:
         self.account = account
         self.residency = residency
         self.queued = False
+        # Each unit's param groups, read once (as `_Residency` does): the count runs every backward.
+        self.groups = [(unit, param_groups(unit)) for unit in adapter.units]
 
     def queue(self) -> None:
         """At a pre-backward: queue `count` once per backward, ahead of FSDP's own callback."""
@@ -133,12 +136,13 @@ class _EndOfBackward:
 
     def count(self) -> None:
         self.queued = False
-        for unit in self.adapter.units:
-            for group in param_groups(unit):
+        account, hsdp = self.account, self.adapter.hsdp
+        for unit, groups in self.groups:
+            for group in groups:
                 if not ran_post_backward(group):
-                    self.account.record_reduction(*pending_reduction(unit, group, self.adapter.hsdp))
+                    account.record_reduction(*pending_reduction(unit, group, hsdp))
                 if unused_prefetch(unit, group):
-                    self.account.record_all_gathers(1, training=True)
+                    account.record_all_gathers(1, training=True)
         # Queued from a callback, it runs after FSDP's, which reshards after the backward.
         torch.autograd.Variable._execution_engine.queue_callback(self.residency.sweep)
 
@@ -153,7 +157,7 @@ def _before_forward(gather: Callable[[bool], None], residency: _Residency) -> Ca
 
 def _on_inputs(adapter: FSDP2Adapter, unit: Unit, account: SyncAccounting) -> Callable:
     """After FSDP's pre-forward: a pre-hook on each post-backward node it put on the inputs."""
-    groups = param_groups(unit)
+    ids = {id(g) for g in param_groups(unit)}  # the groups stay alive with the unit: ids stay theirs
 
     def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
         if not torch.is_grad_enabled():
@@ -161,8 +165,10 @@ def _on_inputs(adapter: FSDP2Adapter, unit: Unit, account: SyncAccounting) -> Ca
         seen: list = []
         for tensor in _grad_tensors((args, kwargs)):
             node = tensor.grad_fn
+            if node is None or any(node is n for n in seen):
+                continue
             group = post_backward_group(node)
-            if node is None or not any(group is g for g in groups) or any(node is n for n in seen):
+            if group is None or id(group) not in ids:
                 continue
             seen.append(node)
             node.register_prehook(_before_post_backward(adapter, unit, group, account))
@@ -214,21 +220,33 @@ def _on_root_outputs(adapter: FSDP2Adapter, residency: _Residency, end_of_backwa
     return hook
 
 
-def _grad_tensors(value: Any) -> Iterator[torch.Tensor]:
-    """The tensors that require grad in a forward's inputs or output: in tuples, lists, dicts
-    (transformers' `ModelOutput`) and dataclasses, where FSDP2 finds them for its hooks."""
+def _grad_tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors that require grad in a forward's inputs or output, in order: in tuples, lists,
+    dicts (transformers' `ModelOutput`) and dataclasses, where FSDP2 finds them for its hooks."""
+    found: list[torch.Tensor] = []
+    _collect(value, found)
+    return found
+
+
+def _collect(value: Any, found: list[torch.Tensor]) -> None:
+    # NOTE: runs on every unit's inputs and outputs at every forward: a list filled in place, and
+    # a tensor in a tuple or list (a forward's positional inputs) taken without another call.
     if isinstance(value, torch.Tensor):
         if value.requires_grad:
-            yield value
+            found.append(value)
     elif isinstance(value, (tuple, list)):
         for item in value:
-            yield from _grad_tensors(item)
+            if isinstance(item, torch.Tensor):
+                if item.requires_grad:
+                    found.append(item)
+            else:
+                _collect(item, found)
     elif isinstance(value, dict):
         for item in value.values():
-            yield from _grad_tensors(item)
+            _collect(item, found)
     elif dataclasses.is_dataclass(value) and not isinstance(value, type):
         for f in dataclasses.fields(value):
-            yield from _grad_tensors(getattr(value, f.name))
+            _collect(getattr(value, f.name), found)
 
 
 def watch_replicated_all_reduces(trainer: Any, params: list, record: Callable[[], None]) -> list:

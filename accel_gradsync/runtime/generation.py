@@ -125,8 +125,9 @@ class GenerationGather:
         always = self.keeps(key)
 
         def hook(module: nn.Module, args: Any) -> None:
-            if torch.is_grad_enabled():
-                self._resume_hook(module, args)  # before FSDP's own pre-forward runs
+            if torch.is_grad_enabled():  # training resumes (`_resume_hook`), before FSDP's own pre-forward runs
+                if self._kept:
+                    self.release()
                 return
             keep = always or self._forced[None] > 0 or self._forced[key] > 0
             if keep and id(unit) not in self._kept.setdefault(key, set()):
