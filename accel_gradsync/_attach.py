@@ -29,7 +29,7 @@ from accel_gradsync.compat.cpu import fsdp_requested
 from accel_gradsync.compat.teardown import install_exit_guard
 from accel_gradsync.compat.versions import warn_if_untested_torch
 from accel_gradsync.config.errors import GradSyncWarning
-from accel_gradsync.config.settings import GradSyncConfig, SyncMode, dtype_name
+from accel_gradsync.config.settings import GradSyncConfig, ResolvedConfig, SyncMode, dtype_name
 from accel_gradsync.estimator.live import LiveForecaster
 from accel_gradsync.planning.costs import reduce_dtype_policy
 from accel_gradsync.planning.memory import MemoryProbe
@@ -82,8 +82,9 @@ def attach(
             "accel_gradsync.attach() was already called on this accelerator; call `.detach()` on the "
             "handle it returned before attaching again."
         )
-    forecaster = LiveForecaster(accelerator, config.resolved())  # auto's step-1 plan, when a shape is set
-    handle = GradSyncHandle(accelerator, config, trainer, memory_probe, forecaster)  # builds, hooks nothing
+    settings = config.resolved()  # once: only the typed settings go below attach
+    forecaster = LiveForecaster(accelerator, settings)  # auto's step-1 plan, when a shape is set
+    handle = GradSyncHandle(accelerator, settings, trainer, memory_probe, forecaster)  # builds, hooks nothing
     _check_accelerate_config(accelerator, handle.policy)
     install_exit_guard()  # gloo's workers must be done before the interpreter exits (teardown.py)
     reason = _reason_not_applicable(accelerator)
@@ -92,7 +93,7 @@ def attach(
         handle.connect(None)  # save_on_signal only: a Trainer's, also on one process
         return handle
     models = list(getattr(accelerator, "_models", [])) if trainer is None else []
-    _apply_reduce_dtype(accelerator, config, handle.policy.name, already_prepared=bool(models))
+    _apply_reduce_dtype(accelerator, settings, handle.policy.name, already_prepared=bool(models))
     handle.connect(models)
     return handle
 
@@ -152,11 +153,11 @@ def _check_accelerate_config(accelerator: Accelerator, policy: SyncPolicy) -> No
         )
 
 
-def _apply_reduce_dtype(accelerator: Accelerator, config: GradSyncConfig, mode: str, already_prepared: bool) -> None:
+def _apply_reduce_dtype(accelerator: Accelerator, settings: ResolvedConfig, mode: str, already_prepared: bool) -> None:
     """Write the reduce dtype of `mode` into the FSDP plugin's policy (`reduce_dtype_policy`). One
     the mode chose itself (fp32 for auto and budget) is said in one line; after prepare it cannot
     be set, and the plan's warning (decision.warn_about_plan) says what bf16 sums cost."""
-    chosen = config.resolved().reduce_dtype
+    chosen = settings.reduce_dtype
     plugin = getattr(accelerator.state, "fsdp_plugin", None)
     if plugin is None:
         if chosen != "auto":

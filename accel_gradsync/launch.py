@@ -68,7 +68,7 @@ def check_sync_mode(config: GradSyncConfig, setup: LaunchSetup | None = None) ->
         check_wrapper(settings.sync_mode, wrapper, hsdp=setup.replicate > 1)
     except ValueError as error:
         selected = f"--grad-sync-mode {settings.sync_mode}" + (
-            f" (or --grad-sync-memory-budget {settings.memory_budget}, which selects it)"
+            f" (or --grad-sync-memory-budget {config.memory_budget}, which selects it)"
             if settings.sync_mode == SyncMode.BUDGET
             else ""
         )

@@ -13,13 +13,14 @@ import dataclasses
 import enum
 import os
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
 
 from accel_gradsync.config.errors import GradSyncWarning
-from accel_gradsync.config.values import BOOLEAN_SPELLINGS, Boolean, parse_bool, parse_bytes
+from accel_gradsync.config.values import BOOLEAN_SPELLINGS, Boolean, MemorySize, parse_bool, parse_bytes
 
 ENV_PREFIX = "ACCEL_GRADSYNC_"
 
@@ -86,6 +87,106 @@ DEFAULTS: dict[str, Any] = {
 }
 
 
+def _boolean(value: Any, source: str, name: str) -> bool:
+    return parse_bool(value, source, name)
+
+
+def _choice(choices: tuple[str, ...]) -> Callable[[Any, str, str], str]:
+    def parse(value: Any, source: str, name: str) -> str:
+        if value not in choices:
+            raise ValueError(f"{source}={value!r} is not a valid `{name}`; valid choices: {', '.join(choices)}.")
+        return value
+
+    return parse
+
+
+def _residency(value: Any, source: str, name: str) -> str:
+    """`keep_reference_unsharded`, `keep_frozen_unsharded`: auto, or a boolean in any spelling a
+    source gives (true/false)."""
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+    try:
+        return "true" if parse_bool(value) else "false"
+    except ValueError:
+        raise ValueError(
+            f"{source}={value!r} is not a valid `{name}`; use auto (budget and auto modes "
+            f"decide from the bytes) or a boolean ({BOOLEAN_SPELLINGS})."
+        ) from None
+
+
+def _size(fraction_ok: bool) -> Callable[[Any, str, str], str]:
+    """A memory size (`memory_budget` also takes a fraction of free memory; `free_memory` cannot)."""
+
+    def parse(value: Any, source: str, name: str) -> str:
+        value = "" if value is None else str(value).strip()
+        if value and parse_bytes(value, source, fraction_ok).fraction is not None and not fraction_ok:
+            raise ValueError(f"{source}={value!r} must be an absolute size with a unit (B, KiB, MiB, GiB), e.g. 40GiB.")
+        return value
+
+    return parse
+
+
+def _margin(value: Any, source: str, name: str) -> float:
+    try:
+        margin = float(value)
+    except (TypeError, ValueError):
+        margin = -1.0
+    if not 0 <= margin < 1:
+        raise ValueError(f"{source}={value!r} is not a valid `{name}`; use a fraction 0 <= margin < 1.")
+    return margin
+
+
+def _count(value: Any, source: str, name: str) -> int:
+    try:
+        count = int(value)
+    except (TypeError, ValueError):
+        count = -1
+    if count < 0 or isinstance(value, float) and value != count:
+        raise ValueError(
+            f"{source}={value!r} is not a valid `{name}`; use a whole number of "
+            f"{'sequences' if 'batch' in name else 'tokens'} (0: no forecast)."
+        )
+    return count
+
+
+# Each field's parser, beside DEFAULTS: the value any source gives (a bool, "on", "12GiB") checked
+# and spelled one way, with a message naming the source; `_TYPED` then types the few that
+# `ResolvedConfig` holds otherwise than as spelled.
+_PARSERS: dict[str, Callable[[Any, str, str], Any]] = {
+    "defer": _boolean,
+    "sync_mode": _choice(SYNC_MODES),
+    "memory_budget": _size(fraction_ok=True),
+    "memory_margin": _margin,
+    "free_memory": _size(fraction_ok=False),
+    "keep_params_unsharded": _boolean,
+    "reduce_dtype": _choice(REDUCE_DTYPES),
+    "gather_for_generation": _boolean,
+    "keep_reference_unsharded": _residency,
+    "keep_frozen_unsharded": _residency,
+    "log_all_counters": _boolean,
+    "forecast_micro_batch_size": _count,
+    "forecast_seq_len": _count,
+    "save_on_signal": _choice(SAVE_SIGNALS),
+}
+assert _PARSERS.keys() == DEFAULTS.keys()  # invariant: every setting has one parser
+
+
+def _same(value: Any) -> Any:
+    return value
+
+
+def _auto_or_bool(value: str) -> bool | None:
+    return None if value == "auto" else value == "true"
+
+
+_TYPED: dict[str, Callable[[Any], Any]] = {
+    "memory_budget": lambda text: parse_bytes(text) if text else None,
+    "free_memory": lambda text: parse_bytes(text).bytes if text else None,
+    "keep_reference_unsharded": _auto_or_bool,
+    "keep_frozen_unsharded": _auto_or_bool,
+}
+
+
 def _help(name: str, text: str) -> str:
     return f"{text} Default: {DEFAULTS[name]!r}. Environment: {ENV_PREFIX}{name.upper()}."
 
@@ -110,21 +211,24 @@ EXPLICIT, ENVIRONMENT = 2, 1
 
 @dataclass(frozen=True)
 class ResolvedConfig:
-    """A `GradSyncConfig` once explicit value > environment > default has been applied: every
-    setting has its value (`""`: no budget, measure free memory), so the code that reads it
-    needs no None checks. `GradSyncConfig.resolved()` makes it."""
+    """A `GradSyncConfig` once explicit value > environment > default has been applied, typed:
+    sizes in bytes, `auto` as None, so no code below `attach` parses a setting's text again.
+    `GradSyncConfig.resolved()` makes it; `attach` and the estimate resolve once and hand only
+    this down."""
 
     sync_mode: str
-    memory_budget: str
+    memory_budget: MemorySize | None
+    """Budget mode's bytes or fraction of free memory; None: no budget."""
     memory_margin: float
-    free_memory: str
+    free_memory: int | None
+    """Bytes per rank to plan with; None: measured."""
     keep_params_unsharded: bool
     reduce_dtype: str
     gather_for_generation: bool
-    keep_reference_unsharded: str
-    """One of `RESIDENCY`: auto, true or false."""
-    keep_frozen_unsharded: str
-    """One of `RESIDENCY`: auto, true or false."""
+    keep_reference_unsharded: bool | None
+    """True or False as set; None: auto (the planned modes decide from the bytes)."""
+    keep_frozen_unsharded: bool | None
+    """True or False as set; None: auto."""
     log_all_counters: bool
     forecast_micro_batch_size: int
     forecast_seq_len: int
@@ -134,11 +238,6 @@ class ResolvedConfig:
     def forecasts(self) -> bool:
         """Whether `auto` plans step 1 from the whole-step forecast (both shape settings given)."""
         return self.forecast_micro_batch_size > 0
-
-    @property
-    def free_memory_bytes(self) -> int | None:
-        """`free_memory` in bytes, or None when it is to be measured."""
-        return parse_bytes(self.free_memory)[0] if self.free_memory else None
 
 
 @dataclass
@@ -368,15 +467,15 @@ class GradSyncConfig:
             )
 
     def resolved(self) -> ResolvedConfig:
-        """The settings as resolved in `__post_init__`, typed as such."""
+        """The settings as resolved in `__post_init__`, typed (`_TYPED`): what goes below `attach`."""
         values = {f.name: getattr(self, f.name) for f in dataclasses.fields(ResolvedConfig)}
         assert all(v is not None for v in values.values()), values  # __post_init__ sets every field
-        return ResolvedConfig(**values)
+        return ResolvedConfig(**{name: _TYPED.get(name, _same)(value) for name, value in values.items()})
 
     @property
     def free_memory_bytes(self) -> int | None:
         """`free_memory` in bytes, or None when it is to be measured."""
-        return parse_bytes(self.free_memory)[0] if self.free_memory else None
+        return self.resolved().free_memory
 
     @property
     def mode(self) -> str:
@@ -384,58 +483,6 @@ class GradSyncConfig:
         return self.resolved().sync_mode
 
 
-_CHOICES = {"sync_mode": SYNC_MODES, "reduce_dtype": REDUCE_DTYPES, "save_on_signal": SAVE_SIGNALS}
-
-
-def _coerce_residency(name: str, value: Any, source: str) -> str:
-    """`keep_reference_unsharded`, `keep_frozen_unsharded`: auto, or a boolean in any spelling a
-    source gives (true/false)."""
-    if isinstance(value, str) and value.strip().lower() == "auto":
-        return "auto"
-    try:
-        return "true" if parse_bool(value) else "false"
-    except ValueError:
-        raise ValueError(
-            f"{source}={value!r} is not a valid `{name}`; use auto (budget and auto modes "
-            f"decide from the bytes) or a boolean ({BOOLEAN_SPELLINGS})."
-        ) from None
-
-
 def _coerce(name: str, value: Any, source: str) -> Any:
     """Validate one field, accepting the string spellings a CLI, YAML or environment gives."""
-    expected = type(DEFAULTS[name])
-    if name in ("keep_reference_unsharded", "keep_frozen_unsharded"):
-        return _coerce_residency(name, value, source)
-    if expected is bool:
-        return parse_bool(value, source, name)
-    if name in _CHOICES:
-        choices = _CHOICES[name]
-        if value not in choices:
-            raise ValueError(f"{source}={value!r} is not a valid `{name}`; valid choices: {', '.join(choices)}.")
-        return value
-    if name in ("memory_budget", "free_memory"):
-        value = "" if value is None else str(value).strip()
-        fraction_ok = name != "free_memory"  # a fraction of free memory cannot describe free memory
-        if value and parse_bytes(value, source, fraction_ok)[1] is not None and not fraction_ok:
-            raise ValueError(f"{source}={value!r} must be an absolute size with a unit (B, KiB, MiB, GiB), e.g. 40GiB.")
-        return value
-    if name == "memory_margin":
-        try:
-            margin = float(value)
-        except (TypeError, ValueError):
-            margin = -1.0
-        if not 0 <= margin < 1:
-            raise ValueError(f"{source}={value!r} is not a valid `memory_margin`; use a fraction 0 <= margin < 1.")
-        return margin
-    if name in ("forecast_micro_batch_size", "forecast_seq_len"):
-        try:
-            count = int(value)
-        except (TypeError, ValueError):
-            count = -1
-        if count < 0 or isinstance(value, float) and value != count:
-            raise ValueError(
-                f"{source}={value!r} is not a valid `{name}`; use a whole number of "
-                f"{'sequences' if 'batch' in name else 'tokens'} (0: no forecast)."
-            )
-        return count
-    raise AssertionError(f"no validator for field {name!r}")  # invariant: DEFAULTS covers all fields
+    return _PARSERS[name](value, source, name)

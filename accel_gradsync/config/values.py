@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import argparse
 import re
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 _TRUE = ("true", "yes", "on", "y", "t", "1")
 _FALSE = ("false", "no", "off", "n", "f", "0")
@@ -55,7 +56,22 @@ _UNITS = {"b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 _SIZE = re.compile(r"^\s*(-?[0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
 
 
-def parse_bytes(text: str, source: str = "memory size", fraction_ok: bool = True) -> tuple[int | None, float | None]:
+class MemorySize(NamedTuple):
+    """A memory size as a setting gives it: `bytes` (`12GiB`) or a `fraction` of free memory
+    (`0.25`), exactly one of them."""
+
+    bytes: int | None
+    fraction: float | None
+
+    def of(self, free_memory: Callable[[], int]) -> int:
+        """In bytes: the absolute size, or the fraction of `free_memory()` (read only then)."""
+        if self.bytes is not None:
+            return self.bytes
+        assert self.fraction is not None  # parse_bytes gives one of the two
+        return int(self.fraction * free_memory())
+
+
+def parse_bytes(text: str, source: str = "memory size", fraction_ok: bool = True) -> MemorySize:
     """`12GiB` -> (bytes, None); `0.25` -> (None, fraction). Raises ValueError otherwise."""
     match = _SIZE.match(str(text))
     unit = match.group(2).lower() if match else ""
@@ -71,10 +87,10 @@ def parse_bytes(text: str, source: str = "memory size", fraction_ok: bool = True
             )
         )
     if unit:
-        return int(number * _UNITS[unit]), None
+        return MemorySize(int(number * _UNITS[unit]), None)
     if not 0 <= number <= 1:
         raise ValueError(
             f"{source}={text!r}: a number without a unit is a fraction of free memory and must lie "
             "between 0 and 1; add a unit (B, KiB, MiB, GiB) for an absolute size."
         )
-    return None, number
+    return MemorySize(None, number)

@@ -124,7 +124,7 @@ def estimate(
     result = _describe_launch(model_spec, setup, config, header, micro_batches)
     result.torch, result.torch_running = series, torch.__version__
     if lora is not None:  # frozen units to keep: each row says which it keeps
-        result.keep_frozen_unsharded = config.resolved().keep_frozen_unsharded
+        result.keep_frozen_unsharded = config.keep_frozen_unsharded  # as spelled: auto, true or false
     reference_model = build_reference(beta, adapters.model_config, model_dtype, setup, config, lora)
     result.reference = count_for_mode(reference_model, config, micro_batches)
     sim = None
@@ -172,7 +172,7 @@ class _AdaptersByReduceDtype:
         frozen = keep_frozen_for(self.setup, self.config, mode, self.config.free_memory_bytes)
         frozen = frozen if keep and self.lora is not None else None
         # The same decision for every mode where the setting is true: one model serves them all.
-        kept = None if frozen is None else "all" if frozen.settings.keep_frozen_unsharded == "true" else mode
+        kept = None if frozen is None else "all" if frozen.settings.keep_frozen_unsharded is True else mode
         key = (dtype, None if running else self.torch_release, kept)
         if key not in self.adapters:
             model = build_meta_model(self.model_config, self.model_dtype, self.lora)
@@ -346,7 +346,7 @@ def _plan_mode(
             raise ValueError(f"{policy_cls.name} needs free memory per rank: set --grad-sync-free-memory (e.g. 40GiB).")
         return free
 
-    return policy_cls(config).plan(adapter, free_memory, micro_batches, reserved)
+    return policy_cls(config.resolved()).plan(adapter, free_memory, micro_batches, reserved)
 
 
 def _label_plan(plan: Plan) -> str:

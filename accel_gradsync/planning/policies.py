@@ -11,8 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
-from accel_gradsync.config.settings import GradSyncConfig, ResolvedConfig, SyncMode, dtype_name
-from accel_gradsync.config.values import parse_bytes
+from accel_gradsync.config.settings import ResolvedConfig, SyncMode, dtype_name
 from accel_gradsync.planning.costs import (
     format_bytes,
     generation_bytes_of,
@@ -37,8 +36,9 @@ class SyncPolicy:
     needs_hsdp: bool = False
     """True when the mode needs a mesh with a replicate dimension (HSDP)."""
 
-    def __init__(self, config: GradSyncConfig | ResolvedConfig) -> None:
-        self.config = config if isinstance(config, ResolvedConfig) else config.resolved()
+    def __init__(self, config: ResolvedConfig) -> None:
+        assert isinstance(config, ResolvedConfig), type(config)  # resolved once, at attach or the estimate
+        self.config = config
 
     def plan(self, adapter: Wrapped, free_memory: FreeMemory, micro_batches: int, reserved: int = 0) -> Plan:
         """The plan for `adapter`'s model. `reserved`: unsharded param bytes per rank other models
@@ -128,11 +128,8 @@ class BudgetSync(SyncPolicy):
 
 def budget_bytes(settings: ResolvedConfig, free_memory: FreeMemory) -> int:
     """Budget mode's bytes per rank: the absolute budget, or its fraction of `free_memory()`."""
-    absolute, fraction = parse_bytes(settings.memory_budget, "GradSyncConfig.memory_budget")
-    if absolute is not None:
-        return absolute
-    assert fraction is not None  # parse_bytes gives one of the two
-    return int(fraction * free_memory())
+    assert settings.memory_budget is not None  # GradSyncConfig refuses budget mode without one
+    return settings.memory_budget.of(free_memory)
 
 
 def choose_levels(

@@ -49,9 +49,9 @@ def decide_residency(
     unsharded for the whole run. `taken`: what reference models bound before it keep resident
     already. `free_memory` is read only where a planned mode decides from it."""
     size = format_bytes(resident_bytes)
-    if settings.keep_reference_unsharded == "true":
+    if settings.keep_reference_unsharded is True:
         return Residency(True, f"keep_reference_unsharded=true: ~{size} unsharded params per rank for the run")
-    if settings.keep_reference_unsharded == "false":
+    if settings.keep_reference_unsharded is False:
         return Residency(False, "keep_reference_unsharded=false")
     if settings.sync_mode not in PLANNED_MODES:
         return Residency(
@@ -73,7 +73,7 @@ def splits_frozen(settings: ResolvedConfig) -> bool:
     """Whether `keep_frozen_unsharded` gives a trained model's trainable modules FSDP2 units of
     their own at prepare (runtime/frozen_units.py): true, or auto under a mode that plans memory."""
     value = settings.keep_frozen_unsharded
-    return value == "true" or (value == "auto" and settings.sync_mode in PLANNED_MODES)
+    return value is True or (value is None and settings.sync_mode in PLANNED_MODES)
 
 
 def frozen_units_to_keep(
@@ -83,7 +83,7 @@ def frozen_units_to_keep(
     model order) `keep_frozen_unsharded` keeps for the run: true all, false none; auto under a
     planned mode each in order while the bytes kept so far fit its room less `taken` (what
     resident reference models keep already), else none."""
-    if settings.keep_frozen_unsharded == "true":
+    if settings.keep_frozen_unsharded is True:
         return [True] * len(sizes)
     if not splits_frozen(settings):
         return [False] * len(sizes)

@@ -103,7 +103,7 @@ class RankMemory:
         so every rank takes the same decision when theirs differ; read once per run: budgets and
         residency decided later read the same."""
         if self._free is None:
-            free = self.settings.free_memory_bytes
+            free = self.settings.free_memory
             if free is None:
                 free = free_device_memory(self.device)
             self._free = -self.control.max([-free])[0]
@@ -113,7 +113,7 @@ class RankMemory:
     def probe(self) -> MemoryProbe:
         """The probe given at construction, else `memory_probe` for the device, made once."""
         if self._probe is None:
-            self._probe = memory_probe(self.device, self.settings.free_memory_bytes)
+            self._probe = memory_probe(self.device, self.settings.free_memory)
         return self._probe
 
     def agree_peak(self, peak: int, capacity: int) -> tuple[int, int]:

@@ -167,7 +167,7 @@ class Binder:
             return None
         state.adapters[root] = adapter
         self._trainable[root] = (model, trainable_params(root))
-        if state.settings.keep_frozen_unsharded == "true" and adapter.kind != "fsdp2":
+        if state.settings.keep_frozen_unsharded is True and adapter.kind != "fsdp2":
             state.warn_once(
                 "keep_frozen_unsharded_not_fsdp2",
                 f"accel_gradsync: keep_frozen_unsharded is ignored on {adapter.kind}: it keeps FSDP2 units of "
@@ -176,7 +176,7 @@ class Binder:
         if not adapter.trainable and account is None:  # a frozen reference model: no gradient to schedule
             if adapter.kind == "fsdp2":
                 self._bind_frozen(root, adapter, name)
-            elif state.settings.keep_reference_unsharded == "true":
+            elif state.settings.keep_reference_unsharded is True:
                 state.warn_once(
                     "residency_not_fsdp2",
                     f"accel_gradsync: keep_reference_unsharded=true is ignored for {model_name(model)} on "

@@ -13,7 +13,7 @@ from typing import Any
 from accelerate import Accelerator
 from torch import nn
 
-from accel_gradsync.config.settings import GradSyncConfig
+from accel_gradsync.config.settings import ResolvedConfig
 from accel_gradsync.planning.memory import MemoryProbe
 from accel_gradsync.planning.policies import SyncPolicy
 from accel_gradsync.planning.replan import Forecaster
@@ -38,14 +38,15 @@ class GradSyncHandle:
     def __init__(
         self,
         accelerator: Accelerator,
-        config: GradSyncConfig,
+        settings: ResolvedConfig,
         trainer: Any = None,
         memory_probe: MemoryProbe | None = None,
         forecaster: Forecaster | None = None,
     ) -> None:
         self.accelerator = accelerator
-        self.config = config
-        self._state = Attachment(accelerator, config, trainer)
+        self.settings = settings
+        """The settings attach() resolved, typed (`GradSyncConfig.resolved()`)."""
+        self._state = Attachment(accelerator, settings, trainer)
         self.policy: SyncPolicy = self._state.policy
         self._generation = GenerationGather(self._state)
         self._window = Window(self._state, self._generation)
@@ -298,7 +299,7 @@ class GradSyncHandle:
             return
         try:
             trained = [m for m in models if any(p.requires_grad for p in m.parameters())]
-            if trained and self._state.settings.keep_frozen_unsharded == "true" and applies(self.accelerator):
+            if trained and self._state.settings.keep_frozen_unsharded is True and applies(self.accelerator):
                 raise ValueError(
                     f"keep_frozen_unsharded=true, but {model_name(trained[0])} was prepared before "
                     "accel_gradsync.attach(): its adapters get FSDP2 units of their own when accelerate shards it; "

@@ -17,7 +17,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from accel_gradsync.config.errors import GradSyncWarning
-from accel_gradsync.config.settings import GradSyncConfig, ResolvedConfig
+from accel_gradsync.config.settings import ResolvedConfig
 from accel_gradsync.planning.policies import SyncPolicy, resolve_policy
 from accel_gradsync.planning.replan import Change, MeasuredAuto
 from accel_gradsync.planning.residency import kept_bytes
@@ -179,10 +179,9 @@ class Attachment:
     """The accelerator and settings of one `attach()`, and every model it has seen, by `root_of(model)`."""
 
     accelerator: Accelerator
-    config: GradSyncConfig
+    settings: ResolvedConfig
+    """The settings `attach` resolved, once (explicit > environment > default, typed)."""
     trainer: Any = None
-    settings: ResolvedConfig = field(init=False)
-    """`config` with explicit > environment > default applied, once, at attach."""
     policy: SyncPolicy = field(init=False)
     adapters: dict[nn.Module, ModelAdapter | None] = field(default_factory=dict)
     """Every model `bind` inspected; None where it is not wrapped (accelerate's no_sync applies)."""
@@ -206,7 +205,6 @@ class Attachment:
     generates, evaluates or scores."""
 
     def __post_init__(self) -> None:
-        self.settings = self.config.resolved()
         self.policy = resolve_policy(self.settings)
         self.control = ControlGroup()
 

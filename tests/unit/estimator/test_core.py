@@ -112,7 +112,7 @@ def test_counts_agree_with_the_runtime_decision_line(fsdp):
             row = next(m for m in est.modes if m.mode.split(" ")[0] == name)
             if not row.applicable:
                 continue
-            line = describe_decision(policy(config).plan(adapter, lambda: 2**30, 4), adapter, 4)
+            line = describe_decision(policy(config.resolved()).plan(adapter, lambda: 2**30, 4), adapter, 4)
             numbers = [int(n) for n in re.findall(r"(\d+) (?:reduce-scatters|all-reduces)", line)]
             gathers = re.search(r"(\d+) all-gathers/step", line)
             assert gathers is None or int(gathers.group(1)) == row.all_gathers, line

@@ -32,7 +32,7 @@ def test_decision_line_says_there_is_nothing_to_defer(name):
     adapter = estimated_adapter(
         build_meta_model(load_model_config("recipe-default")), read_accelerate_config(FSDP2_HSDP), CONFIG
     )
-    plan = POLICIES[name](CONFIG).plan(adapter, lambda: 2**30, 4)
+    plan = POLICIES[name](CONFIG.resolved()).plan(adapter, lambda: 2**30, 4)
     assert plan.held  # with more micro-batches this mode would hold something
     line = describe_decision(plan, adapter, 1)
     assert line.startswith(f"grad sync: {plan.mode} over 1 micro-batch")

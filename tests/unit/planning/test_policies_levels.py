@@ -69,7 +69,7 @@ def test_budget_and_auto_plan_within_what_reference_models_keep(mode):
     adapter.units, adapter.kind, adapter.hsdp, adapter.backend = _units(), "fsdp2", False, "nccl"
     settings = {"budget": {"memory_budget": "16000B"}, "auto": {"memory_margin": 0.0}}[mode]
     config = GradSyncConfig(sync_mode=mode, **settings)
-    policy = POLICIES[mode](config)
+    policy = POLICIES[mode](config.resolved())
     alone = policy.plan(adapter, lambda: 16000, 8)
     shared = policy.plan(adapter, lambda: 16000, 8, reserved=8000)
     assert alone.held_bytes() > 8000 >= shared.held_bytes() > 0

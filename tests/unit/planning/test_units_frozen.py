@@ -59,7 +59,7 @@ def test_a_frozen_root_is_a_unit_that_gathers_and_reduces_nothing(adapter):
 
 
 def test_decision_line_counts_the_frozen_units_all_gathers(adapter):
-    plan = DeferredSync(GradSyncConfig(defer=True)).plan(adapter, lambda: 0, M)
+    plan = DeferredSync(GradSyncConfig(defer=True).resolved()).plan(adapter, lambda: 0, M)
     rs, _ = collectives_per_step(plan, adapter.units, adapter.hsdp, M)
     gathers, _ = all_gathers_per_step(plan, adapter, M)
     assert rs == 2  # the two decoder layers; the frozen root reduces nothing
@@ -72,7 +72,7 @@ def test_decision_line_counts_the_frozen_units_all_gathers(adapter):
 
 
 def test_the_window_keeps_frozen_units_too_within_the_budget(adapter):
-    window = DeferredSync(GradSyncConfig(defer=True, keep_params_unsharded=True)).plan(adapter, lambda: 0, M)
+    window = DeferredSync(GradSyncConfig(defer=True, keep_params_unsharded=True).resolved()).plan(adapter, lambda: 0, M)
     assert len(window.windowed) == 3 and all_gathers_per_step(window, adapter, M)[0] == 3
     assert window.held_param_bytes() == sum(u.param_bytes for u in adapter.units)
     root = next(u for u in adapter.units if u.frozen)
@@ -87,7 +87,7 @@ def test_gather_for_generation_bytes_enter_budget_and_the_decision_line():
     config = GradSyncConfig(sync_mode="budget", memory_budget="1GiB", gather_for_generation=True)
     adapter = adapter_with_frozen_root(config)
     generation = sum(u.param_bytes for u in adapter.units)
-    plan = BudgetSync(config).plan(adapter, lambda: 0, M)
+    plan = BudgetSync(config.resolved()).plan(adapter, lambda: 0, M)
     assert plan.generation_bytes == generation
     # Generation holds every unit's params already: every unit is windowed at no extra cost.
     assert len(plan.windowed) == 3
@@ -95,9 +95,9 @@ def test_gather_for_generation_bytes_enter_budget_and_the_decision_line():
     assert f"generation {len(adapter.units)} all-gathers per round" in line, line
     # A budget that generation alone fills leaves nothing to defer; windows cost nothing more.
     tight = GradSyncConfig(sync_mode="budget", memory_budget=f"{generation}B", gather_for_generation=True)
-    tight_plan = BudgetSync(tight).plan(adapter, lambda: 0, M)
+    tight_plan = BudgetSync(tight.resolved()).plan(adapter, lambda: 0, M)
     assert [u for u in tight_plan.held if not u.frozen] == [] and tight_plan.held_grad_bytes() == 0
-    off = PerMicroBatchSync(GradSyncConfig()).plan(adapter, lambda: 0, M)
+    off = PerMicroBatchSync(GradSyncConfig().resolved()).plan(adapter, lambda: 0, M)
     assert off.generation_bytes == 0
     per_token = generation_all_gathers_per(adapter.units, kept=False)
     assert per_token == 2 and f"generation {per_token} all-gathers per token" in describe_decision(off, adapter, M)
@@ -149,10 +149,10 @@ def fsdp_rows():
     )
     window = GradSyncConfig(sync_mode="deferred", keep_params_unsharded=True)
     rows = {
-        "per_micro_batch": (PerMicroBatchSync(GradSyncConfig()), GradSyncConfig(), "per_micro_batch"),
-        "deferred+window": (DeferredSync(window), window, "deferred+window"),
+        "per_micro_batch": (PerMicroBatchSync(GradSyncConfig().resolved()), GradSyncConfig(), "per_micro_batch"),
+        "deferred+window": (DeferredSync(window.resolved()), window, "deferred+window"),
         "gather": (
-            PerMicroBatchSync(GradSyncConfig(gather_for_generation=True)),
+            PerMicroBatchSync(GradSyncConfig(gather_for_generation=True).resolved()),
             GradSyncConfig(gather_for_generation=True),
             "per_micro_batch",
         ),
