@@ -39,7 +39,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "per_micro_batch": config("plugin", "accel_gradsync per-micro-batch", {"defer": False}),
     "deferred": config("plugin", "accel_gradsync deferred", {"defer": True}),
     # The same deferred loop inside `grad_sync.join()` (uneven inputs), on even inputs: what its
-    # poll (one all-reduce per micro-batch) costs. One join() around all its steps, as around a loop.
+    # poll (one all-reduce per micro-batch) costs. Each timed step inside a join() of its own (its
+    # leave untimed): one join() around every configuration's steps would see their optimizers too.
     "deferred_join": config(
         "plugin", "accel_gradsync deferred inside grad_sync.join(), even inputs", {"defer": True}, join=True
     ),
