@@ -19,8 +19,8 @@ if TYPE_CHECKING:
     from accel_gradsync.estimator.core import estimate
     from accel_gradsync.launch import check_launch
     from accel_gradsync.planning.units import Level, Plan, Unit
+    from accel_gradsync.runtime.faults.preemption import PREEMPTED_EXIT_CODE
     from accel_gradsync.runtime.handle import GradSyncHandle
-    from accel_gradsync.runtime.preemption import PREEMPTED_EXIT_CODE
 
 # Imported on first use (PEP 562), so `accel-gradsync estimate` can refuse a bad flag before
 # accelerate and transformers' models are imported: name -> the module that defines it.
@@ -35,7 +35,7 @@ _LAZY = {
     "Plan": "accel_gradsync.planning.units",
     "Unit": "accel_gradsync.planning.units",
     "GradSyncHandle": "accel_gradsync.runtime.handle",
-    "PREEMPTED_EXIT_CODE": "accel_gradsync.runtime.preemption",
+    "PREEMPTED_EXIT_CODE": "accel_gradsync.runtime.faults.preemption",
     "training_args_defaults": "accel_gradsync.compat.cpu",
 }
 

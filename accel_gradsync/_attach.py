@@ -30,12 +30,12 @@ from accel_gradsync.compat.teardown import install_exit_guard
 from accel_gradsync.compat.versions import warn_if_untested_torch
 from accel_gradsync.config.errors import GradSyncWarning
 from accel_gradsync.config.settings import GradSyncConfig, ResolvedConfig, SyncMode, dtype_name
-from accel_gradsync.estimator.live import LiveForecaster
+from accel_gradsync.estimator.forecast.live import LiveForecaster
 from accel_gradsync.planning.costs import reduce_dtype_policy
 from accel_gradsync.planning.memory import MemoryProbe
 from accel_gradsync.planning.policies import SyncPolicy
 from accel_gradsync.runtime.handle import GradSyncHandle
-from accel_gradsync.runtime.hooks import is_hooked
+from accel_gradsync.runtime.integration.hooks import is_hooked
 
 
 def attach(

@@ -19,8 +19,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.getcwd())
 from accel_gradsync.planning.memory import DeviceMemoryProbe
-from accel_gradsync.runtime.fsdp2 import FSDP2Adapter
-from accel_gradsync.runtime.fsdp2_state import sync_flags as unit_flags
+from accel_gradsync.runtime.wrappers.fsdp2 import FSDP2Adapter
+from accel_gradsync.runtime.wrappers.fsdp2_state import sync_flags as unit_flags
 
 out = {"torch": torch.__version__, "device": torch.cuda.get_device_name()}
 dev = torch.device("cuda", 0)

@@ -11,7 +11,7 @@ attached. Rows, interleaved in a rotating order every repetition, each a greedy
   through the plugin's adapter, what generation did before it skipped FSDP2's idle per-forward
   work): FSDP2 runs its pre- and post-forward on every unit at every token, with nothing to gather.
 - `fsdp_skipped`: the same, with FSDP2's idle per-forward work skipped
-  (`runtime/quiet_generation.py`'s `skip_idle_forward_work`).
+  (`runtime/wrappers/quiet_generation.py`'s `skip_idle_forward_work`).
 - `plugin`: inside `grad_sync.gathered(model)`, what `gather_for_generation` runs: the kept units,
   FSDP2's idle work skipped, and the plugin's own hooks (its live counters among them).
 - `stock` (`--stock`): FSDP2 as accelerate leaves it, an all-gather per unit per token.
@@ -133,8 +133,8 @@ def work(args: argparse.Namespace) -> int:
     from transformers import LogitsProcessorList, Qwen2ForCausalLM
 
     import accel_gradsync
-    from accel_gradsync.runtime.adapt import adapt_model
-    from accel_gradsync.runtime.quiet_generation import skip_idle_forward_work
+    from accel_gradsync.runtime.wrappers.adapt import adapt_model
+    from accel_gradsync.runtime.wrappers.quiet_generation import skip_idle_forward_work
     from benchmarks import grpo
     from benchmarks.measure import attach
 
@@ -168,7 +168,7 @@ def work(args: argparse.Namespace) -> int:
 
     @contextlib.contextmanager
     def fsdp_skipped():
-        """The same, with FSDP2's idle forward work skipped (runtime/quiet_generation.py)."""
+        """The same, with FSDP2's idle forward work skipped (runtime/wrappers/quiet_generation.py)."""
         with fsdp_hooks_on():
             restore = skip_idle_forward_work(adapter, adapter.units)
             try:

@@ -114,7 +114,7 @@ def check_window_gathers(where: str, row: GrpoRow) -> TargetResult:
 
 def check_generation_all_reduces(where: str, row: GrpoRow) -> TargetResult:
     """The window's generation issues no all-reduce: transformers' per-token flag all-reduce
-    (`synced_gpus`) is skipped where every unit stays unsharded (runtime/token_sync.py)."""
+    (`synced_gpus`) is skipped where every unit stays unsharded (runtime/generating/token_sync.py)."""
     seen = row.counts_seen["generation"].get("all_reduces", [])
     what = f"[{where}] {row.config}: {targets.GRPO_GENERATION_ALL_REDUCES.name}"
     return TargetResult(what, PASS if seen == [0] else FAIL, f"generation's all-reduces on every timed step: {seen}")

@@ -66,7 +66,7 @@ from accel_gradsync.compat.cpu import has_accelerator_device
 from accel_gradsync.compat.releases import training_arg
 from accel_gradsync.config.settings import ENV_PREFIX
 from accel_gradsync.launch import check_restart, launch_setup
-from accel_gradsync.runtime import resume
+from accel_gradsync.runtime.faults import resume
 
 # The shape of TRL's trl/scripts/grpo.py: the arguments' dataclasses, `make_parser`, `main` (`prepare`,
 # then `train`) and `run`, the `__main__` block. What the script needs besides (reading and refusing

@@ -37,7 +37,7 @@ MUTANTS: dict[str, dict] = {
         "what": "grad_sync.step(n) never counts the micro-batches a window makes free",
         "edits": [
             (
-                "accel_gradsync/runtime/accounting.py",
+                "accel_gradsync/runtime/core/accounting.py",
                 "counts.evened_micro_batches += evened",
                 "counts.evened_micro_batches += 0",
             )
@@ -85,12 +85,12 @@ MUTANTS: dict[str, dict] = {
         "what": "the counters bytes_reduced and all_reduces_skipped always read 0",
         "edits": [
             (
-                "accel_gradsync/runtime/accounting.py",
+                "accel_gradsync/runtime/core/accounting.py",
                 "if f.name not in _LEVELS)",
                 'if f.name not in (*_LEVELS, "bytes_reduced", "all_reduces_skipped"))',
             ),
             (
-                "accel_gradsync/runtime/accounting.py",
+                "accel_gradsync/runtime/core/accounting.py",
                 "counts.bytes_reduced += grad_bytes",
                 "counts.bytes_reduced += 0",
             ),
@@ -101,7 +101,7 @@ MUTANTS: dict[str, dict] = {
         "what": "a held FSDP2 unit keeps requires_gradient_sync True: deferred reduce-scatters every micro-batch",
         "edits": [
             (
-                "accel_gradsync/runtime/fsdp2.py",
+                "accel_gradsync/runtime/wrappers/fsdp2.py",
                 "_fsdp2(u.module).set_requires_gradient_sync(False, recurse=False)",
                 "_fsdp2(u.module).set_requires_gradient_sync(True, recurse=False)",
             )
@@ -112,7 +112,7 @@ MUTANTS: dict[str, dict] = {
         "what": "a windowed FSDP2 unit reshards after every backward (gathers again in the next forward)",
         "edits": [
             (
-                "accel_gradsync/runtime/fsdp2.py",
+                "accel_gradsync/runtime/wrappers/fsdp2.py",
                 "_fsdp2(u.module).set_reshard_after_backward(False, recurse=False)",
                 "_fsdp2(u.module).set_reshard_after_backward(True, recurse=False)",
             )
@@ -149,14 +149,14 @@ MUTANTS: dict[str, dict] = {
         "what": "the decision line says one reduce-scatter per step more than the plan makes",
         "edits": [
             (
-                "accel_gradsync/runtime/decision.py",
+                "accel_gradsync/runtime/core/decision.py",
                 'cost = f"{rs} reduce-scatters and {ag} all-gathers/step',
                 'cost = f"{rs + 1} reduce-scatters and {ag} all-gathers/step',
             )
         ],
         "tests": [
             "tests/unit/planning/test_units_frozen.py",
-            "tests/unit/runtime/test_decision.py",
+            "tests/unit/runtime/core/test_decision.py",
             "tests/unit/estimator/test_core.py",
         ],
     },
@@ -170,7 +170,7 @@ MUTANTS: dict[str, dict] = {
         "what": "a rank that left join() steps with its own hyperparameters, not the training ranks'",
         "edits": [
             (
-                "accel_gradsync/runtime/join_steps.py",
+                "accel_gradsync/runtime/uneven_inputs/join_steps.py",
                 "                _write(group, values[at : at + n])\n",
                 "                pass\n",
             )
@@ -182,14 +182,18 @@ MUTANTS: dict[str, dict] = {
     "token_sync_off_without_proof": {
         "what": "generate skips transformers' per-token sync without the proof that forwards issue no collective",
         "edits": [
-            ("accel_gradsync/runtime/token_sync.py", "            if proof.free is None:\n", "            if False:\n"),
             (
-                "accel_gradsync/runtime/token_sync.py",
+                "accel_gradsync/runtime/generating/token_sync.py",
+                "            if proof.free is None:\n",
+                "            if False:\n",
+            ),
+            (
+                "accel_gradsync/runtime/generating/token_sync.py",
                 "            if proof.free:\n",
                 "            if proof.free is not False:\n",
             ),
         ],
-        "tests": ["tests/unit/runtime/test_token_sync.py"],
+        "tests": ["tests/unit/runtime/generating/test_token_sync.py"],
     },
     "canary_launched_ranks_import_the_copy": {
         "what": "(the tool's own check) the package fails to import in a launched rank: caught only if the "

@@ -2,9 +2,9 @@
 by torch release series.
 
 FSDP2 has setters for its per-unit flags but no getters, and no API for a param group's held
-gradients, training state or pending all-gather, so `runtime/fsdp2_state.py` reads attributes
-of FSDP2's private objects (`runtime/fsdp2_grads.py` and `runtime/fsdp2.py` write a few), and
-`runtime/quiet_generation.py` reads its forward hooks' handles and casts: the `FSDPState` of a
+gradients, training state or pending all-gather, so `runtime/wrappers/fsdp2_state.py` reads attributes
+of FSDP2's private objects (`runtime/wrappers/fsdp2_grads.py` and `runtime/wrappers/fsdp2.py` write a few), and
+`runtime/wrappers/quiet_generation.py` reads its forward hooks' handles and casts: the `FSDPState` of a
 unit (`module._get_fsdp_state()`, the one private method, the entry to all of them), its
 `FSDPParamGroup`s and their `FSDPParam`s. It does so only through `read`, `write` and `has` here,
 by a stable name; `FSDP2_PRIVATE` says, per torch series, on which object and under which
@@ -39,7 +39,7 @@ What stays private, and why (2.15's public API was checked for each; see `WHY_PR
 A new torch release is one entry in `FSDP2_PRIVATE` and `FSDP2_RELEASES` (the previous series'
 with what moved changed) plus one CI stack (stacks/*.txt). A series with no entry is read with the
 newest one: `attach` warns once (`versions.warn_if_untested_torch`) and bind stops, naming the
-first attribute that torch lacks (`check_fsdp2_internals` in `runtime/fsdp2_state.py`, through
+first attribute that torch lacks (`check_fsdp2_internals` in `runtime/wrappers/fsdp2_state.py`, through
 `missing`). tests/unit/compat/test_fsdp2.py prints the count per series and holds it to
 `PRIVATE_CEILING`, so that it only goes down.
 """
@@ -198,7 +198,7 @@ def read(obj: Any, name: str, *default: Any) -> Any:
 
 
 def write(obj: Any, name: str, value: Any) -> None:
-    """Set `name` on `obj` (only where torch has no setter: see `runtime/fsdp2_grads.py`)."""
+    """Set `name` on `obj` (only where torch has no setter: see `runtime/wrappers/fsdp2_grads.py`)."""
     setattr(obj, layout()[name][1], value)
 
 
@@ -208,7 +208,7 @@ def has(obj: Any, name: str) -> bool:
 
 
 _OPTIONAL: tuple[str, ...] = ("unsharded_param", "modules_to_run_forward")  # absent until first gathered / grouped
-# What only generation's skip of FSDP2's idle forward work reads (runtime/quiet_generation.py): a
+# What only generation's skip of FSDP2's idle forward work reads (runtime/wrappers/quiet_generation.py): a
 # torch without them generates as before, so bind does not stop for them.
 _OPTIONAL += ("pre_forward_hook", "post_forward_hook", "cast_forward_inputs", "cast_output_dtype")
 

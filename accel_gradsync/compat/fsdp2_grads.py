@@ -1,5 +1,5 @@
 """Where each torch series keeps one FSDPParam's deferred (held) gradient, and how it is read,
-put back and cleared: the part of `runtime/fsdp2_grads.py` that differs by release.
+put back and cleared: the part of `runtime/wrappers/fsdp2_grads.py` that differs by release.
 
 - torch 2.13, 2.14: the unsharded parameter's `.grad` in the compute dtype; a gradient to be cast
   to `reduce_dtype` moves after each held backward to `FSDPParam.unsharded_accumulated_grad`

@@ -7,10 +7,10 @@ transformers (setup.cfg allows 5.17 on):
 - 5.23 renamed `TrainingArguments.gradient_checkpointing` (and `_kwargs`) to
   `activation_checkpointing` (`_kwargs`), keeping the old names as deprecated aliases
   (`training_arg`); the model methods moved with them (`activation_checkpointing_enable`,
-  `is_activation_checkpointing`: `estimator/step_peak.py` and `estimator/live.py` try the new
+  `is_activation_checkpointing`: `estimator/step_peak.py` and `estimator/forecast/live.py` try the new
   name, then the old one).
 - 5.23 added `Trainer._defer_fsdp_gradient_reduction`, through which the Trainer defers a model
-  it sharded at load time (`DistributedConfig`); `runtime/hooks.py` refuses such a model on an
+  it sharded at load time (`DistributedConfig`); `runtime/integration/hooks.py` refuses such a model on an
   older release, which cannot shard at load time the way 5.23 does.
 - 5.24 renamed a model's KV cache argument and output field `past_key_values` to `cache`
   (`kv_cache_name`).

@@ -39,7 +39,7 @@ from accel_gradsync.planning.costs import all_gathers_per_step, collectives_per_
 from accel_gradsync.planning.policies import POLICIES, DeferredSync, SyncPolicy
 from accel_gradsync.planning.reduce_dtype import reduce_dtype_for
 from accel_gradsync.planning.units import ALL_REDUCE, Plan
-from accel_gradsync.runtime.adapter import ModelAdapter
+from accel_gradsync.runtime.wrappers.adapter import ModelAdapter
 
 WINDOW_ROW = "deferred+window"
 """The row for deferral with every unit windowed (`keep_params_unsharded`), shown whatever is selected."""

@@ -27,7 +27,7 @@ _CPU = torch.device("cpu")
 
 @dataclass(frozen=True)
 class KeepFrozen:
-    """`keep_frozen_unsharded` as a live `accelerator.prepare` applies it (runtime/hooks.py): the
+    """`keep_frozen_unsharded` as a live `accelerator.prepare` applies it (runtime/integration/hooks.py): the
     settings of one sync mode, free memory per rank (read only where that mode decides from it)
     and what resident reference models keep already; `FrozenResidency.split` before accelerate
     shards, `FrozenResidency.keep` after."""
@@ -100,7 +100,7 @@ def shard_like_accelerate(
     from accelerate import ParallelismConfig
     from accelerate.utils import fsdp2_prepare_model
 
-    from accel_gradsync.runtime.frozen_units import FrozenResidency, split_trainable
+    from accel_gradsync.runtime.wrappers.frozen_units import FrozenResidency, split_trainable
 
     # Always accelerate's mesh for a parallelism_config, also for a config without one (where a
     # launch lets fully_shard build its default 1-D mesh over the world: the same shards, but on

@@ -5,7 +5,7 @@ The model is built on the meta device and sharded by accelerate's own code (fake
 fake process group of the launch's world size, then materialised as fake tensors (shapes and
 dtypes, no storage) inside the tracker: optimizer state created as a step leaves it, then
 min(M, 2) micro-batches of forward+backward with the schedule's FSDP2 flags (held units skip the
-sync of the non-final micro-batch, windowed units stay unsharded, as runtime/fsdp2.py sets them),
+sync of the non-final micro-batch, windowed units stay unsharded, as runtime/wrappers/fsdp2.py sets them),
 then the optimizer step; the tracker's peak is read per phase. GRPO's generation is a run of its
 own: the prompt prefilled, then one token at a time with the KV cache. step_peak.py decides which
 schedules to run and for how many layers.
@@ -28,8 +28,8 @@ from accel_gradsync.estimator.fake_shard import fake_world, shard_like_accelerat
 from accel_gradsync.estimator.inputs import FSDPSetup, LoraSpec, StepShape
 from accel_gradsync.estimator.meta_model import build_accelerate_plugin, build_meta_model
 from accel_gradsync.planning.units import GRADIENT_SYNC
-from accel_gradsync.runtime.adapt import adapt_model
-from accel_gradsync.runtime.adapter import ModelAdapter
+from accel_gradsync.runtime.wrappers.adapt import adapt_model
+from accel_gradsync.runtime.wrappers.adapter import ModelAdapter
 
 PHASES = ("first_micro_batch", "later_micro_batch", "optimizer_step")
 _INDEXED = re.compile(r"\.\d+(?=\.|$)")
@@ -41,7 +41,7 @@ class Schedule:
     `*`, so it names the same units in the model with fewer layers): the units whose sync the
     non-final micro-batches skip (`held_sync`: `gradient_sync`, or on HSDP only the `all_reduce`),
     and the windowed units whose params stay unsharded from the window's first forward to its last
-    backward (runtime/fsdp2.py's `hold` and `keep_params_through_forward`)."""
+    backward (runtime/wrappers/fsdp2.py's `hold` and `keep_params_through_forward`)."""
 
     mode: str
     held: frozenset[str] = frozenset()

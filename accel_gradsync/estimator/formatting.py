@@ -71,7 +71,7 @@ def _format_kept_frozen(m: ModeEstimate) -> str:
 
 def _describe_kept_frozen(est: Estimate) -> list[str]:
     """The header's `keep_frozen_unsharded` line, for the selected mode, in the words of its
-    decision line (runtime/decision.py): which frozen units it keeps for the run."""
+    decision line (runtime/core/decision.py): which frozen units it keeps for the run."""
     if est.keep_frozen_unsharded is None:
         return []
     setting = f"grad sync: keep_frozen_unsharded={est.keep_frozen_unsharded}"

@@ -22,8 +22,8 @@ from accel_gradsync.estimator.fake_shard import KeepFrozen, fake_world, shard_li
 from accel_gradsync.estimator.inputs import FSDPSetup, LoraSpec
 from accel_gradsync.planning.costs import reduce_dtype_policy
 from accel_gradsync.planning.residency import splits_frozen
-from accel_gradsync.runtime.adapt import adapt_model
-from accel_gradsync.runtime.adapter import ModelAdapter
+from accel_gradsync.runtime.wrappers.adapt import adapt_model
+from accel_gradsync.runtime.wrappers.adapter import ModelAdapter
 
 
 def build_meta_model(config: Any, dtype: torch.dtype = torch.float32, lora: LoraSpec | None = None) -> nn.Module:
@@ -67,7 +67,7 @@ def keep_frozen_for(
 ) -> KeepFrozen | None:
     """What `keep_frozen_unsharded` makes a live prepare do under sync mode `mode` for `setup`:
     None where it does nothing (FSDP1, a model transformers shards, one process, where attach does
-    nothing, or `splits_frozen` false for the mode, as runtime/hooks.py decides); else its
+    nothing, or `splits_frozen` false for the mode, as runtime/integration/hooks.py decides); else its
     settings for the mode, `free` (free memory per rank, where given) and `taken` (what resident
     reference models keep). Which units it keeps is decided while sharding, by the runtime's own
     `FrozenResidency` (`estimated_adapter`'s `keep`)."""

@@ -24,10 +24,9 @@ from accel_gradsync.estimator.results import ReferenceEstimate
 from accel_gradsync.estimator.step_peak import StepPeak
 from accel_gradsync.planning.costs import generation_all_gathers
 from accel_gradsync.planning.residency import Residency, decide_residency, kept_bytes
-from accel_gradsync.runtime.adapt import adapt_model
-from accel_gradsync.runtime.adapter import ModelAdapter, dim0_shard_numel
-from accel_gradsync.runtime.bind import model_name
-from accel_gradsync.runtime.decision import describe_frozen, frozen_keeps
+from accel_gradsync.runtime.core.decision import describe_frozen, frozen_keeps
+from accel_gradsync.runtime.wrappers.adapt import adapt_model, model_name
+from accel_gradsync.runtime.wrappers.adapter import ModelAdapter, dim0_shard_numel
 
 NAME = "ref_model"
 """The Trainer attribute TRL keeps it in, which a live run names it by."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from accel_gradsync.planning.units import ALL_REDUCE, Plan
-from accel_gradsync.runtime.adapter import ModelAdapter
+from accel_gradsync.runtime.wrappers.adapter import ModelAdapter
 
 
 def count_sent_bytes(plan: Plan, adapter: ModelAdapter, micro_batches: int, replicate: int) -> int:

@@ -24,7 +24,7 @@ from accel_gradsync.estimator.inputs import FSDPSetup, LoraSpec, StepShape
 from accel_gradsync.estimator.row_costs import count_sharded_grad_bytes
 from accel_gradsync.planning.reduce_dtype import reduce_dtype_for
 from accel_gradsync.planning.units import GRADIENT_SYNC, Plan
-from accel_gradsync.runtime.adapter import ModelAdapter
+from accel_gradsync.runtime.wrappers.adapter import ModelAdapter
 
 _LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers")
 

@@ -25,7 +25,7 @@ def micro_batch_all_gathers(
     its backward gathers again when the forward resharded them (`reshard_after_forward`, unless
     a window keeps them through this forward); after backward they stay only where a window (or
     FSDP1 SHARD_GRAD_OP under `no_sync()`) keeps them. The decision line, the estimate (through
-    `step_all_gathers`) and FSDP1's live counters (runtime/accounting.py) count with it."""
+    `step_all_gathers`) and FSDP1's live counters (runtime/core/accounting.py) count with it."""
     count = (0 if gathered else 1) + (1 if unit.reshards_after_forward and not kept_through_forward else 0)
     return count, kept_after_backward
 

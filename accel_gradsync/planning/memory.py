@@ -5,7 +5,7 @@ measurements instead, through a `MemoryProbe`: the memory a rank may use (its ca
 peak in use during an optimizer step. One small interface with a device (CUDA / Ascend NPU) and a
 CPU implementation, and `ScriptedMemoryProbe`, which plays a device with a given capacity and a
 scripted series of peaks (tests, dry runs). Reading a probe is a host-side counter read: no device
-synchronisation. Agreeing the readings over ranks is the runtime's (runtime/agreement.py's
+synchronisation. Agreeing the readings over ranks is the runtime's (runtime/core/agreement.py's
 `RankMemory`): planning issues no collective.
 """
 

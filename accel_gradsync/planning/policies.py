@@ -2,7 +2,7 @@
 
 One small class per mode, looked up by name in `POLICIES`; a mode adds a class there. A policy
 only decides, once per model and before the first step, producing a frozen `Plan`;
-runtime/bind.py asks for it and runtime/window.py applies it on every micro-batch. The last
+runtime/integration/bind.py asks for it and runtime/accumulation/window.py applies it on every micro-batch. The last
 micro-batch of every optimizer step syncs every unit, whatever the plan says.
 """
 

@@ -59,7 +59,7 @@ class Forecast:
 
 
 class Forecaster(Protocol):
-    """Forecasts a bound model's step peak from its config (estimator/live.py). Every rank calls
+    """Forecasts a bound model's step peak from its config (estimator/forecast/live.py). Every rank calls
     it at bind and gets the same answer."""
 
     def forecast(self, model: Any, micro_batches: int) -> Forecast: ...

@@ -71,7 +71,7 @@ def decide_residency(
 
 def splits_frozen(settings: ResolvedConfig) -> bool:
     """Whether `keep_frozen_unsharded` gives a trained model's trainable modules FSDP2 units of
-    their own at prepare (runtime/frozen_units.py): true, or auto under a mode that plans memory."""
+    their own at prepare (runtime/wrappers/frozen_units.py): true, or auto under a mode that plans memory."""
     value = settings.keep_frozen_unsharded
     return value is True or (value is None and settings.sync_mode in PLANNED_MODES)
 

@@ -1,6 +1,6 @@
 """The vocabulary every layer shares: `Unit` (one FSDP unit, or DDP's whole model), `Level` (what a
 plan does with a unit), `Plan` (a policy's frozen decision) and `Wrapped` (what planning reads of
-a wrapped model). runtime/adapter.py finds units, policies.py plans over them, runtime/accounting.py
+a wrapped model). runtime/wrappers/adapter.py finds units, policies.py plans over them, runtime/core/accounting.py
 counts their collectives; they all import these from here rather than from one another.
 
 A *frozen* unit has no trainable parameter (the root holding frozen embeddings and head under

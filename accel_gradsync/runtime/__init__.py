@@ -1,11 +1,14 @@
-"""The runtime: reading a wrapped model (`adapt`: an `adapter` per wrapper, `fsdp2` with the
-private reads it shares in `fsdp2_state`, `fsdp2_grads` and `fsdp2_counts`; `fsdp1`, `ddp`),
-binding it (`bind`) into what one `attach()` holds (`state`), the hot path per micro-batch
-(`window`, what it tells the user in `window_checks`), generation (`generation`,
-`quiet_generation`, `token_sync`), uneven inputs (`join`, with
-`join_poll`, `join_watch`, `join_record`, `join_steps`; `uneven`; per-rank counts every step:
-`uneven_steps`), the plugin's own collectives
-(`agreement`), counters (`accounting`),
-the decision line (`decision`), checkpoints (`checkpoint`, `plan_checkpoint`, `resume`), the
-hooks into Accelerate and the Trainer (`connection`, `hooks`, `callback`, `preemption`) and
-`handle`, the user's `GradSyncHandle`. Imports `planning`, `compat`, `config`."""
+"""The runtime, in rooms by concern, each importing only those before it in this list
+(tests/repo/test_import_layers.py holds it):
+
+- `wrappers`: reading and changing a wrapped model (an adapter per wrapper, FSDP2's private
+  reads, the frozen units kept, the idle work of kept units skipped);
+- `core`: what one `attach()` holds (`Attachment`, bound models), the counters, the plugin's own
+  collectives, the decision line;
+- `generating`: forwards without gradients;
+- `accumulation`: the window, the hot path per micro-batch;
+- `faults`: checkpoints, resume, preemption;
+- `uneven_inputs`: `join()` and `step(n)`, ranks with different counts;
+- `integration`: binding, and the hooks into Accelerate and the Trainer;
+
+and `handle`, the user's `GradSyncHandle`, over them all. Imports `planning`, `compat`, `config`."""

@@ -18,18 +18,19 @@ from accel_gradsync.planning.memory import MemoryProbe
 from accel_gradsync.planning.policies import SyncPolicy
 from accel_gradsync.planning.replan import Forecaster
 from accel_gradsync.planning.units import Plan
-from accel_gradsync.runtime.adapter import ModelAdapter
-from accel_gradsync.runtime.bind import Binder, model_name, wants_binding
-from accel_gradsync.runtime.checkpoint import CheckpointHooks
-from accel_gradsync.runtime.connection import Connection
-from accel_gradsync.runtime.decision import describe_decision
-from accel_gradsync.runtime.frozen_units import applies
-from accel_gradsync.runtime.generation import GenerationGather
-from accel_gradsync.runtime.join import Join
-from accel_gradsync.runtime.preemption import PREEMPTED_EXIT_CODE
-from accel_gradsync.runtime.state import Attachment, root_of
-from accel_gradsync.runtime.uneven_steps import StepShape, UnevenSteps
-from accel_gradsync.runtime.window import Window
+from accel_gradsync.runtime.accumulation.window import Window
+from accel_gradsync.runtime.core.decision import describe_decision
+from accel_gradsync.runtime.core.state import Attachment, root_of
+from accel_gradsync.runtime.faults.checkpoint import CheckpointHooks
+from accel_gradsync.runtime.faults.preemption import PREEMPTED_EXIT_CODE
+from accel_gradsync.runtime.generating.generation import GenerationGather
+from accel_gradsync.runtime.integration.bind import Binder, wants_binding
+from accel_gradsync.runtime.integration.connection import Connection
+from accel_gradsync.runtime.uneven_inputs.join import Join
+from accel_gradsync.runtime.uneven_inputs.uneven_steps import StepShape, UnevenSteps
+from accel_gradsync.runtime.wrappers.adapt import model_name
+from accel_gradsync.runtime.wrappers.adapter import ModelAdapter
+from accel_gradsync.runtime.wrappers.frozen_units import applies
 
 
 class GradSyncHandle:

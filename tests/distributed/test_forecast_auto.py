@@ -1,4 +1,4 @@
-"""`auto` planning step 1 from the whole-step forecast (planning/replan.py, estimator/live.py), on
+"""`auto` planning step 1 from the whole-step forecast (planning/replan.py, estimator/forecast/live.py), on
 real gloo ranks, FSDP2, a tiny Qwen2 built from its transformers config: counted from outside,
 step 1 already reduce-scatters once per unit (no measuring step), every rank runs the same plan,
 the decision line shows the forecast, and `stats()` carries it beside the measured peak, the peak `accel-gradsync

@@ -1,4 +1,4 @@
-"""`keep_frozen_unsharded` (runtime/frozen_units.py) on 2 gloo ranks under `accelerate launch`,
+"""`keep_frozen_unsharded` (runtime/wrappers/frozen_units.py) on 2 gloo ranks under `accelerate launch`,
 FSDP2 with decoder layers as units: a tiny Qwen2 with PEFT LoRA (r = 4 on q_proj and v_proj), the
 optimizer built before `prepare` (workers/frozen_units.py).
 

@@ -14,7 +14,7 @@ import pytest
 from launcher import WORKERS, accelerate_config
 
 from accel_gradsync import PREEMPTED_EXIT_CODE
-from accel_gradsync.runtime.preemption import DEADLINE_FLOOR_S
+from accel_gradsync.runtime.faults.preemption import DEADLINE_FLOOR_S
 from benchmarks.launch import launch
 
 M = 3  # micro-batches per optimizer step (the worker's)

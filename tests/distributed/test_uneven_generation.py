@@ -1,4 +1,4 @@
-"""Generation without transformers' per-token all-reduce (runtime/token_sync.py), on real gloo
+"""Generation without transformers' per-token all-reduce (runtime/generating/token_sync.py), on real gloo
 ranks with transformers' own `generate` (workers/token_sync.py): the two ranks ask for different
 numbers of new tokens (3 and 7), so a rank that finishes first and stops running forwards would
 leave the other alone in any all-gather its forwards issue.

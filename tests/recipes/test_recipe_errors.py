@@ -3,7 +3,7 @@ before training, naming what to change, and writes nothing to output_dir. Parsin
 (fast); one run goes through the script. Also what the recipe reads from its input without
 refusing it: the number in an answer, which the accuracy reward compares as a number. What the
 recipe takes from the package is tested with it: `check_launch` in tests/unit/test_launch.py,
-which checkpoint to resume from in tests/unit/runtime/test_resume_checkpoints.py."""
+which checkpoint to resume from in tests/unit/runtime/faults/test_resume_checkpoints.py."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ import embedded  # noqa: E402
 import grpo  # noqa: E402
 import grpo_inputs  # noqa: E402
 
-from accel_gradsync.runtime import resume  # noqa: E402
+from accel_gradsync.runtime.faults import resume  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

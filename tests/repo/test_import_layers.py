@@ -1,6 +1,7 @@
 """Import structure, read with `ast` (nothing is imported): no import cycle among the modules of
 accel_gradsync/, benchmarks/, recipes/ and tools/, and each accel_gradsync sub-package imports only
-the layers before it: config < compat < planning < runtime < estimator < the top-level modules.
+the layers before it: config < compat < planning < runtime < estimator < the top-level modules,
+and inside the runtime each room (sub-package) only the rooms before it in `ROOMS`.
 
 Every import statement counts, including those inside functions: a cycle that only a deferred
 import breaks is still a cycle to a reader. `python tests/repo/test_import_layers.py` prints
@@ -16,6 +17,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 ROOTS = ("accel_gradsync", "benchmarks", "recipes", "tools")
 LAYERS = ("config", "compat", "planning", "runtime", "estimator")
+ROOMS = ("wrappers", "core", "generating", "accumulation", "faults", "uneven_inputs", "integration")
+"""The runtime's sub-packages, each importing only those before it; `runtime.handle` comes last."""
+MOST_MODULES = 12  # no folder of the package holds more directly
 # recipes/ is not a package: its scripts import each other by bare name (the script's folder is on sys.path).
 BARE = "recipes"
 
@@ -128,6 +132,48 @@ def layer_violations(edges: dict[str, set[str]]) -> list[str]:
     return out
 
 
+def room(name: str) -> int | None:
+    """0.. for the runtime's rooms in ROOMS order, len(ROOMS) for the runtime's own modules
+    (`handle`), None outside the runtime."""
+    parts = name.split(".")
+    if parts[:2] != ["accel_gradsync", "runtime"]:
+        return None
+    return ROOMS.index(parts[2]) if len(parts) > 2 and parts[2] in ROOMS else len(ROOMS)
+
+
+def room_violations(edges: dict[str, set[str]]) -> list[str]:
+    out = []
+    for name, targets in sorted(edges.items()):
+        own = room(name)
+        if own is None or own == len(ROOMS):
+            continue
+        for target in sorted(targets):
+            theirs = room(target)
+            if theirs is not None and theirs > own:
+                out.append(f"{name} ({ROOMS[own]}) imports {target} (a later room of the runtime)")
+    return out
+
+
+def crowded_folders() -> list[str]:
+    """Folders of the package holding more than MOST_MODULES modules directly."""
+    folders = [p for p in (REPO / "accel_gradsync").rglob("*") if p.is_dir() and p.name != "__pycache__"]
+    counts = {
+        f: len([m for m in f.glob("*.py") if m.name != "__init__.py"]) for f in [REPO / "accel_gradsync", *folders]
+    }
+    return [f"{f.relative_to(REPO)}: {n}" for f, n in sorted(counts.items()) if n > MOST_MODULES]
+
+
+def test_each_runtime_room_imports_only_the_rooms_before_it():
+    assert set(ROOMS) == {
+        p.name for p in (REPO / "accel_gradsync" / "runtime").iterdir() if (p / "__init__.py").exists()
+    }
+    assert room_violations(graph()) == []
+
+
+def test_no_folder_of_the_package_holds_more_than_twelve_modules():
+    assert crowded_folders() == []
+
+
 def test_the_graph_sees_the_packages_imports():
     edges = graph()
     assert "accel_gradsync.planning.costs" in edges["accel_gradsync.estimator.core"]
@@ -148,3 +194,7 @@ if __name__ == "__main__":
         print("cycle:", " <-> ".join(cycle))
     for line in layer_violations(edges):
         print("layer:", line)
+    for line in room_violations(edges):
+        print("room:", line)
+    for line in crowded_folders():
+        print("crowded:", line)

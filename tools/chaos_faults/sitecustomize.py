@@ -35,7 +35,7 @@ if os.environ.get("CHAOS_PLAN") and "--output_dir" in sys.argv:
     _steps = [0]  # optimizer steps this attempt finished
 
     def _start_step() -> int:
-        from accel_gradsync.runtime.resume import newest_complete_checkpoint
+        from accel_gradsync.runtime.faults.resume import newest_complete_checkpoint
 
         folder = newest_complete_checkpoint(sys.argv[sys.argv.index("--output_dir") + 1])
         return int(folder.rsplit("-", 1)[1]) if folder else 0

@@ -137,6 +137,6 @@ def sync_flags(model: nn.Module) -> dict[str, tuple[bool, bool, bool]]:
     read where the package reads them (FSDP2 has setters but no getters)."""
     from torch.distributed.fsdp import FSDPModule
 
-    from accel_gradsync.runtime.fsdp2_state import sync_flags as unit_flags
+    from accel_gradsync.runtime.wrappers.fsdp2_state import sync_flags as unit_flags
 
     return {n: unit_flags(m) for n, m in model.named_modules() if isinstance(m, FSDPModule)}

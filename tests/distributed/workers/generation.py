@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor
 from transformers import Qwen2ForCausalLM
 
 import accel_gradsync
-from accel_gradsync.runtime.adapt import adapt_model
+from accel_gradsync.runtime.wrappers.adapt import adapt_model
 
 VOCAB, PROMPT, B = 32, 4, 2
 

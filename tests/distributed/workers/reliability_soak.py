@@ -16,7 +16,7 @@ from common import TinyNet, parse_args, sync_flags, write_result
 from torch.nn import functional as F
 
 import accel_gradsync
-from accel_gradsync.runtime.adapt import adapt_model
+from accel_gradsync.runtime.wrappers.adapt import adapt_model
 
 args = parse_args(
     [

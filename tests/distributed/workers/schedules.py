@@ -28,7 +28,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import accel_gradsync
-from accel_gradsync.runtime.adapt import adapt_model
+from accel_gradsync.runtime.wrappers.adapt import adapt_model
 
 LR = 0.1
 BATCH = 2

@@ -5,8 +5,8 @@ no entry is read and checked with the newest one."""
 import pytest
 
 from accel_gradsync.compat import fsdp2 as internals
-from accel_gradsync.runtime.fsdp2 import FSDP2Adapter
-from accel_gradsync.runtime.fsdp2_state import check_fsdp2_internals
+from accel_gradsync.runtime.wrappers.fsdp2 import FSDP2Adapter
+from accel_gradsync.runtime.wrappers.fsdp2_state import check_fsdp2_internals
 
 
 @pytest.mark.parametrize(

@@ -16,8 +16,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from accel_gradsync.compat import fsdp2 as internals
 from accel_gradsync.compat.teardown import install_exit_guard
-from accel_gradsync.runtime import fsdp2_grads
-from accel_gradsync.runtime.fsdp2 import FSDP2Adapter
+from accel_gradsync.runtime.wrappers import fsdp2_grads
+from accel_gradsync.runtime.wrappers.fsdp2 import FSDP2Adapter
 
 pytestmark = pytest.mark.compat
 

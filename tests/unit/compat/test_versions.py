@@ -1,5 +1,5 @@
 """The tested torch series: which version strings count as one, and the one warning attach gives
-for any other (the missing-attribute error itself is tests/unit/runtime/test_fsdp2_state.py's)."""
+for any other (the missing-attribute error itself is tests/unit/runtime/wrappers/test_fsdp2_state.py's)."""
 
 import warnings
 

@@ -19,7 +19,7 @@ from accel_gradsync.estimator.meta_model import build_meta_model, estimated_adap
 from accel_gradsync.planning.policies import resolve_policy
 from accel_gradsync.planning.reduce_dtype import reduce_dtype_for
 from accel_gradsync.planning.units import Plan
-from accel_gradsync.runtime.decision import describe_decision, warn_about_plan
+from accel_gradsync.runtime.core.decision import describe_decision, warn_about_plan
 
 
 @pytest.fixture(autouse=True)

@@ -23,7 +23,7 @@ from accel_gradsync.estimator.core import WINDOW_ROW, estimate
 from accel_gradsync.estimator.inputs import load_model_config, read_accelerate_config
 from accel_gradsync.estimator.meta_model import build_meta_model, estimated_adapter
 from accel_gradsync.planning.policies import POLICIES
-from accel_gradsync.runtime.decision import describe_decision
+from accel_gradsync.runtime.core.decision import describe_decision
 
 pytestmark = pytest.mark.filterwarnings("ignore::accel_gradsync.config.errors.GradSyncWarning")
 

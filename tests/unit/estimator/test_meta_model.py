@@ -10,8 +10,8 @@ from accel_gradsync.estimator.cli import main
 from accel_gradsync.estimator.core import estimate
 from accel_gradsync.estimator.inputs import load_model_config, read_accelerate_config
 from accel_gradsync.estimator.meta_model import build_meta_model, estimated_adapter
-from accel_gradsync.runtime.fsdp1 import FSDP1Adapter
-from accel_gradsync.runtime.fsdp2 import FSDP2Adapter
+from accel_gradsync.runtime.wrappers.fsdp1 import FSDP1Adapter
+from accel_gradsync.runtime.wrappers.fsdp2 import FSDP2Adapter
 
 pytestmark = [
     pytest.mark.usefixtures("clean_env"),

@@ -20,9 +20,9 @@ from accel_gradsync.estimator.reference import PASS_UNMODELED, add_reference, es
 from accel_gradsync.estimator.results import ReferenceEstimate
 from accel_gradsync.estimator.step_peak import StepPeak
 from accel_gradsync.planning.residency import decide_residency
-from accel_gradsync.runtime.adapt import adapt_model
-from accel_gradsync.runtime.bind import model_name
-from accel_gradsync.runtime.decision import describe_frozen, frozen_keeps
+from accel_gradsync.runtime.core.decision import describe_frozen, frozen_keeps
+from accel_gradsync.runtime.integration.bind import model_name
+from accel_gradsync.runtime.wrappers.adapt import adapt_model
 
 pytestmark = [
     pytest.mark.usefixtures("clean_env"),

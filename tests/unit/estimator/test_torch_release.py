@@ -12,7 +12,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from accel_gradsync.compat.fsdp2 import torch_series
 from accel_gradsync.estimator.cli import main
 from accel_gradsync.estimator.fake_shard import fake_world
-from accel_gradsync.runtime.adapt import adapt_model
+from accel_gradsync.runtime.wrappers.adapt import adapt_model
 
 pytestmark = [
     pytest.mark.usefixtures("clean_env"),

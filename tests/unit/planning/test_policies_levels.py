@@ -10,7 +10,7 @@ from torch import nn
 from accel_gradsync.planning.costs import REDUCE_SCATTER_COST, reduce_scatter_cost_of
 from accel_gradsync.planning.policies import choose_levels
 from accel_gradsync.planning.units import Unit
-from accel_gradsync.runtime.adapter import ModelAdapter
+from accel_gradsync.runtime.wrappers.adapter import ModelAdapter
 
 BLOCK = 1000  # elements: 4000 B of fp32 gradient and 4000 B of fp32 params per unit
 

@@ -19,7 +19,7 @@ from accel_gradsync.planning.costs import (
     unit_all_gathers,
 )
 from accel_gradsync.planning.policies import BudgetSync, DeferredSync, PerMicroBatchSync, choose_levels
-from accel_gradsync.runtime.decision import describe_decision
+from accel_gradsync.runtime.core.decision import describe_decision
 
 pytestmark = pytest.mark.filterwarnings("ignore::accel_gradsync.config.errors.GradSyncWarning")
 

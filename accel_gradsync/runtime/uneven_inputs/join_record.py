@@ -1,0 +1,131 @@
+"""What a `join()` loop (join.py) did in one micro-batch, recorded so that a rank which left can do
+it again with its outputs x 0: `Iteration` (the forwards of the bound models, their inputs
+detached, and each `accelerator.backward` between them) and `replay`.
+
+An iteration is one `accelerate.accumulate()` block where the loop uses it; in a loop that does
+not (accelerate's basic loop: forward, `backward`, `optimizer.step()`), everything from a forward
+to the next optimizer step. Replaying runs the same forwards of the same models, and a backward of
+their outputs x 0 where the loop called `accelerator.backward`, inside `accumulate()` of the same
+models where the loop entered it: so accelerate's window, the plan and FSDP's and DDP's
+collectives are the training ranks'.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from torch import nn
+
+from accel_gradsync.runtime.core.state import root_of
+
+
+@dataclass
+class Forward:
+    """One recorded forward: the module the hook saw, its inputs, its grad mode."""
+
+    module: nn.Module
+    args: tuple
+    kwargs: dict
+    grad: bool
+
+
+@dataclass
+class Backward:
+    """`accelerator.backward` of what the forwards before it computed."""
+
+
+@dataclass
+class Iteration:
+    """One micro-batch of the loop: inside `accumulate(*models)` or (`models` None) outside."""
+
+    models: tuple | None
+    events: list[Forward | Backward] = field(default_factory=list)
+
+    def forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        self.events.append(Forward(module, _detached(args), _detached(kwargs), torch.is_grad_enabled()))
+
+    def backward(self) -> None:
+        self.events.append(Backward())
+
+
+@contextlib.contextmanager
+def replay(accelerator: Accelerator, iteration: Iteration) -> Iterator[None]:
+    """`iteration` again, its outputs x 0: inside `accumulate()` of its models where it ran there
+    (the block stays open until the caller leaves this one), each backward where it had one (or
+    one at the end, where the loop called `loss.backward()` itself)."""
+    models = iteration.models or ()
+    by_root = {root_of(m): m for m in [*accelerator._models, *models]}  # DDP: its wrapper
+    window = accelerator.accumulate(*models) if iteration.models is not None else contextlib.nullcontext()
+    with window:
+        outputs: list[torch.Tensor] = []
+        backwards = 0
+        for event in iteration.events:
+            if isinstance(event, Backward):
+                _backward_zero(accelerator, outputs)
+                outputs, backwards = [], backwards + 1
+                continue
+            with torch.set_grad_enabled(event.grad):
+                out = by_root.get(event.module, event.module)(*event.args, **event.kwargs)
+            if event.grad:
+                outputs += [t for t in _tensors(out) if t.requires_grad]
+        if not backwards:
+            _backward_zero(accelerator, outputs)
+        yield
+
+
+def _backward_zero(accelerator: Accelerator, outputs: list[torch.Tensor]) -> None:
+    if outputs:
+        accelerator.backward(torch.stack([t.float().sum() for t in outputs]).sum() * 0.0)
+
+
+def _detached(tree: Any) -> Any:
+    """Inputs as recorded: tensors detached (no graph kept alive) in tuples, lists and dicts."""
+    if torch.is_tensor(tree):
+        return tree.detach()
+    if isinstance(tree, (tuple, list)):
+        return type(tree)(_detached(v) for v in tree)
+    if isinstance(tree, dict):
+        return {k: _detached(v) for k, v in tree.items()}
+    return tree
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    """The tensors of a model's output: a tensor, tuples, lists, dicts (transformers' ModelOutput)."""
+    if torch.is_tensor(tree):
+        return [tree]
+    if isinstance(tree, (tuple, list)):
+        return [t for v in tree for t in _tensors(v)]
+    if isinstance(tree, dict):
+        return [t for v in tree.values() for t in _tensors(v)]
+    return []
+
+
+def zeros_like_tree(tree: Any, device: torch.device) -> Any:
+    """What a rank that left contributes to a collective the loop issues itself (a loss gathered
+    for logging): zeros in the tree's shapes and dtypes, as DDP's `Join` does, on `device` where
+    the loop's tensor was on an accelerator (each rank's own). `tree` is `spec`'s."""
+    kind = tree[0]
+    if kind == "tensor":
+        return torch.zeros(tree[1], dtype=getattr(torch, tree[2]), device=device if tree[3] else "cpu")
+    if kind in ("tuple", "list"):
+        values = [zeros_like_tree(v, device) for v in tree[1]]
+        return tuple(values) if kind == "tuple" else values
+    return {k: zeros_like_tree(v, device) for k, v in tree[1]}
+
+
+def spec(tree: Any) -> Any:
+    """`tree`'s shape for `zeros_like_tree`; None where it holds anything but tensors."""
+    if torch.is_tensor(tree):
+        return ("tensor", tuple(tree.shape), str(tree.dtype).removeprefix("torch."), tree.device.type != "cpu")
+    if isinstance(tree, (tuple, list)):
+        items = [spec(v) for v in tree]
+        return None if None in items else (type(tree).__name__, items)
+    if isinstance(tree, dict):
+        pairs = [(k, spec(v)) for k, v in tree.items()]
+        return None if any(v is None for _, v in pairs) else ("dict", pairs)
+    return None

@@ -1,0 +1,269 @@
+"""Micro-batch counts that differ across ranks and change every step: `grad_sync.step(n)`.
+
+What it promises: a step in which each rank runs its own `n` micro-batches ends where a run ends
+in which every rank ran the step's largest count, its extra micro-batches with loss x 0 (padding,
+verl's `same_micro_num_in_dp`), and runs none of those where the plan lets it.
+
+How. `step(n)` gathers every rank's `n` once per step, before any micro-batch, on the plugin's own
+group (agreement.py); sets accelerate's own count for the block (`gradient_accumulation_steps = n`,
+its counter restarted, so `accumulate()` syncs at this rank's n-th micro-batch); plans with the
+step's largest count (`Attachment.step_largest`), `auto` re-planning every model there on every
+rank alike. Then:
+- a plan whose step issues the same collectives whatever its count (`costs.counts_are_free`: every
+  FSDP2 unit windowed or resident, DDP held at its root): nothing more;
+- any other plan: a rank below the largest count holds its last micro-batch like the ones before
+  (hooks.py enters the window's `no_sync` for it), records its forwards (join_watch.py,
+  join_record.py), and at the first clip, loop collective or optimizer step after its backward
+  (else at the end of its `accumulate()` block) replays it x 0 until it ran the largest count,
+  the last replay syncing, with accelerate counting them on to the largest count: its collectives
+  pair one for one with those of the rank that runs the most.
+
+Trade-off: one small collective per step; with replays, the compute padding would cost on the
+ranks that replay (no more), and the last micro-batch's inputs kept until they ran. Refused in one
+line before any collective: a Trainer, inside `join()`, mid-window, a prepared DataLoader ending
+the window itself (`sync_with_dataloader`), a count below 1 on any rank (every rank refuses); at
+the block's end, a rank that ran another count than it said; an optimizer step before the last
+micro-batch's `accelerator.backward`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from accel_gradsync.planning.costs import counts_are_free
+from accel_gradsync.runtime.accumulation.window import Window
+from accel_gradsync.runtime.core.state import Attachment
+from accel_gradsync.runtime.uneven_inputs.join import Join
+from accel_gradsync.runtime.uneven_inputs.join_record import Backward, Iteration, replay
+from accel_gradsync.runtime.uneven_inputs.join_watch import ForwardWatch
+
+
+@dataclasses.dataclass(frozen=True)
+class StepShape:
+    """What `grad_sync.step(n)` yields: the step's counts over ranks and its totals."""
+
+    micro_batches: int
+    """This rank's count, `n`."""
+    largest: int
+    """The largest count of any rank this step: the step as padding would run it."""
+    smallest: int
+    """The smallest count of any rank this step."""
+    tokens: int | None = None
+    """`tokens` summed over every rank (None where not given): the loss of a micro-batch summed
+    over its tokens, x `world_size * n / tokens`, gives the step the gradient of the mean loss per
+    token over the whole step (accelerate divides by `n`, FSDP and DDP average over ranks)."""
+    samples: int | None = None
+    """`samples` summed over every rank (None where not given), for a loss averaged per sample."""
+
+
+class UnevenSteps:
+    """The `step(n)` blocks of one `attach()`: the step's agreed counts, the last micro-batch held
+    and recorded, its replays."""
+
+    def __init__(self, state: Attachment, window: Window, join: Join) -> None:
+        self.state = state
+        self.window = window
+        self.join = join
+        self.shape: StepShape | None = None  # inside a step(n) block
+        self._ran = 0  # this rank's micro-batches in the block
+        self._replays = 0  # this rank's replays at the block's last micro-batch (decided at its first)
+        self._pending: Iteration | None = None  # the last micro-batch, recorded to replay
+        self._hold = contextlib.ExitStack()  # the last micro-batch's no_sync (hooks.py enters it)
+        self._forwards = ForwardWatch(self)
+        self._step_hook: Any = None
+        self._replaying = False
+        self._announced = False
+
+    @contextlib.contextmanager
+    def step(self, n: int, tokens: int | None = None, samples: int | None = None) -> Iterator[StepShape]:
+        self._refuse_here()
+        shape = self._agree(n, tokens, samples)
+        state, accelerator = self.state, self.state.accelerator
+        before = accelerator.gradient_accumulation_steps
+        accelerator.gradient_accumulation_steps, accelerator.step = n, 0  # accumulate() syncs at this rank's n-th
+        state.step_largest = shape.largest
+        try:
+            self.shape, self._ran, self._replays = shape, 0, 0
+            yield shape
+            self.flush()
+            if self._ran != n:
+                raise ValueError(
+                    f"grad_sync.step({n}): this rank ran {self._ran} micro-batch{'' if self._ran == 1 else 'es'} "
+                    f"inside the block; run exactly the n you pass (the other ranks pair their collectives with it)."
+                )
+        finally:
+            self._close()
+            accelerator.gradient_accumulation_steps, accelerator.step = before, 0
+            state.step_largest = 0
+
+    # -- accelerate's calls (hooks.py) -----------------------------------------------------------
+    def begin(self, models: tuple) -> bool:
+        """`accumulate(*models)` entered, its counter moved: True at this rank's last micro-batch
+        of a step it ends with replays; hooks.py then holds it (`hold`), and its forwards are
+        recorded from here."""
+        if self.shape is None or self._replaying:
+            return False
+        self._ran += 1
+        if self._ran == 1:
+            self._plan_step(self.shape)
+        if not self._replays or self._ran != self.shape.micro_batches:
+            return False
+        self._pending = Iteration(models)
+        self._forwards.watch(self.state.adapters)
+        return True
+
+    def hold(self, no_sync: contextlib.AbstractContextManager) -> None:
+        """Enter the window's `no_sync` of one model for the last micro-batch, until `flush`."""
+        self._hold.enter_context(no_sync)
+
+    def backward(self) -> None:
+        """`accelerator.backward` (hooks.py): the recorded micro-batch backs up here too."""
+        if self._pending is not None and not self._replaying:
+            self._pending.backward()
+
+    def after_backward_point(self) -> None:
+        """A clip or a loop collective (hooks.py): the last micro-batch's backwards are over, so
+        its replays run first, where its backward ran (a clip's norm reads the synced gradients)."""
+        if self._pending is not None and any(isinstance(e, Backward) for e in self._pending.events):
+            self.flush()
+
+    def flush(self) -> None:
+        """Replay the recorded last micro-batch x 0 up to the step's largest count: the hold ends
+        (its gradients stay held), accelerate counts on to the largest, the last replay syncs."""
+        iteration, shape = self._pending, self.shape
+        if iteration is None or shape is None or self._replaying:
+            return
+        self._pending = None
+        self._forwards.close()
+        self._hold.close()
+        accelerator = self.state.accelerator
+        accelerator.gradient_accumulation_steps = shape.largest
+        self._replaying = True
+        try:
+            for _ in range(self._replays):
+                with replay(accelerator, iteration):
+                    pass
+        finally:
+            self._replaying = False
+            accelerator.gradient_accumulation_steps = shape.micro_batches
+
+    def abort(self) -> None:
+        """An exception left `accumulate()`: nothing to replay, the hold ends (window.abort drops it)."""
+        self._pending = None
+        self._forwards.close()
+        self._hold.close()
+
+    def close(self) -> None:
+        """Detach."""
+        self._close()
+
+    # -- join_watch.ForwardWatch's sink ----------------------------------------------------------
+    def start(self, module: nn.Module) -> None:
+        pass  # the micro-batch began at accumulate()
+
+    def record(self, called: nn.Module, args: tuple, kwargs: dict) -> None:
+        if self._pending is not None and not self._replaying:
+            self._pending.forward(called, args, kwargs)
+
+    # -- inside ----------------------------------------------------------------------------------
+    def _before_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        """torch's global optimizer pre-step hook, inside a step with replays: they run first."""
+        if self._pending is None or self._replaying:
+            return
+        if not any(isinstance(e, Backward) for e in self._pending.events):
+            self.abort()
+            raise ValueError(
+                "grad_sync.step(n): an optimizer step before the last micro-batch's accelerator.backward(loss): "
+                "this rank replays its last micro-batch x 0 after its backward; call accelerator.backward(loss), "
+                "not loss.backward()."
+            )
+        self.flush()
+
+    def _refuse_here(self) -> None:
+        """What cannot run uneven counts, refused on this rank (every rank's loop is the same)."""
+        where = "grad_sync.step(n)"
+        if self.state.trainer is not None:
+            raise ValueError(f"{where} is for a training loop of your own: a Trainer runs one count on every rank.")
+        if self.join.inside:
+            raise ValueError(f"{where} inside grad_sync.join(): use one or the other (join() is for the data's end).")
+        if self.shape is not None:
+            raise ValueError(f"{where} is already active: enter it once per optimizer step, not nested.")
+        gradient_state = self.state.accelerator.gradient_state
+        if gradient_state.sync_with_dataloader and gradient_state.in_dataloader:
+            raise ValueError(
+                f"{where} inside a loop over a prepared DataLoader with sync_with_dataloader=True: accelerate "
+                "ends the window at the DataLoader's last batch whatever n says; build the Accelerator with "
+                "GradientAccumulationPlugin(num_steps=..., sync_with_dataloader=False)."
+            )
+        done = max((b.account.current.micro_batches for b in self.state.bound.values()), default=0)
+        if done:
+            raise ValueError(
+                f"{where} entered after {done} micro-batch{'' if done == 1 else 'es'} of an accumulation window: "
+                "enter it before the step's first micro-batch and leave it after the optimizer step."
+            )
+
+    def _agree(self, n: Any, tokens: Any, samples: Any) -> StepShape:
+        """Every rank's count and totals, in one collective; a bad count refused on every rank."""
+        mine = (n, tokens, samples) if _count(n) else None
+        counts = self.state.control.gather(mine)
+        bad = [r for r, c in enumerate(counts) if c is None]
+        if bad:
+            raise ValueError(
+                f"grad_sync.step(n): n must be an int >= 1 on every rank (this rank: {n!r}; bad on rank(s) "
+                f"{', '.join(map(str, bad))}): a rank with nothing to train this step still runs one micro-batch."
+            )
+        ns = [c[0] for c in counts]
+
+        def total(i: int) -> int | None:
+            given = [c[i] for c in counts]
+            return None if any(v is None for v in given) else int(sum(given))
+
+        return StepShape(n, max(ns), min(ns), total(1), total(2))
+
+    def _plan_step(self, shape: StepShape) -> None:
+        """The step's first micro-batch, every model bound (hooks.py binds a DDP model here): auto
+        re-plans on every rank (one with a single micro-batch holds none), and the plan says
+        whether this rank replays."""
+        state = self.state
+        self.window.replan_all()
+        free = all(counts_are_free(b.plan, b.adapter) for b in state.bound.values())
+        free = free and all(f.resident for f in state.frozen.values())
+        self._replays = 0 if free else shape.largest - shape.micro_batches
+        self._announce(shape, free)
+        evened = shape.largest - shape.micro_batches - self._replays
+        for bound in state.bound.values():
+            bound.account.record_uneven(shape.smallest, shape.largest, self._replays, evened)
+        if self._replays:
+            self._step_hook = register_optimizer_step_pre_hook(self._before_optimizer_step)
+
+    def _announce(self, shape: StepShape, free: bool) -> None:
+        """Once per attach, at the first step whose counts differ: what they cost under this plan."""
+        if self._announced or shape.largest == shape.smallest:
+            return
+        self._announced = True
+        counts = f"{shape.smallest} to {shape.largest} micro-batches"
+        if free:
+            how = "the plan makes them free (each step's collectives are the same whatever its count): nothing replayed"
+        else:
+            how = (
+                "a rank below the largest count replays its last micro-batch x 0 up to it, as padding would "
+                "(sync mode 'window' makes uneven counts free)"
+            )
+        self.state.accelerator.print(f"grad sync: micro-batch counts differ across ranks ({counts} this step): {how}.")
+
+    def _close(self) -> None:
+        self.abort()
+        if self._step_hook is not None:
+            self._step_hook.remove()
+            self._step_hook = None
+        self.shape, self._ran, self._replays, self._replaying = None, 0, 0, False
+
+
+def _count(n: Any) -> bool:
+    return isinstance(n, int) and not isinstance(n, bool) and n >= 1

@@ -1,0 +1,104 @@
+"""skip_token_sync (runtime/generating/token_sync.py) on a real transformers model, one process: what its
+`generate` is called with, and that the handle takes the wrapper off. What it saves on real ranks
+is counted in tests/distributed/test_uneven_generation.py."""
+
+import pytest
+import torch
+from torch import nn
+
+from accel_gradsync.runtime.generating.token_sync import skip_token_sync
+
+transformers = pytest.importorskip("transformers")
+
+
+def tiny_model() -> nn.Module:
+    config = transformers.Qwen2Config(
+        vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, pad_token_id=0, eos_token_id=None, bos_token_id=None,
+    )  # fmt: skip
+    return transformers.Qwen2ForCausalLM(config)
+
+
+class Recorder:
+    """Stands where torch's `register_fsdp_forward_method` puts its wrapper: an instance `generate`
+    that records the keyword arguments it is called with, then generates."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.calls: list[dict] = []
+        self.generate = model.generate
+
+    def __call__(self, *args, **kwargs):
+        self.calls.append(kwargs)
+        return self.generate(*args, **kwargs)
+
+
+@pytest.fixture
+def model():
+    model = tiny_model()
+    model.generate = Recorder(model)
+    return model
+
+
+def generate(model: nn.Module, **kwargs) -> torch.Tensor:
+    ids = torch.tensor([[1, 2, 3]])
+    kwargs.setdefault("max_new_tokens", 2)
+    return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, **kwargs)
+
+
+@pytest.mark.parametrize("kept", [True, False])
+def test_synced_gpus_is_false_only_while_every_unit_is_kept(model, kept):
+    recorder = model.generate
+    handles = skip_token_sync(model, lambda: kept)
+    assert len(handles) == 1
+    generate(model)  # the first keeps transformers' default: it proves the forwards issue no collective
+    assert "synced_gpus" not in recorder.calls[-1]
+    generate(model)
+    assert recorder.calls[-1].get("synced_gpus") is (False if kept else None)
+
+
+def test_one_forward_proves_nothing(model):
+    recorder = model.generate
+    skip_token_sync(model, lambda: True)
+    for _ in range(2):
+        generate(model, max_new_tokens=1)  # a single forward: the one that gathers
+        assert "synced_gpus" not in recorder.calls[-1]
+
+
+def test_a_value_the_caller_passes_is_kept(model):
+    recorder = model.generate
+    recorder.generate = lambda *args, **kwargs: None  # synced_gpus=True would all-reduce: no process group here
+    skip_token_sync(model, lambda: True)
+    generate(model, synced_gpus=True)
+    assert recorder.calls[-1]["synced_gpus"] is True
+
+
+def test_the_same_tokens_with_and_without(model):
+    before = generate(model)
+    skip_token_sync(model, lambda: True)
+    assert torch.equal(generate(model), before)
+
+
+def test_removing_puts_the_instance_generate_back():
+    plain, recorded = tiny_model(), tiny_model()
+    recorded.generate = recorder = Recorder(recorded)
+    for model, own in ((plain, None), (recorded, recorder)):
+        handles = skip_token_sync(model, lambda: True)
+        assert vars(model)["generate"] is not own
+        handles[0].remove()
+        assert vars(model).get("generate") is own
+        assert type(model).generate is transformers.GenerationMixin.generate  # the class untouched
+
+
+def test_wrapped_again_by_someone_else_it_passes_calls_through(model):
+    recorder = model.generate
+    handles = skip_token_sync(model, lambda: True)
+    outer = Recorder(model)  # e.g. FSDP2 registering generate after attach
+    model.generate = outer
+    handles[0].remove()
+    assert vars(model)["generate"] is outer  # theirs stays
+    generate(model)
+    assert "synced_gpus" not in recorder.calls[-1]
+
+
+def test_nothing_to_wrap_on_a_module_that_is_no_transformers_model():
+    assert skip_token_sync(nn.Sequential(nn.Linear(2, 2)), lambda: True) == []
