@@ -187,6 +187,32 @@ _TYPED: dict[str, Callable[[Any], Any]] = {
 }
 
 
+def _spell_size(size: MemorySize | int | None) -> str:
+    if size is None:
+        return ""
+    if isinstance(size, int):
+        return f"{size}B"
+    return f"{size.bytes}B" if size.bytes is not None else repr(size.fraction)
+
+
+def _spell_residency(value: bool | None) -> str:
+    return "auto" if value is None else "true" if value else "false"
+
+
+_SPELLED: dict[str, Callable[[Any], Any]] = {
+    "memory_budget": _spell_size,
+    "free_memory": _spell_size,
+    "keep_reference_unsharded": _spell_residency,
+    "keep_frozen_unsharded": _spell_residency,
+}
+"""`_TYPED`'s inverse, for `spelled`."""
+
+
+def spelled(settings: ResolvedConfig) -> dict[str, Any]:
+    """`settings` as `GradSyncConfig(**...)` takes them back (a child process's spec: JSON)."""
+    return {f.name: _SPELLED.get(f.name, _same)(getattr(settings, f.name)) for f in dataclasses.fields(settings)}
+
+
 def _help(name: str, text: str) -> str:
     return f"{text} Default: {DEFAULTS[name]!r}. Environment: {ENV_PREFIX}{name.upper()}."
 

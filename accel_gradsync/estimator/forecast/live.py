@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from accelerate import Accelerator
 
-from accel_gradsync.config.settings import DTYPES, ResolvedConfig, dtype_name
+from accel_gradsync.config.settings import DTYPES, ResolvedConfig, dtype_name, spelled
 from accel_gradsync.estimator.forecast.forecast_child import ForecastChild
 from accel_gradsync.planning.replan import Forecast
 from accel_gradsync.planning.units import Plan
@@ -109,7 +109,7 @@ class LiveForecaster:
         dtype = next(inner.parameters()).dtype
         if dtype not in DTYPES.values():
             return None, f"weights in {dtype}; the forecast builds fp32, bf16 or fp16 models"
-        settings = {k: v for k, v in vars(self.settings).items()}
+        settings = spelled(self.settings)  # as GradSyncConfig takes them back, in the child
         shape = {
             "micro_batch_size": self.settings.forecast_micro_batch_size,
             "seq_len": self.settings.forecast_seq_len,

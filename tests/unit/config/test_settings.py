@@ -1,6 +1,7 @@
 """`GradSyncConfig` holds every default once; each entry point agrees with it and validates."""
 
 import dataclasses
+import json
 import warnings
 from pathlib import Path
 
@@ -10,7 +11,7 @@ from trl import TrlParser
 
 from accel_gradsync import GradSyncConfig
 from accel_gradsync.config.errors import GradSyncWarning
-from accel_gradsync.config.settings import DEFAULTS, ENV_PREFIX
+from accel_gradsync.config.settings import DEFAULTS, ENV_PREFIX, spelled
 
 FIELDS = [f.name for f in dataclasses.fields(GradSyncConfig)]
 
@@ -358,3 +359,20 @@ def test_a_bad_keep_reference_unsharded_names_the_choices():
         "(budget and auto modes decide from the bytes) or a boolean (true/false, yes/no, on/off, y/n, t/f or 1/0 "
         "(any case))."
     )
+
+
+@pytest.mark.parametrize(
+    "given",
+    [
+        {},
+        {"sync_mode": "budget", "memory_budget": "512MiB", "free_memory": "40GiB"},
+        {"sync_mode": "budget", "memory_budget": "0.25", "keep_frozen_unsharded": "true"},
+        {"sync_mode": "auto", "keep_reference_unsharded": "false", "memory_margin": 0.2},
+    ],
+)
+def test_spelled_settings_resolve_back_to_themselves(given):
+    """A child process (auto's forecast) gets the settings spelled, JSON and all, and resolves them
+    to the same typed values."""
+    resolved = GradSyncConfig(**given).resolved()
+    spelled_back = json.loads(json.dumps(spelled(resolved)))
+    assert GradSyncConfig(**spelled_back).resolved() == resolved
