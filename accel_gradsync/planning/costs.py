@@ -192,7 +192,10 @@ class GenerationCost:
 
 
 def generation_cost(plan: Plan, units: Sequence[Unit]) -> GenerationCost:
-    """The `GenerationCost` of `plan` over `units` (the decision line and the estimate read it)."""
+    """The `GenerationCost` of `plan` over `units` (the decision line and the estimate read it).
+    Resident units (`keep_frozen_unsharded`) are unsharded for the run from its first forward on:
+    after that one, generation gathers none of them."""
+    units = [u for u in units if not u.resident]
     first = generation_all_gathers(units, 1, kept=False)
     if plan.generation_bytes:
         return GenerationCost(first, 0, kept=True)

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from accel_gradsync.planning.costs import counts_are_free, unit_all_gathers
+from accel_gradsync.planning.costs import counts_are_free, generation_cost, unit_all_gathers
 from accel_gradsync.planning.units import ALL_REDUCE, GRADIENT_SYNC, Level, Plan, Unit
 
 
@@ -103,3 +103,19 @@ def test_a_resident_frozen_unit_keeps_uneven_counts_free():
     assert not counts_are_free(plan, SimpleNamespace(kind="fsdp2", units=[trained, base]))  # gathered each forward
     kept = dataclasses.replace(base, resident=True)
     assert counts_are_free(plan, SimpleNamespace(kind="fsdp2", units=[trained, kept]))
+
+
+def test_generation_gathers_no_resident_unit():
+    """A unit kept for the run (keep_frozen_unsharded) is unsharded when generation starts: its
+    forwards gather only the others, one each per token where they reshard after forward."""
+    adapter = Unit("adapter", torch.nn.Linear(2, 2), 6, 1, reshards_after_forward=True)
+    base = Unit("base", torch.nn.Linear(2, 2), 0, 0, param_numel=6, reshards_after_forward=True)
+    kept = dataclasses.replace(base, resident=True)
+    assert (
+        generation_cost(Plan("m"), [adapter, base]).first,
+        generation_cost(Plan("m"), [adapter, base]).per_token,
+    ) == (2, 2)
+    assert (
+        generation_cost(Plan("m"), [adapter, kept]).first,
+        generation_cost(Plan("m"), [adapter, kept]).per_token,
+    ) == (1, 1)
