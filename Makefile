@@ -36,8 +36,8 @@ $(VENV)/.installed: setup.cfg pyproject.toml $(CONSTRAINTS)
 	$(PIP_ENV) python -m pip install -c $(CONSTRAINTS) -e ".[$(EXTRAS)]"
 	touch $@
 
-# The GRPO recipe on its embedded default (2 processes, FSDP2 with deferral, 500 steps; about
-# 2 minutes on 2 CPU cores, after the install), then its reward curve and one summary line (the
+# The GRPO recipe on its embedded default (2 processes, FSDP2 with deferral, 500 steps; 1 to 2
+# minutes on 2 CPU cores, after the install), then its reward curve and one summary line (the
 # accuracy reward's mean over the first and the last 100 steps).
 demo: setup
 	HF_HUB_OFFLINE=1 accelerate launch --config_file accelerate_configs/fsdp2.yaml recipes/grpo.py --defer-grad-sync

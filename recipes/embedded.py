@@ -8,7 +8,7 @@ first gives the model two seconds of supervised training: short enough that it l
 the task to GRPO. The warmed-up model knows more than it samples: greedy decoding gets about
 two sums in three right, sampling at temperature 1 (what GRPO does) about one in three. GRPO
 sharpens the sampled policy towards what the model knows, so the accuracy reward, which counts
-exact answers only, rises over the run (0.35 to 0.54 in the default run, docs/recipe.md). Single-digit
+exact answers only, rises over the run (0.33 to 0.45 in the default run, docs/recipe.md). Single-digit
 operands (100 sums) keep that within reach of 500 steps of 4 prompts each.
 """
 
