@@ -53,6 +53,20 @@ def _accelerate_alone(mode: str) -> dict:
     }
 
 
+# Where the replays run: at the clip (the runs above), else at the optimizer step inside the block,
+# at the end of the block where the loop steps after it, at a loop collective before the step.
+LOOPS = ("no_clip", "step_outside", "reduce_log")
+
+
+def _loop_runs(mode: str) -> list[dict]:
+    runs = []
+    for loop in LOOPS:
+        common = {"config": MODES[mode], "counts": COUNTS, "loop": loop}
+        runs.append({"name": f"{mode}/{loop}/pad", "style": "pad", **common})
+        runs.append({"name": f"{mode}/{loop}", "style": "step", "references": [f"{mode}/{loop}/pad"], **common})
+    return runs
+
+
 REFUSALS = [
     {"name": f"refuse/{what}", "config": MODES["deferred"], "refuse": what}
     for what in ("zero_on_one_rank", "nested", "inside_join", "mid_window", "ran_other_count", "prepared_dataloader")
@@ -61,7 +75,7 @@ REFUSALS = [
 
 @pytest.fixture(scope="module")
 def fsdp2():
-    runs = _runs(MODES) + [_accelerate_alone("window")] + REFUSALS
+    runs = _runs(MODES) + [_accelerate_alone("window")] + _loop_runs("deferred") + REFUSALS
     return launch("uneven_steps", ["--runs", json.dumps(runs)], accelerate_config("fsdp2"), timeout=TIMEOUT)
 
 
@@ -117,6 +131,25 @@ def test_fsdp2_every_mode_ends_at_the_padded_run_with_per_rank_counts(fsdp2):
     for rank in fsdp2:
         for step in rank["runs"]["window"]["per_step"]:
             assert step["all_gathers"] == step["reduce_scatters"] == TINYNET_UNITS, step
+
+
+def test_fsdp2_replays_run_wherever_the_loop_steps(fsdp2):
+    """deferred replays on the short rank: without a clip (at the optimizer step), stepping after
+    the block (at its end), a loss summed over ranks before the step (at that collective)."""
+    for r, rank in enumerate(fsdp2):
+        for loop in LOOPS:
+            run, pad = rank["runs"][f"deferred/{loop}"], rank["runs"][f"deferred/{loop}/pad"]
+            assert run["error"] is None and pad["error"] is None, (loop, run["error"], pad["error"])
+            assert all(run["equal"].values()), (loop, run["equal"])
+            assert run["per_step"] == pad["per_step"], (loop, run["per_step"], pad["per_step"])
+            assert run["stats"]["replayed_micro_batches"] == sum(LARGEST) - sum(c[r] for c in COUNTS)
+        # Each rank logs at its own last micro-batch (the padded run: its padding's zero on a short
+        # rank), once per step; where the counts are equal ([1, 1]) the two runs log the same sum.
+        logged = [rank["runs"]["deferred/reduce_log"]["logged"], rank["runs"]["deferred/reduce_log/pad"]["logged"]]
+        assert len(logged[0]) == len(logged[1]) == len(COUNTS), logged
+        even = COUNTS.index([1, 1])
+        assert logged[0][even] == logged[1][even], logged
+    assert fsdp2[0]["runs"]["deferred/reduce_log"]["logged"] == fsdp2[1]["runs"]["deferred/reduce_log"]["logged"]
 
 
 def _check_accelerate_alone(ranks: list[dict], mode: str) -> None:

@@ -68,39 +68,49 @@ class Loop:
         model = TinyNet()
         optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
         self.model, self.optimizer = accelerator.prepare(model, optimizer)
+        self.logged: list[float] = []
         if isinstance(self.model, torch.nn.parallel.DistributedDataParallel):
             # DDP all-reduces from C++; the default hook does the same through torch.distributed.
             self.model.register_comm_hook(None, allreduce_hook)
 
-    def micro_batch(self, x, y, samples: int, scale: float = 1.0) -> None:
+    def micro_batch(self, x, y, samples: int, scale: float = 1.0, loop: str = "clip") -> None:
+        """`loop`: `clip` (clip at the step, then step, inside the block), `no_clip` (step inside
+        the block, no clip), `step_outside` (step after the block), `reduce_log` (the loss summed
+        over ranks at the step, before stepping)."""
         with accelerator.accumulate(self.model):
             loss = F.mse_loss(self.model(x), y, reduction="sum") * (N / samples)
             # accelerate divides by gradient_accumulation_steps: the step's own count cancels it.
             accelerator.backward(loss * accelerator.gradient_accumulation_steps * scale)
-            if accelerator.sync_gradients:
+            if accelerator.sync_gradients and loop == "clip":
                 accelerator.clip_grad_norm_(self.model.parameters(), CLIP)
+            if accelerator.sync_gradients and loop == "reduce_log":
+                self.logged.append(accelerator.reduce(loss.detach()[None] * scale, "sum").item())
+            if loop != "step_outside":
+                self.optimizer.step()
+                self.optimizer.zero_grad()
+        if loop == "step_outside":
             self.optimizer.step()
             self.optimizer.zero_grad()
 
 
 def train(run: dict, handle, loop: Loop) -> list[dict]:
-    per_step = []
+    per_step, style = [], run.get("loop", "clip")
     for s, counts in enumerate(run["counts"]):
         n, most, samples = counts[R], max(counts), samples_of(s, counts)
         if run["style"] == "pad":
             accelerator.gradient_accumulation_steps, accelerator.step = most, 0
             for k in range(most):
-                loop.micro_batch(*batch(s, min(k, n - 1)), samples, scale=1.0 if k < n else 0.0)
+                loop.micro_batch(*batch(s, min(k, n - 1)), samples, scale=1.0 if k < n else 0.0, loop=style)
         elif run["style"] == "accelerate":  # accelerate's own count, restarted: what step(n) sets
             accelerator.gradient_accumulation_steps, accelerator.step = n, 0
             for k in range(n):
-                loop.micro_batch(*batch(s, k), samples)
+                loop.micro_batch(*batch(s, k), samples, loop=style)
         else:
             mine = sum(rows(s, k, R) for k in range(n))
             with handle.step(n, samples=mine) as step:
                 assert (step.largest, step.smallest, step.samples) == (most, min(counts), samples), step
                 for k in range(n):
-                    loop.micro_batch(*batch(s, k), step.samples)
+                    loop.micro_batch(*batch(s, k), step.samples, loop=style)
         ran = counter.take()
         per_step.append({kind: sum(c for name, c in ran.items() if KIND[name] == kind) for kind in set(KIND.values())})
     return per_step
@@ -155,7 +165,7 @@ for run in args.runs:
         handle.detach()
     if out["error"] is None and "refuse" not in run:
         params[run["name"]] = full_params(loop.model)
-        out["equal"] = {}
+        out["equal"], out["logged"] = {}, loop.logged
         for ref in run.get("references", []):
             mine, theirs = params[run["name"]], params[ref]
             out["equal"][ref] = all(torch.equal(mine[n], theirs[n]) for n in theirs)
