@@ -196,8 +196,9 @@ class GradSyncHandle:
         counter restarted), so `accumulate()` syncs at this rank's n-th micro-batch, and puts it
         back after. The step ends where padding every rank to the step's largest count with
         micro-batches of loss x 0 ends: under a plan whose collectives do not depend on the count
-        (sync mode `window` on FSDP2, any deferring mode on DDP) with no extra work; otherwise a
-        rank below the largest count replays its last micro-batch x 0 up to it, at its first clip,
+        (every FSDP2 unit windowed: `keep_params_unsharded` with deferral; any deferring mode on
+        DDP) with no extra work; otherwise a rank below the largest count replays its last
+        micro-batch x 0 up to it, at its first clip,
         loop collective or optimizer step after that micro-batch's `accelerator.backward`. Costs
         one small collective per step, on the plugin's own group.
 

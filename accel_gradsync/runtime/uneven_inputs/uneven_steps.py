@@ -253,7 +253,7 @@ class UnevenSteps:
         else:
             how = (
                 "a rank below the largest count replays its last micro-batch x 0 up to it, as padding would "
-                "(sync mode 'window' makes uneven counts free)"
+                "(deferred with keep_params_unsharded, every unit windowed, makes uneven counts free)"
             )
         self.state.accelerator.print(f"grad sync: micro-batch counts differ across ranks ({counts} this step): {how}.")
 
