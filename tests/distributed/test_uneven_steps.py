@@ -1,7 +1,8 @@
 """Micro-batch counts that differ across ranks and change every step, on 2 gloo ranks:
 `grad_sync.step(n)` around each optimizer step of a plain `accumulate` loop, the counts per step
 [3, 1], [2, 4], [1, 1], [4, 2] (rank 0, rank 1), micro-batches of 1 to 3 rows scaled by the step's
-samples over every rank. In every sync mode, FSDP2 (FSDP1 and DDP in one more launch each), the
+samples over every rank. In every sync mode, FSDP2 (FSDP1, DDP and a 2x2 HSDP mesh, with four
+ranks' counts, in one more launch each), the
 run ends at the parameters of the padded run (every rank runs the step's largest count, a rank past
 its own repeating its last micro-batch with loss x 0) bit for bit, with the same config attached,
 and for the modes stock accelerate also runs (deferred, window) at stock accelerate's padded run.
@@ -23,21 +24,25 @@ MODES = {
     "window": {"defer": True, "keep_params_unsharded": True},
     "budget": {"sync_mode": "budget", "memory_budget": "1200B"},  # holds some units, not all
     "auto": {"sync_mode": "auto", "free_memory": "64GiB"},  # room for all: every unit windowed
+    "defer_all_reduce": {"sync_mode": "defer_all_reduce"},  # HSDP only
 }
+FSDP2_MODES = [m for m in MODES if m != "defer_all_reduce"]
 STOCK = ("deferred", "window")  # stock accelerate defers every unit: the same sums
 # The plans whose step issues the same collectives whatever its count, from the step they start:
 # window's first; auto's second (auto measures its first step per micro-batch, then windows every
 # unit when all fits); DDP held at its root (no_sync).
-FREE = {"fsdp2": {"window": 0, "auto": 1}, "fsdp1": {}, "ddp": {"deferred": 0, "window": 0}}
+FREE = {"fsdp2": {"window": 0, "auto": 1}, "fsdp1": {}, "ddp": {"deferred": 0, "window": 0}, "hsdp": {"window": 0}}
+HSDP_COUNTS = [[3, 1, 2, 1], [2, 4, 1, 1], [1, 1, 1, 1], [4, 2, 3, 1]]  # a 2x2 mesh's four ranks
+HSDP_MODES = ("per_micro_batch", "deferred", "window", "defer_all_reduce")
 TIMEOUT = 300
 
 
-def _runs(modes) -> list[dict]:
-    runs = [{"name": "stock/pad", "config": None, "counts": COUNTS, "style": "pad"}]
+def _runs(modes, counts=COUNTS) -> list[dict]:
+    runs = [{"name": "stock/pad", "config": None, "counts": counts, "style": "pad"}]
     for mode in modes:
-        runs.append({"name": f"{mode}/pad", "config": MODES[mode], "counts": COUNTS, "style": "pad"})
+        runs.append({"name": f"{mode}/pad", "config": MODES[mode], "counts": counts, "style": "pad"})
         refs = [f"{mode}/pad", *(["stock/pad"] if mode in STOCK else [])]
-        runs.append({"name": mode, "config": MODES[mode], "counts": COUNTS, "style": "step", "references": refs})
+        runs.append({"name": mode, "config": MODES[mode], "counts": counts, "style": "step", "references": refs})
     return runs
 
 
@@ -75,7 +80,7 @@ REFUSALS = [
 
 @pytest.fixture(scope="module")
 def fsdp2():
-    runs = _runs(MODES) + [_accelerate_alone("window")] + _loop_runs("deferred") + REFUSALS
+    runs = _runs(FSDP2_MODES) + [_accelerate_alone("window")] + _loop_runs("deferred") + REFUSALS
     return launch("uneven_steps", ["--runs", json.dumps(runs)], accelerate_config("fsdp2"), timeout=TIMEOUT)
 
 
@@ -86,38 +91,46 @@ def fsdp1():
 
 
 @pytest.fixture(scope="module")
+def hsdp():
+    config = accelerate_config("fsdp2", num_processes=4)
+    config["parallelism_config"] = {"parallelism_config_dp_replicate_size": 2, "parallelism_config_dp_shard_size": 2}
+    return launch("uneven_steps", ["--runs", json.dumps(_runs(HSDP_MODES, HSDP_COUNTS))], config, timeout=TIMEOUT)
+
+
+@pytest.fixture(scope="module")
 def ddp():
     runs = _runs(("per_micro_batch", "deferred", "window")) + [_accelerate_alone("deferred")]
     return launch("uneven_steps", ["--runs", json.dumps(runs)], timeout=TIMEOUT)
 
 
-def _check(ranks: list[dict], wrapper: str, modes) -> None:
+def _check(ranks: list[dict], wrapper: str, modes, counts=COUNTS) -> None:
+    largest = [max(c) for c in counts]
     for r, rank in enumerate(ranks):
         runs = rank["runs"]
         for mode in modes:
             run, pad = runs[mode], runs[f"{mode}/pad"]
             assert run["error"] is None and pad["error"] is None, (mode, run["error"], pad["error"])
             assert run["equal"] and all(run["equal"].values()), (wrapper, mode, run["equal"])
-            own = [c[r] for c in COUNTS]
-            free = FREE[wrapper].get(mode, len(COUNTS))  # the first step that replays nothing
-            replays = sum(LARGEST[:free]) - sum(own[:free])
+            own = [c[r] for c in counts]
+            free = FREE[wrapper].get(mode, len(counts))  # the first step that replays nothing
+            replays = sum(largest[:free]) - sum(own[:free])
             stats = run["stats"]
-            assert stats["optimizer_steps"] == len(COUNTS), (mode, stats)
+            assert stats["optimizer_steps"] == len(counts), (mode, stats)
             assert stats["replayed_micro_batches"] == replays, (mode, stats)
             assert stats["micro_batches"] == sum(own) + replays, (mode, stats)
-            assert stats["evened_micro_batches"] == sum(LARGEST) - sum(own) - replays, (mode, stats)
-            assert stats["last_step/fewest_micro_batches"] == min(COUNTS[-1]), (mode, stats)
-            assert stats["last_step/most_micro_batches"] == max(COUNTS[-1]), (mode, stats)
+            assert stats["evened_micro_batches"] == sum(largest) - sum(own) - replays, (mode, stats)
+            assert stats["last_step/fewest_micro_batches"] == min(counts[-1]), (mode, stats)
+            assert stats["last_step/most_micro_batches"] == max(counts[-1]), (mode, stats)
             # Each step that replays issues what the padded run's step issues, collective for
             # collective; from `free` on, every step issues the same, whatever the counts.
             assert run["per_step"][:free] == pad["per_step"][:free], (mode, run["per_step"], pad["per_step"])
             assert len({json.dumps(s, sort_keys=True) for s in run["per_step"][free:]}) <= 1, (mode, run["per_step"])
-    for mode in modes:  # both ranks issue the same collectives in every step: they pair
-        assert ranks[0]["runs"][mode]["per_step"] == ranks[1]["runs"][mode]["per_step"], mode
+    for mode in modes:  # every rank issues the same collectives in every step: they pair
+        assert all(rank["runs"][mode]["per_step"] == ranks[0]["runs"][mode]["per_step"] for rank in ranks), mode
 
 
 def test_fsdp2_every_mode_ends_at_the_padded_run_with_per_rank_counts(fsdp2):
-    _check(fsdp2, "fsdp2", MODES)
+    _check(fsdp2, "fsdp2", FSDP2_MODES)
     for r, rank in enumerate(fsdp2):  # from the counts alone: per micro-batch replays, window evens out
         own, last = [c[r] for c in COUNTS], COUNTS[-1]
         per, window = rank["runs"]["per_micro_batch"]["stats"], rank["runs"]["window"]["stats"]
@@ -166,6 +179,15 @@ def test_fsdp2_window_takes_accelerates_own_count_per_step_without_step(fsdp2):
 
 def test_ddp_deferral_takes_accelerates_own_count_per_step_without_step(ddp):
     _check_accelerate_alone(ddp, "deferred")
+
+
+def test_hsdp_every_mode_ends_at_the_padded_run_with_per_rank_counts(hsdp):
+    """A 2x2 mesh: window's step reduce-scatters and all-reduces once per unit whatever the
+    counts; all-reduce deferral (reduce-scatters every micro-batch) and the others replay."""
+    _check(hsdp, "hsdp", HSDP_MODES, HSDP_COUNTS)
+    for rank in hsdp:
+        for step in rank["runs"]["window"]["per_step"]:
+            assert step["all_gathers"] == step["reduce_scatters"] == TINYNET_UNITS, step
 
 
 def test_fsdp1_every_mode_ends_at_the_padded_run_with_per_rank_counts(fsdp1):
