@@ -120,10 +120,19 @@ class BudgetSync(SyncPolicy):
             f"{_level_counts(plan, adapter.units)} within the {format_bytes(budget)} budget "
             f"({format_bytes(plan.held_bytes())} held"
             + (f", {format_bytes(generation)} of params while generating" if generation else "")
-            + (f", {format_bytes(reserved)} kept by reference models" if reserved else "")
+            + (f", {kept_elsewhere(reserved, adapter)}" if reserved else "")
             + ")"
         )
         return replace(plan, reason=reason)
+
+
+def kept_elsewhere(reserved: int, adapter: Wrapped) -> str:
+    """What `reserved` (`SyncPolicy.plan`) holds, in words: the model's own frozen units kept for
+    the run (`keep_frozen_unsharded`, `Unit.resident`), the rest reference models'."""
+    own = sum(u.param_bytes for u in adapter.units if u.resident)
+    parts = [f"{format_bytes(reserved - own)} kept by reference models"] if reserved > own else []
+    parts += [f"{format_bytes(own)} of frozen units kept unsharded"] if own else []
+    return ", ".join(parts)
 
 
 def budget_bytes(settings: ResolvedConfig, free_memory: FreeMemory) -> int:
@@ -226,7 +235,7 @@ class AutoSync(SyncPolicy):
             f"auto chose {_level_counts(choice, adapter.units)}: full deferral holds "
             f"{format_bytes(full.held_bytes())}/rank, {format_bytes(usable)} usable of {format_bytes(free)} free "
             f"(margin {self.config.memory_margin:g})"
-            + (f", {format_bytes(reserved)} of it kept by reference models" if reserved else "")
+            + (f", of it {kept_elsewhere(reserved, adapter)}" if reserved else "")
             + f"; the plan holds {format_bytes(choice.held_bytes())}"
         )
         if narrower_than_reduce(adapter):

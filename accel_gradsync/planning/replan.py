@@ -34,7 +34,7 @@ from typing import Any, Protocol
 from accel_gradsync.config.settings import ResolvedConfig, SyncMode
 from accel_gradsync.planning.costs import format_bytes, generation_bytes_of
 from accel_gradsync.planning.memory import MemoryProbe
-from accel_gradsync.planning.policies import mode_of, plan_within
+from accel_gradsync.planning.policies import kept_elsewhere, mode_of, plan_within
 from accel_gradsync.planning.units import ALL_REDUCE, Level, Plan, Wrapped
 
 QUIET_STEPS = 10
@@ -130,7 +130,7 @@ class MeasuredAuto:
                 f"auto planned step 1 from the forecast: peak {format_bytes(forecast.peak_bytes)}/rank syncing "
                 f"every micro-batch ({forecast.note}), {format_bytes(capacity)} free (margin "
                 f"{self.config.memory_margin:g})"
-                + (f", {format_bytes(reserved)} kept by reference models" if reserved else "")
+                + (f", {kept_elsewhere(reserved, adapter)}" if reserved else "")
                 + f"; holds {format_bytes(chosen.held_bytes())}, step peak "
                 f"{format_bytes(simulated.peak_bytes)}/rank forecast"
                 + ("" if self.probe.counts_tensor_bytes else "; CPU: the measured peak is not compared with it")

@@ -74,3 +74,21 @@ def test_budget_and_auto_plan_within_what_reference_models_keep(mode):
     shared = policy.plan(adapter, lambda: 16000, 8, reserved=8000)
     assert alone.held_bytes() > 8000 >= shared.held_bytes() > 0
     assert "kept by reference models" in shared.reason and "reference" not in alone.reason
+
+
+def test_the_reason_says_which_kept_bytes_are_reference_models_and_which_frozen_units():
+    """`reserved` mixes what reference models keep with the model's own frozen units kept for the
+    run: a 6-param fp32 unit keeps 24 B, the rest of 100 B is the reference models'."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from accel_gradsync.planning.policies import kept_elsewhere
+    from accel_gradsync.planning.units import Unit
+
+    base = Unit("base", torch.nn.Linear(2, 2), 0, 0, param_numel=6, resident=True)
+    adapter = Unit("adapter", torch.nn.Linear(2, 2), 6, 1)
+    model = SimpleNamespace(units=[adapter, base])
+    assert kept_elsewhere(100, model) == "76 B kept by reference models, 24 B of frozen units kept unsharded"
+    assert kept_elsewhere(24, model) == "24 B of frozen units kept unsharded"
+    assert kept_elsewhere(100, SimpleNamespace(units=[adapter])) == "100 B kept by reference models"
