@@ -59,8 +59,9 @@ def _accelerate_alone(mode: str) -> dict:
 
 
 # Where the replays run: at the clip (the runs above), else at the optimizer step inside the block,
-# at the end of the block where the loop steps after it, at a loop collective before the step.
-LOOPS = ("no_clip", "step_outside", "reduce_log")
+# at the end of the block where the loop steps after it, at a loop collective before the step, at
+# the clip after a loss.backward() of the loop's own.
+LOOPS = ("no_clip", "step_outside", "reduce_log", "loss_backward")
 
 
 def _loop_runs(mode: str) -> list[dict]:

@@ -72,7 +72,7 @@ def replay(accelerator: Accelerator, iteration: Iteration) -> Iterator[None]:
             with torch.set_grad_enabled(event.grad):
                 out = by_root.get(event.module, event.module)(*event.args, **event.kwargs)
             if event.grad:
-                outputs += [t for t in _tensors(out) if t.requires_grad]
+                outputs += [t for t in tensors_of(out) if t.requires_grad]
         if not backwards:
             _backward_zero(accelerator, outputs)
         yield
@@ -94,14 +94,14 @@ def _detached(tree: Any) -> Any:
     return tree
 
 
-def _tensors(tree: Any) -> list[torch.Tensor]:
+def tensors_of(tree: Any) -> list[torch.Tensor]:
     """The tensors of a model's output: a tensor, tuples, lists, dicts (transformers' ModelOutput)."""
     if torch.is_tensor(tree):
         return [tree]
     if isinstance(tree, (tuple, list)):
-        return [t for v in tree for t in _tensors(v)]
+        return [t for v in tree for t in tensors_of(v)]
     if isinstance(tree, dict):
-        return [t for v in tree.values() for t in _tensors(v)]
+        return [t for v in tree.values() for t in tensors_of(v)]
     return []
 
 

@@ -23,7 +23,7 @@ ranks that replay (no more), and the last micro-batch's inputs kept until they r
 line before any collective: a Trainer, inside `join()`, mid-window, a prepared DataLoader ending
 the window itself (`sync_with_dataloader`), a count below 1 on any rank (every rank refuses); at
 the block's end, a rank that ran another count than it said; an optimizer step before the last
-micro-batch's `accelerator.backward`.
+micro-batch's backward (a backward through its outputs is seen however the loop calls it).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
@@ -40,7 +41,7 @@ from accel_gradsync.planning.costs import counts_are_free
 from accel_gradsync.runtime.accumulation.window import Window
 from accel_gradsync.runtime.core.state import Attachment
 from accel_gradsync.runtime.uneven_inputs.join import Join
-from accel_gradsync.runtime.uneven_inputs.join_record import Backward, Iteration, replay
+from accel_gradsync.runtime.uneven_inputs.join_record import Iteration, replay, tensors_of
 from accel_gradsync.runtime.uneven_inputs.join_watch import ForwardWatch
 
 
@@ -74,6 +75,8 @@ class UnevenSteps:
         self._ran = 0  # this rank's micro-batches in the block
         self._replays = 0  # this rank's replays at the block's last micro-batch (decided at its first)
         self._pending: Iteration | None = None  # the last micro-batch, recorded to replay
+        self._backed = False  # a backward reached the last micro-batch's outputs
+        self._output_hooks: list = []  # on the bound models' forwards, while it is recorded
         self._hold = contextlib.ExitStack()  # the last micro-batch's no_sync (hooks.py enters it)
         self._forwards = ForwardWatch(self)
         self._step_hook: Any = None
@@ -114,8 +117,9 @@ class UnevenSteps:
             self._plan_step(self.shape)
         if not self._replays or self._ran != self.shape.micro_batches:
             return False
-        self._pending = Iteration(models)
+        self._pending, self._backed = Iteration(models), False
         self._forwards.watch(self.state.adapters)
+        self._output_hooks = [root.register_forward_hook(self._watch_outputs) for root in self.state.bound]
         return True
 
     def hold(self, no_sync: contextlib.AbstractContextManager) -> None:
@@ -130,7 +134,7 @@ class UnevenSteps:
     def after_backward_point(self) -> None:
         """A clip or a loop collective (hooks.py): the last micro-batch's backwards are over, so
         its replays run first, where its backward ran (a clip's norm reads the synced gradients)."""
-        if self._pending is not None and any(isinstance(e, Backward) for e in self._pending.events):
+        if self._pending is not None and self._backed:
             self.flush()
 
     def flush(self) -> None:
@@ -139,9 +143,7 @@ class UnevenSteps:
         iteration, shape = self._pending, self.shape
         if iteration is None or shape is None or self._replaying:
             return
-        self._pending = None
-        self._forwards.close()
-        self._hold.close()
+        self._stop_recording()
         accelerator = self.state.accelerator
         accelerator.gradient_accumulation_steps = shape.largest
         self._replaying = True
@@ -155,9 +157,27 @@ class UnevenSteps:
 
     def abort(self) -> None:
         """An exception left `accumulate()`: nothing to replay, the hold ends (window.abort drops it)."""
+        self._stop_recording()
+
+    def _stop_recording(self) -> None:
         self._pending = None
         self._forwards.close()
+        for handle in self._output_hooks:
+            handle.remove()
+        self._output_hooks = []
         self._hold.close()
+
+    def _watch_outputs(self, module: nn.Module, args: Any, output: Any) -> None:
+        """A forward of the last micro-batch: a backward through its outputs, however the loop
+        calls it (`accelerator.backward`, `loss.backward()`), marks its backward done."""
+        if self._pending is None or self._replaying or not torch.is_grad_enabled():
+            return
+        for tensor in tensors_of(output):
+            if tensor.requires_grad:
+                tensor.register_hook(self._saw_backward)
+
+    def _saw_backward(self, grad: Any) -> None:
+        self._backed = True
 
     def close(self) -> None:
         """Detach."""
@@ -176,12 +196,11 @@ class UnevenSteps:
         """torch's global optimizer pre-step hook, inside a step with replays: they run first."""
         if self._pending is None or self._replaying:
             return
-        if not any(isinstance(e, Backward) for e in self._pending.events):
+        if not self._backed:
             self.abort()
             raise ValueError(
-                "grad_sync.step(n): an optimizer step before the last micro-batch's accelerator.backward(loss): "
-                "this rank replays its last micro-batch x 0 after its backward; call accelerator.backward(loss), "
-                "not loss.backward()."
+                "grad_sync.step(n): an optimizer step before the last micro-batch's backward: this rank replays "
+                "its last micro-batch x 0 after its backward; step after backward."
             )
         self.flush()
 

@@ -76,12 +76,14 @@ class Loop:
     def micro_batch(self, x, y, samples: int, scale: float = 1.0, loop: str = "clip") -> None:
         """`loop`: `clip` (clip at the step, then step, inside the block), `no_clip` (step inside
         the block, no clip), `step_outside` (step after the block), `reduce_log` (the loss summed
-        over ranks at the step, before stepping)."""
+        over ranks at the step, before stepping), `loss_backward` (`clip` with `loss.backward()`)."""
         with accelerator.accumulate(self.model):
             loss = F.mse_loss(self.model(x), y, reduction="sum") * (N / samples)
-            # accelerate divides by gradient_accumulation_steps: the step's own count cancels it.
-            accelerator.backward(loss * accelerator.gradient_accumulation_steps * scale)
-            if accelerator.sync_gradients and loop == "clip":
+            if loop == "loss_backward":  # torch's own backward: accelerate divides nothing
+                (loss * scale).backward()
+            else:  # accelerate divides by gradient_accumulation_steps: the step's own count cancels it.
+                accelerator.backward(loss * accelerator.gradient_accumulation_steps * scale)
+            if accelerator.sync_gradients and loop in ("clip", "loss_backward"):
                 accelerator.clip_grad_norm_(self.model.parameters(), CLIP)
             if accelerator.sync_gradients and loop == "reduce_log":
                 self.logged.append(accelerator.reduce(loss.detach()[None] * scale, "sum").item())
