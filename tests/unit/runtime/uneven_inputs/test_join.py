@@ -15,7 +15,7 @@ from torch import nn
 
 import accel_gradsync
 from accel_gradsync import GradSyncConfig
-from accel_gradsync.runtime.uneven_inputs.join_record import _detached, _tensors
+from accel_gradsync.runtime.uneven_inputs.join_record import _detached, tensors_of
 
 
 @pytest.fixture(autouse=True)
@@ -40,9 +40,9 @@ def test_recorded_inputs_are_detached_and_keep_their_structure():
 def test_the_outputs_scaled_by_zero_are_every_tensor_of_a_model_output():
     a, b, c = torch.zeros(1), torch.ones(2), torch.full((3,), 2.0)
     # A transformers ModelOutput is a dict; a tuple of (loss, logits); nested lists.
-    assert [t.numel() for t in _tensors({"loss": a, "logits": b, "hidden": (c, None)})] == [1, 2, 3]
-    assert _tensors(None) == [] and _tensors("text") == []
-    assert [t.numel() for t in _tensors([a, [b, {"x": c}]])] == [1, 2, 3]
+    assert [t.numel() for t in tensors_of({"loss": a, "logits": b, "hidden": (c, None)})] == [1, 2, 3]
+    assert tensors_of(None) == [] and tensors_of("text") == []
+    assert [t.numel() for t in tensors_of([a, [b, {"x": c}]])] == [1, 2, 3]
 
 
 def test_one_process_trains_inside_join_as_without_it():
