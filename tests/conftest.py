@@ -1,5 +1,5 @@
 """`@pytest.mark.slow` tests and params are skipped unless `--slow` or `-m slow`: the default suite
-keeps one short case of each multi-rank scenario (about 9 minutes on 2 CPU cores, torch 2.13), and
+keeps one short case of each multi-rank scenario (about 10.5 minutes on 2 CPU cores, torch 2.13), and
 a module fixture that launches many runs at once asks the `slow` fixture whether to launch them all
 or a short share.
 
