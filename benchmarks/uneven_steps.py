@@ -1,5 +1,5 @@
-"""Token-budget micro-batching with `grad_sync.step(n)` against padding, on skewed lengths (issue 53
-item 5): `python -m benchmarks.uneven_steps [--quick] [--out DIR]`.
+"""Token-budget micro-batching with `grad_sync.step(n)` against padding, on skewed lengths:
+`python -m benchmarks.uneven_steps [--quick] [--out DIR]`.
 
 Each round, every rank draws its own rollouts (lognormal lengths, cut to 16..max_len) and runs one
 optimizer step of each strategy on them, under sync mode window on FSDP2 (`uneven_steps_worker.py`):
@@ -25,7 +25,7 @@ from benchmarks.stats import median_ci
 
 STRATEGIES = ("token_budget", "pad_resplit", "pad_dummy", "fixed")
 WORKER = Path(__file__).with_name("uneven_steps_worker.py")
-TARGET = 1.3  # token_budget's real tokens per second over padding's (issue 53 item 5)
+TARGET = 1.3  # token_budget's real tokens per second over padding's, what step(n) aims for
 # The length distribution, fixed before any run from what RL rollouts look like (a median of a few
 # hundred tokens, a long right tail, a few percent cut at the generation limit), and the model.
 FULL = dict(rounds=32, seqs=16, median=256, sigma=1.0, max_len=2048, budget=2048, fixed=4, vocab=512, dim=128, layers=4)

@@ -120,15 +120,21 @@ def layer(name: str) -> int | None:
 
 
 def layer_violations(edges: dict[str, set[str]]) -> list[str]:
+    return _violations(edges, layer, LAYERS, "a later layer")
+
+
+def _violations(edges: dict[str, set[str]], rank, names: tuple, what: str) -> list[str]:
+    """Each import from a module ranked 0..len(names)-1 by `rank` of a module ranked higher
+    (a module ranked len(names), the top, may import anything)."""
     out = []
     for name, targets in sorted(edges.items()):
-        own = layer(name)
-        if own is None or own == len(LAYERS):
+        own = rank(name)
+        if own is None or own == len(names):
             continue
         for target in sorted(targets):
-            theirs = layer(target)
+            theirs = rank(target)
             if theirs is not None and theirs > own:
-                out.append(f"{name} ({LAYERS[own]}) imports {target} (a later layer)")
+                out.append(f"{name} ({names[own]}) imports {target} ({what})")
     return out
 
 
@@ -142,16 +148,7 @@ def room(name: str) -> int | None:
 
 
 def room_violations(edges: dict[str, set[str]]) -> list[str]:
-    out = []
-    for name, targets in sorted(edges.items()):
-        own = room(name)
-        if own is None or own == len(ROOMS):
-            continue
-        for target in sorted(targets):
-            theirs = room(target)
-            if theirs is not None and theirs > own:
-                out.append(f"{name} ({ROOMS[own]}) imports {target} (a later room of the runtime)")
-    return out
+    return _violations(edges, room, ROOMS, "a later room of the runtime")
 
 
 def crowded_folders() -> list[str]:
