@@ -60,8 +60,8 @@ def _accelerate_alone(mode: str) -> dict:
 
 # Where the replays run: at the clip (the runs above), else at the optimizer step inside the block,
 # at the end of the block where the loop steps after it, at a loop collective before the step, at
-# the clip after a loss.backward() of the loop's own.
-LOOPS = ("no_clip", "step_outside", "reduce_log", "loss_backward")
+# the clip after a loss.backward() of the loop's own, at the clip of a micro-batch of two forwards.
+LOOPS = ("no_clip", "step_outside", "reduce_log", "loss_backward", "two_forwards")
 
 
 def _loop_runs(mode: str) -> list[dict]:
@@ -70,6 +70,11 @@ def _loop_runs(mode: str) -> list[dict]:
         common = {"config": MODES[mode], "counts": COUNTS, "loop": loop}
         runs.append({"name": f"{mode}/{loop}/pad", "style": "pad", **common})
         runs.append({"name": f"{mode}/{loop}", "style": "step", "references": [f"{mode}/{loop}/pad"], **common})
+    # The first step's first micro-batch raises after its forward on every rank (rank 1's only one,
+    # held and recorded to replay): the step is dropped, the next ones train as the padded run's.
+    common = {"config": MODES[mode], "counts": COUNTS, "raise_at": 0}
+    runs.append({"name": f"{mode}/raise/pad", "style": "pad", **common})
+    runs.append({"name": f"{mode}/raise", "style": "step", "references": [f"{mode}/raise/pad"], **common})
     return runs
 
 
@@ -149,7 +154,8 @@ def test_fsdp2_every_mode_ends_at_the_padded_run_with_per_rank_counts(fsdp2):
 
 def test_fsdp2_replays_run_wherever_the_loop_steps(fsdp2):
     """deferred replays on the short rank: without a clip (at the optimizer step), stepping after
-    the block (at its end), a loss summed over ranks before the step (at that collective)."""
+    the block (at its end), a loss summed over ranks before the step (at that collective), after
+    loss.backward() and after two forwards (at the clip)."""
     for r, rank in enumerate(fsdp2):
         for loop in LOOPS:
             run, pad = rank["runs"][f"deferred/{loop}"], rank["runs"][f"deferred/{loop}/pad"]
@@ -164,6 +170,17 @@ def test_fsdp2_replays_run_wherever_the_loop_steps(fsdp2):
         even = COUNTS.index([1, 1])
         assert logged[0][even] == logged[1][even], logged
     assert fsdp2[0]["runs"]["deferred/reduce_log"]["logged"] == fsdp2[1]["runs"]["deferred/reduce_log"]["logged"]
+
+
+def test_fsdp2_an_exception_in_a_step_drops_it_and_the_next_steps_train_as_padding_does(fsdp2):
+    for r, rank in enumerate(fsdp2):
+        run, pad = rank["runs"]["deferred/raise"], rank["runs"]["deferred/raise/pad"]
+        assert run["error"] is None and pad["error"] is None, (run["error"], pad["error"])
+        assert all(run["equal"].values()), run["equal"]
+        assert run["per_step"][1:] == pad["per_step"][1:], (run["per_step"], pad["per_step"])
+        # Steps 2 to 4 step the optimizer; the failed one neither steps nor replays.
+        assert run["stats"]["optimizer_steps"] == len(COUNTS) - 1, run["stats"]
+        assert run["stats"]["replayed_micro_batches"] == sum(LARGEST[1:]) - sum(c[r] for c in COUNTS[1:])
 
 
 def _check_accelerate_alone(ranks: list[dict], mode: str) -> None:

@@ -198,10 +198,15 @@ class SyncAccounting:
         self.aborted_steps += 1
         self.current, self.step_ending = StepCounts(), False
 
-    def record_uneven(self, fewest: int, most: int, replayed: int, evened: int) -> None:
+    def record_uneven(self, fewest: int, most: int) -> None:
         """A `grad_sync.step(n)` block starts the window (uneven_steps.py): the step's smallest and
-        largest count over ranks, the micro-batches this rank will replay and those it evens out."""
+        largest count over ranks."""
         self.current.fewest_micro_batches, self.current.most_micro_batches = fewest, most
+
+    def record_skipped(self, replayed: int, evened: int) -> None:
+        """Inside `grad_sync.step(n)`, as they happen: a replay about to run (counted in
+        `micro_batches` too as it runs), or at this rank's last micro-batch the ones a free plan
+        evens out."""
         for counts in (self.current, self.total):
             counts.replayed_micro_batches += replayed
             counts.evened_micro_batches += evened

@@ -115,7 +115,11 @@ class UnevenSteps:
         self._ran += 1
         if self._ran == 1:
             self._plan_step(self.shape)
-        if not self._replays or self._ran != self.shape.micro_batches:
+        last = self._ran == self.shape.micro_batches
+        if last and not self._replays:  # counted as it ends: a step that fails evens nothing out
+            for bound in self.state.bound.values():
+                bound.account.record_skipped(0, self.shape.largest - self.shape.micro_batches)
+        if not self._replays or not last:
             return False
         self._pending, self._backed = Iteration(models), False
         self._forwards.watch(self.state.adapters)
@@ -149,6 +153,8 @@ class UnevenSteps:
         self._replaying = True
         try:
             for _ in range(self._replays):
+                for bound in self.state.bound.values():
+                    bound.account.record_skipped(1, 0)
                 with replay(accelerator, iteration):
                     pass
         finally:
@@ -255,9 +261,8 @@ class UnevenSteps:
         free = free and all(f.resident for f in state.frozen.values())
         self._replays = 0 if free else shape.largest - shape.micro_batches
         self._announce(shape, free)
-        evened = shape.largest - shape.micro_batches - self._replays
         for bound in state.bound.values():
-            bound.account.record_uneven(shape.smallest, shape.largest, self._replays, evened)
+            bound.account.record_uneven(shape.smallest, shape.largest)
         if self._replays:
             self._step_hook = register_optimizer_step_pre_hook(self._before_optimizer_step)
 

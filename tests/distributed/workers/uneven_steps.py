@@ -73,17 +73,22 @@ class Loop:
             # DDP all-reduces from C++; the default hook does the same through torch.distributed.
             self.model.register_comm_hook(None, allreduce_hook)
 
-    def micro_batch(self, x, y, samples: int, scale: float = 1.0, loop: str = "clip") -> None:
+    def micro_batch(self, x, y, samples: int, scale: float = 1.0, loop: str = "clip", fail: bool = False) -> None:
         """`loop`: `clip` (clip at the step, then step, inside the block), `no_clip` (step inside
         the block, no clip), `step_outside` (step after the block), `reduce_log` (the loss summed
-        over ranks at the step, before stepping), `loss_backward` (`clip` with `loss.backward()`)."""
+        over ranks at the step, before stepping), `loss_backward` (`clip` with `loss.backward()`),
+        `two_forwards` (`clip`, the model forwarded twice). `fail`: raise after the forward."""
         with accelerator.accumulate(self.model):
             loss = F.mse_loss(self.model(x), y, reduction="sum") * (N / samples)
+            if loop == "two_forwards":
+                loss = loss + F.mse_loss(self.model(x * 0.5), y, reduction="sum") * (N / samples)
+            if fail:
+                raise RuntimeError("a micro-batch failed after its forward")
             if loop == "loss_backward":  # torch's own backward: accelerate divides nothing
                 (loss * scale).backward()
             else:  # accelerate divides by gradient_accumulation_steps: the step's own count cancels it.
                 accelerator.backward(loss * accelerator.gradient_accumulation_steps * scale)
-            if accelerator.sync_gradients and loop in ("clip", "loss_backward"):
+            if accelerator.sync_gradients and loop in ("clip", "loss_backward", "two_forwards"):
                 accelerator.clip_grad_norm_(self.model.parameters(), CLIP)
             if accelerator.sync_gradients and loop == "reduce_log":
                 self.logged.append(accelerator.reduce(loss.detach()[None] * scale, "sum").item())
@@ -98,24 +103,33 @@ class Loop:
 def train(run: dict, handle, loop: Loop) -> list[dict]:
     per_step, style = [], run.get("loop", "clip")
     for s, counts in enumerate(run["counts"]):
-        n, most, samples = counts[R], max(counts), samples_of(s, counts)
-        if run["style"] == "pad":
-            accelerator.gradient_accumulation_steps, accelerator.step = most, 0
-            for k in range(most):
-                loop.micro_batch(*batch(s, min(k, n - 1)), samples, scale=1.0 if k < n else 0.0, loop=style)
-        elif run["style"] == "accelerate":  # accelerate's own count, restarted: what step(n) sets
-            accelerator.gradient_accumulation_steps, accelerator.step = n, 0
-            for k in range(n):
-                loop.micro_batch(*batch(s, k), samples, loop=style)
-        else:
-            mine = sum(rows(s, k, R) for k in range(n))
-            with handle.step(n, samples=mine) as step:
-                assert (step.largest, step.smallest, step.samples) == (most, min(counts), samples), step
-                for k in range(n):
-                    loop.micro_batch(*batch(s, k), step.samples, loop=style)
+        try:
+            one_step(run, handle, loop, s, counts, style)
+        except RuntimeError:  # `raise_at`: every rank's first micro-batch of that step failed
+            assert s == run.get("raise_at"), s
         ran = counter.take()
         per_step.append({kind: sum(c for name, c in ran.items() if KIND[name] == kind) for kind in set(KIND.values())})
     return per_step
+
+
+def one_step(run: dict, handle, loop: Loop, s: int, counts: list[int], style: str) -> None:
+    n, most, samples = counts[R], max(counts), samples_of(s, counts)
+    fails = s == run.get("raise_at")
+    if run["style"] == "pad":
+        accelerator.gradient_accumulation_steps, accelerator.step = most, 0
+        for k in range(most):
+            x, y = batch(s, min(k, n - 1))
+            loop.micro_batch(x, y, samples, scale=1.0 if k < n else 0.0, loop=style, fail=fails and k == 0)
+    elif run["style"] == "accelerate":  # accelerate's own count, restarted: what step(n) sets
+        accelerator.gradient_accumulation_steps, accelerator.step = n, 0
+        for k in range(n):
+            loop.micro_batch(*batch(s, k), samples, loop=style, fail=fails and k == 0)
+    else:
+        mine = sum(rows(s, k, R) for k in range(n))
+        with handle.step(n, samples=mine) as step:
+            assert (step.largest, step.smallest, step.samples) == (most, min(counts), samples), step
+            for k in range(n):
+                loop.micro_batch(*batch(s, k), step.samples, loop=style, fail=fails and k == 0)
 
 
 def refuse(run: dict, handle, loop: Loop) -> None:
