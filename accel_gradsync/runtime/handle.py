@@ -1,8 +1,9 @@
 """`GradSyncHandle`: what `attach` returns. It builds one attach's owners (state.py's `Attachment`
 and bound models, bind.py's `Binder`, window.py's `Window`, generation.py's `GenerationGather`,
 checkpoint.py's `CheckpointHooks`, join.py's `Join`), connects them to the Accelerator and Trainer
-(connection.py), and answers for them: `stats()`, `plan()`, `units()`, `gathered()`, `join()`, `step()`, `detach()`;
-with `save_on_signal`, a loop of its own asks `preempted()` and calls `exit_preempted()` (preemption.py).
+(connection.py), and answers for them: `stats()`, `plan()`, `units()`, `gathered()`,
+`reshard_frozen()`, `join()`, `step()`, `detach()`; with `save_on_signal`, a loop of its own asks
+`preempted()` and calls `exit_preempted()` (preemption.py).
 """
 
 from __future__ import annotations
@@ -168,6 +169,17 @@ class GradSyncHandle:
             `ValueError`: `model` is not bound to this `attach()`.
         """
         return self._generation.gathered(model)
+
+    def reshard_frozen(self) -> None:
+        """Reshard the frozen units `keep_frozen_unsharded` keeps for the run; the next forward
+        all-gathers each of them once more, and keeps it again. Between optimizer steps a kept
+        unit's parameters are plain tensors: call this first where code works on the sharded
+        model's DTensors there, such as merging a LoRA adapter for a weight sync
+        (`grad_sync.reshard_frozen(); model.merge_adapter(); ...full_tensor()...;
+        model.unmerge_adapter()`, as TRL's vLLM sync does). Costs one all-gather of each kept
+        unit at the next forward; does nothing where no unit is kept.
+        """
+        self._state.residency.reshard()
 
     def join(self) -> contextlib.AbstractContextManager:
         """Around a loop of your own in which ranks run different numbers of micro-batches

@@ -15,7 +15,13 @@ optimizer built before `prepare` (workers/frozen_units.py).
   forward that fails in the second decoder layer of step 2's last micro-batch (accumulate()
   discards the window's gradients, the reduced ones included, whatever each unit's state was
   when it failed).
-- detach puts every unit back sharded; a model prepared before attach is refused in one line.
+- Merging the adapter between steps as TRL's vLLM weight sync does, after
+  `grad_sync.reshard_frozen()`, reads the weights the run without the setting reads and trains on
+  to the same parameters; the kept units are gathered once more. Without the call PEFT's merge
+  raises.
+- detach puts every unit back sharded; a model prepared before attach, FSDP1, and a Trainer
+  whose arguments set TRL's `use_vllm` are refused in one line (under `use_vllm` auto keeps nothing).
+- On a 2x2 HSDP mesh (4 ranks): only the adapters are gathered after step 1, exact, merge included.
 - TRL's GRPOTrainer through the recipe, `--use_peft` with `--beta` 0 and 0.04 (the reference is
   the policy with its adapter off), deferred: the logged losses, rewards and KL equal the run without
   the setting at every step; every all-gather the ranks issued (counted from outside the recipe)
@@ -51,6 +57,11 @@ RUNS = [
     {"name": "budget_none", "config": {"sync_mode": "budget", "memory_budget": "100B"}},
     {"name": "stock_raise", "config": {}, "raise_at": [1, 1]},
     {"name": "keep_raise", "config": KEEP, "raise_at": [1, 1]},
+    {"name": "stock_merge", "config": {}, "merge_at": 1},
+    {"name": "keep_merge", "config": KEEP, "merge_at": 1},
+    {"name": "keep_merge_bare", "config": KEEP, "merge_at": 1, "reshard": False},
+    {"name": "vllm_keep", "config": KEEP, "use_vllm": True},
+    {"name": "vllm_auto", "config": {"sync_mode": "budget", "memory_budget": "1MiB"}, "use_vllm": True},
 ]
 
 
@@ -102,6 +113,7 @@ def test_after_the_first_step_only_the_adapters_are_gathered(ranks):
         ("keep_state_dict", "stock"),
         ("keep_save_load", "stock_save_load"),
         ("keep_raise", "stock_raise"),
+        ("keep_merge", "stock_merge"),
     ],
 )
 def test_losses_and_parameters_equal_the_run_without_it(ranks, keep, stock):
@@ -150,9 +162,29 @@ def test_a_state_dict_between_steps_costs_one_gather_of_each_kept_unit(ranks):
         assert steps[2]["all_gathers"] == LAYERS * M * 2, steps[2]
 
 
+def test_merging_the_adapter_after_reshard_frozen_reads_what_stock_reads_and_regathers(ranks):
+    for rank in ranks:
+        keep, stock = rank["runs"]["keep_merge"], rank["runs"]["stock_merge"]
+        assert keep["merged"] == stock["merged"] and len(keep["merged"]) == 12 * LAYERS + 2, sorted(keep["merged"])
+        assert keep["merged"] != rank["runs"]["stock"]["params"]  # the merge moved the base: B is not zero
+        # The kept units resharded for the merge are gathered once more at the next step, then no more.
+        steps = [s["all_gathers"] for s in keep["steps"]]
+        assert steps == [LAYERS * M * 2 + FROZEN_UNITS] * 2 + [LAYERS * M * 2], steps
+        # Without reshard_frozen(), PEFT's merge fails loudly (a plain tensor beside DTensors).
+        assert "DTensor" in rank["runs"]["keep_merge_bare"]["error"], rank["runs"]["keep_merge_bare"]
+
+
+def test_under_a_trainer_with_use_vllm_true_is_refused_and_auto_keeps_nothing(ranks):
+    for rank in ranks:
+        error = rank["runs"]["vllm_keep"]["error"]
+        assert "\n" not in error and "use_vllm=true" in error and "keep_frozen_unsharded=false" in error, error
+        assert rank["runs"]["vllm_auto"] == {"keep_frozen_unsharded": False}, rank["runs"]["vllm_auto"]
+
+
 def test_detach_leaves_every_parameter_sharded(ranks):
     for rank in ranks:
-        assert all(run["sharded_after_detach"] for name, run in rank["runs"].items() if "error" not in run)
+        trained = [run for run in rank["runs"].values() if "steps" in run]
+        assert len(trained) == 13 and all(run["sharded_after_detach"] for run in trained)
 
 
 def test_auto_keeps_under_budget_what_fits_and_nothing_elsewhere(ranks):
@@ -172,6 +204,53 @@ def test_a_model_prepared_before_attach_is_refused_in_one_line(ranks):
         error = rank["runs"]["attach_after_prepare"]["error"]
         assert "\n" not in error and "keep_frozen_unsharded=true" in error, error
         assert "call attach() before accelerator.prepare(model)" in error, error
+
+
+@pytest.fixture(scope="module")
+def hsdp():
+    """A 2x2 HSDP mesh: the adapters' units get the layer's 2-D mesh; all-gathers run within a replica."""
+    config = accelerate_config("fsdp2", num_processes=4, fsdp_transformer_layer_cls_to_wrap="Qwen2DecoderLayer")
+    config["parallelism_config"] = {"parallelism_config_dp_replicate_size": 2, "parallelism_config_dp_shard_size": 2}
+    runs = [
+        {"name": "stock", "config": {}},
+        {"name": "keep", "config": KEEP},
+        {"name": "stock_merge", "config": {}, "merge_at": 1},
+        {"name": "keep_merge", "config": KEEP, "merge_at": 1},
+    ]
+    return launch("frozen_units", ["--M", str(M), "--runs", json.dumps(runs)], config)
+
+
+def test_on_an_hsdp_mesh_only_the_adapters_are_gathered_after_step_1_and_it_is_exact(hsdp):
+    per_step = LAYERS * M * 2
+    assert len(hsdp) == 4
+    for rank in hsdp:
+        runs = rank["runs"]
+        steps = runs["keep"]["steps"]
+        assert steps[0]["all_gathers"] == per_step + FROZEN_UNITS, steps[0]
+        assert all(s["all_gathers"] == per_step for s in steps[1:]), steps
+        # Each rank holds half a replica's shards: an all-gather's output is the whole adapter.
+        assert all(s["gathered_bytes"] == per_step * ADAPTER_NUMEL * 4 for s in steps[1:]), steps
+        for keep, stock in (("keep", "stock"), ("keep_merge", "stock_merge")):
+            assert [s["losses"] for s in runs[keep]["steps"]] == [s["losses"] for s in runs[stock]["steps"]]
+            assert runs[keep]["params"] == runs[stock]["params"]
+        assert runs["keep_merge"]["merged"] == runs["stock_merge"]["merged"]
+        assert all(run["sharded_after_detach"] for run in runs.values())
+
+
+@pytest.fixture(scope="module")
+def fsdp1():
+    config = accelerate_config(
+        "fsdp1", fsdp_transformer_layer_cls_to_wrap="Qwen2DecoderLayer", fsdp_use_orig_params=True
+    )
+    runs = [{"name": "keep", "config": KEEP, "refused": True}]
+    return launch("frozen_units", ["--M", str(M), "--runs", json.dumps(runs)], config)
+
+
+def test_fsdp1_is_refused_in_one_line_at_attach(fsdp1):
+    for rank in fsdp1:
+        error = rank["runs"]["keep"]["error"]
+        assert "\n" not in error and "keep_frozen_unsharded=true needs FSDP2" in error, error
+        assert "fsdp_version: 2" in error and "keep_frozen_unsharded=false" in error, error
 
 
 LORA = (

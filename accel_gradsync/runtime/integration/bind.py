@@ -166,11 +166,11 @@ class Binder:
             return None
         state.adapters[root] = adapter
         self._trainable[root] = (model, trainable_params(root))
-        if state.settings.keep_frozen_unsharded is True and adapter.kind != "fsdp2":
+        if state.settings.keep_frozen_unsharded is True and adapter.kind == "ddp":  # FSDP1: refused at attach
             state.warn_once(
                 "keep_frozen_unsharded_not_fsdp2",
-                f"accel_gradsync: keep_frozen_unsharded is ignored on {adapter.kind}: it keeps FSDP2 units of "
-                "frozen parameters unsharded across steps (fsdp_version: 2).",
+                "accel_gradsync: keep_frozen_unsharded is ignored on ddp: DDP keeps every parameter unsharded "
+                "already; the setting keeps FSDP2 units of frozen parameters unsharded across steps.",
             )
         if not adapter.trainable and account is None:  # a frozen reference model: no gradient to schedule
             if adapter.kind == "fsdp2":

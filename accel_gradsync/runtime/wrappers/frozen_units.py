@@ -18,6 +18,10 @@ parameter, so FSDP2 gathers it at its first forward and never again; the adapter
 usual and are gathered each step.
 
 Cost: every kept unit's whole unsharded parameters (compute dtype) on every rank for the run.
+Between steps a kept unit's parameters are plain tensors, not DTensors: code that works on the
+sharded model there (PEFT's `merge_adapter`, which adds DTensors into the base, and reading
+`full_tensor()` for a weight sync) calls `reshard()` first (`grad_sync.reshard_frozen()`), and the
+next forward gathers the kept units again.
 Refused where it cannot work: a model prepared before attach (accelerate has sharded it), and
 `fsdp_cpu_ram_efficient_loading` (accelerate moves the model to meta and reloads its state dict,
 which would then hold the adapters' shards, not their full tensors). A state-dict save or load
@@ -165,6 +169,12 @@ class FrozenResidency:
             key = id(module._get_fsdp_state())
             if key in self._kept and any(param_now(p).requires_grad for p in unit_params(module)):
                 self._give_back(key)
+
+    def reshard(self) -> None:
+        """Every kept unit resharded (FSDP2's `reshard()`: nothing for one sharded already), its
+        flags kept: the next forward all-gathers it again and keeps it."""
+        for module, _ in self._kept.values():
+            module.reshard()
 
     def release(self) -> None:
         """Detach: every kept unit's flags back, resharded."""

@@ -4,8 +4,10 @@ before `prepare`, then STEPS optimizer steps of M causal-LM micro-batches under
 `accelerator.accumulate`, clipping at each step. Each run names its GradSyncConfig, and may
 unfreeze a base layer's MLP before step `unfreeze_at` or take the whole state dict before step
 `state_dict_at`, save the state before step `save_at` and load it back before step `load_at`,
-or fail a forward before micro-batch `raise_at` ([step, k]); `attach_after_prepare` reports the
-refusal.
+fail a forward before micro-batch `raise_at` ([step, k]), or merge the adapter as TRL's vLLM
+weight sync does before step `merge_at` (after `grad_sync.reshard_frozen()` unless `reshard` is
+false); `attach_after_prepare`, `refused` (at attach: FSDP1) and `use_vllm` (a Trainer with TRL's
+GRPOConfig(use_vllm=True)) report the refusal.
 
 Reported per run: per step the all-gathers (calls, and the bytes of their outputs) counted from
 outside by wrapping torch.distributed, the losses; the final parameters (full tensors); the
@@ -22,7 +24,8 @@ from accelerate.utils import set_seed
 from common import CollectiveCounter, parse_args, tiny_qwen2_config, write_result
 from peft import LoraConfig, get_peft_model
 from torch.distributed.fsdp import FSDPModule
-from transformers import Qwen2ForCausalLM
+from transformers import Qwen2ForCausalLM, Trainer
+from trl import GRPOConfig
 
 import accel_gradsync
 
@@ -66,6 +69,45 @@ def _raise(*_):
     raise RuntimeError("a forward that fails")
 
 
+def merged_weights(model, handle, reshard: bool) -> dict:
+    """`grad_sync.reshard_frozen()` (unless `reshard` is false), then TRL's FSDP2 weight sync
+    (trl/generation/vllm_generation.py): merge the adapter into the sharded base, read every base
+    parameter whole, unmerge. The weights read, by name; or the error merging raised."""
+    if reshard:
+        handle.reshard_frozen()
+    try:
+        model.merge_adapter()
+    except RuntimeError as e:
+        return {"error": str(e)}
+    weights = {n: p.full_tensor().tolist() for n, p in model.named_parameters() if "lora_" not in n}
+    model.unmerge_adapter()
+    return weights
+
+
+def vllm_trainer(model, config) -> dict:
+    """attach() on a Trainer whose arguments are TRL's GRPOConfig with `use_vllm` (the Trainer
+    itself is transformers': TRL's GRPOTrainer would start vLLM): the refusal, or what auto
+    resolved `keep_frozen_unsharded` to."""
+    grpo_args = GRPOConfig(
+        output_dir=os.path.join(args.out, "vllm"),
+        use_vllm=True,
+        use_cpu=True,
+        bf16=False,  # the launch's precision (GRPOConfig's default is bf16)
+        per_device_train_batch_size=2,
+        num_generations=2,
+        report_to=[],
+        accelerator_config={"use_configured_state": True},
+    )
+    trainer = Trainer(model=model, args=grpo_args)
+    try:
+        handle = accel_gradsync.attach(trainer, config)
+    except ValueError as e:
+        return {"error": str(e)}
+    kept = handle.settings.keep_frozen_unsharded
+    handle.detach()
+    return {"keep_frozen_unsharded": kept}
+
+
 def one_run(run: dict) -> dict:
     set_seed(0)
     base = Qwen2ForCausalLM(tiny_qwen2_config(vocab_size=VOCAB, pad_token_id=0))
@@ -75,6 +117,14 @@ def one_run(run: dict) -> dict:
             torch.nn.init.normal_(p, std=0.02, generator=torch.Generator().manual_seed(len(name)))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)  # before prepare; frozen ones step once unfrozen
     config = accel_gradsync.GradSyncConfig(**run["config"])
+    if run.get("use_vllm"):  # TRL's vLLM weight sync merges the adapter into the sharded base
+        return vllm_trainer(model, config)
+    if run.get("refused"):  # refused at attach, before anything is prepared
+        try:
+            accel_gradsync.attach(accelerator, config)
+        except ValueError as e:
+            return {"error": str(e)}
+        raise AssertionError(f"{run['name']} was not refused")
     if run.get("attach_after_prepare"):  # too late to give the adapters units of their own: refused
         model, optimizer = accelerator.prepare(model, optimizer)
         try:
@@ -93,6 +143,11 @@ def one_run(run: dict) -> dict:
                 p.requires_grad_(True)
         if run.get("state_dict_at") == step:  # a save between steps: FSDP2's hooks reshard every unit
             accelerator.get_state_dict(model)
+        if run.get("merge_at") == step:  # what TRL's vLLM weight sync does between steps
+            out["merged"] = merged_weights(model, handle, run.get("reshard", True))
+            if "error" in out["merged"]:
+                accelerator.free_memory()
+                return out["merged"]
         if run.get("save_at") == step:
             accelerator.save_state(os.path.join(args.out, run["name"]))
         if run.get("load_at") == step:  # back to the checkpoint taken at `save_at`: the adapters revert
