@@ -1,11 +1,11 @@
 """The GRPO benchmark: TRL's real `GRPOTrainer` on a communication-bound random-weight Qwen2, stock
 and with each sync mode of the plugin, full fine-tuning and LoRA, against DDP, the data-parallel
 floor (`python -m benchmarks.run --grpo [--beta 0.04]`). This module holds the shapes,
-configurations, the saved model and the plan of launches; `grpo_worker.py` measures,
-`grpo_merge.py` merges the ranks' records, `grpo_report.py` reports. Every configuration trains the
-same saved model on the same prompts with the same seed, so completions, rewards and losses must
-agree exactly. DDP's configurations run in launches of their own (accelerate's state is one per
-process: FSDP or not), alternating with FSDP2's round by round, so both see the machine's load alike.
+configurations, the saved model, the plan of launches and the merge of their ranks' records;
+`grpo_worker.py` measures, `grpo_report.py` reports. Every configuration trains the same saved model
+on the same prompts with the same seed, so completions, rewards and losses must agree exactly.
+DDP's configurations run in launches of their own (accelerate's state is one per process: FSDP or
+not), alternating with FSDP2's round by round, so both see the machine's load alike.
 """
 
 from __future__ import annotations
@@ -13,7 +13,10 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from statistics import median
 from typing import Any
+
+from benchmarks.records import GrpoLaunch, GrpoRankResult, GrpoRankRun, GrpoRow, GrpoRun, memory_max
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).with_name("grpo_worker.py")
@@ -218,3 +221,81 @@ def plan_of(args) -> dict:
     if p["steps"] < 2:
         raise SystemExit(f"--steps {p['steps']}: the GRPO benchmark needs at least 2 (step 1 is untimed warm-up)")
     return p
+
+
+# -- the ranks' records, merged: a step lasts as long as its slowest rank; counts are rank 0's (every
+# rank issues the same); memory is the max over ranks and steps.
+KINDS = ("all_gathers", "reduce_scatters", "all_reduces")
+
+
+def launch_of(ranks_json: list[dict]) -> GrpoLaunch:
+    """One launch's ranks as written; `combine` merges them with the network's other launches."""
+    ranks = [GrpoRankResult.from_dict(r) for r in ranks_json]
+    return GrpoLaunch(size=ranks[0].size, facts=ranks[0].facts, ranks=ranks)
+
+
+def combine(launches: list[GrpoLaunch]) -> GrpoRun:
+    """The launches of one network (FSDP2's and DDP's, round by round) as one run: each rank's runs
+    over every launch, one row per configuration in configuration order, each from its runs of every
+    round; the backend's collectives, the median over the launches that timed them (FSDP2's)."""
+    first = launches[0]
+    per_rank = [[run for launch in launches for run in launch.ranks[i].runs] for i in range(len(first.ranks))]
+    rows = [
+        row_of(name, list(zip(*([r for r in runs if r.config == name] for runs in per_rank), strict=True)))
+        for name in sorted({r.config for r in per_rank[0]}, key=list(CONFIGS).index)
+    ]
+    timed = [launch.ranks[0].backend_ms for launch in launches if launch.ranks[0].backend_ms]
+    return GrpoRun(
+        size=first.size,
+        facts=first.facts,
+        rows=rows,
+        versions=first.ranks[0].versions,
+        pinned_cores=[rank.pinned_core for rank in first.ranks],
+        wall_s=round(sum(launch.wall_s or 0 for launch in launches), 1),
+        link=first.link,
+        hosts=first.hosts,
+        ranks_per_host=first.ranks_per_host,
+        link_bytes=sum(launch.link_bytes or 0 for launch in launches) if first.link else first.link_bytes,
+        backend_ms={op: median(t[op] for t in timed) for op in timed[0]} if timed else {},
+    )
+
+
+def row_of(name: str, rounds: list[tuple[GrpoRankRun, ...]]) -> GrpoRow:
+    """A configuration's row from its runs: per round, one run on every rank (rank 0's first). Each
+    step's time and phase split are its slowest rank's, the row has the medians over the timed steps
+    of every round."""
+    steps = [
+        (runs[0].round, max(same, key=lambda s: s.time_s))
+        for runs in rounds
+        for same in zip(*(run.steps for run in runs), strict=True)
+    ]
+    rank0_runs = [runs[0] for runs in rounds]
+    rank0 = [s for run in rank0_runs for s in run.steps]
+    every = [s for runs in rounds for run in runs for s in run.steps]
+    phases = list(rank0[0].phases) if rank0 else []
+    return GrpoRow(
+        config=name,
+        units=rank0_runs[0].units,
+        ref_units=rank0_runs[0].ref_units,
+        step_time_s=median(s.time_s for _, s in steps),
+        step_times_s=[s.time_s for _, s in steps],
+        step_rounds=[r for r, _ in steps],
+        phase_time_s={p: median(s.phases[p].time_s for _, s in steps) for p in phases},
+        counts_seen={p: {k: sorted({getattr(s.phases[p], k) for s in rank0}) for k in KINDS} for p in phases},
+        counts_per_step={
+            p: {k: median(getattr(s.phases[p], k) for s in rank0) for k in (*KINDS, "bytes_sent")} for p in phases
+        },
+        **memory_max(every, [run.handle_held_grad_bytes for runs in rounds for run in runs]),
+        state_bytes=max((s.state_bytes for s in every), default=0),
+        ref_unsharded_bytes=max((s.ref_unsharded_bytes for s in every), default=0),
+        resident_units=int(rank0_runs[0].stats.get("units_resident", 0)),
+        resident_bytes=int(rank0_runs[0].stats.get("resident_param_bytes", 0)),
+        logprob_gathers=[
+            [s.phases["logprob"].all_gathers for s in ([run.first_step] if run.first_step else []) + run.steps]
+            for run in rank0_runs
+        ],
+        logs=[run.logs for run in rank0_runs],
+        rewards=[run.rewards for run in rank0_runs],
+        completions=[[run.completions for run in runs] for runs in rounds],
+        stats=rank0_runs[-1].stats,
+    )

@@ -1,17 +1,21 @@
 """The GRPO benchmark's report: results.json -> results.md (a table per network),
-grpo_step_split.png (each configuration's step split into phases) and the target summary
-(PASS / FAIL / SKIP / N/D, of the GRPO targets in `targets.py`).
+grpo_step_split.png (each configuration's step split into phases) and the target summary (PASS /
+FAIL / SKIP / N/D, of the GRPO targets in `targets.py`): the window's speedup over stock, its
+all-gathers, no all-reduce in its generation, the floor (its step and its memory between steps
+against DDP's), the reference model kept resident and the identity with stock. Timing targets are
+judged on per-round ratios (`speedup`), counts on every recorded step.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 from pathlib import Path
 
-from benchmarks import grpo, stats
-from benchmarks.grpo_checks import check_targets, network, pair_over_all_reduce, rows_of, speedup
+from benchmarks import grpo, stats, targets
 from benchmarks.records import GrpoResults, GrpoRow, GrpoRun
-from benchmarks.stats import MiB, fmt_count, fmt_held, header, panels, save_figure
+from benchmarks.stats import MiB, fmt_count, fmt_held, header, judged, paired, panels, save_figure
+from benchmarks.targets import FAIL, PASS, SKIP, TargetResult
 
 PHASES = {  # phase -> (label, color)
     "generation": ("generation", "tab:orange"),
@@ -31,6 +35,36 @@ LEGEND = (
     "of both models on one rank after the optimizer step, and against DDP's; RSS: the step's peak resident "
     "growth."
 )
+
+
+def network(run: GrpoRun) -> str:
+    return "loopback" if run.link is None else f"{run.link} link, 2 hosts"
+
+
+def rows_of(run: GrpoRun) -> dict[str, GrpoRow]:
+    return {r.config: r for r in run.rows}
+
+
+def speedup(run: GrpoRun, config: str, base: str) -> tuple[float, list[float]] | None:
+    """base's step / config's step: the median over rounds of the ratio of each round's medians
+    (both ran in the same round, under the same load), and the per-round ratios."""
+    rows = rows_of(run)
+    if config not in rows or base not in rows:
+        return None
+    per_round = paired(rows[base], rows[config])
+    return (statistics.median(per_round), per_round) if per_round else None
+
+
+def pair_over_all_reduce(run: GrpoRun) -> float | None:
+    """This network's all-gather + reduce-scatter of the model over its all-reduce of the same bytes."""
+    b = run.backend_ms
+    return (b["all_gather"] + b["reduce_scatter"]) / b["all_reduce"] if b and b.get("all_reduce") else None
+
+
+def fmt_rounds(paired: list[float]) -> str:
+    """A `judged` measured string: the median, then each round's ratio and their spread."""
+    spread = f"; spread {min(paired):.2f}x-{max(paired):.2f}x" if len(paired) > 1 else ""
+    return "{m:.2f}x, median of {n} round(s) (per round: " + ", ".join(f"{x:.2f}x" for x in paired) + spread + ")"
 
 
 def fmt_spread(values: list[float], scale: float = 1.0, fmt: str = "{:.0f}", unit: str = "") -> str:
@@ -131,6 +165,163 @@ def backend_line(run: GrpoRun) -> str:
         "in and out; with beta > 0 a reference model resharded after its log-prob pass adds one all-gather per "
         "step that DDP, which replicates it, does not need (kept resident: none after step 1)."
     )
+
+
+# -- targets --------------------------------------------------------------------------------------
+def check_targets(results: GrpoResults) -> list[TargetResult]:
+    quick, beta = bool(results.plan.get("quick")), float(results.plan.get("beta") or 0.0)
+    out = []
+    for run in results.runs:
+        where, rows = network(run), rows_of(run)
+        target = targets.GRPO_WINDOW_SPEEDUP.get(run.link)
+        for tuning in grpo.TUNINGS:
+            window, stock = f"{tuning}/window", f"{tuning}/stock"
+            if target is not None:  # stock's step / the window's per round, their median against the target
+                what = f"[{where}] {window} {target.name.replace('than stock', f'than {stock}')}"
+                if (sp := speedup(run, window, stock)) is None:
+                    out.append(TargetResult(what, SKIP, "not run"))
+                else:
+                    out.append(judged(what, target, sp[1], quick, fmt_rounds(sp[1])))
+            if window in rows:
+                out += [check_window_gathers(where, rows[window]), check_generation_all_reduces(where, rows[window])]
+                if grpo.keeps_reference(window):
+                    out.append(check_reference(where, rows[window], beta))
+            out += check_floor(run, where, tuning, quick)
+        out += check_identical(where, rows, beta)
+    return out
+
+
+def check_floor(run: GrpoRun, where: str, tuning: str, quick: bool) -> list[TargetResult]:
+    """The window against DDP, the data-parallel floor: its step time within 1.10x (the median of
+    the per-round ratios), its memory between optimizer steps below DDP's."""
+    rows, window, ddp = rows_of(run), f"{tuning}/window", f"{tuning}/{grpo.DDP}"
+    time_what = f"[{where}] {window} {targets.GRPO_DDP_FLOOR.name.replace('DDP', ddp)}"
+    state_what = f"[{where}] {window}: {targets.GRPO_STATE.name.replace('DDP', ddp)}"
+    if window not in rows or ddp not in rows:
+        return [TargetResult(time_what, SKIP, "not run"), TargetResult(state_what, SKIP, "not run")]
+    ratio = speedup(run, ddp, window)
+    assert ratio is not None  # both ran, in the same rounds
+    measured = fmt_rounds(ratio[1])
+    if (pair := pair_over_all_reduce(run)) is not None:
+        measured += f"; collectives alone: all-gather + reduce-scatter = {pair:.2f}x all-reduce of the same bytes"
+    w, d = rows[window], rows[ddp].state_bytes
+    state = f"{w.state_bytes / MiB:.2f} MiB against {d / MiB:.2f} MiB per rank" + (
+        f" ({w.state_bytes / d:.2f}x)" if d else ""
+    )
+    if w.ref_unsharded_bytes:
+        state += f"; of it, the reference model kept unsharded: {w.ref_unsharded_bytes / MiB:.2f} MiB"
+    if w.resident_bytes:  # keep_frozen_unsharded's price, said; the target reads the rest
+        state += (
+            f"; of it, the frozen base kept unsharded for the run: {w.resident_bytes / MiB:.2f} MiB, "
+            f"without which {(w.state_bytes - w.resident_bytes) / MiB:.2f} MiB"
+        )
+    state_result = TargetResult(state_what, PASS if w.state_bytes - w.resident_bytes < d else FAIL, state)
+    return [judged(time_what, targets.GRPO_DDP_FLOOR, ratio[1], quick, measured), state_result]
+
+
+def check_window_gathers(where: str, row: GrpoRow) -> TargetResult:
+    """The window gathers each unit of the trained model once per step (a reference model's log-prob
+    passes are a model of their own): at generation's first forward, kept to the optimizer step;
+    units kept unsharded for the run (keep_frozen_unsharded) never after step 1."""
+    U, seen = row.units - row.resident_units, row.counts_seen  # resident units: gathered at step 1 only
+    trained = {g + t for g in seen["generation"]["all_gathers"] for t in seen["training"]["all_gathers"]}
+    what = f"[{where}] {row.config}: {targets.GRPO_WINDOW_GATHERS.name}"
+    kept = f" ({row.units} units, {row.resident_units} kept unsharded for the run)" if row.resident_units else ""
+    detail = (
+        f"U = {U}{kept}; every timed step: generation {seen['generation']['all_gathers']}, training "
+        f"{seen['training']['all_gathers']} (log-prob passes: {seen['logprob']['all_gathers']})"
+    )
+    return TargetResult(what, PASS if trained == {U} else FAIL, detail)
+
+
+def check_generation_all_reduces(where: str, row: GrpoRow) -> TargetResult:
+    """The window's generation issues no all-reduce: transformers' per-token flag all-reduce
+    (`synced_gpus`) is skipped where every unit stays unsharded (runtime/generating/token_sync.py)."""
+    seen = row.counts_seen["generation"].get("all_reduces", [])
+    what = f"[{where}] {row.config}: {targets.GRPO_GENERATION_ALL_REDUCES.name}"
+    return TargetResult(what, PASS if seen == [0] else FAIL, f"generation's all-reduces on every timed step: {seen}")
+
+
+def check_reference(where: str, row: GrpoRow, beta: float) -> TargetResult:
+    """A configuration that keeps the reference model resident: its log-prob passes all-gather each
+    of the reference model's units once, at step 1 (its first forward), and nothing at any later step;
+    counted around `torch.distributed` on rank 0, every round."""
+    what = f"[{where}] {row.config}: {targets.GRPO_REFERENCE_RESIDENT.name}"
+    if not row.logprob_gathers:
+        return TargetResult(what, SKIP, "not recorded (a results.json from before the count)")
+    if not row.ref_units:
+        why = "beta 0: no reference model" if beta == 0 else "no reference model of its own (FSDP2-wrapped)"
+        return TargetResult(what, SKIP, why)
+    first = sorted({steps[0] for steps in row.logprob_gathers})
+    after = sorted({n for steps in row.logprob_gathers for n in steps[1:]})
+    detail = (
+        f"the reference model's {row.ref_units} FSDP2 unit(s); log-prob passes' all-gathers per step, steps 1, 2, "
+        f"... of each round: {'; '.join(', '.join(map(str, steps)) for steps in row.logprob_gathers)}"
+    )
+    ok = first == [row.ref_units] and after == [0]
+    return TargetResult(what, PASS if ok else FAIL, detail)
+
+
+def check_identical(where: str, rows: dict[str, GrpoRow], beta: float = 0.0) -> list[TargetResult]:
+    """Every configuration's completion digests and rewards equal stock's exactly, at every step of
+    every round, and its logged values too (loss, reward, reward_std and, with beta > 0, kl), within
+    `grpo.LOG_RTOL` for the modes that sum gradients in another order (`grpo.REORDERED`)."""
+    out = []
+    for tuning in grpo.TUNINGS:
+        stock = rows.get(f"{tuning}/stock")
+        others = [n for n in grpo.CONFIGS if n.startswith(tuning + "/") and n in rows and n != f"{tuning}/stock"]
+        what = f"[{where}] {tuning}: {targets.GRPO_IDENTICAL.name}"
+        if stock is None or not others:
+            out.append(TargetResult(what, SKIP, "stock or no other configuration run"))
+            continue
+        ref, bad, rel = recorded(stock, 0), [], 0.0
+        logged = sorted({key for entry in ref["logs"] for key in entry} - {"step"})
+        if beta > 0 and "kl" not in logged:
+            bad.append(f"beta {beta:g} but stock logged no kl (logged: {', '.join(logged)})")
+        for name, k in [(n, k) for n in others for k in range(len(rows[n].logs))]:
+            got, reordered = recorded(rows[name], k), grpo.CONFIGS[name]["mode"] in grpo.REORDERED
+            diff = [key for key in ref if got[key] != ref[key] and not (key == "logs" and reordered)]
+            if reordered:
+                off = log_difference(got["logs"], ref["logs"])
+                if off is None or off > grpo.LOG_RTOL:
+                    diff.append("logs")
+                else:
+                    rel = max(rel, off)
+            if diff:
+                bad.append(f"{name} round {k}: {', '.join(diff)} differ{first_difference(got, ref)}")
+        if any(recorded(stock, k) != ref for k in range(len(stock.logs))):
+            bad.append("stock differs between its own rounds")
+        measured = (
+            f"{', '.join(others)} vs stock: {len(ref['logs'])} steps x {len(stock.logs)} round(s), "
+            f"logged {', '.join(logged)} and recorded completions and rewards at every step"
+            + (f"; {'/'.join(grpo.REORDERED)}'s logged values at most {rel:.1e} relative off" if rel else "")
+        )
+        out.append(TargetResult(what, FAIL, "; ".join(bad)) if bad else TargetResult(what, PASS, measured))
+    return out
+
+
+def recorded(row: GrpoRow, k: int) -> dict:
+    """What round k of a configuration must share with stock: logs, rewards, completion digests."""
+    return {"logs": row.logs[k], "rewards": row.rewards[k], "completions": row.completions[k]}
+
+
+def log_difference(got: list[dict], ref: list[dict]) -> float | None:
+    """The largest relative difference between two runs' logged values, step by step; None when
+    they log different steps or keys (that is no rounding)."""
+    if [sorted(a) for a in got] != [sorted(b) for b in ref]:
+        return None
+    pairs = [(x, b[key]) for a, b in zip(got, ref, strict=True) for key, x in a.items()]
+    return max((abs(x - y) / max(abs(x), abs(y), 1e-30) for x, y in pairs if x != y), default=0.0)
+
+
+def first_difference(got: dict, ref: dict) -> str:
+    if len(got["logs"]) != len(ref["logs"]):
+        return f" ({len(got['logs'])} logged steps vs stock's {len(ref['logs'])})"
+    for a, b in zip(got["logs"], ref["logs"], strict=True):
+        for key in ("loss", "kl", "reward"):
+            if a.get(key) != b.get(key):
+                return f" (step {a.get('step')}: {key} {a.get(key)!r} vs stock {b.get(key)!r})"
+    return ""
 
 
 def write_report(results: GrpoResults, out: Path) -> str:

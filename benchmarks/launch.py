@@ -30,6 +30,12 @@ class Launched:
     output: str  # stdout and stderr, interleaved (the last lines only on a cluster)
     ranks: list[dict] = field(default_factory=list)  # each rank's JSON, in rank order
 
+    def check(self, what: str, nranks: int) -> list[dict]:
+        """The ranks' JSON; RuntimeError with the output's tail unless all `nranks` wrote theirs and exited 0."""
+        if self.returncode != 0 or len(self.ranks) != nranks:
+            raise RuntimeError(f"{what} failed (exit {self.returncode}):\n{self.output[-8000:]}")
+        return self.ranks
+
 
 def fsdp2_config(layer_class: str, nranks: int) -> dict:
     """An accelerate config as a user would write it: FSDP2 wrapping each `layer_class`, no mixed

@@ -208,7 +208,7 @@ class GrpoRankResult(Record):
 @dataclass(kw_only=True)
 class GrpoLaunch(RunBase):
     """One launch's ranks, as they wrote them (a round of FSDP2's or of DDP's configurations):
-    `grpo_merge.combine` merges a network's launches into its `GrpoRun`; never in results.json."""
+    `grpo.combine` merges a network's launches into its `GrpoRun`; never in results.json."""
 
     ranks: list[GrpoRankResult]
 

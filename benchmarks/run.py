@@ -4,7 +4,7 @@ The MLP (`mlp.py`, the default) and GRPO (`--grpo`, `grpo.py`) benchmarks are co
 a plan, the networks and the launches. Each launch runs under `accelerate launch` (`launch.py`) over
 loopback, or with `--cluster HxR --link ...` once per link on simulated hosts (`cluster.py`); the
 ranks' records become a run each in results.json (GRPO: one run per network, merged from its FSDP2
-and DDP launches, which alternate round by round: `grpo_merge.py`), and the benchmark's report
+and DDP launches, which alternate round by round: `grpo.py`), and the benchmark's report
 writes results.md, the PNGs and the PASS/FAIL summary (`--redraw DIR`: again from DIR/results.json).
 """
 
@@ -18,14 +18,13 @@ import platform
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
 from typing import NamedTuple
 
-from benchmarks import cluster, grpo, grpo_merge, grpo_report, mlp, mlp_report
+from benchmarks import cluster, grpo, grpo_report, mlp, mlp_report
 from benchmarks.launch import REPO, fsdp2_config, launch
-from benchmarks.records import GrpoLaunch, GrpoResults, Results, RunBase
+from benchmarks.records import GrpoResults, Results, RunBase
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -39,24 +38,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--Ms", help="comma-separated micro-batch counts")
     add("--configs", help="comma-separated, from mlp.CONFIGS (with --grpo: grpo.CONFIGS)")
     add("--beta", type=float, default=0.0, help="with --grpo: GRPO's KL coefficient (> 0: a reference model)")
-    add(
-        "--reps",
-        type=int,
-        help="interleaved repetitions of every configuration (GRPO: rounds, each an FSDP2 launch then a DDP one; "
-        f"default {grpo.SIZES['full']['rounds']}, --quick {grpo.SIZES['quick']['rounds']})",
-    )
-    add(
-        "--steps",
-        type=int,
-        help="timed optimizer steps per repetition and M (default: per model size; GRPO: optimizer steps per "
-        f"round, the first untimed, default {grpo.SIZES['full']['steps']})",
-    )
-    add(
-        "--profile",
-        action="store_true",
-        help="with --grpo: cProfile each configuration's timed steps on rank 0, into OUT/profiles/<network>/"
-        "<config>_r<round>.prof (compare two with benchmarks.profile_diff; a profiled run's times are inflated)",
-    )
+    add("--reps", type=int, help="repetitions of every configuration, interleaved (GRPO: rounds, FSDP2 then DDP)")
+    add("--steps", type=int, help="timed steps per repetition and M (GRPO: steps per round, the first untimed)")
+    add("--profile", action="store_true", help="with --grpo: cProfile rank 0's timed steps (profile_diff compares two)")
     add("--no-pin", action="store_true", help="CPU: leave the ranks unpinned (default: one core per rank)")
     add("--hsdp-size", help=f"model size of the 4-rank HSDP launch (default: {mlp.HSDP_SIZE}; quick cluster: small)")
     add("--timeout", type=int, default=900, help="seconds per launch")
@@ -67,14 +51,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 class Job(NamedTuple):
-    """One `accelerate launch` of a benchmark's worker; `merge` turns the ranks' JSON into its run."""
+    """One launch of the benchmark's worker: its progress line, arguments and accelerate config."""
 
-    what: str  # the progress line's description
-    script: Path
+    what: str
     args: list[str]
-    config: dict | None  # the accelerate config (None: torchrun, DDP on CPU)
-    merge: Callable[[list[dict]], RunBase]
-    env: dict[str, str]
+    config: dict | None  # None: torchrun, DDP on CPU
 
 
 def cluster_of(args: argparse.Namespace) -> tuple[dict, list[str]]:
@@ -115,15 +96,11 @@ def plan_of(args: argparse.Namespace) -> tuple[dict, list[str | None]]:
 def jobs_of(p: dict, args: argparse.Namespace, workdir: Path, network: str | None) -> list[Job]:
     """The launches of one network; the GRPO benchmark saves its model once, for every network."""
     if not args.grpo:
-        env = {"CUDA_VISIBLE_DEVICES": ""} if args.device == "cpu" else {}  # --device cpu: gloo beside GPUs
         return [
             Job(
                 f"{size} model, {n} ranks: {', '.join(names)}",
-                mlp.WORKER,
                 mlp.worker_args(p, size, names, args.device),
                 fsdp2_config("Block", n),
-                mlp.merge,
-                env,
             )
             for size, n, names in mlp.launches(p)
         ]
@@ -133,18 +110,14 @@ def jobs_of(p: dict, args: argparse.Namespace, workdir: Path, network: str | Non
         what += ", FSDP2's and DDP's launches alternating"
         print(f"[benchmarks] GRPO {p['size']} model, {facts['params'] / 1e6:.2f} M params: {what}", flush=True)
     pin = not args.no_pin and not network  # a cluster pins each host's launch to the host's cores
-    folder = Path(args.out, "profiles", network or "loopback")
-    profile = ["--profile", str(folder)] if args.profile else []
+    profile = ["--profile", str(Path(args.out, "profiles", network or "loopback"))] if args.profile else []
     # DDP's configurations: no accelerate config, torchrun with accelerate on CPU (launch.py), which
     # makes it DDP over gloo (accelerate's MULTI_CPU launcher would want mpirun).
     return [
         Job(
             f"GRPO round {r + 1}/{p['rounds']}, {'DDP' if grpo.is_ddp(names[0]) else 'FSDP2'}: {', '.join(names)}",
-            grpo.WORKER,
             grpo.worker_args(p, workdir, pin, names, r) + profile,
             None if grpo.is_ddp(names[0]) else fsdp2_config(grpo.LAYER_CLASS, 2),
-            grpo_merge.launch_of,
-            {"CUDA_VISIBLE_DEVICES": ""},
         )
         for r, names in grpo.launches(p)
     ]
@@ -154,8 +127,11 @@ def run_jobs(jobs: list[Job], network: str | None, p: dict, args: argparse.Names
     """Every job on one network: loopback (None), or a simulated cluster with links of that rate."""
     # CPU: tensors over 1 MiB get their own mmap, returned to the OS when freed; otherwise glibc
     # keeps freed buffers, and a step's peak RSS would depend on which configuration ran before it.
-    env = {"MALLOC_MMAP_THRESHOLD_": os.environ.get("MALLOC_MMAP_THRESHOLD_", str(2**20))}
-    env = env if args.device == "cpu" else {}
+    cpu = args.device == "cpu"
+    env = {"MALLOC_MMAP_THRESHOLD_": os.environ.get("MALLOC_MMAP_THRESHOLD_", str(2**20))} if cpu else {}
+    if cpu or args.grpo:  # gloo beside any GPU (the GRPO benchmark runs on CPU whatever --device says)
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    worker, merge = (grpo.WORKER, grpo.launch_of) if args.grpo else (mlp.WORKER, mlp.merge)
     hosts = p.get("cluster", {}).get("hosts", 2)
     runs = []
     with cluster.Cluster(hosts, network, cpus_per_host=not args.no_pin) if network else nullcontext() as c:
@@ -163,20 +139,14 @@ def run_jobs(jobs: list[Job], network: str | None, p: dict, args: argparse.Names
             nranks = job.config["num_processes"] if job.config else 2
             print(f"[benchmarks] {f'{network} link, {c.hosts} hosts' if c else 'loopback'}, {job.what}", flush=True)
             t0, sent0 = time.time(), sum(c.link_bytes()) if c else 0
-            env = {**env, **job.env}
-            done = launch(job.script, job.args, job.config, env=env, timeout=args.timeout, hosts=c, echo=echo_progress)
-            if done.returncode != 0 or len(done.ranks) != nranks:
-                what = f"{job.script.name} failed ({job.what}, exit {done.returncode})"
-                raise RuntimeError(f"{what}:\n{done.output[-8000:]}")
-            run = job.merge(done.ranks)
+            done = launch(worker, job.args, job.config, env=env, timeout=args.timeout, hosts=c, echo=echo_progress)
+            run = merge(done.check(f"{worker.name} ({job.what})", nranks))
             run.wall_s = round(time.time() - t0, 1)
             if c:
                 run.link, run.hosts, run.ranks_per_host = (network, c.hosts, nranks // c.hosts)
                 run.link_bytes = sum(c.link_bytes()) - sent0
             runs.append(run)
-    if args.grpo:  # FSDP2's and DDP's launches, every round, as one run
-        return [grpo_merge.combine([run for run in runs if isinstance(run, GrpoLaunch)])]
-    return runs
+    return [grpo.combine(runs)] if args.grpo else runs  # GRPO: FSDP2's and DDP's launches as one run
 
 
 def echo_progress(host: int, line: str) -> None:

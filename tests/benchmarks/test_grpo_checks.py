@@ -5,7 +5,7 @@ import dataclasses
 
 from grpo_rows import results, row, status
 
-from benchmarks import grpo_checks
+from benchmarks import grpo_report
 from benchmarks.records import GrpoRun
 
 
@@ -13,10 +13,10 @@ def test_speedup_pairs_rounds_and_the_target_depends_on_the_network():
     stock = row("full/stock", [10.0, 10.0, 4.0, 4.0], [0, 0, 1, 1], gen_gathers=81, train_gathers=44)
     window = row("full/window", [2.0, 2.0, 2.0, 2.0], [0, 0, 1, 1])
     # Per round 5x and 2x: the median over rounds is 3.5x, whatever the pooled medians say.
-    assert grpo_checks.speedup(results([stock, window]).runs[0], "full/window", "full/stock") == (3.5, [5.0, 2.0])
-    loopback = status(grpo_checks.check_targets(results([stock, window])), "[loopback] full/window at least 3x")
+    assert grpo_report.speedup(results([stock, window]).runs[0], "full/window", "full/stock") == (3.5, [5.0, 2.0])
+    loopback = status(grpo_report.check_targets(results([stock, window])), "[loopback] full/window at least 3x")
     assert [s for s, _ in loopback.values()] == ["PASS"]
-    link = status(grpo_checks.check_targets(results([stock, window], "1gbit")), "[1gbit link, 2 hosts] full/window at")
+    link = status(grpo_report.check_targets(results([stock, window], "1gbit")), "[1gbit link, 2 hosts] full/window at")
     assert [s for s, _ in link.values()] == ["FAIL"]
 
 
@@ -24,7 +24,7 @@ def test_a_quick_run_decides_the_speedup_only_when_the_interval_is_on_one_side()
     def speedup_status(window_times):
         rounds = list(range(len(window_times)))
         stock, window = row("full/stock", [1.0] * len(rounds), rounds), row("full/window", window_times, rounds)
-        checked = grpo_checks.check_targets(results([stock, window], quick=True))
+        checked = grpo_report.check_targets(results([stock, window], quick=True))
         ((s, measured),) = status(checked, "[loopback] full/window at").values()
         return s, measured
 
@@ -40,7 +40,7 @@ def test_the_window_is_judged_against_ddp_on_the_median_round_and_on_memory_betw
         rounds = list(range(len(window_times)))
         ddp = row("full/ddp", [1.0] * len(rounds), rounds, state_bytes=ddp_state)
         window = row("full/window", window_times, rounds, state_bytes=window_state, ref_unsharded_bytes=ref_bytes)
-        checked = grpo_checks.check_targets(results([ddp, window]))
+        checked = grpo_report.check_targets(results([ddp, window]))
         ((time_status, measured),) = status(checked, "[loopback] full/window within 1.10x").values()
         ((state_status, state),) = status(checked, "[loopback] full/window: memory between").values()
         return time_status, measured, state_status, state
@@ -60,24 +60,24 @@ def test_the_window_is_judged_against_ddp_on_the_median_round_and_on_memory_betw
     _, _, state_status, state = floor([1.0], 3 * 2**20, ddp_state=4 * 2**20, ref_bytes=2**20)
     assert state_status == "PASS"
     assert state == "3.00 MiB against 4.00 MiB per rank (0.75x); of it, the reference model kept unsharded: 1.00 MiB"
-    skipped = status(grpo_checks.check_targets(results([row("full/window", [1.0], [0])])), "[loopback] full/window")
+    skipped = status(grpo_report.check_targets(results([row("full/window", [1.0], [0])])), "[loopback] full/window")
     assert {s for k, (s, _) in skipped.items() if "ddp" in k} == {"SKIP"}  # no DDP run
 
 
 def test_window_gathers_count_generation_and_training_together():
     ok = row("full/window", [1.0], [0], gen_gathers=6, train_gathers=0)
     frozen = row("lora/window", [1.0], [0], gen_gathers=22, train_gathers=11, units=7)
-    assert grpo_checks.check_window_gathers("loopback", ok).status == "PASS"
-    assert grpo_checks.check_window_gathers("loopback", frozen).status == "FAIL"
+    assert grpo_report.check_window_gathers("loopback", ok).status == "PASS"
+    assert grpo_report.check_window_gathers("loopback", frozen).status == "FAIL"
 
 
 def test_the_windows_generation_issues_no_all_reduce():
     quiet = row("full/window", [1.0], [0])
     synced = row("full/window", [1.0], [0])
     synced.counts_seen["generation"]["all_reduces"] = [0, 33]  # one step ran transformers' per-token sync
-    assert grpo_checks.check_generation_all_reduces("loopback", quiet).status == "PASS"
-    assert grpo_checks.check_generation_all_reduces("loopback", synced).status == "FAIL"
-    checked = status(grpo_checks.check_targets(results([quiet])), "[loopback] full/window: generation issues")
+    assert grpo_report.check_generation_all_reduces("loopback", quiet).status == "PASS"
+    assert grpo_report.check_generation_all_reduces("loopback", synced).status == "FAIL"
+    checked = status(grpo_report.check_targets(results([quiet])), "[loopback] full/window: generation issues")
     assert list(checked.values()) == [("PASS", "generation's all-reduces on every timed step: [0]")]
 
 
@@ -89,7 +89,7 @@ def test_a_resident_reference_model_is_gathered_at_step_1_and_never_after():
     def reference(gathers, ref_units=1, beta=0.04):
         window = row("full/window", [1.0] * len(gathers), list(range(len(gathers))), ref_units=ref_units)
         window.logprob_gathers = gathers
-        checked = grpo_checks.check_targets(results([window], beta=beta))
+        checked = grpo_report.check_targets(results([window], beta=beta))
         ((s, measured),) = status(checked, "[loopback] full/window: the reference model's").values()
         return s, measured
 
@@ -103,17 +103,17 @@ def test_a_resident_reference_model_is_gathered_at_step_1_and_never_after():
     assert reference([], ref_units=0)[0] == "SKIP"  # a results.json from before the count: nothing to judge
     # LoRA's window has no reference model of its own to keep: no such target.
     lora = row("lora/window", [1.0], [0])
-    assert not status(grpo_checks.check_targets(results([lora], beta=0.04)), "[loopback] lora/window: the reference")
+    assert not status(grpo_report.check_targets(results([lora], beta=0.04)), "[loopback] lora/window: the reference")
 
 
 def test_one_differing_loss_fails_the_identity_target():
     stock = row("full/stock", [1.0], [0])
     same, other = row("full/deferred", [1.0], [0]), row("full/window", [1.0], [0], loss=0.5000001)
     rows = {r.config: r for r in (stock, same, other)}
-    ((s, measured),) = [(t.status, t.measured) for t in full_only(grpo_checks.check_identical("loopback", rows))]
+    ((s, measured),) = [(t.status, t.measured) for t in full_only(grpo_report.check_identical("loopback", rows))]
     assert s == "FAIL" and "full/window round 0: logs differ (step 1: loss 0.5000001 vs stock 0.5)" in measured
     rows["full/window"] = dataclasses.replace(same, config="full/window")
-    ((s, measured),) = [(t.status, t.measured) for t in full_only(grpo_checks.check_identical("loopback", rows))]
+    ((s, measured),) = [(t.status, t.measured) for t in full_only(grpo_report.check_identical("loopback", rows))]
     assert s == "PASS" and "logged loss, reward and recorded completions and rewards at every step" in measured
 
 
@@ -124,14 +124,14 @@ def test_kl_is_compared_and_must_be_logged_when_beta_is_positive():
         return r
 
     rows = {r.config: r for r in (with_kl("full/stock", 1e-4), with_kl("full/window", 1e-4))}
-    ((s, measured),) = [(t.status, t.measured) for t in full_only(grpo_checks.check_identical("loopback", rows, 0.04))]
+    ((s, measured),) = [(t.status, t.measured) for t in full_only(grpo_report.check_identical("loopback", rows, 0.04))]
     assert s == "PASS" and "logged kl, loss, reward" in measured
     rows["full/window"] = with_kl("full/window", 1.1e-4)
-    ((s, measured),) = [(t.status, t.measured) for t in full_only(grpo_checks.check_identical("loopback", rows, 0.04))]
+    ((s, measured),) = [(t.status, t.measured) for t in full_only(grpo_report.check_identical("loopback", rows, 0.04))]
     assert s == "FAIL" and "(step 1: kl 0.00011 vs stock 0.0001)" in measured
     # beta > 0 and no kl logged at all: the comparison would be vacuous.
     plain = {r.config: r for r in (row("full/stock", [1.0], [0]), row("full/window", [1.0], [0]))}
-    ((s, measured),) = [(t.status, t.measured) for t in full_only(grpo_checks.check_identical("loopback", plain, 0.04))]
+    ((s, measured),) = [(t.status, t.measured) for t in full_only(grpo_report.check_identical("loopback", plain, 0.04))]
     assert s == "FAIL" and "stock logged no kl" in measured
 
 
@@ -142,14 +142,14 @@ def test_modes_that_sum_in_another_order_match_stock_within_rounding_and_no_furt
     stock = row("full/stock", [1.0], [0], loss=8.025467650440987e-06)
     rounded = [row(f"full/{m}", [1.0], [0], loss=8.025485840335023e-06) for m in ("ddp", "per_micro_batch", "auto")]
     rows = {r.config: r for r in (stock, *rounded)}
-    ((s, measured),) = [(t.status, t.measured) for t in full_only(grpo_checks.check_identical("loopback", rows))]
+    ((s, measured),) = [(t.status, t.measured) for t in full_only(grpo_report.check_identical("loopback", rows))]
     assert s == "PASS" and "at most 2.3e-06 relative off" in measured, measured
     rows["full/deferred"] = row("full/deferred", [1.0], [0], loss=8.025485840335023e-06)  # sums as stock: exact
-    ((s, measured),) = [(t.status, t.measured) for t in full_only(grpo_checks.check_identical("loopback", rows))]
+    ((s, measured),) = [(t.status, t.measured) for t in full_only(grpo_report.check_identical("loopback", rows))]
     assert s == "FAIL" and measured.startswith("full/deferred round 0: logs differ"), measured
     del rows["full/deferred"]
     rows["full/ddp"] = row("full/ddp", [1.0], [0], loss=8.03e-06)  # 5e-4 off: more than rounding
-    ((s, measured),) = [(t.status, t.measured) for t in full_only(grpo_checks.check_identical("loopback", rows))]
+    ((s, measured),) = [(t.status, t.measured) for t in full_only(grpo_report.check_identical("loopback", rows))]
     assert s == "FAIL" and "full/ddp round 0: logs differ" in measured
 
 
@@ -163,10 +163,10 @@ def test_the_floor_says_what_the_collectives_alone_cost_on_the_network():
     ddp, window = row("full/ddp", [1.0], [0]), row("full/window", [1.5], [0])
     backend = {"all_gather": 30.0, "reduce_scatter": 50.0, "all_reduce": 40.0}
     out = results([ddp, window], backend_ms=backend)
-    ((_, measured),) = status(grpo_checks.check_targets(out), "[loopback] full/window within 1.10x").values()
+    ((_, measured),) = status(grpo_report.check_targets(out), "[loopback] full/window within 1.10x").values()
     assert measured.endswith("collectives alone: all-gather + reduce-scatter = 2.00x all-reduce of the same bytes")
     # A results.json from before the measurement: no note.
-    plain = grpo_checks.check_floor(GrpoRun(size="quick", facts={}, rows=[ddp, window]), "loopback", "full", False)
+    plain = grpo_report.check_floor(GrpoRun(size="quick", facts={}, rows=[ddp, window]), "loopback", "full", False)
     assert "collectives alone" not in plain[0].measured
 
 
@@ -174,15 +174,15 @@ def test_a_frozen_base_kept_unsharded_is_said_and_left_out_of_the_window_targets
     """keep_frozen_unsharded: the units kept for the run gather at step 1 only (U counts the
     others), and their bytes are said beside the state, which is compared without them."""
     kept = row("lora/window", [1.0], [0], gen_gathers=4, train_gathers=0, units=11, resident_units=7)
-    assert grpo_checks.check_window_gathers("loopback", kept).status == "PASS"
-    measured = grpo_checks.check_window_gathers("loopback", kept).measured
+    assert grpo_report.check_window_gathers("loopback", kept).status == "PASS"
+    measured = grpo_report.check_window_gathers("loopback", kept).measured
     assert "U = 4 (11 units, 7 kept unsharded for the run)" in measured, measured
     every = row("lora/window", [1.0], [0], gen_gathers=11, train_gathers=0, units=11, resident_units=7)
-    assert grpo_checks.check_window_gathers("loopback", every).status == "FAIL"  # the kept ones gathered again
+    assert grpo_report.check_window_gathers("loopback", every).status == "FAIL"  # the kept ones gathered again
     ddp = row("lora/ddp", [1.0], [0], state_bytes=4 * 2**20)
     window = row("lora/window", [1.1], [0], state_bytes=6 * 2**20, resident_bytes=3 * 2**20, units=11, resident_units=7)
     ((state_status, state),) = status(
-        grpo_checks.check_targets(results([ddp, window])), "[loopback] lora/window: memory between"
+        grpo_report.check_targets(results([ddp, window])), "[loopback] lora/window: memory between"
     ).values()
     assert state_status == "PASS", state
     assert state.endswith("of it, the frozen base kept unsharded for the run: 3.00 MiB, without which 3.00 MiB"), state

@@ -3,7 +3,7 @@ one run with a row per configuration over every round (hand-built rank records).
 
 import dataclasses
 
-from benchmarks import grpo_merge
+from benchmarks import grpo
 from benchmarks.records import GrpoRankResult, GrpoRankRun, GrpoStep, PhaseTotals
 
 PHASES = ("generation", "logprob", "scoring", "training")
@@ -52,7 +52,7 @@ def launch(configs, r, times, backend=None):
         )
         for rank in (0, 1)
     ]
-    out = grpo_merge.launch_of([dataclasses.asdict(rank) for rank in ranks])
+    out = grpo.launch_of([dataclasses.asdict(rank) for rank in ranks])
     out.wall_s = 10.0
     return out
 
@@ -64,7 +64,7 @@ def test_a_networks_launches_merge_into_one_row_per_configuration_over_every_rou
         backend = {"all_gather": all_gather, "reduce_scatter": 1.0, "all_reduce": 1.0}
         launches.append(launch(["full/window"], r, [(window_s, resident)], backend))
         launches.append(launch(["full/ddp"], r, [(ddp_s, {})]))
-    run = grpo_merge.combine(launches)
+    run = grpo.combine(launches)
     ddp, window = run.rows  # in configuration order
     assert (ddp.config, window.config) == ("full/ddp", "full/window")
     # Each step is its slowest rank's (rank 1: +1 s), tagged with the round its launch ran.
