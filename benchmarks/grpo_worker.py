@@ -31,29 +31,11 @@ import torch
 from transformers import AutoTokenizer
 
 import accel_gradsync
-from benchmarks import grpo
+from benchmarks import grpo, measure
 from benchmarks.collectives import CollectiveCounter
-from benchmarks.measure import StepMeter, attach, fsdp2_groups, held_bytes, nbytes, pin_to_core, step_callback, versions
 from benchmarks.records import GrpoRankResult, GrpoRankRun, GrpoStep, PhaseTotals
 
 PHASES = ("generation", "logprob", "scoring", "training")
-
-
-def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", required=True)
-    p.add_argument("--model-dir", required=True, help="model and tokenizer saved by grpo.py")
-    p.add_argument("--size", required=True, choices=list(grpo.SIZES))
-    p.add_argument("--configs", required=True, help="comma-separated names from grpo.CONFIGS")
-    p.add_argument("--round", type=int, default=0, help="the round this launch runs (rotates the order)")
-    p.add_argument("--steps", type=int, default=3, help="optimizer steps per run; the first is untimed")
-    p.add_argument("--beta", type=float, default=0.0, help="GRPO's KL coefficient (> 0: a reference model)")
-    p.add_argument("--pin-cores", action="store_true")
-    p.add_argument(
-        "--profile", metavar="DIR", help="cProfile the timed steps on rank 0 into DIR/<config>_r<round>.prof"
-    )
-    p.add_argument("--time-collectives", action="store_true", help="time the backend's collectives at the end")
-    return p.parse_args()
 
 
 def parity_reward(completion_ids: list[list[int]], **kwargs: Any) -> list[float]:
@@ -128,15 +110,15 @@ def state_bytes(trainer: Any) -> tuple[int, int]:
     models = [m for m in (trainer.model_wrapped, ref) if m is not None]
     # FSDP2 swaps a unit's module parameters for its unsharded ones while unsharded: count its
     # shards from FSDPParam and the unsharded storage once, through held_bytes.
-    fsdp_params = {id(fp): fp for m in models for g in fsdp2_groups(m) for fp in g.fsdp_params}.values()
+    fsdp_params = {id(fp): fp for m in models for g in measure.fsdp2_groups(m) for fp in g.fsdp_params}.values()
     managed = {id(t) for fp in fsdp_params for t in (fp.sharded_param, getattr(fp, "_unsharded_param", None))}
-    total = sum(nbytes(fp.sharded_param) + nbytes(fp.sharded_param.grad) for fp in fsdp_params)
+    total = sum(measure.nbytes(fp.sharded_param) + measure.nbytes(fp.sharded_param.grad) for fp in fsdp_params)
     params = {id(p): p for m in models for p in m.parameters() if id(p) not in managed}
-    total += sum(nbytes(p) + nbytes(p.grad) for p in params.values())
-    total += sum(held_bytes(m)[1] for m in models)  # FSDP2 params left unsharded
+    total += sum(measure.nbytes(p) + measure.nbytes(p.grad) for p in params.values())
+    total += sum(measure.held_bytes(m)[1] for m in models)  # FSDP2 params left unsharded
     for state in trainer.optimizer.state.values():
-        total += sum(nbytes(v) for v in state.values() if isinstance(v, torch.Tensor))
-    return total, held_bytes(ref)[1] if ref is not None else 0
+        total += sum(measure.nbytes(v) for v in state.values() if isinstance(v, torch.Tensor))
+    return total, measure.held_bytes(ref)[1] if ref is not None else 0
 
 
 def run_one(name: str, round_index: int, args: argparse.Namespace, phases: Phases, dataset, tokenizer) -> GrpoRankRun:
@@ -162,7 +144,7 @@ def run_one(name: str, round_index: int, args: argparse.Namespace, phases: Phase
     def digest(out) -> None:  # each generation's completion ids, as a digest per rank
         completions.append(hashlib.sha256(json.dumps(out[1]).encode()).hexdigest())
 
-    callback = step_callback(StepMeter(), phases.reset, done)
+    callback = measure.step_callback(measure.StepMeter(), phases.reset, done)
     with tempfile.TemporaryDirectory() as tmp:
         config = GRPOConfig(output_dir=tmp, max_steps=args.steps, seed=0, **grpo.grpo_settings(size, args.beta))
         peft = get_peft_config(lora) if spec["lora"] else None
@@ -175,7 +157,7 @@ def run_one(name: str, round_index: int, args: argparse.Namespace, phases: Phase
             peft_config=peft,
             callbacks=[callback],
         )
-        callback.trainer, handle = trainer, attach(trainer, spec["gradsync"])
+        callback.trainer, handle = trainer, measure.attach(trainer, spec["gradsync"])
         wrap(trainer, "_generate", (phases, "generation"), after=digest)
         wrap(
             trainer,
@@ -194,8 +176,8 @@ def run_one(name: str, round_index: int, args: argparse.Namespace, phases: Phase
             profiler.dump_stats(Path(args.profile, f"{name.replace('/', '_')}_r{round_index}.prof"))
         keys = ("step", "loss", "reward", "reward_std", "kl")
         logs = [{k: e[k] for k in keys if k in e} for e in trainer.state.log_history if "loss" in e]
-        units, stats = len(fsdp2_groups(trainer.model_wrapped)), handle.stats() if handle is not None else {}
-        ref_units = len(fsdp2_groups(trainer.ref_model)) if trainer.ref_model is not None else 0
+        units, stats = len(measure.fsdp2_groups(trainer.model_wrapped)), handle.stats() if handle is not None else {}
+        ref_units = len(measure.fsdp2_groups(trainer.ref_model)) if trainer.ref_model is not None else 0
         if handle is not None:
             handle.detach()
     del trainer
@@ -244,8 +226,10 @@ def time_collectives(numel: int, reps: int = 3) -> dict[str, float]:
 
 
 def main() -> None:
-    args = parse_args()
-    core = pin_to_core() if args.pin_cores else None
+    args = measure.worker_args(
+        model_dir="", size="", configs="", round=0, steps=3, beta=0.0, profile=None, time_collectives=False
+    )
+    core = measure.pin_to_core() if args.pin_cores else None
     fsdp = accel_gradsync.enable_cpu_fsdp()
     from accelerate import PartialState
 
@@ -265,9 +249,14 @@ def main() -> None:
     facts = json.loads(Path(args.model_dir, "bench_facts.json").read_text())
     backend = time_collectives(facts["params"]) if args.time_collectives else {}
     result = GrpoRankResult(
-        size=args.size, facts=facts, pinned_core=core, runs=runs, versions=versions("trl", "peft"), backend_ms=backend
+        size=args.size,
+        facts=facts,
+        pinned_core=core,
+        runs=runs,
+        versions=measure.versions("trl", "peft"),
+        backend_ms=backend,
     )
-    Path(args.out, f"rank{state.process_index}.json").write_text(json.dumps(dataclasses.asdict(result), indent=1))
+    measure.write_rank(args.out, state.process_index, result)
 
 
 if __name__ == "__main__":

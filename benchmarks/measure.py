@@ -1,16 +1,22 @@
-"""What both workers measure besides the collectives (`collectives.py`): an optimizer step's time,
-the gradient and unsharded parameter bytes held after each backward, read from FSDP2's tensors
-(`StepMeter`; `step_callback` for a Trainer), memory peaks, pinning and versions.
+"""What the workers share besides the collectives (`collectives.py`): their command line and rank
+file (`worker_args`, `write_rank`), pinning and versions, and what they measure: an optimizer step's
+time, the gradient and unsharded parameter bytes held after each backward, read from FSDP2's tensors
+(`StepMeter`; `step_callback` for a Trainer), memory peaks.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import dataclasses
 import importlib
 import io
+import json
 import os
 import time
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import psutil
 import torch
@@ -19,6 +25,27 @@ from torch import nn
 
 import accel_gradsync
 from accel_gradsync.planning.memory import peak_rss_bytes, reset_peak_rss
+
+
+def worker_args(**flags: Any) -> argparse.Namespace:
+    """A worker's command line as the harness writes it: `--out DIR`, `--pin-cores` and `--a-b` for
+    each keyword `a_b`, of its default's type (a bool: a switch; None: a string)."""
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--pin-cores", action="store_true")
+    for name, default in flags.items():
+        flag = "--" + name.replace("_", "-")
+        if isinstance(default, bool):
+            p.add_argument(flag, action="store_true")
+        else:
+            p.add_argument(flag, type=str if default is None else type(default), default=default)
+    return p.parse_args()
+
+
+def write_rank(out: str, rank: int, record: Any) -> None:
+    """This rank's record (a dataclass or a dict) as `rank<R>.json` in `out`, where `launch` reads it."""
+    data = dataclasses.asdict(record) if dataclasses.is_dataclass(record) else record
+    Path(out, f"rank{rank}.json").write_text(json.dumps(data, indent=1))
 
 
 def attach(target, kwargs: dict | None):

@@ -9,13 +9,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import dataclasses
 import gc
-import json
 import tempfile
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -29,10 +26,11 @@ import accel_gradsync
 from accel_gradsync.planning.costs import REDUCE_SCATTER_COST
 from benchmarks import mlp
 from benchmarks.collectives import CollectiveCounter
-from benchmarks.measure import StepMeter, attach, pin_to_core, step_callback, versions
+from benchmarks.measure import StepMeter, attach, pin_to_core, step_callback, versions, worker_args, write_rank
 from benchmarks.records import RankRecord, RankResult, StepSample
 
 LR = 1e-3
+WARMUP = 1  # untimed steps after each prepare (the Trainer: per M)
 
 
 class Block(nn.Module):
@@ -61,19 +59,6 @@ class Net(nn.Module):
         for block in self.blocks:
             x = block(x)
         return {"loss": F.mse_loss(self.head(x), y)}
-
-
-def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", required=True)
-    p.add_argument("--size", required=True, choices=list(mlp.SIZES))
-    p.add_argument("--configs", required=True, help="comma-separated names from mlp.CONFIGS")
-    p.add_argument("--Ms", default="1,2,4,8")
-    p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--steps", type=int, default=2, help="timed optimizer steps per segment")
-    p.add_argument("--warmup", type=int, default=1, help="untimed steps after each prepare (the Trainer: per M)")
-    p.add_argument("--pin-cores", action="store_true", help="CPU: pin each rank to a core (`measure.pin_to_core`)")
-    return p.parse_args()
 
 
 class Bench:
@@ -206,7 +191,7 @@ def measure_trainer(bench: Bench, M: int, rep: int) -> tuple[list[StepSample], d
     """A stock `transformers.Trainer` on the same model and samples, metered per optimizer step."""
     from transformers import Trainer, TrainingArguments
 
-    total, rows = bench.args.warmup + bench.args.steps, bench.size["rows"]
+    total, rows = WARMUP + bench.args.steps, bench.size["rows"]
     data = [
         {"x": bench.X[i % len(bench.X)], "y": bench.Y[i % len(bench.Y)]} for i in range(bench.world * rows * M * total)
     ]
@@ -218,7 +203,7 @@ def measure_trainer(bench: Bench, M: int, rep: int) -> tuple[list[StepSample], d
 
     def done(state, measured: dict) -> None:
         step = bench.sample(measured, rep=rep)
-        if state.global_step > bench.args.warmup:
+        if state.global_step > WARMUP:
             steps.append(step)
 
     callback = step_callback(bench.meter, before, done)
@@ -251,7 +236,7 @@ def measure_trainer(bench: Bench, M: int, rep: int) -> tuple[list[StepSample], d
 
 
 def main() -> None:
-    args = parse_args()
+    args = worker_args(size="", configs="", Ms="1,2,4,8", reps=3, steps=2)
     core = pin_to_core() if args.pin_cores else None
     bench, names = Bench(args), args.configs.split(",")
     # What the budget planner assumes a reduce-scatter byte costs against an all-gather byte on
@@ -260,7 +245,7 @@ def main() -> None:
     runs = {n: prepare(bench, n) for n in names if mlp.CONFIGS[n]["loop"] != "trainer"}
     trainers = [n for n in names if n not in runs]
     for run in runs.values():  # FSDP's lazy init and first allocations, untimed
-        for _ in range(args.warmup):
+        for _ in range(WARMUP):
             measure_step(bench, run, 1)
     sync_control = {name: measure_sync_control(run) for name, run in runs.items()}
     # `join` configurations: each timed step inside a join() of its own, entered and left with it
@@ -306,7 +291,7 @@ def main() -> None:
         records=records,
         versions=versions(),
     )
-    Path(args.out, f"rank{bench.rank}.json").write_text(json.dumps(dataclasses.asdict(result), indent=1))
+    write_rank(args.out, bench.rank, result)
 
 
 if __name__ == "__main__":

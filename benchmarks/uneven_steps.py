@@ -112,7 +112,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     preset = QUICK if args.quick else FULL
     sizes = {k: preset[k] if getattr(args, k) is None else getattr(args, k) for k in FULL}
-    worker = [f"--{k}={v}" for k, v in {**sizes, "seed": args.seed}.items()] + ([] if args.no_pin else ["--pin-cores"])
+    worker = [f"--{k.replace('_', '-')}={v}" for k, v in {**sizes, "seed": args.seed}.items()]
+    worker += [] if args.no_pin else ["--pin-cores"]
     done = launch(WORKER, worker, fsdp2_config("Block", 2), timeout=900)
     if done.returncode != 0 or len(done.ranks) != 2:
         sys.exit(f"the workers failed (exit {done.returncode}):\n{done.output[-4000:]}")

@@ -6,10 +6,8 @@ and tokens on this rank)."""
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -19,7 +17,7 @@ from accelerate.utils import set_seed
 from torch import nn
 
 import accel_gradsync
-from benchmarks.measure import attach, pin_to_core, versions
+from benchmarks.measure import attach, pin_to_core, versions, worker_args, write_rank
 from benchmarks.mlp_worker import Block
 from benchmarks.uneven_steps import FULL, STRATEGIES
 
@@ -94,11 +92,7 @@ def run_step(acc, model, optimizer, handle, batches: Batch, carry: int, padded: 
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    for key, value in {**FULL, "out": "", "seed": 0}.items():
-        p.add_argument(f"--{key}", type=type(value), required=True)
-    p.add_argument("--pin-cores", action="store_true")
-    args = p.parse_args()
+    args = worker_args(**FULL, seed=0)
     core = pin_to_core() if args.pin_cores else None
     accel_gradsync.enable_cpu_fsdp()
     acc = Accelerator()
@@ -127,7 +121,7 @@ def main() -> None:
     kept = ("units", "units_windowed", "replayed_micro_batches", "evened_micro_batches")
     stats = {k: handle.stats()[k] for k in kept}
     out = {"pinned_core": core, "params": params, "steps": steps, "stats": stats, "versions": versions()}
-    Path(args.out, f"rank{acc.process_index}.json").write_text(json.dumps(out, indent=1))
+    write_rank(args.out, acc.process_index, out)
 
 
 if __name__ == "__main__":
