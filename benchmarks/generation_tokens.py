@@ -32,7 +32,6 @@ import contextlib
 import copy
 import cProfile
 import io
-import json
 import pstats
 import statistics
 import sys
@@ -66,15 +65,10 @@ def main(argv=None) -> int:
     from benchmarks.launch import fsdp2_config, launch
 
     config = {**fsdp2_config(grpo.LAYER_CLASS, args.ranks), "mixed_precision": args.mixed_precision}
-    passed = ["--worker", "--size", args.size, "--tokens", str(args.tokens), "--batch", str(args.batch)]
-    passed += ["--prompt", str(args.prompt), "--reps", str(args.reps), "--mixed-precision", args.mixed_precision]
-    passed += ["--stock"] * args.stock + ["--profile"] * args.profile
     env = {"CUDA_VISIBLE_DEVICES": "", "MALLOC_MMAP_THRESHOLD_": str(2**20)}
-    done = launch(Path(__file__), passed, config, env=env, timeout=args.timeout)
-    if done.returncode != 0 or len(done.ranks) != args.ranks:
-        print(done.output[-8000:], file=sys.stderr)
-        return 1
-    print(report(done.ranks, args))
+    worker = ["--worker", *(sys.argv[1:] if argv is None else argv)]  # the same flags, on every rank
+    done = launch(Path(__file__), worker, config, env=env, timeout=args.timeout)
+    print(report(done.check("generation_tokens' workers", args.ranks), args))
     return 0
 
 
@@ -136,7 +130,7 @@ def work(args: argparse.Namespace) -> int:
     from accel_gradsync.runtime.wrappers.adapt import adapt_model
     from accel_gradsync.runtime.wrappers.quiet_generation import skip_idle_forward_work
     from benchmarks import grpo
-    from benchmarks.measure import attach
+    from benchmarks.measure import attach, write_rank
 
     accel_gradsync.enable_cpu_fsdp()
     torch.set_num_threads(1)
@@ -220,7 +214,7 @@ def work(args: argparse.Namespace) -> int:
         profiles = {name: profiled(lambda p, n=name: generate(n, p), args.tokens) for name in rows}
         if accelerator.process_index == 0:
             out["profile"] = profiles
-    Path(args.out, f"rank{accelerator.process_index}.json").write_text(json.dumps(out))
+    write_rank(args.out, accelerator.process_index, out)
     return 0
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from benchmarks import grpo, stats, targets
 from benchmarks.records import GrpoResults, GrpoRow, GrpoRun
-from benchmarks.stats import MiB, fmt_count, fmt_held, header, judged, paired, panels, save_figure
+from benchmarks.stats import MiB, fmt_count, fmt_held, judged, paired, panels, save_figure
 from benchmarks.targets import FAIL, PASS, SKIP, TargetResult
 
 PHASES = {  # phase -> (label, color)
@@ -75,7 +75,7 @@ def fmt_spread(values: list[float], scale: float = 1.0, fmt: str = "{:.0f}", uni
 
 
 def write_table(results: GrpoResults) -> str:
-    lines = header("GRPO benchmark results", results)
+    lines = []
     for run in results.runs:
         f = run.facts
         units = sorted({r.units for r in run.rows if not grpo.is_ddp(r.config)})
@@ -327,4 +327,5 @@ def first_difference(got: dict, ref: dict) -> str:
 def write_report(results: GrpoResults, out: Path) -> str:
     """Write results.md and grpo_step_split.png into `out`; return the target summary."""
     images = {"grpo_step_split.png": "GRPO step split"}
-    return stats.write_report(results, out, [write_table(results)], check_targets(results), images, plot_step_split)
+    tables, checked = [write_table(results)], check_targets(results)
+    return stats.write_report(results, out, "GRPO benchmark results", tables, checked, images, plot_step_split)

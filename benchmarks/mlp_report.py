@@ -47,8 +47,8 @@ def held_bytes(row: ConfigResult) -> int:
 
 
 # -- table and plots --------------------------------------------------------------------------------
-def write_table(results: Results, title: str = "Benchmark results") -> str:
-    lines = stats.header(title, results)
+def write_table(results: Results) -> str:
+    lines = []
     for run in results.runs:
         f, by, base = run.facts, index(run), baseline_of(run)
         mem_col = "device peak MiB" if run.device != "cpu" else "RSS growth in step MiB"
@@ -330,10 +330,12 @@ def check_run_time(results: Results) -> TargetResult:
 def write_report(results: Results, out: Path) -> str:
     """Write results.md and the PNGs into `out`; return the target summary."""
     if results.plan.get("cluster"):
-        images, tables = {"speedup_vs_link.png": "speedup vs link bandwidth"}, [write_cluster_table(results)]
-        return stats.write_report(results, out, tables, check_cluster_targets(results), images, plot_cluster_speedup)
-    images = {"step_time_vs_M.png": "step time vs M", "memory_vs_time.png": "memory vs time"}
-    return stats.write_report(results, out, [write_table(results)], check_targets(results), images, plot)
+        title, images = "Benchmark results on a simulated cluster", {"speedup_vs_link.png": "speedup vs link bandwidth"}
+        tables, checked, draw = [write_cluster_table(results)], check_cluster_targets(results), plot_cluster_speedup
+    else:
+        images = {"step_time_vs_M.png": "step time vs M", "memory_vs_time.png": "memory vs time"}
+        title, tables, checked, draw = "Benchmark results", [write_table(results)], check_targets(results), plot
+    return stats.write_report(results, out, title, tables, checked, images, draw)
 
 
 # -- the simulated cluster ------------------------------------------------------------------------
@@ -391,7 +393,7 @@ def plot_cluster_speedup(results: Results, out: Path) -> None:
 
 
 def write_cluster_table(results: Results) -> str:
-    lines = stats.header("Benchmark results on a simulated cluster", results)
+    lines = []
     for link, sub in per_link(results).items():
         lines += [f"## {link} link per host", ""]
         lines += [
@@ -400,5 +402,5 @@ def write_cluster_table(results: Results) -> str:
             for r in sub.runs
         ]
         table = write_table(sub)
-        lines += ["", table[table.index("### ") : table.index("Configurations:")]]
+        lines += ["", table[: table.index("Configurations:")]]
     return "\n".join(lines) + "\n"

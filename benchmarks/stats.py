@@ -97,42 +97,28 @@ def fmt_held(grad: int, handle: int | None) -> str:
 def write_report(
     results: ResultsBase,
     out: Path,
+    title: str,
     tables: list[str],
     checked: list[TargetResult],
     images: dict[str, str],
     draw: Callable[[Any, Path], None],
 ) -> str:
-    """A benchmark's report in `out`: results.md (the tables, the targets, the images: file -> alt
-    text), the images (`draw(results, out)` writes them), and the target summary it returns."""
-    write_md(Path(out), tables, checked, images)
-    draw(results, Path(out))
-    return format_summary(checked)
-
-
-def header(title: str, results: ResultsBase) -> list[str]:
-    """A results.md's title, command, wall time and machine."""
+    """A benchmark's report in `out`: results.md (the title, command, wall time and machine, the
+    tables, the targets and the images: file -> alt text), the images (`draw(results, out)` writes
+    them), and the target summary it returns."""
     m = results.machine
     machine = (
         f"{m.get('cpu_model', m.get('processor', '?'))}, {m.get('logical_cpus')} logical CPUs, "
         f"{m.get('memory_gib')} GiB RAM, {m.get('platform')}, device={m.get('device')}"
     )
-    return [
-        f"# {title}",
-        "",
-        f"Command: `{results.command}`  ",
-        f"Wall time: {results.elapsed_s} s  ",
-        f"Machine: {machine}  ",
-        "",
-    ]
-
-
-def write_md(out: Path, parts: list[str], checked: list[TargetResult], images: dict[str, str]) -> None:
-    """results.md: the tables, the targets table and the images (file -> alt text)."""
-    lines = [*parts, "## Targets", "", "| target | result | measured |", "|---|---|---|"]
+    lines = [f"# {title}", "", f"Command: `{results.command}`  ", f"Wall time: {results.elapsed_s} s  "]
+    lines += [f"Machine: {machine}  ", "", *tables, "## Targets", "", "| target | result | measured |", "|---|---|---|"]
     lines += [f"| {r.target} | {r.status} | {r.measured} |" for r in checked]
     for name, alt in images.items():
         lines += ["", f"![{alt}]({name})"]
     (Path(out) / "results.md").write_text("\n".join([*lines, ""]))
+    draw(results, Path(out))
+    return format_summary(checked)
 
 
 def panels(n: int, width: float, height: float):

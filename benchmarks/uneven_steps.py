@@ -114,13 +114,11 @@ def main(argv: list[str] | None = None) -> None:
     sizes = {k: preset[k] if getattr(args, k) is None else getattr(args, k) for k in FULL}
     worker = [f"--{k.replace('_', '-')}={v}" for k, v in {**sizes, "seed": args.seed}.items()]
     worker += [] if args.no_pin else ["--pin-cores"]
-    done = launch(WORKER, worker, fsdp2_config("Block", 2), timeout=900)
-    if done.returncode != 0 or len(done.ranks) != 2:
-        sys.exit(f"the workers failed (exit {done.returncode}):\n{done.output[-4000:]}")
+    ranks = launch(WORKER, worker, fsdp2_config("Block", 2), timeout=900).check("uneven_steps' workers", 2)
     command = " ".join(["python -m benchmarks.uneven_steps", *(sys.argv[1:] if argv is None else argv)])
-    rows, first = merge(done.ranks), done.ranks[0]
+    rows, first = merge(ranks), ranks[0]
     summary = summarize(rows)
-    facts = {"params": first["params"], "versions": first["versions"], "stats": [r["stats"] for r in done.ranks]}
+    facts = {"params": first["params"], "versions": first["versions"], "stats": [r["stats"] for r in ranks]}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     result = {"command": command, "sizes": sizes, "seed": args.seed, **facts, **summary, "rows": rows}
