@@ -27,7 +27,7 @@ from the forecast: step 1 measures.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
@@ -62,7 +62,9 @@ class Forecaster(Protocol):
     """Forecasts a bound model's step peak from its config (estimator/forecast/live.py). Every rank calls
     it at bind and gets the same answer."""
 
-    def forecast(self, model: Any, micro_batches: int) -> Forecast: ...
+    def forecast(self, model: Any, micro_batches: int, kept: Sequence[str] = ()) -> Forecast:
+        """`kept`: the names of the units `keep_frozen_unsharded` keeps for the run (`Unit.resident`)."""
+        ...
 
 
 @dataclass

@@ -42,6 +42,7 @@ ADAPTER_NUMEL = (R * HIDDEN + HIDDEN * R) + (R * HIDDEN + KV_HEADS * HEAD_DIM * 
 FROZEN_UNITS = 2 + LAYERS  # the root (the final norm), the tied embeddings, each decoder layer
 CONFIG = accelerate_config("fsdp2", fsdp_transformer_layer_cls_to_wrap="Qwen2DecoderLayer")
 KEEP = {"keep_frozen_unsharded": True}
+FORECAST = {"forecast_micro_batch_size": 2, "forecast_seq_len": 8}  # workers/frozen_units.py's B and SEQ
 RUNS = [
     {"name": "stock", "config": {}},
     {"name": "keep", "config": KEEP},
@@ -62,6 +63,8 @@ RUNS = [
     {"name": "keep_merge_bare", "config": KEEP, "merge_at": 1, "reshard": False},
     {"name": "vllm_keep", "config": KEEP, "use_vllm": True},
     {"name": "vllm_auto", "config": {"sync_mode": "budget", "memory_budget": "1MiB"}, "use_vllm": True},
+    # auto planning step 1 from the whole-step forecast (runtime's units: the adapters split off).
+    {"name": "auto_forecast", "config": {"sync_mode": "auto", "free_memory": "64MiB", **FORECAST}},
 ]
 
 
@@ -184,7 +187,7 @@ def test_under_a_trainer_with_use_vllm_true_is_refused_and_auto_keeps_nothing(ra
 def test_detach_leaves_every_parameter_sharded(ranks):
     for rank in ranks:
         trained = [run for run in rank["runs"].values() if "steps" in run]
-        assert len(trained) == 13 and all(run["sharded_after_detach"] for run in trained)
+        assert len(trained) == 14 and all(run["sharded_after_detach"] for run in trained)
 
 
 def test_auto_keeps_under_budget_what_fits_and_nothing_elsewhere(ranks):
@@ -197,6 +200,18 @@ def test_auto_keeps_under_budget_what_fits_and_nothing_elsewhere(ranks):
         # Split where a frozen layer would be kept; with room for none, left as accelerate shards it.
         assert len(everything["units"]) > len(nothing["units"]) == len(rank["runs"]["stock"]["units"])
         assert rank["runs"]["stock"]["stats"]["units_resident"] == 0  # per_micro_batch: auto keeps nothing
+
+
+def test_auto_plans_step_1_from_the_forecast_of_the_split_model_with_its_kept_units(ranks):
+    for rank in ranks:
+        run = rank["runs"]["auto_forecast"]
+        why = run["decision"].splitlines()[-1]
+        assert "auto planned step 1 from the forecast" in why and "failed" not in why, why
+        assert "of frozen units kept unsharded" in why, why
+        assert run["stats"]["units_resident"] == FROZEN_UNITS, run["stats"]
+        # 64 MiB is room for everything: the adapter units windowed (one all-gather each per step),
+        # the frozen ones gathered at step 1 only.
+        assert [s["all_gathers"] for s in run["steps"]] == [LAYERS + FROZEN_UNITS] + [LAYERS] * (STEPS - 1)
 
 
 def test_a_model_prepared_before_attach_is_refused_in_one_line(ranks):

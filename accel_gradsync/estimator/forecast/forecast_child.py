@@ -15,6 +15,7 @@ moment in which the child can be killed by one; SIGKILL (a timeout) still ends i
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import select
 import signal
@@ -132,6 +133,7 @@ class ForecastSession:
     for every answer (it runs each distinct schedule once)."""
 
     def __init__(self, spec: dict) -> None:
+        from accel_gradsync.estimator.fake_shard import KeepFrozen
         from accel_gradsync.estimator.inputs import LoraSpec, StepShape, load_model_config, read_accelerate_config
         from accel_gradsync.estimator.meta_model import build_meta_model, estimated_adapter
         from accel_gradsync.estimator.step_peak import StepForecaster
@@ -146,7 +148,15 @@ class ForecastSession:
             model_config, dtype, setup, config, self.shape, spec["micro_batches"], self.lora
         )
         model = build_meta_model(model_config, dtype, self.lora)
-        self.adapter = estimated_adapter(model, setup, config, SyncMode.AUTO)
+        kept = frozenset(spec.get("kept", ()))
+        # NOTE: the run's prepare decided which frozen units to keep, from memory the child cannot
+        # read: split and keep every one as `true` does, then leave kept only the run's.
+        keep = (
+            KeepFrozen(dataclasses.replace(config.resolved(), keep_frozen_unsharded=True), lambda: 0) if kept else None
+        )
+        adapter = estimated_adapter(model, setup, config, SyncMode.AUTO, keep=keep)
+        adapter.units = [dataclasses.replace(u, resident=u.resident and u.name in kept) for u in adapter.units]
+        self.adapter = adapter
 
     def forecast_unheld(self) -> dict:
         """The forecast of a step syncing every micro-batch, with `auto`'s reduce dtype."""

@@ -5,7 +5,8 @@ nothing, in the run's dtypes and reduce dtype; then the plan `auto` chose from i
 estimate's row for that plan). It runs in a fake process group, which cannot share a process with
 the run's real one, so the main process runs it in a child (forecast_child.py) from the model's
 config and the launch as the Accelerator holds it, and broadcasts each answer: every rank plans
-from the same numbers. A LoRA model is built with its adapters. A model the forecast cannot build
+from the same numbers. A LoRA model is built with its adapters, split into units of their own and
+its frozen units kept where the run's prepare kept them (`keep_frozen_unsharded`). A model the forecast cannot build
 from its config, or a launch it does not run, gets a `Forecast` without a peak that says why, and
 `auto` measures step 1 as it does without a forecast.
 """
@@ -16,6 +17,7 @@ import dataclasses
 import functools
 import os
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -38,15 +40,16 @@ class LiveForecaster:
     def __init__(self, accelerator: Accelerator, settings: ResolvedConfig) -> None:
         self.accelerator, self.settings = accelerator, settings
 
-    def forecast(self, model: Any, micro_batches: int) -> Forecast:
+    def forecast(self, model: Any, micro_batches: int, kept: Sequence[str] = ()) -> Forecast:
         """The forecast of `model`'s step over `micro_batches`, the same on every rank; its
-        `simulate` forecasts a plan (a collective: every rank calls it with the same plan)."""
+        `simulate` forecasts a plan (a collective: every rank calls it with the same plan).
+        `kept`: the units `keep_frozen_unsharded` keeps, as prepare kept them."""
         answer: list[Any] = [None]
         child = None
         if self.accelerator.is_main_process:
             start = time.monotonic()
             try:
-                answer[0], child = self._forecast_here(model, micro_batches)
+                answer[0], child = self._forecast_here(model, micro_batches, kept)
             except Exception as error:  # noqa: BLE001 - any failure means: measure step 1 instead
                 answer[0] = Forecast(None, f"the forecast failed: {type(error).__name__}: {error}")
             if answer[0].peak_bytes is not None:
@@ -56,10 +59,13 @@ class LiveForecaster:
             return answer[0]
         return dataclasses.replace(answer[0], simulate=functools.partial(self._simulate, child))
 
-    def _forecast_here(self, model: Any, micro_batches: int) -> tuple[Forecast, ForecastChild | None]:
+    def _forecast_here(
+        self, model: Any, micro_batches: int, kept: Sequence[str]
+    ) -> tuple[Forecast, ForecastChild | None]:
         spec, why = self._spec(model, micro_batches)
         if spec is None:
             return Forecast(None, f"no forecast: {why}"), None
+        spec["kept"] = list(kept)
         child = ForecastChild(spec, _child_environment())
         result = child.forecast_unheld()
         left_out = f"; leaves out {'; '.join(result['unmodeled'])}" if result["unmodeled"] else ""

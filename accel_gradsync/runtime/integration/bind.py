@@ -189,7 +189,7 @@ class Binder:
             auto = MeasuredAuto(state.settings, self.memory.probe, self.memory.agree_peak)
             if state.settings.forecasts:
                 self._forecasts[root] = (
-                    self._forecaster.forecast(model, m)
+                    self._forecaster.forecast(model, m, [u.name for u in adapter.units if u.resident])
                     if self._forecaster is not None
                     else Forecast(None, "no forecaster: attach() passes one")
                 )

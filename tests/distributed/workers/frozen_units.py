@@ -102,9 +102,11 @@ def vllm_trainer(model, config) -> dict:
     try:
         handle = accel_gradsync.attach(trainer, config)
     except ValueError as e:
+        accelerator.gradient_accumulation_steps = args.M
         return {"error": str(e)}
     kept = handle.settings.keep_frozen_unsharded
     handle.detach()
+    accelerator.gradient_accumulation_steps = args.M  # the Trainer's Accelerator reset the shared GradientState
     return {"keep_frozen_unsharded": kept}
 
 
@@ -146,6 +148,7 @@ def one_run(run: dict) -> dict:
         if run.get("merge_at") == step:  # what TRL's vLLM weight sync does between steps
             out["merged"] = merged_weights(model, handle, run.get("reshard", True))
             if "error" in out["merged"]:
+                handle.detach()
                 accelerator.free_memory()
                 return out["merged"]
         if run.get("save_at") == step:
