@@ -167,6 +167,7 @@ def assert_resumed_and_equal(
     assert compare_checkpoints(uninterrupted / last, out_dir / last) == []  # weights, optimizer, scheduler, RNG
 
 
+@pytest.mark.compat  # the elastic agent's and accelerate launch's handling of the signal differ by release
 def test_sigterm_to_the_launcher_mid_window_saves_that_step_exits_and_resumes_as_if_uninterrupted(
     inputs, uninterrupted, tmp_path
 ):
@@ -178,8 +179,10 @@ def test_sigterm_to_the_launcher_mid_window_saves_that_step_exits_and_resumes_as
     assert "then none: kept unsharded for the whole run" in proc.stdout  # the reference model, resident
     assert (proc.stdout + proc.stderr).count("enable_jit_checkpoint and save_on_signal='SIGTERM'") == 2
     assert not list(out_dir.rglob("checkpoint-is-incomplete.txt"))  # transformers' JIT save never started
-    # The agent got it, shut down (re-raising it as its own exit) and restarted nothing.
-    assert "SignalException: Process" in proc.stderr and "got signal: 15" in proc.stderr
+    # The agent got it, shut its workers down and re-raised it (restarting nothing): accelerate up to
+    # 1.15 lets the exception end the launch, 1.16 exits 128 + 15 with it.
+    assert "Received 15 death signal, shutting down workers" in proc.stderr, proc.stderr[-4000:]
+    assert proc.returncode == 143 or "SignalException: Process" in proc.stderr, (proc.returncode, proc.stderr[-4000:])
     # The resumed launch also restarts by itself after a rank dies (mid-step 5, after checkpoint-4).
     assert_resumed_and_equal(out_dir, uninterrupted, inputs, PREEMPTED_AT, killed_in=5)
 
