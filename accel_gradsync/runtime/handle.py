@@ -212,7 +212,7 @@ class GradSyncHandle:
         DDP) with no extra work; otherwise a rank below the largest count replays its last
         micro-batch x 0 up to it, at its first clip,
         loop collective or optimizer step after that micro-batch's `accelerator.backward`. Costs
-        one small collective per step, on the plugin's own group.
+        one small collective per step, on the plugin's own group (two in a step with replays).
 
         Args:
             n (`int`): this rank's micro-batches in the step, at least 1.
@@ -227,7 +227,8 @@ class GradSyncHandle:
         Raises:
             `ValueError`: `n` below 1 on any rank (on every rank); a Trainer; inside `join()` or
                 another `step()`; mid-window; a prepared DataLoader with `sync_with_dataloader`; a
-                rank that ran another count than its `n` (at the block's end).
+                rank that ran another count than its `n`, or, in a step with replays, an optimizer
+                step before the last micro-batch's backward on any rank (both at the block's end).
         """
         return self._steps.step(n, tokens, samples)
 

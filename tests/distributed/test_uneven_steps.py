@@ -80,7 +80,15 @@ def _loop_runs(mode: str) -> list[dict]:
 
 REFUSALS = [
     {"name": f"refuse/{what}", "config": MODES["deferred"], "refuse": what}
-    for what in ("zero_on_one_rank", "nested", "inside_join", "mid_window", "ran_other_count", "prepared_dataloader")
+    for what in (
+        "zero_on_one_rank",
+        "nested",
+        "inside_join",
+        "mid_window",
+        "ran_other_count",
+        "prepared_dataloader",
+        "step_before_backward",
+    )
 ]
 
 
@@ -229,6 +237,8 @@ def test_ddp_every_mode_ends_at_the_padded_run_with_per_rank_counts(ddp):
         ("mid_window", "after 1 micro-batch of an accumulation window", True),
         ("ran_other_count", "this rank ran 1 micro-batch inside the block", True),
         ("prepared_dataloader", "sync_with_dataloader=False", True),
+        # Every rank, at the block's end: the shorter one raising at the step would leave the other waiting.
+        ("step_before_backward", "an optimizer step ran before the last micro-batch's backward", True),
     ],
 )
 def test_bad_uses_are_refused_in_one_line(fsdp2, what, says, every_rank):

@@ -18,12 +18,13 @@ rank alike. Then:
   the last replay syncing, with accelerate counting them on to the largest count: its collectives
   pair one for one with those of the rank that runs the most.
 
-Trade-off: one small collective per step; with replays, the compute padding would cost on the
-ranks that replay (no more), and the last micro-batch's inputs kept until they ran. Refused in one
-line before any collective: a Trainer, inside `join()`, mid-window, a prepared DataLoader ending
-the window itself (`sync_with_dataloader`), a count below 1 on any rank (every rank refuses); at
-the block's end, a rank that ran another count than it said; an optimizer step before the last
-micro-batch's backward (a backward through its outputs is seen however the loop calls it).
+Trade-off: one small collective per step (two in a step with replays); with replays, the compute
+padding would cost on the ranks that replay (no more), and the last micro-batch's inputs kept until
+they ran. Refused in one line before any collective: a Trainer, inside `join()`, mid-window, a
+prepared DataLoader ending the window itself (`sync_with_dataloader`), a count below 1 on any rank
+(every rank refuses); at the block's end, a rank that ran another count than it said, and, in a step with replays, an
+optimizer step before the last micro-batch's backward on any rank (agreed in one more small
+collective; a backward through its outputs is seen however the loop calls it).
 """
 
 from __future__ import annotations
@@ -75,7 +76,10 @@ class UnevenSteps:
         self._ran = 0  # this rank's micro-batches in the block
         self._replays = 0  # this rank's replays at the block's last micro-batch (decided at its first)
         self._pending: Iteration | None = None  # the last micro-batch, recorded to replay
+        self._uneven = False  # the step replays on some rank: every rank watches its last backward
+        self._watching = False  # this rank's last micro-batch began and its backward is watched
         self._backed = False  # a backward reached the last micro-batch's outputs
+        self._misordered = False  # an optimizer step ran before that backward (refused at the block's end)
         self._output_hooks: list = []  # on the bound models' forwards, while it is recorded
         self._hold = contextlib.ExitStack()  # the last micro-batch's no_sync (hooks.py enters it)
         self._forwards = ForwardWatch(self)
@@ -95,6 +99,11 @@ class UnevenSteps:
             self.shape, self._ran, self._replays = shape, 0, 0
             yield shape
             self.flush()
+            if self._uneven and any(state.control.gather(self._misordered)):
+                raise ValueError(
+                    "grad_sync.step(n): an optimizer step ran before the last micro-batch's backward, in a step whose "
+                    "shorter ranks replay their last micro-batch x 0 after that backward; step after backward."
+                )
             if self._ran != n:
                 raise ValueError(
                     f"grad_sync.step({n}): this rank ran {self._ran} micro-batch{'' if self._ran == 1 else 'es'} "
@@ -119,11 +128,16 @@ class UnevenSteps:
         if last and not self._replays:  # counted as it ends: a step that fails evens nothing out
             for bound in self.state.bound.values():
                 bound.account.record_skipped(0, self.shape.largest - self.shape.micro_batches)
-        if not self._replays or not last:
+        if not last or not self._uneven:
             return False
-        self._pending, self._backed = Iteration(models), False
-        self._forwards.watch(self.state.adapters)
+        # Every rank of a step with replays: an optimizer step before this backward is refused on
+        # each (the replaying rank cannot replay before it; the others would wait for it).
+        self._watching, self._backed = True, False
         self._output_hooks = [root.register_forward_hook(self._watch_outputs) for root in self.state.bound]
+        if not self._replays:
+            return False
+        self._pending = Iteration(models)
+        self._forwards.watch(self.state.adapters)
         return True
 
     def hold(self, no_sync: contextlib.AbstractContextManager) -> None:
@@ -166,7 +180,7 @@ class UnevenSteps:
         self._stop_recording()
 
     def _stop_recording(self) -> None:
-        self._pending = None
+        self._pending, self._watching = None, False
         self._forwards.close()
         for handle in self._output_hooks:
             handle.remove()
@@ -176,7 +190,7 @@ class UnevenSteps:
     def _watch_outputs(self, module: nn.Module, args: Any, output: Any) -> None:
         """A forward of the last micro-batch: a backward through its outputs, however the loop
         calls it (`accelerator.backward`, `loss.backward()`), marks its backward done."""
-        if self._pending is None or self._replaying or not torch.is_grad_enabled():
+        if not self._watching or self._replaying or not torch.is_grad_enabled():
             return
         for tensor in tensors_of(output):
             if tensor.requires_grad:
@@ -199,15 +213,15 @@ class UnevenSteps:
 
     # -- inside ----------------------------------------------------------------------------------
     def _before_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        """torch's global optimizer pre-step hook, inside a step with replays: they run first."""
-        if self._pending is None or self._replaying:
+        """torch's global optimizer pre-step hook, inside a step with replays on some rank: after
+        the last micro-batch's backward, this rank's replays (if any) run first. Before it, the step
+        runs (raising here would leave the other ranks waiting in that backward's collectives), the
+        replays follow the backward, and every rank refuses at the block's end."""
+        if not self._watching or self._replaying:
             return
         if not self._backed:
-            self.abort()
-            raise ValueError(
-                "grad_sync.step(n): an optimizer step before the last micro-batch's backward: this rank replays "
-                "its last micro-batch x 0 after its backward; step after backward."
-            )
+            self._misordered = True
+            return
         self.flush()
 
     def _refuse_here(self) -> None:
@@ -260,10 +274,11 @@ class UnevenSteps:
         free = all(counts_are_free(b.plan, b.adapter) for b in state.bound.values())
         free = free and all(f.resident for f in state.frozen.values())
         self._replays = 0 if free else shape.largest - shape.micro_batches
+        self._uneven = not free and shape.largest != shape.smallest
         self._announce(shape, free)
         for bound in state.bound.values():
             bound.account.record_uneven(shape.smallest, shape.largest)
-        if self._replays:
+        if self._uneven:
             self._step_hook = register_optimizer_step_pre_hook(self._before_optimizer_step)
 
     def _announce(self, shape: StepShape, free: bool) -> None:
@@ -286,7 +301,8 @@ class UnevenSteps:
         if self._step_hook is not None:
             self._step_hook.remove()
             self._step_hook = None
-        self.shape, self._ran, self._replays, self._replaying = None, 0, 0, False
+        self.shape, self._ran, self._replays, self._replaying, self._uneven = None, 0, 0, False, False
+        self._misordered = False
 
 
 def _count(n: Any) -> bool:

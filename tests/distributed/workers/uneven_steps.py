@@ -150,6 +150,16 @@ def refuse(run: dict, handle, loop: Loop) -> None:
     elif what == "ran_other_count":
         with handle.step(2):
             loop.micro_batch(*batch(0, 0), 8)
+    elif what == "step_before_backward":  # rank 1 would replay after its backward; rank 0 replays nothing
+        n = 1 if R == 1 else 2
+        with handle.step(n):
+            for k in range(n):
+                x, y = batch(0, k)
+                with accelerator.accumulate(loop.model):
+                    loss = F.mse_loss(loop.model(x), y)
+                    if k == n - 1:
+                        loop.optimizer.step()
+                    accelerator.backward(loss)
     elif what == "prepared_dataloader":
         loader = accelerator.prepare(torch.utils.data.DataLoader(list(range(8)), batch_size=2))
         for _ in loader:
