@@ -62,7 +62,6 @@ from trl import (
 )
 
 import accel_gradsync
-from accel_gradsync.compat.cpu import has_accelerator_device
 from accel_gradsync.compat.releases import training_arg
 from accel_gradsync.config.settings import ENV_PREFIX
 from accel_gradsync.launch import check_restart, launch_setup
@@ -223,20 +222,16 @@ def run_trainer(prepared: PreparedRun, model: Any, tokenizer: Any) -> None:
     trainer.accelerator.end_training()
 
 
-def make_parser(cpu_fsdp: bool = False) -> TrlParser:
+def make_parser() -> TrlParser:
     parser = RecipeParser(
         (GRPOScriptArguments, GRPOConfig, ModelConfig, accel_gradsync.GradSyncConfig),
         description=__doc__,  # the launch commands, the fastest one included, above the settings
         formatter_class=HelpFormatter,
     )
     parser.set_defaults(**RECIPE_DEFAULTS)
-    if not has_accelerator_device():
-        # GRPOConfig's bf16 default asks for a GPU; pinned host memory needs one too.
-        parser.set_defaults(bf16=False, dataloader_pin_memory=False)
-    if cpu_fsdp:
-        # GRPOConfig sets up accelerate's state while it is parsed; without this it would discard
-        # the FSDP state enable_cpu_fsdp() built (a YAML/CLI `accelerator_config` must keep it).
-        parser.set_defaults(accelerator_config={"use_configured_state": True})
+    # Without a GPU/NPU: no bf16, no pinned memory, and the FSDP state enable_cpu_fsdp() built kept
+    # (GRPOConfig sets up accelerate's state while it is parsed); a flag or YAML key still wins.
+    parser.set_defaults(**accel_gradsync.training_args_defaults())
     rewrite_help(parser, RECIPE_SAVE_ON_SIGNAL)
     return parser
 
@@ -253,8 +248,8 @@ def run(argv: list[str] | None = None) -> None:
         check_restart()  # before parsing forms the process group, which a restart would not form again
         # On a machine without GPU/NPU, turn the FSDP config into real FSDP over gloo (a no-op on
         # GPU/NPU, or without an FSDP config); before parsing, which builds accelerate's state.
-        cpu_fsdp = accel_gradsync.enable_cpu_fsdp()
-        prepared = prepare(*parse_args(make_parser(cpu_fsdp), argv))
+        accel_gradsync.enable_cpu_fsdp()
+        prepared = prepare(*parse_args(make_parser(), argv))
     except ValueError as error:
         exit_on_setting_error(error)
     train(prepared)
