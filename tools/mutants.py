@@ -46,6 +46,20 @@ MUTANTS: dict[str, dict] = {
             "tests/distributed/test_uneven_steps.py::test_fsdp2_every_mode_ends_at_the_padded_run_with_per_rank_counts"
         ],
     },
+    "kept_frozen_units_never_resharded": {
+        "what": "grad_sync.reshard_frozen() leaves keep_frozen_unsharded's units unsharded",
+        "edits": [
+            (
+                "accel_gradsync/runtime/wrappers/frozen_units.py",
+                "for module, _ in self._kept.values():\n            module.reshard()",
+                "for module, _ in self._kept.values():\n            pass",
+            )
+        ],
+        "tests": [
+            "tests/distributed/test_frozen_units.py::"
+            "test_merging_the_adapter_after_reshard_frozen_reads_what_stock_reads_and_regathers"
+        ],
+    },
     "deferred_plan_holds_nothing": {
         "what": "DeferredSync.plan holds nothing: deferred behaves as per-micro-batch",
         "edits": [
