@@ -6,9 +6,9 @@ estimate's row for that plan). It runs in a fake process group, which cannot sha
 the run's real one, so the main process runs it in a child (forecast_child.py) from the model's
 config and the launch as the Accelerator holds it, and broadcasts each answer: every rank plans
 from the same numbers. A LoRA model is built with its adapters, split into units of their own and
-its frozen units kept where the run's prepare kept them (`keep_frozen_unsharded`). A model the forecast cannot build
-from its config, or a launch it does not run, gets a `Forecast` without a peak that says why, and
-`auto` measures step 1 as it does without a forecast.
+its frozen units kept where the run's prepare kept them (`keep_frozen_unsharded`). A model the
+forecast cannot build from its config, or a launch it does not run, gets a `Forecast` without a
+peak that says why, and `auto` measures step 1 as it does without a forecast.
 """
 
 from __future__ import annotations

@@ -22,9 +22,10 @@ Trade-off: one small collective per step (two in a step with replays); with repl
 padding would cost on the ranks that replay (no more), and the last micro-batch's inputs kept until
 they ran. Refused in one line before any collective: a Trainer, inside `join()`, mid-window, a
 prepared DataLoader ending the window itself (`sync_with_dataloader`), a count below 1 on any rank
-(every rank refuses); at the block's end, a rank that ran another count than it said, and, in a step with replays, an
-optimizer step before the last micro-batch's backward on any rank (agreed in one more small
-collective; a backward through its outputs is seen however the loop calls it).
+(every rank refuses). Refused at the block's end: a rank that ran another count than it said and,
+in a step with replays, an optimizer step before the last micro-batch's backward on any rank
+(agreed in one more small collective; a backward through its outputs is seen however the loop
+calls it).
 """
 
 from __future__ import annotations
