@@ -381,7 +381,8 @@ class GradSyncConfig:
         "units within what is left; the other modes do not. attach() must come before "
         "accelerator.prepare(model) (a Trainer prepares in train()); not with fsdp_cpu_ram_efficient_loading. "
         "A checkpoint save or load reshards the kept units (the next forward gathers them again), and so "
-        "does detach.",
+        "do detach and grad_sync.reshard_frozen() (call it before merging the adapter between steps). "
+        "true is refused on FSDP1 and under TRL's use_vllm, where auto keeps nothing.",
         nargs="?",
         const="true",
     )
