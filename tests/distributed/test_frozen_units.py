@@ -19,6 +19,9 @@ optimizer built before `prepare` (workers/frozen_units.py).
   `grad_sync.reshard_frozen()`, reads the weights the run without the setting reads and trains on
   to the same parameters; the kept units are gathered once more. Without the call PEFT's merge
   raises.
+- A generation inside a step's first micro-batch (forwards without gradients, as TRL's) runs none of
+  FSDP2's own forward work on the kept units, under per_micro_batch (`true`) as under auto, and
+  reads stock's logits.
 - detach puts every unit back sharded; a model prepared before attach, FSDP1, and a Trainer
   whose arguments set TRL's `use_vllm` are refused in one line (under `use_vllm` auto keeps nothing).
 - On a 2x2 HSDP mesh (4 ranks): only the adapters are gathered after step 1, exact, merge included.
@@ -35,6 +38,7 @@ from launcher import accelerate_config, launch
 from test_grpo_recipe import run_command
 
 M, STEPS, WORLD = 2, 3, 2
+TOKENS = 4  # workers/frozen_units.py: generation forwards in a step that generates
 LAYERS, HIDDEN, HEADS, KV_HEADS, R = 2, 32, 4, 2, 4  # workers/common.tiny_qwen2_config, LoraConfig(r=4)
 HEAD_DIM = HIDDEN // HEADS
 # One layer's adapters: q_proj (hidden -> hidden) and v_proj (hidden -> kv heads x head dim), A: r x in, B: out x r.
@@ -64,6 +68,10 @@ RUNS = [
     {"name": "vllm_auto", "config": {"sync_mode": "budget", "memory_budget": "1MiB"}, "use_vllm": True},
     # auto planning step 1 from the whole-step forecast (runtime's units: the adapters split off).
     {"name": "auto_forecast", "config": {"sync_mode": "auto", "free_memory": "64MiB", **FORECAST}},
+    # Generation inside the first micro-batch of step 2, as TRL's: the kept units' FSDP2 hooks idle.
+    {"name": "stock_generate", "config": {}, "generate_at": 1},
+    {"name": "keep_generate", "config": KEEP, "generate_at": 1},
+    {"name": "auto_generate", "config": {"sync_mode": "auto", "free_memory": "64MiB", **FORECAST}, "generate_at": 1},
 ]
 
 
@@ -130,6 +138,7 @@ def test_after_the_first_step_only_the_adapters_are_gathered(ranks):
         ("keep_save_load", "stock_save_load"),
         ("keep_raise", "stock_raise"),
         ("keep_merge", "stock_merge"),
+        ("keep_generate", "stock_generate"),
     ],
 )
 def test_losses_and_parameters_equal_the_run_without_it(ranks, keep, stock):
@@ -201,7 +210,7 @@ def test_under_a_trainer_with_use_vllm_true_is_refused_and_auto_keeps_nothing(ra
 def test_detach_leaves_every_parameter_sharded(ranks):
     for rank in ranks:
         trained = [run for run in rank["runs"].values() if "steps" in run]
-        assert len(trained) == 14 and all(run["sharded_after_detach"] for run in trained)
+        assert len(trained) == 17 and all(run["sharded_after_detach"] for run in trained)
 
 
 def test_auto_keeps_under_budget_what_fits_and_nothing_elsewhere(ranks):
@@ -226,6 +235,31 @@ def test_auto_plans_step_1_from_the_forecast_of_the_split_model_with_its_kept_un
         # 64 MiB is room for everything: the adapter units windowed (one all-gather each per step),
         # the frozen ones gathered at step 1 only.
         assert [s["all_gathers"] for s in run["steps"]] == [LAYERS + frozen_units(rank)] + [LAYERS] * (STEPS - 1)
+
+
+def test_generation_skips_fsdp2s_forward_work_on_the_kept_units_in_every_mode(ranks):
+    for rank in ranks:
+        runs = rank["runs"]
+        # Stock runs FSDP2's pre- and post-forward on every frozen unit (there: the root and the
+        # embeddings) at every generation forward.
+        stock = runs["stock_generate"]
+        frozen_in_stock = sum(1 for trained, _ in stock["units"].values() if trained == 0)
+        assert frozen_in_stock > 0 and stock["frozen_forward_records"] == frozen_in_stock * TOKENS, stock["units"]
+        # Kept for the run, a frozen unit is unsharded and stays so: nothing for FSDP2 to do at a
+        # forward without gradients. FSDP2's root, whose post-forward completes the adapters'
+        # grouped units, runs its hooks where they gather: under auto (adapters windowed) at the
+        # first forward alone, under per_micro_batch (`true`) at every forward.
+        for name, records in (("auto_generate", 1), ("keep_generate", TOKENS)):
+            assert runs[name]["stats"]["units_resident"] == frozen_units(rank), runs[name]["stats"]
+            assert runs[name]["frozen_forward_records"] == records, (name, runs[name]["frozen_forward_records"])
+        assert runs["keep_generate"]["generated"] == stock["generated"]
+        # auto reduces the same gradients once per step: the same logits to float rounding.
+        auto, want = _flatten(runs["auto_generate"]["generated"]), _flatten(stock["generated"])
+        assert len(auto) == len(want) and auto == pytest.approx(want, rel=1e-4, abs=1e-6)
+
+
+def _flatten(nested) -> list[float]:
+    return [x for item in nested for x in _flatten(item)] if isinstance(nested, list) else [nested]
 
 
 def test_a_model_prepared_before_attach_is_refused_in_one_line(ranks):

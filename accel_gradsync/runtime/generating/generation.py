@@ -10,9 +10,10 @@ A unit's first forward without gradients sets its `reshard_after_forward` to Fal
 setter); training resuming puts every flag back and reshards: a forward with gradients, an
 optimizer step, a change of the window's flags, an exception, the end of a Trainer's evaluation,
 prediction or training (callback.py), or detach. While a unit is kept, FSDP2's own per-forward
-work on it, which does nothing there, is skipped (quiet_generation.py), and so is transformers'
-per-token all-reduce where every unit stays unsharded through a generation (token_sync.py). The pre-hooks sit on
-every unit's module, not only the root (PEFT's `generate` runs the inner model without the root's
+work on it, which does nothing there, is skipped (quiet_generation.py; in every mode on the units
+`keep_frozen_unsharded` keeps for the run), and so is transformers' per-token all-reduce where
+every unit stays unsharded through a generation (token_sync.py). The pre-hooks sit on every
+unit's module, not only the root (PEFT's `generate` runs the inner model without the root's
 forward), and are prepended so they run before FSDP's own pre-forward. FSDP1 and DDP: the setting
 does not apply (one warning).
 """
@@ -94,7 +95,10 @@ class GenerationGather:
             handles.extend(self._watch_for_raise(root))
         if keeps and self._optimizer_hook is None:  # shared by every model: `close` removes it
             self._optimizer_hook = register_optimizer_step_pre_hook(self._before_step)
-        return [*handles, *skip_token_sync(root, lambda: self.keeps_through_generation(root, adapter))]
+        # Units kept for the run (keep_frozen_unsharded) are idle at every forward without
+        # gradients once gathered, in any mode: gated while watched (each gate checks every call).
+        resident = _Gates(skip_idle_forward_work(adapter, [u for u in adapter.units if u.resident]))
+        return [*handles, resident, *skip_token_sync(root, lambda: self.keeps_through_generation(root, adapter))]
 
     def keeps_through_generation(self, root: nn.Module, adapter: ModelAdapter) -> bool:
         """Every unit of the watched model `root` stays unsharded from the first forward without
@@ -227,3 +231,10 @@ class GenerationGather:
         if self._optimizer_hook is not None:
             self._optimizer_hook.remove()
             self._optimizer_hook = None
+
+
+class _Gates:
+    """The gates on a watched model's resident units, as a handle binding removes (`Removable`)."""
+
+    def __init__(self, restore: Callable[[], None]) -> None:
+        self.remove = restore

@@ -4,15 +4,19 @@ before `prepare`, then STEPS optimizer steps of M causal-LM micro-batches under
 `accelerator.accumulate`, clipping at each step. Each run names its GradSyncConfig, and may
 unfreeze a base layer's MLP before step `unfreeze_at` or take the whole state dict before step
 `state_dict_at`, save the state before step `save_at` and load it back before step `load_at`,
-fail a forward before micro-batch `raise_at` ([step, k]), or merge the adapter as TRL's vLLM
-weight sync does before step `merge_at` (after `grad_sync.reshard_frozen()` unless `reshard` is
-false); `attach_after_prepare`, `refused` (at attach: FSDP1) and `use_vllm` (a Trainer with TRL's
+fail a forward before micro-batch `raise_at` ([step, k]), generate as TRL does (forwards without
+gradients inside the first micro-batch's `accumulate()`) in step `generate_at`, or merge the
+adapter as TRL's vLLM weight sync does before step `merge_at` (after `grad_sync.reshard_frozen()`
+unless `reshard` is false); `attach_after_prepare`, `refused` (at attach: FSDP1) and `use_vllm` (a Trainer with TRL's
 GRPOConfig(use_vllm=True)) report the refusal.
 
 Reported per run: per step the all-gathers (calls, and the bytes of their outputs) counted from
 outside by wrapping torch.distributed, the losses; the final parameters (full tensors); the
 FSDP2 units with their trainable and frozen parameter counts; the decision line; whether every
-unit's flags are back after detach; and, after detach, whether the parameters are sharded again."""
+unit's flags are back after detach; and, after detach, whether the parameters are sharded again.
+A run that generates also reports the logits of its generation forwards and how many of them ran
+FSDP2's own pre- and post-forward on a unit with no trainable parameter (FSDP2's record of
+post-forwards, one entry per param group per forward it ran them on)."""
 
 import json
 import os
@@ -30,6 +34,7 @@ from trl import GRPOConfig
 import accel_gradsync
 
 VOCAB, SEQ, B, STEPS = 32, 8, 2, 3
+TOKENS = 4  # generation forwards in a step that generates
 
 args = parse_args([(("--runs",), {"type": json.loads, "required": True}), (("--M",), {"type": int, "default": 2})])
 accel_gradsync.enable_cpu_fsdp()
@@ -63,6 +68,26 @@ def units(model) -> dict[str, list[int]]:
         flags = [p.sharded_param.requires_grad for p in state._fsdp_param_group.fsdp_params]
         out[name] = [sum(flags), len(flags) - sum(flags)]
     return out
+
+
+def frozen_forward_records(model) -> int:
+    """Entries of FSDP2's record of post-forwards (kept for backward prefetching, cleared by the
+    last backward) whose param group trains nothing."""
+    root = next(m for m in model.modules() if isinstance(m, FSDPModule))
+    order = root._get_fsdp_state()._comm_ctx.post_forward_order
+    return sum(1 for group in order if not any(p.sharded_param.requires_grad for p in group.fsdp_params))
+
+
+def generate(model, prompt) -> tuple[list, int]:
+    """TOKENS forwards without gradients of a growing sequence, as decoding runs them: the greedy
+    tokens' logits, and the frozen param groups' FSDP2 post-forward records they added."""
+    before, logits = frozen_forward_records(model), []
+    with torch.no_grad():
+        for _ in range(TOKENS):
+            last = model(input_ids=prompt).logits[:, -1]
+            logits.append(last.tolist())
+            prompt = torch.cat([prompt, last.argmax(-1, keepdim=True)], dim=1)
+    return logits, frozen_forward_records(model) - before
 
 
 def _raise(*_):
@@ -169,6 +194,8 @@ def one_run(run: dict) -> dict:
                 fail.remove()
             with accelerator.accumulate(model):
                 batch = DATA[step, k, rank]
+                if run.get("generate_at") == step and k == 0:  # TRL generates inside the first micro-batch
+                    out["generated"], out["frozen_forward_records"] = generate(model, batch[:, :2])
                 loss = model(input_ids=batch, labels=batch).loss
                 accelerator.backward(loss)
                 if accelerator.sync_gradients:
