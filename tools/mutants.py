@@ -46,6 +46,20 @@ MUTANTS: dict[str, dict] = {
             "tests/distributed/test_uneven_steps.py::test_fsdp2_every_mode_ends_at_the_padded_run_with_per_rank_counts"
         ],
     },
+    "kept_frozen_units_never_gated": {
+        "what": "FSDP2's per-forward work runs at every generated token on keep_frozen_unsharded's units",
+        "edits": [
+            (
+                "accel_gradsync/runtime/generating/generation.py",
+                "skip_idle_forward_work(adapter, [u for u in adapter.units if u.resident])",
+                "skip_idle_forward_work(adapter, [])",
+            )
+        ],
+        "tests": [
+            "tests/distributed/test_frozen_units.py::"
+            "test_generation_skips_fsdp2s_forward_work_on_the_kept_units_in_every_mode"
+        ],
+    },
     "kept_frozen_units_never_resharded": {
         "what": "grad_sync.reshard_frozen() leaves keep_frozen_unsharded's units unsharded",
         "edits": [
