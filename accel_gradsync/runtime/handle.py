@@ -20,7 +20,6 @@ from accel_gradsync.planning.policies import SyncPolicy
 from accel_gradsync.planning.replan import Forecaster
 from accel_gradsync.planning.units import Plan
 from accel_gradsync.runtime.accumulation.window import Window
-from accel_gradsync.runtime.core.decision import describe_decision
 from accel_gradsync.runtime.core.state import Attachment, root_of
 from accel_gradsync.runtime.faults.checkpoint import CheckpointHooks
 from accel_gradsync.runtime.faults.preemption import PREEMPTED_EXIT_CODE
@@ -129,7 +128,7 @@ class GradSyncHandle:
         bound = next(iter(self._state.bound.values()), None)
         if bound is None:
             return f"grad sync: {self.policy.name} (no FSDP/DDP model bound yet)"
-        return describe_decision(bound.plan, bound.adapter, self.micro_batches_per_step, self._state.generates)
+        return self._state.describe(bound)
 
     def bind(self, model: nn.Module) -> ModelAdapter | None:
         """Inspect a model once: its wrapper and units, its plan and counters; prints the

@@ -8,7 +8,8 @@ its own repeating its last micro-batch with loss x 0) bit for bit, with the same
 and for the modes stock accelerate also runs (deferred, window) at stock accelerate's padded run.
 Under window (FSDP2) and DDP's deferral the collectives per step, counted from outside, are the
 same whatever the counts and nothing is replayed; in the other modes each rank issues per step what
-the padded run issues. Bad uses are refused in one line, on every rank where a count is wrong."""
+the padded run issues. The decision line says which of the two the plan is. Bad uses are refused
+in one line, on every rank where a count is wrong."""
 
 import json
 
@@ -139,6 +140,10 @@ def _check(ranks: list[dict], wrapper: str, modes, counts=COUNTS) -> None:
             # collective; from `free` on, every step issues the same, whatever the counts.
             assert run["per_step"][:free] == pad["per_step"][:free], (mode, run["per_step"], pad["per_step"])
             assert len({json.dumps(s, sort_keys=True) for s in run["per_step"][free:]}) <= 1, (mode, run["per_step"])
+            # The decision line says which of the two the plan is, once step(n) has run.
+            says = "counts (step(n)) free" if mode in FREE[wrapper] else "replays its last micro-batch x 0"
+            assert says in run["decision"], (mode, run["decision"])
+            assert "per-rank" not in pad["decision"], pad["decision"]  # no step(n): not said
     for mode in modes:  # every rank issues the same collectives in every step: they pair
         assert all(rank["runs"][mode]["per_step"] == ranks[0]["runs"][mode]["per_step"] for rank in ranks), mode
 

@@ -30,7 +30,6 @@ from accel_gradsync.runtime.accumulation.window_checks import (
     warn_evened_out,
     warn_if_sync_each_batch,
 )
-from accel_gradsync.runtime.core.decision import describe_decision
 from accel_gradsync.runtime.core.fsdp2_counts import watch_fsdp2, watch_replicated_all_reduces
 from accel_gradsync.runtime.core.state import Attachment, BoundModel, root_of
 from accel_gradsync.runtime.generating.generation import GenerationGather
@@ -182,7 +181,7 @@ class Window:
         change = bound.replan(m)
         if change is not None:
             self.state.accelerator.print(change.message)
-            self.state.accelerator.print(describe_decision(change.plan, bound.adapter, m, self.state.generates))
+            self.state.accelerator.print(self.state.describe(bound))
 
     def on_forward(self, module: nn.Module, args: Any) -> None:
         """Forward pre-hook: count the micro-batch at its first forward; before each forward of a
@@ -209,7 +208,7 @@ class Window:
         if ends_step and bound.account.current.micro_batches and state.micro_batches_per_step == 1:
             # A loop holding micro-batches with no_sync outside accumulate(): its first window tells M.
             state.window_seen = bound.account.current.micro_batches + 1
-            state.accelerator.print(describe_decision(bound.plan, bound.adapter, state.window_seen, state.generates))
+            state.accelerator.print(state.describe(bound, state.window_seen))
         if ends_step and bound.account.current.deferred_micro_batches:
             # Held gradients only grow through a window: their bytes before its last forward are
             # its peak, read once per window instead of after every held backward.

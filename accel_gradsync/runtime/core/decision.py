@@ -29,13 +29,17 @@ from accel_gradsync.planning.units import ALL_REDUCE, GRADIENT_SYNC, Level, Plan
 from accel_gradsync.runtime.wrappers.adapter import ModelAdapter
 
 
-def describe_decision(plan: Plan, adapter: ModelAdapter, micro_batches: int, generation: bool = True) -> str:
+def describe_decision(
+    plan: Plan, adapter: ModelAdapter, micro_batches: int, generation: bool = True, counts_free: bool | None = None
+) -> str:
     """One line: the mode, each unit's level, the collectives per optimizer step it implies and
     what it holds, gradients and params apart; then, with `generation`, what forwards without
     gradients (generation) all-gather, and hold with `gather_for_generation` (a loop of its own
     that has not generated leaves it out: `describe_generation` says it then). Frozen units count in the
-    all-gathers (they reduce nothing). Where the policy gives a reason (auto's forecast or
-    measurement, the memory it planned within), a second line (`WHY`) says it."""
+    all-gathers (they reduce nothing). In a loop of `grad_sync.step(n)` (`counts_free` not None),
+    what per-rank counts cost: nothing, or the replays padding would run. Where the policy gives a
+    reason (auto's forecast or measurement, the memory it planned within), a second line (`WHY`)
+    says it."""
     m = micro_batches
     plan = plan.over(m)
     rs, ar = collectives_per_step(plan, adapter.units, adapter.hsdp, m)
@@ -75,6 +79,8 @@ def describe_decision(plan: Plan, adapter: ModelAdapter, micro_batches: int, gen
         dtype = str(resident[0].compute_dtype).removeprefix("torch.")
         kept = format_bytes(sum(u.param_bytes for u in resident))
         line += f"; keeps ~{kept} unsharded {dtype} params of {len(resident)} frozen units for the run"
+    if counts_free is not None:
+        line += "; " + _per_rank_counts(counts_free, adapter.kind)
     if generation and adapter.collective != "all_reduce":
         line += "; " + _generation_cost(plan, adapter)
     if plan.reason:  # how the mode chose (auto's forecast or measurement, budget's room): a line of its own
@@ -86,6 +92,24 @@ def describe_generation(name: str, plan: Plan, adapter: ModelAdapter) -> str:
     """One line at the first forward without gradients (generation, evaluation) of the model
     `name` in a loop of its own: what its decision line left out."""
     return f"grad sync: {name}: {_generation_cost(plan, adapter)}"
+
+
+_FREE_WITH = {
+    "fsdp2": "deferred with keep_params_unsharded, every unit windowed, makes them free",
+    "ddp": "any deferral makes them free",
+    "fsdp1": "FSDP1 all-gathers at every forward: use fsdp_version: 2 for free ones",
+}
+
+
+def _per_rank_counts(free: bool, kind: str) -> str:
+    """What `grad_sync.step(n)`'s per-rank counts cost under the plans of the step
+    (`Attachment.counts_are_free`)."""
+    if free:
+        return "per-rank micro-batch counts (step(n)) free: a step issues the same collectives whatever its count"
+    return (
+        "per-rank micro-batch counts (step(n)): a rank below the step's largest replays its last micro-batch x 0 "
+        f"up to it, as padding would ({_FREE_WITH[kind]})"
+    )
 
 
 WHY = "grad sync:   why: "

@@ -18,12 +18,14 @@ from torch.nn.parallel import DistributedDataParallel
 
 from accel_gradsync.config.errors import GradSyncWarning
 from accel_gradsync.config.settings import ResolvedConfig
+from accel_gradsync.planning.costs import counts_are_free
 from accel_gradsync.planning.policies import SyncPolicy, resolve_policy
 from accel_gradsync.planning.replan import Change, MeasuredAuto
 from accel_gradsync.planning.residency import kept_bytes
 from accel_gradsync.planning.units import Plan, Unit
 from accel_gradsync.runtime.core.accounting import SyncAccounting, combined_stats
 from accel_gradsync.runtime.core.agreement import ControlGroup
+from accel_gradsync.runtime.core.decision import describe_decision
 from accel_gradsync.runtime.wrappers.adapter import ModelAdapter
 from accel_gradsync.runtime.wrappers.frozen_units import FrozenResidency
 from accel_gradsync.runtime.wrappers.quiet_generation import skip_idle_forward_work
@@ -200,6 +202,8 @@ class Attachment:
     step_largest: int = 0
     """Inside `grad_sync.step(n)` (uneven_steps.py): the step's largest count over ranks, the M
     every rank plans with and the decision line names (0 outside)."""
+    per_rank_counts: bool = False
+    """`grad_sync.step(n)` has run: decision lines say what per-rank counts cost from then on."""
     generated: bool = False
     """A bound FSDP2 model ran a forward without gradients (generation.py): a loop of its own
     generates, evaluates or scores."""
@@ -225,6 +229,21 @@ class Attachment:
         generates; the estimate shows it too), `gather_for_generation`, or a loop of its own once
         a bound model ran a forward without gradients (until then its line leaves generation out)."""
         return self.trainer is not None or bool(self.settings.gather_for_generation) or self.generated
+
+    def counts_are_free(self) -> bool:
+        """Per-rank micro-batch counts add no collective under the plans now: every bound model's
+        step issues the same collectives whatever its count, and every frozen model is resident
+        (one that is not gathers per forward)."""
+        free = all(counts_are_free(b.plan, b.adapter) for b in self.bound.values())
+        return free and all(f.resident for f in self.frozen.values())
+
+    def describe(self, bound: BoundModel, micro_batches: int | None = None) -> str:
+        """`bound`'s decision line (decision.py) as this attach prints it: over `micro_batches`
+        (default: M), with generation where it `generates`, with per-rank counts where
+        `grad_sync.step(n)` has run."""
+        m = micro_batches or self.micro_batches_per_step
+        free = self.counts_are_free() if self.per_rank_counts else None
+        return describe_decision(bound.plan, bound.adapter, m, self.generates, free)
 
     def stats(self) -> dict:
         """Every bound model's counters, combined (`GradSyncHandle.stats`), and the frozen

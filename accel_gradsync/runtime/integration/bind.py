@@ -42,7 +42,7 @@ from accel_gradsync.planning.units import Plan
 from accel_gradsync.runtime.accumulation.window import Window
 from accel_gradsync.runtime.core.accounting import SyncAccounting
 from accel_gradsync.runtime.core.agreement import RankMemory
-from accel_gradsync.runtime.core.decision import describe_decision, describe_frozen, frozen_keeps, warn_about_plan
+from accel_gradsync.runtime.core.decision import describe_frozen, frozen_keeps, warn_about_plan
 from accel_gradsync.runtime.core.fsdp2_counts import watch_fsdp2
 from accel_gradsync.runtime.core.state import Attachment, BoundModel, FrozenModel, Removable, root_of
 from accel_gradsync.runtime.generating.generation import GenerationGather
@@ -201,7 +201,7 @@ class Binder:
         )
         state.bound[root] = BoundModel(name, adapter, plan, account, auto)
         # One line at start, on the main process only: this model's decision and what it costs.
-        state.accelerator.print(describe_decision(plan, adapter, m, generation=state.generates))
+        state.accelerator.print(state.describe(state.bound[root]))
         return adapter
 
     def _plan(self, root: nn.Module, adapter: ModelAdapter, auto: MeasuredAuto | None) -> Plan:
@@ -223,11 +223,7 @@ class Binder:
         for root, bound in self.state.bound.items():
             if not bound.started:
                 bound.take_plan(self._plan(root, bound.adapter, bound.auto))
-                self.state.accelerator.print(
-                    describe_decision(
-                        bound.plan, bound.adapter, self.state.micro_batches_per_step, generation=self.state.generates
-                    )
-                )
+                self.state.accelerator.print(self.state.describe(bound))
 
     def _bind_frozen(self, root: nn.Module, adapter: ModelAdapter | None = None, name: str = "") -> None:
         """An FSDP2 model nothing trains (`FrozenModel`): count its all-gathers and watch its

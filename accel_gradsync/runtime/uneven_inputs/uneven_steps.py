@@ -17,6 +17,8 @@ rank alike. Then:
   (else at the end of its `accumulate()` block) replays it x 0 until it ran the largest count,
   the last replay syncing, with accelerate counting them on to the largest count: its collectives
   pair one for one with those of the rank that runs the most.
+The first `step(n)` of an attach prints each bound model's decision line again, saying which of
+the two the plan is; every line after it (auto's plan changes, a model bound later) says it too.
 
 Trade-off: one small collective per step (two in a step with replays); with replays, the compute
 padding would cost on the ranks that replay (no more), and the last micro-batch's inputs kept until
@@ -39,7 +41,6 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from accel_gradsync.planning.costs import counts_are_free
 from accel_gradsync.runtime.accumulation.window import Window
 from accel_gradsync.runtime.core.state import Attachment
 from accel_gradsync.runtime.uneven_inputs.join import Join
@@ -86,13 +87,16 @@ class UnevenSteps:
         self._forwards = ForwardWatch(self)
         self._step_hook: Any = None
         self._replaying = False
-        self._announced = False
 
     @contextlib.contextmanager
     def step(self, n: int, tokens: int | None = None, samples: int | None = None) -> Iterator[StepShape]:
         self._refuse_here()
         shape = self._agree(n, tokens, samples)
         state, accelerator = self.state, self.state.accelerator
+        if not state.per_rank_counts:  # the first step(n) of this attach: models bound later say it at bind
+            state.per_rank_counts = True
+            for bound in state.bound.values():
+                accelerator.print(state.describe(bound, shape.largest))
         before = accelerator.gradient_accumulation_steps
         accelerator.gradient_accumulation_steps, accelerator.step = n, 0  # accumulate() syncs at this rank's n-th
         state.step_largest = shape.largest
@@ -272,30 +276,13 @@ class UnevenSteps:
         whether this rank replays."""
         state = self.state
         self.window.replan_all()
-        free = all(counts_are_free(b.plan, b.adapter) for b in state.bound.values())
-        free = free and all(f.resident for f in state.frozen.values())
+        free = state.counts_are_free()
         self._replays = 0 if free else shape.largest - shape.micro_batches
         self._uneven = not free and shape.largest != shape.smallest
-        self._announce(shape, free)
         for bound in state.bound.values():
             bound.account.record_uneven(shape.smallest, shape.largest)
         if self._uneven:
             self._step_hook = register_optimizer_step_pre_hook(self._before_optimizer_step)
-
-    def _announce(self, shape: StepShape, free: bool) -> None:
-        """Once per attach, at the first step whose counts differ: what they cost under this plan."""
-        if self._announced or shape.largest == shape.smallest:
-            return
-        self._announced = True
-        counts = f"{shape.smallest} to {shape.largest} micro-batches"
-        if free:
-            how = "the plan makes them free (each step's collectives are the same whatever its count): nothing replayed"
-        else:
-            how = (
-                "a rank below the largest count replays its last micro-batch x 0 up to it, as padding would "
-                "(deferred with keep_params_unsharded, every unit windowed, makes uneven counts free)"
-            )
-        self.state.accelerator.print(f"grad sync: micro-batch counts differ across ranks ({counts} this step): {how}.")
 
     def _close(self) -> None:
         self.abort()

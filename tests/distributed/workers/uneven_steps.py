@@ -9,8 +9,9 @@ with loss x 0. A micro-batch has 1 to 3 rows (as a token budget packs them), the
 gradients at every optimizer step and steps AdamW.
 
 Reports per run: the collectives counted from outside per step, `stats()` (totals and last step),
-the final parameters compared bit for bit in the worker with the runs named in `references`, and
-the message of a ValueError raised on this rank (`refuse`: one of the refusals to provoke)."""
+the decision line at the end (`describe()`), the final parameters compared bit for bit in the
+worker with the runs named in `references`, and the message of a ValueError raised on this rank
+(`refuse`: one of the refusals to provoke)."""
 
 import json
 
@@ -186,6 +187,7 @@ for run in args.runs:
     except ValueError as e:
         out["error"] = str(e)
     if handle is not None:
+        out["decision"] = handle.describe()
         stats = handle.stats()
         out["stats"] = {k: stats[k] for k in STATS}
         handle.detach()
