@@ -22,6 +22,10 @@ optimizer built before `prepare` (workers/frozen_units.py).
 - A generation inside a step's first micro-batch (forwards without gradients, as TRL's) runs none of
   FSDP2's own forward work on the kept units, under per_micro_batch (`true`) as under auto, and
   reads stock's logits.
+- Per-rank micro-batch counts every step (`grad_sync.step(n)`) end at the run padded to the
+  largest count, bit for bit: under per_micro_batch the short rank replays (its all-gathers are
+  the padded run's), under auto (adapters windowed) nothing is replayed and each step gathers
+  each adapter unit once; the kept units are gathered at the first step alone.
 - detach puts every unit back sharded; a model prepared before attach, FSDP1, and a Trainer
   whose arguments set TRL's `use_vllm` are refused in one line (under `use_vllm` auto keeps nothing).
 - On a 2x2 HSDP mesh (4 ranks): only the adapters are gathered after step 1, exact, merge included.
@@ -39,6 +43,7 @@ from test_grpo_recipe import run_command
 
 M, STEPS, WORLD = 2, 3, 2
 TOKENS = 4  # workers/frozen_units.py: generation forwards in a step that generates
+UNEVEN = [[2, 1], [1, 3], [2, 2]]  # per step, each rank's micro-batches
 LAYERS, HIDDEN, HEADS, KV_HEADS, R = 2, 32, 4, 2, 4  # workers/common.tiny_qwen2_config, LoraConfig(r=4)
 HEAD_DIM = HIDDEN // HEADS
 # One layer's adapters: q_proj (hidden -> hidden) and v_proj (hidden -> kv heads x head dim), A: r x in, B: out x r.
@@ -72,6 +77,12 @@ RUNS = [
     {"name": "stock_generate", "config": {}, "generate_at": 1},
     {"name": "keep_generate", "config": KEEP, "generate_at": 1},
     {"name": "auto_generate", "config": {"sync_mode": "auto", "free_memory": "64MiB", **FORECAST}, "generate_at": 1},
+    # Per-rank counts every step (grad_sync.step(n)) against every rank padded to the largest.
+    *(
+        {"name": f"{name}_uneven{style}", "config": config, "counts": UNEVEN, "style": style or "step"}
+        for name, config in (("keep", KEEP), ("auto", {"sync_mode": "auto", "free_memory": "64MiB", **FORECAST}))
+        for style in ("", "/pad")
+    ),
 ]
 
 
@@ -210,7 +221,7 @@ def test_under_a_trainer_with_use_vllm_true_is_refused_and_auto_keeps_nothing(ra
 def test_detach_leaves_every_parameter_sharded(ranks):
     for rank in ranks:
         trained = [run for run in rank["runs"].values() if "steps" in run]
-        assert len(trained) == 17 and all(run["sharded_after_detach"] for run in trained)
+        assert len(trained) == 21 and all(run["sharded_after_detach"] for run in trained)
 
 
 def test_auto_keeps_under_budget_what_fits_and_nothing_elsewhere(ranks):
@@ -260,6 +271,29 @@ def test_generation_skips_fsdp2s_forward_work_on_the_kept_units_in_every_mode(ra
 
 def _flatten(nested) -> list[float]:
     return [x for item in nested for x in _flatten(item)] if isinstance(nested, list) else [nested]
+
+
+def test_per_rank_counts_end_where_padding_ends_and_the_kept_units_stay_gathered(ranks):
+    for r, rank in enumerate(ranks):
+        runs = rank["runs"]
+        own, largest = [c[r] for c in UNEVEN], [max(c) for c in UNEVEN]
+        for name in ("keep_uneven", "auto_uneven"):
+            mine, padded = runs[name], runs[f"{name}/pad"]
+            assert mine["params"] == padded["params"], name
+            assert mine["stats"]["units_resident"] == frozen_units(rank), mine["stats"]
+        # per_micro_batch (`true`): the short rank replays its last micro-batch x 0 up to the
+        # largest count, so its all-gathers are the padded run's, one for one; the kept units
+        # are gathered at the first step alone either way.
+        keep, keep_pad = runs["keep_uneven"], runs["keep_uneven/pad"]
+        assert [s["all_gathers"] for s in keep["steps"]] == [s["all_gathers"] for s in keep_pad["steps"]]
+        adapters = [LAYERS * 2 * most for most in largest]  # forward and backward of each micro-batch
+        assert [s["all_gathers"] for s in keep["steps"]] == [adapters[0] + frozen_units(rank), *adapters[1:]]
+        assert keep["stats"]["replayed_micro_batches"] == sum(largest) - sum(own), keep["stats"]
+        # auto windows the adapters: each gathered once per step whatever the counts, nothing replayed.
+        auto = runs["auto_uneven"]
+        assert [s["all_gathers"] for s in auto["steps"]] == [LAYERS + frozen_units(rank)] + [LAYERS] * (STEPS - 1)
+        assert auto["stats"]["replayed_micro_batches"] == 0, auto["stats"]
+        assert auto["stats"]["evened_micro_batches"] == sum(largest) - sum(own), auto["stats"]
 
 
 def test_a_model_prepared_before_attach_is_refused_in_one_line(ranks):

@@ -7,7 +7,10 @@ unfreeze a base layer's MLP before step `unfreeze_at` or take the whole state di
 fail a forward before micro-batch `raise_at` ([step, k]), generate as TRL does (forwards without
 gradients inside the first micro-batch's `accumulate()`) in step `generate_at`, or merge the
 adapter as TRL's vLLM weight sync does before step `merge_at` (after `grad_sync.reshard_frozen()`
-unless `reshard` is false); `attach_after_prepare`, `refused` (at attach: FSDP1) and `use_vllm` (a Trainer with TRL's
+unless `reshard` is false). A run with `counts` (per step, each rank's micro-batch count) runs each
+step inside `grad_sync.step(n)` (`style` `step`), or pads every rank to the step's largest count
+with micro-batches of loss x 0 (`style` `pad`, the reference); each micro-batch's loss counts 1 /
+the largest. `attach_after_prepare`, `refused` (at attach: FSDP1) and `use_vllm` (a Trainer with TRL's
 GRPOConfig(use_vllm=True)) report the refusal.
 
 Reported per run: per step the all-gathers (calls, and the bytes of their outputs) counted from
@@ -18,6 +21,7 @@ A run that generates also reports the logits of its generation forwards and how 
 FSDP2's own pre- and post-forward on a unit with no trainable parameter (FSDP2's record of
 post-forwards, one entry per param group per forward it ran them on)."""
 
+import contextlib
 import json
 import os
 
@@ -35,6 +39,8 @@ import accel_gradsync
 
 VOCAB, SEQ, B, STEPS = 32, 8, 2, 3
 TOKENS = 4  # generation forwards in a step that generates
+UNEVEN_DATA = torch.randint(1, VOCAB, (STEPS, 4, 2, B, SEQ), generator=torch.Generator().manual_seed(4))
+"""Runs with `counts` (up to 4 micro-batches per rank and step): the micro-batches of 2 ranks."""
 
 args = parse_args([(("--runs",), {"type": json.loads, "required": True}), (("--M",), {"type": int, "default": 2})])
 accel_gradsync.enable_cpu_fsdp()
@@ -135,6 +141,29 @@ def vllm_trainer(model, config) -> dict:
     return {"keep_frozen_unsharded": kept}
 
 
+def uneven_step(run: dict, model, optimizer, handle, step: int, losses: list) -> None:
+    """One optimizer step of `run["counts"][step][rank]` micro-batches: inside `grad_sync.step(n)`,
+    or padded to the largest count with loss x 0 (the reference)."""
+    counts = run["counts"][step]
+    n, most = counts[rank], max(counts)
+    padded = run["style"] == "pad"
+    accelerator.gradient_accumulation_steps, accelerator.step = most, 0
+    block = contextlib.nullcontext() if padded else handle.step(n)
+    with block:
+        for k in range(most if padded else n):
+            batch = UNEVEN_DATA[step, min(k, n - 1), rank]
+            with accelerator.accumulate(model):
+                loss = model(input_ids=batch, labels=batch).loss
+                scale = accelerator.gradient_accumulation_steps / most * (k < n)  # accelerate divides by it
+                accelerator.backward(loss * scale)
+                if accelerator.sync_gradients:
+                    accelerator.clip_grad_norm_(model.parameters(), 1.0)
+                optimizer.step()
+                optimizer.zero_grad()
+                losses.append(loss.item())
+    accelerator.gradient_accumulation_steps = args.M
+
+
 def one_run(run: dict) -> dict:
     set_seed(0)
     base = Qwen2ForCausalLM(tiny_qwen2_config(vocab_size=VOCAB, pad_token_id=0))
@@ -183,7 +212,9 @@ def one_run(run: dict) -> dict:
         counter.take()
         gathered_bytes[0] = 0
         losses = []
-        for k in range(M):
+        if "counts" in run:
+            uneven_step(run, model, optimizer, handle, step, losses)
+        for k in range(M if "counts" not in run else 0):
             if run.get("raise_at") == [step, k]:  # a forward that fails in its second decoder layer
                 fail = model.base_model.model.model.layers[1].register_forward_pre_hook(_raise)
                 try:
@@ -207,7 +238,8 @@ def one_run(run: dict) -> dict:
         out["steps"].append(
             {"all_gathers": counts.get("all_gather_single", 0), "gathered_bytes": gathered_bytes[0], "losses": losses}
         )
-    out["stats"] = {k: handle.stats()[k] for k in ("units_resident", "resident_param_bytes", "units_frozen")}
+    kept = ("units_resident", "resident_param_bytes", "units_frozen", "replayed_micro_batches", "evened_micro_batches")
+    out["stats"] = {k: handle.stats()[k] for k in kept}
     handle.detach()  # kept units are unsharded until here: their params plain tensors
     out["params"] = {n: p.full_tensor().tolist() for n, p in model.named_parameters()}
     out["sharded_after_detach"] = all(type(p).__name__ == "DTensor" for p in model.parameters())
