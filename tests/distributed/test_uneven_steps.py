@@ -8,8 +8,10 @@ its own repeating its last micro-batch with loss x 0) bit for bit, with the same
 and for the modes stock accelerate also runs (deferred, window) at stock accelerate's padded run.
 Under window (FSDP2) and DDP's deferral the collectives per step, counted from outside, are the
 same whatever the counts and nothing is replayed; in the other modes each rank issues per step what
-the padded run issues. The decision line says which of the two the plan is. Bad uses are refused
-in one line, on every rank where a count is wrong."""
+the padded run issues. The decision line says which of the two the plan is. `preempted()` asked
+after every micro-batch agrees at the end of the step one rank was signalled in, on every rank at
+its own last micro-batch, replays or none. Bad uses are refused in one line, on every rank where a
+count is wrong."""
 
 import json
 
@@ -93,9 +95,19 @@ REFUSALS = [
 ]
 
 
+def _preempted_runs(mode: str) -> list[dict]:
+    """save_on_signal asked after every micro-batch, rank 1 signalled before step 2: every rank
+    agrees at that step's end and the run stops there; the reference pads the first two steps."""
+    config = {**MODES[mode], "save_on_signal": "SIGUSR1"}
+    pad = {"name": f"{mode}/pad2", "config": MODES[mode], "counts": COUNTS[:2], "style": "pad"}
+    asks = {"config": config, "counts": COUNTS, "style": "step", "ask": True, "signal_at": 1}
+    return [pad, {"name": f"{mode}/preempted", "references": [pad["name"]], **asks}]
+
+
 @pytest.fixture(scope="module")
 def fsdp2():
     runs = _runs(FSDP2_MODES) + [_accelerate_alone("window")] + _loop_runs("deferred") + REFUSALS
+    runs += _preempted_runs("per_micro_batch") + _preempted_runs("window")
     return launch("uneven_steps", ["--runs", json.dumps(runs)], accelerate_config("fsdp2"), timeout=TIMEOUT)
 
 
@@ -194,6 +206,16 @@ def test_fsdp2_an_exception_in_a_step_drops_it_and_the_next_steps_train_as_paddi
         # Steps 2 to 4 step the optimizer; the failed one neither steps nor replays.
         assert run["stats"]["optimizer_steps"] == len(COUNTS) - 1, run["stats"]
         assert run["stats"]["replayed_micro_batches"] == sum(LARGEST[1:]) - sum(c[r] for c in COUNTS[1:])
+
+
+def test_fsdp2_preempted_asked_after_every_micro_batch_agrees_at_the_step_end_on_every_rank(fsdp2):
+    for r, rank in enumerate(fsdp2):
+        for mode in ("per_micro_batch", "window"):  # replays, and none
+            run = rank["runs"][f"{mode}/preempted"]
+            assert run["error"] is None and run["equal"] == {f"{mode}/pad2": True}, (mode, run)
+            # True once, at this rank's own last micro-batch of the step the signal came before.
+            assert run["preempted_at"] == [[1, COUNTS[1][r] - 1]], (mode, run["preempted_at"])
+            assert run["stats"]["optimizer_steps"] == 2, run["stats"]
 
 
 def _check_accelerate_alone(ranks: list[dict], mode: str) -> None:

@@ -9,11 +9,15 @@ with loss x 0. A micro-batch has 1 to 3 rows (as a token budget packs them), the
 gradients at every optimizer step and steps AdamW.
 
 Reports per run: the collectives counted from outside per step, `stats()` (totals and last step),
-the decision line at the end (`describe()`), the final parameters compared bit for bit in the
+the decision line at the end (`describe()`), where `grad_sync.preempted()` said True (`ask`: asked
+after every micro-batch; `signal_at`: rank 1 sends itself SIGUSR1 before that step, and the
+run stops after the step it agreed at), the final parameters compared bit for bit in the
 worker with the runs named in `references`, and the message of a ValueError raised on this rank
 (`refuse`: one of the refusals to provoke)."""
 
 import json
+import os
+import signal
 
 import torch
 import torch.nn.functional as F
@@ -104,12 +108,16 @@ class Loop:
 def train(run: dict, handle, loop: Loop) -> list[dict]:
     per_step, style = [], run.get("loop", "clip")
     for s, counts in enumerate(run["counts"]):
+        if run.get("signal_at") == s and R == 1:  # save_on_signal: one rank gets it before the step
+            os.kill(os.getpid(), signal.SIGUSR1)
         try:
             one_step(run, handle, loop, s, counts, style)
         except RuntimeError:  # `raise_at`: every rank's first micro-batch of that step failed
             assert s == run.get("raise_at"), s
         ran = counter.take()
         per_step.append({kind: sum(c for name, c in ran.items() if KIND[name] == kind) for kind in set(KIND.values())})
+        if preempted_at:  # agreed at this step's end: a loop would save and exit here
+            break
     return per_step
 
 
@@ -131,6 +139,8 @@ def one_step(run: dict, handle, loop: Loop, s: int, counts: list[int], style: st
             assert (step.largest, step.smallest, step.samples) == (most, min(counts), samples), step
             for k in range(n):
                 loop.micro_batch(*batch(s, k), step.samples, loop=style, fail=fails and k == 0)
+                if run.get("ask") and handle.preempted():  # after every micro-batch, as docs/modes.md says
+                    preempted_at.append([s, k])
 
 
 def refuse(run: dict, handle, loop: Loop) -> None:
@@ -170,6 +180,7 @@ def refuse(run: dict, handle, loop: Loop) -> None:
 
 result: dict = {"runs": {}}
 params: dict[str, dict] = {}
+preempted_at: list[list[int]] = []  # [step, micro-batch] where grad_sync.preempted() said True
 for run in args.runs:
     accelerator.gradient_accumulation_steps = 2
     loop = Loop()
@@ -179,6 +190,7 @@ for run in args.runs:
     accelerator.gradient_state._set_sync_gradients(True)  # a run that ended mid-window left it False
     counter.take()
     out: dict = {"error": None}
+    preempted_at.clear()
     try:
         if "refuse" in run:
             refuse(run, handle, loop)
@@ -187,7 +199,7 @@ for run in args.runs:
     except ValueError as e:
         out["error"] = str(e)
     if handle is not None:
-        out["decision"] = handle.describe()
+        out["decision"], out["preempted_at"] = handle.describe(), list(preempted_at)
         stats = handle.stats()
         out["stats"] = {k: stats[k] for k in STATS}
         handle.detach()
