@@ -10,7 +10,8 @@ Under window (FSDP2) and DDP's deferral the collectives per step, counted from o
 same whatever the counts and nothing is replayed; in the other modes each rank issues per step what
 the padded run issues. The decision line says which of the two the plan is. `preempted()` asked
 after every micro-batch agrees at the end of the step one rank was signalled in, on every rank at
-its own last micro-batch, replays or none. Bad uses are refused in one line, on every rank where a
+its own last micro-batch, replays or none. A frozen reference model forwarded in every micro-batch
+is replayed with the trained one, unless resident (auto keeps it). Bad uses are refused in one line, on every rank where a
 count is wrong."""
 
 import json
@@ -104,10 +105,19 @@ def _preempted_runs(mode: str) -> list[dict]:
     return [pad, {"name": f"{mode}/preempted", "references": [pad["name"]], **asks}]
 
 
+def _reference_runs(mode: str) -> list[dict]:
+    """A frozen reference model (3 FSDP2 units, not trained) forwarded without gradients in every
+    micro-batch, against the same loop padded."""
+    common = {"config": MODES[mode], "counts": COUNTS, "loop": "reference"}
+    pad = {"name": f"{mode}/reference/pad", "style": "pad", **common}
+    return [pad, {"name": f"{mode}/reference", "style": "step", "references": [pad["name"]], **common}]
+
+
 @pytest.fixture(scope="module")
 def fsdp2():
     runs = _runs(FSDP2_MODES) + [_accelerate_alone("window")] + _loop_runs("deferred") + REFUSALS
     runs += _preempted_runs("per_micro_batch") + _preempted_runs("window")
+    runs += [run for mode in ("per_micro_batch", "window", "auto") for run in _reference_runs(mode)]
     return launch("uneven_steps", ["--runs", json.dumps(runs)], accelerate_config("fsdp2"), timeout=TIMEOUT)
 
 
@@ -216,6 +226,23 @@ def test_fsdp2_preempted_asked_after_every_micro_batch_agrees_at_the_step_end_on
             # True once, at this rank's own last micro-batch of the step the signal came before.
             assert run["preempted_at"] == [[1, COUNTS[1][r] - 1]], (mode, run["preempted_at"])
             assert run["stats"]["optimizer_steps"] == 2, run["stats"]
+
+
+def test_fsdp2_a_reference_model_forwarded_every_micro_batch_replays_with_it_unless_resident(fsdp2):
+    """The reference model's all-gathers depend on the count unless it stays unsharded: a short
+    rank replays its forwards too (window's trained units are free, the reference is not); auto
+    keeps it resident (room for it) and from its second step windows every unit: nothing replayed."""
+    for r, rank in enumerate(fsdp2):
+        own = [c[r] for c in COUNTS]
+        for mode in ("per_micro_batch", "window", "auto"):
+            run, pad = rank["runs"][f"{mode}/reference"], rank["runs"][f"{mode}/reference/pad"]
+            assert run["error"] is None and all(run["equal"].values()), (mode, run["error"], run["equal"])
+            free = {"auto": 1}.get(mode, len(COUNTS))  # the first step that replays nothing
+            assert run["stats"]["replayed_micro_batches"] == sum(LARGEST[:free]) - sum(own[:free]), (mode, run)
+            assert run["per_step"][:free] == pad["per_step"][:free], (mode, run["per_step"], pad["per_step"])
+            assert len({json.dumps(s, sort_keys=True) for s in run["per_step"][free:]}) <= 1, (mode, run["per_step"])
+    for mode in ("per_micro_batch", "window", "auto"):
+        assert fsdp2[0]["runs"][f"{mode}/reference"]["per_step"] == fsdp2[1]["runs"][f"{mode}/reference"]["per_step"]
 
 
 def _check_accelerate_alone(ranks: list[dict], mode: str) -> None:

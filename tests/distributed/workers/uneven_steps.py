@@ -68,12 +68,17 @@ def samples_of(step: int, counts: list[int]) -> int:
 
 
 class Loop:
-    def __init__(self) -> None:
+    def __init__(self, reference: bool = False) -> None:
         set_seed(0)
         model = TinyNet()
         optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
         self.model, self.optimizer = accelerator.prepare(model, optimizer)
         self.logged: list[float] = []
+        self.ref = None
+        if reference:  # a frozen reference model, as RL loops regularize against: another seed
+            set_seed(1)
+            ref = TinyNet().requires_grad_(False)  # accelerate's FSDP2 prepares a model with an optimizer: an idle one
+            self.ref, _ = accelerator.prepare(ref, torch.optim.SGD(ref.parameters(), lr=0.0))
         if isinstance(self.model, torch.nn.parallel.DistributedDataParallel):
             # DDP all-reduces from C++; the default hook does the same through torch.distributed.
             self.model.register_comm_hook(None, allreduce_hook)
@@ -82,8 +87,12 @@ class Loop:
         """`loop`: `clip` (clip at the step, then step, inside the block), `no_clip` (step inside
         the block, no clip), `step_outside` (step after the block), `reduce_log` (the loss summed
         over ranks at the step, before stepping), `loss_backward` (`clip` with `loss.backward()`),
-        `two_forwards` (`clip`, the model forwarded twice). `fail`: raise after the forward."""
+        `two_forwards` (`clip`, the model forwarded twice), `reference` (`clip`, the target moved half way to a frozen
+        reference model's output, its forward without gradients first, as TRL's log-prob pass). `fail`: raise after the forward."""
         with accelerator.accumulate(self.model):
+            if loop == "reference":
+                with torch.no_grad():
+                    y = (y + self.ref(x)) / 2
             loss = F.mse_loss(self.model(x), y, reduction="sum") * (N / samples)
             if loop == "two_forwards":
                 loss = loss + F.mse_loss(self.model(x * 0.5), y, reduction="sum") * (N / samples)
@@ -93,7 +102,7 @@ class Loop:
                 (loss * scale).backward()
             else:  # accelerate divides by gradient_accumulation_steps: the step's own count cancels it.
                 accelerator.backward(loss * accelerator.gradient_accumulation_steps * scale)
-            if accelerator.sync_gradients and loop in ("clip", "loss_backward", "two_forwards"):
+            if accelerator.sync_gradients and loop in ("clip", "loss_backward", "two_forwards", "reference"):
                 accelerator.clip_grad_norm_(self.model.parameters(), CLIP)
             if accelerator.sync_gradients and loop == "reduce_log":
                 self.logged.append(accelerator.reduce(loss.detach()[None] * scale, "sum").item())
@@ -183,7 +192,7 @@ params: dict[str, dict] = {}
 preempted_at: list[list[int]] = []  # [step, micro-batch] where grad_sync.preempted() said True
 for run in args.runs:
     accelerator.gradient_accumulation_steps = 2
-    loop = Loop()
+    loop = Loop(reference=run.get("loop") == "reference")
     config = run.get("config")
     handle = accel_gradsync.attach(accelerator, accel_gradsync.GradSyncConfig(**config)) if config is not None else None
     accelerator.step = 0
