@@ -11,8 +11,8 @@ same whatever the counts and nothing is replayed; in the other modes each rank i
 the padded run issues. The decision line says which of the two the plan is. `preempted()` asked
 after every micro-batch agrees at the end of the step one rank was signalled in, on every rank at
 its own last micro-batch, replays or none. A frozen reference model forwarded in every micro-batch
-is replayed with the trained one, unless resident (auto keeps it). Bad uses are refused in one line, on every rank where a
-count is wrong."""
+is replayed with the trained one, unless resident (auto keeps it). Bad uses are refused in one
+line, on every rank where a count is wrong."""
 
 import json
 
