@@ -77,7 +77,7 @@ class Loop:
         self.ref = None
         if reference:  # a frozen reference model, as RL loops regularize against: another seed
             set_seed(1)
-            ref = TinyNet().requires_grad_(False)  # accelerate's FSDP2 prepares a model with an optimizer: an idle one
+            ref = TinyNet().requires_grad_(False)  # accelerate's FSDP2 prepares a model with an optimizer
             self.ref, _ = accelerator.prepare(ref, torch.optim.SGD(ref.parameters(), lr=0.0))
         if isinstance(self.model, torch.nn.parallel.DistributedDataParallel):
             # DDP all-reduces from C++; the default hook does the same through torch.distributed.
@@ -87,8 +87,9 @@ class Loop:
         """`loop`: `clip` (clip at the step, then step, inside the block), `no_clip` (step inside
         the block, no clip), `step_outside` (step after the block), `reduce_log` (the loss summed
         over ranks at the step, before stepping), `loss_backward` (`clip` with `loss.backward()`),
-        `two_forwards` (`clip`, the model forwarded twice), `reference` (`clip`, the target moved half way to a frozen
-        reference model's output, its forward without gradients first, as TRL's log-prob pass). `fail`: raise after the forward."""
+        `two_forwards` (`clip`, the model forwarded twice), `reference` (`clip`, the target moved
+        half way to a frozen reference model's output, its forward without gradients first, as
+        TRL's log-prob pass). `fail`: raise after the forward."""
         with accelerator.accumulate(self.model):
             if loop == "reference":
                 with torch.no_grad():
