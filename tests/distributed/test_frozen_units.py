@@ -248,6 +248,7 @@ def test_auto_plans_step_1_from_the_forecast_of_the_split_model_with_its_kept_un
         assert [s["all_gathers"] for s in run["steps"]] == [LAYERS + frozen_units(rank)] + [LAYERS] * (STEPS - 1)
 
 
+@pytest.mark.compat  # the gates read FSDP2's hooks and flags, which differ by release
 def test_generation_skips_fsdp2s_forward_work_on_the_kept_units_in_every_mode(ranks):
     for rank in ranks:
         runs = rank["runs"]
