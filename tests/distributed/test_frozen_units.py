@@ -18,7 +18,8 @@ optimizer built before `prepare` (workers/frozen_units.py).
 - Merging the adapter between steps as TRL's vLLM weight sync does, after
   `grad_sync.reshard_frozen()`, reads the weights the run without the setting reads and trains on
   to the same parameters; the kept units are gathered once more. Without the call PEFT's merge
-  raises.
+  raises. Called inside a window (between two micro-batches), the kept units are gathered once
+  more and the run stays exact.
 - A generation inside a step's first micro-batch (forwards without gradients, as TRL's) runs none of
   FSDP2's own forward work on the kept units, under per_micro_batch (`true`) as under auto, and
   reads stock's logits.
@@ -69,6 +70,13 @@ RUNS = [
     {"name": "stock_merge", "config": {}, "merge_at": 1},
     {"name": "keep_merge", "config": KEEP, "merge_at": 1},
     {"name": "keep_merge_bare", "config": KEEP, "merge_at": 1, "reshard": False},
+    # reshard_frozen() between two micro-batches of a step, under per_micro_batch and under auto.
+    {"name": "keep_reshard_mid_window", "config": KEEP, "reshard_at": [1, 1]},
+    {
+        "name": "auto_reshard_mid_window",
+        "config": {"sync_mode": "auto", "free_memory": "64MiB", **FORECAST},
+        "reshard_at": [1, 1],
+    },
     {"name": "vllm_keep", "config": KEEP, "use_vllm": True},
     {"name": "vllm_auto", "config": {"sync_mode": "budget", "memory_budget": "1MiB"}, "use_vllm": True},
     # auto planning step 1 from the whole-step forecast (runtime's units: the adapters split off).
@@ -150,6 +158,7 @@ def test_after_the_first_step_only_the_adapters_are_gathered(ranks):
         ("keep_raise", "stock_raise"),
         ("keep_merge", "stock_merge"),
         ("keep_generate", "stock_generate"),
+        ("keep_reshard_mid_window", "stock"),
     ],
 )
 def test_losses_and_parameters_equal_the_run_without_it(ranks, keep, stock):
@@ -211,6 +220,19 @@ def test_merging_the_adapter_after_reshard_frozen_reads_what_stock_reads_and_reg
         assert "DTensor" in rank["runs"]["keep_merge_bare"]["error"], rank["runs"]["keep_merge_bare"]
 
 
+def test_reshard_frozen_inside_a_window_regathers_the_kept_units_once_and_stays_exact(ranks):
+    for rank in ranks:
+        runs = rank["runs"]
+        # The second micro-batch of step 2 gathers the kept units again; step 3 none of them.
+        steps = [s["all_gathers"] for s in runs["keep_reshard_mid_window"]["steps"]]
+        assert steps == [LAYERS * M * 2 + frozen_units(rank)] * 2 + [LAYERS * M * 2], steps
+        # auto (adapters windowed): the same kept units once more, the adapters still once per step.
+        auto, forecast = runs["auto_reshard_mid_window"], runs["auto_forecast"]
+        steps = [s["all_gathers"] for s in auto["steps"]]
+        assert steps == [LAYERS + frozen_units(rank), LAYERS + frozen_units(rank), LAYERS], steps
+        assert auto["params"] == forecast["params"]  # the same run without the call
+
+
 def test_under_a_trainer_with_use_vllm_true_is_refused_and_auto_keeps_nothing(ranks):
     for rank in ranks:
         error = rank["runs"]["vllm_keep"]["error"]
@@ -221,7 +243,7 @@ def test_under_a_trainer_with_use_vllm_true_is_refused_and_auto_keeps_nothing(ra
 def test_detach_leaves_every_parameter_sharded(ranks):
     for rank in ranks:
         trained = [run for run in rank["runs"].values() if "steps" in run]
-        assert len(trained) == 21 and all(run["sharded_after_detach"] for run in trained)
+        assert len(trained) == 23 and all(run["sharded_after_detach"] for run in trained)
 
 
 def test_auto_keeps_under_budget_what_fits_and_nothing_elsewhere(ranks):

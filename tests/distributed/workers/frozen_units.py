@@ -7,7 +7,8 @@ unfreeze a base layer's MLP before step `unfreeze_at` or take the whole state di
 fail a forward before micro-batch `raise_at` ([step, k]), generate as TRL does (forwards without
 gradients inside the first micro-batch's `accumulate()`) in step `generate_at`, or merge the
 adapter as TRL's vLLM weight sync does before step `merge_at` (after `grad_sync.reshard_frozen()`
-unless `reshard` is false). A run with `counts` (per step, each rank's micro-batch count) runs each
+unless `reshard` is false), or call `grad_sync.reshard_frozen()` before micro-batch `reshard_at`
+([step, k]), inside the window. A run with `counts` (per step, each rank's micro-batch count) runs each
 step inside `grad_sync.step(n)` (`style` `step`), or pads every rank to the step's largest count
 with micro-batches of loss x 0 (`style` `pad`, the reference); each micro-batch's loss counts 1 /
 the largest. `attach_after_prepare`, `refused` (at attach: FSDP1) and `use_vllm` (a Trainer with TRL's
@@ -215,6 +216,8 @@ def one_run(run: dict) -> dict:
         if "counts" in run:
             uneven_step(run, model, optimizer, handle, step, losses)
         for k in range(M if "counts" not in run else 0):
+            if run.get("reshard_at") == [step, k]:  # grad_sync.reshard_frozen() inside the window
+                handle.reshard_frozen()
             if run.get("raise_at") == [step, k]:  # a forward that fails in its second decoder layer
                 fail = model.base_model.model.model.layers[1].register_forward_pre_hook(_raise)
                 try:
