@@ -227,7 +227,9 @@ class GradSyncHandle:
             `ValueError`: `n` below 1 on any rank (on every rank); a Trainer; inside `join()` or
                 another `step()`; mid-window; a prepared DataLoader with `sync_with_dataloader`; a
                 rank that ran another count than its `n`, or, in a step with replays, an optimizer
-                step before the last micro-batch's backward on any rank (both at the block's end).
+                step before the last micro-batch's backward on any rank (both at the block's end);
+                in a step whose counts differ, a loop collective (`accelerator.gather`, `reduce`,
+                ...) between two of this rank's micro-batches (there).
         """
         return self._steps.step(n, tokens, samples)
 

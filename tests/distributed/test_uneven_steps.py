@@ -92,6 +92,7 @@ REFUSALS = [
         "ran_other_count",
         "prepared_dataloader",
         "step_before_backward",
+        "gather_every_micro_batch",
     )
 ]
 
@@ -294,6 +295,8 @@ def test_ddp_every_mode_ends_at_the_padded_run_with_per_rank_counts(ddp):
         ("prepared_dataloader", "sync_with_dataloader=False", True),
         # Every rank, at the block's end: the shorter one raising at the step would leave the other waiting.
         ("step_before_backward", "an optimizer step ran before the last micro-batch's backward", True),
+        # Both ranks gather after micro-batch 1, before their last: each refuses there.
+        ("gather_every_micro_batch", "accelerator.gather() after micro-batch 1 of this rank's", True),
     ],
 )
 def test_bad_uses_are_refused_in_one_line(fsdp2, what, says, every_rank):

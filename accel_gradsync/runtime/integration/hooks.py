@@ -103,23 +103,23 @@ def hook_accelerator(
 
         # Inside join(): a rank that left issues each of these with zeros, as DDP's Join does.
         def gather(self, tensor):
-            steps.after_backward_point()
+            steps.loop_collective("gather")
             with join.loop_collective("gather", tensor, {}):
                 return super().gather(tensor)
 
         def gather_for_metrics(self, input_data, use_gather_object=False):
-            steps.after_backward_point()
+            steps.loop_collective("gather_for_metrics")
             with join.loop_collective("gather_for_metrics", input_data, {"use_gather_object": use_gather_object}):
                 return super().gather_for_metrics(input_data, use_gather_object=use_gather_object)
 
         def reduce(self, tensor, reduction="sum", scale=1.0):
-            steps.after_backward_point()
+            steps.loop_collective("reduce")
             with join.loop_collective("reduce", tensor, {"reduction": reduction, "scale": scale}):
                 return super().reduce(tensor, reduction=reduction, scale=scale)
 
         def pad_across_processes(self, tensor, dim=0, pad_index=0, pad_first=False):
             kwargs = {"dim": dim, "pad_index": pad_index, "pad_first": pad_first}
-            steps.after_backward_point()
+            steps.loop_collective("pad_across_processes")
             with join.loop_collective("pad_across_processes", tensor, kwargs):
                 return super().pad_across_processes(tensor, **kwargs)
 

@@ -24,10 +24,13 @@ Trade-off: one small collective per step (two in a step with replays); with repl
 padding would cost on the ranks that replay (no more), and the last micro-batch's inputs kept until
 they ran. Refused in one line before any collective: a Trainer, inside `join()`, mid-window, a
 prepared DataLoader ending the window itself (`sync_with_dataloader`), a count below 1 on any rank
-(every rank refuses). Refused at the block's end: a rank that ran another count than it said and,
-in a step with replays, an optimizer step before the last micro-batch's backward on any rank
-(agreed in one more small collective; a backward through its outputs is seen however the loop
-calls it).
+(every rank refuses). Refused where it is issued: in a step whose counts differ, a loop collective
+(`gather`, `reduce`, ...) between two of a rank's micro-batches, which the ranks would issue a
+different number of times (a rank that issues it after its last micro-batch does not refuse, and
+waits in it until the launcher stops the run the other rank left). Refused at the block's end: a
+rank that ran another count than it said and, in a step with replays, an optimizer step before
+the last micro-batch's backward on any rank (agreed in one more small collective; a backward
+through its outputs is seen however the loop calls it).
 """
 
 from __future__ import annotations
@@ -153,6 +156,27 @@ class UnevenSteps:
         """`accelerator.backward` (hooks.py): the recorded micro-batch backs up here too."""
         if self._pending is not None and not self._replaying:
             self._pending.backward()
+
+    def loop_collective(self, name: str) -> None:
+        """`accelerator.<name>()` (hooks.py: gather, reduce, ...). In a step whose counts differ,
+        between two of this rank's micro-batches it is refused: the other ranks would issue it
+        another number of times, and one would wait for a collective that never comes. Else the
+        last micro-batch's replays run first (`after_backward_point`)."""
+        shape = self.shape
+        if (
+            shape is not None
+            and shape.largest != shape.smallest
+            and 0 < self._ran < shape.micro_batches  # between two of this rank's micro-batches
+            and not self._replaying
+        ):
+            raise ValueError(
+                f"grad_sync.step({shape.micro_batches}): accelerator.{name}() after micro-batch {self._ran} of "
+                f"this rank's {shape.micro_batches}, in a step whose counts differ across ranks "
+                f"({shape.smallest} to {shape.largest}): the ranks would issue it a different number of times "
+                "and wait for each other; call it once per step, after the last micro-batch, or read the "
+                "step's totals from step.tokens or step.samples."
+            )
+        self.after_backward_point()
 
     def after_backward_point(self) -> None:
         """A clip or a loop collective (hooks.py): the last micro-batch's backwards are over, so

@@ -181,6 +181,12 @@ def refuse(run: dict, handle, loop: Loop) -> None:
                     if k == n - 1:
                         loop.optimizer.step()
                     accelerator.backward(loss)
+    elif what == "gather_every_micro_batch":  # counts 2 and 3: each rank gathers after every micro-batch
+        n = 2 + R
+        with handle.step(n):
+            for k in range(n):
+                loop.micro_batch(*batch(0, k), 8)
+                accelerator.gather(torch.ones(1))
     elif what == "prepared_dataloader":
         loader = accelerator.prepare(torch.utils.data.DataLoader(list(range(8)), batch_size=2))
         for _ in loader:
