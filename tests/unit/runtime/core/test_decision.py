@@ -54,3 +54,14 @@ def test_the_policy_s_reason_is_a_second_line():
     first, *rest = describe_decision(dataclasses.replace(plan, reason=reason), adapter, M).splitlines()
     assert first == describe_decision(plan, adapter, M)  # the decision and its cost, nothing more
     assert rest == [WHY + reason]
+
+
+def test_per_rank_counts_are_said_only_in_a_loop_of_step_n_and_say_what_makes_them_free():
+    adapter = sharded(True, trainable=True)
+    plan = DeferredSync(GradSyncConfig(defer=True).resolved()).plan(adapter, lambda: 2**30, M)
+    assert "per-rank" not in describe_decision(plan, adapter, M)  # no step(n): not said
+    free = describe_decision(plan, adapter, M, counts_free=True)
+    assert "; per-rank micro-batch counts (step(n)) free: a step issues the same collectives" in free, free
+    replays = describe_decision(plan, adapter, M, counts_free=False)
+    assert "replays its last micro-batch x 0 up to it, as padding would" in replays, replays
+    assert "(deferred with keep_params_unsharded, every unit windowed, makes them free)" in replays, replays
