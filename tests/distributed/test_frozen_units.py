@@ -20,9 +20,9 @@ optimizer built before `prepare` (workers/frozen_units.py).
   to the same parameters; the kept units are gathered once more. Without the call PEFT's merge
   raises. Called inside a window (between two micro-batches), the kept units are gathered once
   more and the run stays exact.
-- A generation inside a step's first micro-batch (forwards without gradients, as TRL's) runs none of
-  FSDP2's own forward work on the kept units, under per_micro_batch (`true`) as under auto, and
-  reads stock's logits.
+- A generation inside a step's first micro-batch (forwards without gradients, as TRL's), and an
+  evaluation between steps, run none of FSDP2's own forward work on the kept units, under
+  per_micro_batch (`true`) as under auto, and read stock's logits.
 - Per-rank micro-batch counts every step (`grad_sync.step(n)`) end at the run padded to the
   largest count, bit for bit: under per_micro_batch the short rank replays (its all-gathers are
   the padded run's), under auto (adapters windowed) nothing is replayed and each step gathers
@@ -85,6 +85,9 @@ RUNS = [
     {"name": "stock_generate", "config": {}, "generate_at": 1},
     {"name": "keep_generate", "config": KEEP, "generate_at": 1},
     {"name": "auto_generate", "config": {"sync_mode": "auto", "free_memory": "64MiB", **FORECAST}, "generate_at": 1},
+    # An evaluation (the same forwards, in eval mode) between steps 1 and 2, outside accumulate().
+    {"name": "stock_evaluate", "config": {}, "evaluate_at": 1},
+    {"name": "keep_evaluate", "config": KEEP, "evaluate_at": 1},
     # Per-rank counts every step (grad_sync.step(n)) against every rank padded to the largest.
     *(
         {"name": f"{name}_uneven{style}", "config": config, "counts": UNEVEN, "style": style or "step"}
@@ -158,6 +161,7 @@ def test_after_the_first_step_only_the_adapters_are_gathered(ranks):
         ("keep_raise", "stock_raise"),
         ("keep_merge", "stock_merge"),
         ("keep_generate", "stock_generate"),
+        ("keep_evaluate", "stock_evaluate"),
         ("keep_reshard_mid_window", "stock"),
     ],
 )
@@ -243,7 +247,7 @@ def test_under_a_trainer_with_use_vllm_true_is_refused_and_auto_keeps_nothing(ra
 def test_detach_leaves_every_parameter_sharded(ranks):
     for rank in ranks:
         trained = [run for run in rank["runs"].values() if "steps" in run]
-        assert len(trained) == 23 and all(run["sharded_after_detach"] for run in trained)
+        assert len(trained) == 25 and all(run["sharded_after_detach"] for run in trained)
 
 
 def test_auto_keeps_under_budget_what_fits_and_nothing_elsewhere(ranks):
@@ -287,6 +291,11 @@ def test_generation_skips_fsdp2s_forward_work_on_the_kept_units_in_every_mode(ra
             assert runs[name]["stats"]["units_resident"] == frozen_units(rank), runs[name]["stats"]
             assert runs[name]["frozen_forward_records"] == records, (name, runs[name]["frozen_forward_records"])
         assert runs["keep_generate"]["generated"] == stock["generated"]
+        # Between steps too (an evaluation): the kept units idle, stock's logits.
+        evaluate, stock_evaluate = runs["keep_evaluate"], runs["stock_evaluate"]
+        assert evaluate["evaluated"] == stock_evaluate["evaluated"]
+        assert stock_evaluate["frozen_forward_records"] == frozen_in_stock * TOKENS, stock_evaluate
+        assert evaluate["frozen_forward_records"] == TOKENS, evaluate  # the root's, as keep_generate's
         # auto reduces the same gradients once per step: the same logits to float rounding.
         auto, want = _flatten(runs["auto_generate"]["generated"]), _flatten(stock["generated"])
         assert len(auto) == len(want) and auto == pytest.approx(want, rel=1e-4, abs=1e-6)
