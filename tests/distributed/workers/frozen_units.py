@@ -5,14 +5,15 @@ before `prepare`, then STEPS optimizer steps of M causal-LM micro-batches under
 unfreeze a base layer's MLP before step `unfreeze_at` or take the whole state dict before step
 `state_dict_at`, save the state before step `save_at` and load it back before step `load_at`,
 fail a forward before micro-batch `raise_at` ([step, k]), generate as TRL does (forwards without
-gradients inside the first micro-batch's `accumulate()`) in step `generate_at` (or between steps, in eval mode, before step `evaluate_at`), merge the adapter
-as TRL's vLLM weight sync does before step `merge_at` (after `grad_sync.reshard_frozen()` unless
-`reshard` is false), or call `grad_sync.reshard_frozen()` inside the window, before micro-batch
-`reshard_at` ([step, k]). A run with `counts` (per step, each rank's micro-batch count) runs each
-step inside `grad_sync.step(n)` (`style` `step`), or pads every rank to the step's largest count
-with micro-batches of loss x 0 (`style` `pad`, the reference); each micro-batch's loss counts 1 /
-the largest. `attach_after_prepare`, `refused` (at attach: FSDP1) and `use_vllm` (a Trainer with
-TRL's GRPOConfig(use_vllm=True)) report the refusal.
+gradients inside the first micro-batch's `accumulate()`) in step `generate_at` (or between steps,
+in eval mode, before step `evaluate_at`), merge the adapter as TRL's vLLM weight sync does before
+step `merge_at` (after `grad_sync.reshard_frozen()` unless `reshard` is false), or call
+`grad_sync.reshard_frozen()` inside the window, before micro-batch `reshard_at` ([step, k]). A
+run with `counts` (per step, each rank's micro-batch count) runs each step inside
+`grad_sync.step(n)` (`style` `step`), or pads every rank to the step's largest count with
+micro-batches of loss x 0 (`style` `pad`, the reference); each micro-batch's loss counts 1 / the
+largest. `attach_after_prepare`, `refused` (at attach: FSDP1) and `use_vllm` (a Trainer with TRL's
+GRPOConfig(use_vllm=True)) report the refusal.
 
 Reported per run: per step the all-gathers (calls, and the bytes of their outputs) counted from
 outside by wrapping torch.distributed, the losses; the final parameters (full tensors); the
