@@ -93,6 +93,7 @@ REFUSALS = [
         "prepared_dataloader",
         "step_before_backward",
         "gather_every_micro_batch",
+        "forward_between_micro_batches",
     )
 ]
 
@@ -114,11 +115,20 @@ def _reference_runs(mode: str) -> list[dict]:
     return [pad, {"name": f"{mode}/reference", "style": "step", "references": [pad["name"]], **common}]
 
 
+def _evaluate_runs(mode: str) -> list[dict]:
+    """The model forwarded without gradients after every micro-batch, outside accumulate() (an
+    evaluation), against the same loop padded (which evaluates after its padding too)."""
+    common = {"config": MODES[mode], "counts": COUNTS, "loop": "evaluate"}
+    pad = {"name": f"{mode}/evaluate/pad", "style": "pad", **common}
+    return [pad, {"name": f"{mode}/evaluate", "style": "step", "references": [pad["name"]], **common}]
+
+
 @pytest.fixture(scope="module")
 def fsdp2():
     runs = _runs(FSDP2_MODES) + [_accelerate_alone("window")] + _loop_runs("deferred") + REFUSALS
     runs += _preempted_runs("per_micro_batch") + _preempted_runs("window")
     runs += [run for mode in ("per_micro_batch", "window", "auto") for run in _reference_runs(mode)]
+    runs += _evaluate_runs("window")
     return launch("uneven_steps", ["--runs", json.dumps(runs)], accelerate_config("fsdp2"), timeout=TIMEOUT)
 
 
@@ -247,6 +257,21 @@ def test_fsdp2_a_reference_model_forwarded_every_micro_batch_replays_with_it_unl
         assert fsdp2[0]["runs"][f"{mode}/reference"]["per_step"] == fsdp2[1]["runs"][f"{mode}/reference"]["per_step"]
 
 
+def test_fsdp2_an_evaluation_between_micro_batches_is_free_where_the_counts_are(fsdp2):
+    """Under window, an evaluation after every micro-batch (outside accumulate(), without
+    gradients) runs a different number of times on each rank and issues nothing between the
+    micro-batches (the window's units stay unsharded): each step issues what the padded run's does
+    (which evaluates after its padding too), the same whatever the counts, and ends at its
+    parameters. Under a plan that replays it is refused (test_bad_uses_are_refused_in_one_line)."""
+    for rank in fsdp2:
+        run, pad = rank["runs"]["window/evaluate"], rank["runs"]["window/evaluate/pad"]
+        assert run["error"] is None and all(run["equal"].values()), (run["error"], run["equal"])
+        assert run["per_step"] == pad["per_step"], (run["per_step"], pad["per_step"])
+        assert len({json.dumps(s, sort_keys=True) for s in run["per_step"][1:]}) == 1, run["per_step"]
+        assert all(step["reduce_scatters"] == TINYNET_UNITS for step in run["per_step"]), run["per_step"]
+    assert fsdp2[0]["runs"]["window/evaluate"]["per_step"] == fsdp2[1]["runs"]["window/evaluate"]["per_step"]
+
+
 def _check_accelerate_alone(ranks: list[dict], mode: str) -> None:
     for rank in ranks:
         run = rank["runs"][f"{mode}/accelerate"]
@@ -297,6 +322,8 @@ def test_ddp_every_mode_ends_at_the_padded_run_with_per_rank_counts(ddp):
         ("step_before_backward", "an optimizer step ran before the last micro-batch's backward", True),
         # Both ranks gather after micro-batch 1, before their last: each refuses there.
         ("gather_every_micro_batch", "accelerator.gather() after micro-batch 1 of this rank's", True),
+        # An evaluation after every micro-batch, outside accumulate(): each refuses before its all-gathers.
+        ("forward_between_micro_batches", "a forward of FSDPTinyNet outside accumulate() after micro-batch 1", True),
     ],
 )
 def test_bad_uses_are_refused_in_one_line(fsdp2, what, says, every_rank):

@@ -85,6 +85,8 @@ def hook_accelerator(
                         window.abort()
                         self.step = 0  # accelerate's window counter: the next window starts fresh
                         raise
+                    finally:
+                        steps.leave()
 
         def clip_grad_norm_(self, parameters, max_norm, norm_type=2):  # accelerate's signature
             steps.after_backward_point()  # step(n): the last micro-batch's replays first

@@ -27,7 +27,9 @@ prepared DataLoader ending the window itself (`sync_with_dataloader`), a count b
 (every rank refuses). Refused where it is issued: in a step whose counts differ, a loop collective
 (`gather`, `reduce`, ...) between two of a rank's micro-batches, which the ranks would issue a
 different number of times (a rank that issues it after its last micro-batch does not refuse, and
-waits in it until the launcher stops the run the other rank left). Refused at the block's end: a
+waits in it until the launcher stops the run the other rank left); in a step with replays, a
+forward of a bound model outside `accumulate()` between two of a rank's micro-batches (an
+evaluation), refused before its collectives for the same reason. Refused at the block's end: a
 rank that ran another count than it said and, in a step with replays, an optimizer step before
 the last micro-batch's backward on any rank (agreed in one more small collective; a backward
 through its outputs is seen however the loop calls it).
@@ -83,6 +85,7 @@ class UnevenSteps:
         self._pending: Iteration | None = None  # the last micro-batch, recorded to replay
         self._uneven = False  # the step replays on some rank: every rank watches its last backward
         self._watching = False  # this rank's last micro-batch began and its backward is watched
+        self._inside = False  # inside one of the block's accumulate() blocks
         self._backed = False  # a backward reached the last micro-batch's outputs
         self._misordered = False  # an optimizer step ran before that backward (refused at the block's end)
         self._output_hooks: list = []  # on the bound models' forwards, while it is recorded
@@ -129,7 +132,7 @@ class UnevenSteps:
         recorded from here."""
         if self.shape is None or self._replaying:
             return False
-        self._ran += 1
+        self._ran, self._inside = self._ran + 1, True
         if self._ran == 1:
             self._plan_step(self.shape)
         last = self._ran == self.shape.micro_batches
@@ -145,8 +148,12 @@ class UnevenSteps:
         if not self._replays:
             return False
         self._pending = Iteration(models)
-        self._forwards.watch(self.state.adapters)
         return True
+
+    def leave(self) -> None:
+        """`accumulate()` left (hooks.py), its replays run."""
+        if not self._replaying:
+            self._inside = False
 
     def hold(self, no_sync: contextlib.AbstractContextManager) -> None:
         """Enter the window's `no_sync` of one model for the last micro-batch, until `flush`."""
@@ -210,7 +217,6 @@ class UnevenSteps:
 
     def _stop_recording(self) -> None:
         self._pending, self._watching = None, False
-        self._forwards.close()
         for handle in self._output_hooks:
             handle.remove()
         self._output_hooks = []
@@ -232,9 +238,22 @@ class UnevenSteps:
         """Detach."""
         self._close()
 
-    # -- join_watch.ForwardWatch's sink ----------------------------------------------------------
+    # -- join_watch.ForwardWatch's sink, in a step with replays ----------------------------------
     def start(self, module: nn.Module) -> None:
-        pass  # the micro-batch began at accumulate()
+        """A bound model's forward begins, before its collectives: refused outside `accumulate()`
+        between two of this rank's micro-batches (an evaluation), which the ranks would run a
+        different number of times. Before the first or after the last (its replays ran at its
+        `accumulate()`'s end), every rank runs it once."""
+        shape = self.shape
+        if shape is None or self._inside or self._replaying or not 0 < self._ran < shape.micro_batches:
+            return
+        raise ValueError(
+            f"grad_sync.step({shape.micro_batches}): a forward of {type(module).__name__} outside accumulate() "
+            f"after micro-batch {self._ran} of this rank's {shape.micro_batches}, in a step whose counts differ "
+            f"across ranks ({shape.smallest} to {shape.largest}) and whose plan replays the shorter ranks' last "
+            "micro-batch: the ranks would run it a different number of times and wait for each other; run it "
+            "before the step's first micro-batch, after its last, or inside accumulate()."
+        )
 
     def record(self, called: nn.Module, args: tuple, kwargs: dict) -> None:
         if self._pending is not None and not self._replaying:
@@ -307,13 +326,16 @@ class UnevenSteps:
             bound.account.record_uneven(shape.smallest, shape.largest)
         if self._uneven:
             self._step_hook = register_optimizer_step_pre_hook(self._before_optimizer_step)
+            self._forwards.watch(self.state.adapters)
 
     def _close(self) -> None:
         self.abort()
+        self._forwards.close()
         if self._step_hook is not None:
             self._step_hook.remove()
             self._step_hook = None
         self.shape, self._ran, self._replays, self._replaying, self._uneven = None, 0, 0, False, False
+        self._inside = False
         self._misordered = False
 
 

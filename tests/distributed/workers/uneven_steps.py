@@ -30,6 +30,7 @@ import accel_gradsync
 from benchmarks.collectives import KIND
 
 CLIP = 0.05  # below the gradients' norm: every step clips
+CLIPPED = ("clip", "loss_backward", "two_forwards", "reference", "evaluate")  # the loops that clip
 STATS = (
     "micro_batches",
     "optimizer_steps",
@@ -89,7 +90,8 @@ class Loop:
         over ranks at the step, before stepping), `loss_backward` (`clip` with `loss.backward()`),
         `two_forwards` (`clip`, the model forwarded twice), `reference` (`clip`, the target moved
         half way to a frozen reference model's output, its forward without gradients first, as
-        TRL's log-prob pass). `fail`: raise after the forward."""
+        TRL's log-prob pass), `evaluate` (`clip`; `one_step` forwards the model without gradients
+        after the block). `fail`: raise after the forward."""
         with accelerator.accumulate(self.model):
             if loop == "reference":
                 with torch.no_grad():
@@ -103,7 +105,7 @@ class Loop:
                 (loss * scale).backward()
             else:  # accelerate divides by gradient_accumulation_steps: the step's own count cancels it.
                 accelerator.backward(loss * accelerator.gradient_accumulation_steps * scale)
-            if accelerator.sync_gradients and loop in ("clip", "loss_backward", "two_forwards", "reference"):
+            if accelerator.sync_gradients and loop in CLIPPED:
                 accelerator.clip_grad_norm_(self.model.parameters(), CLIP)
             if accelerator.sync_gradients and loop == "reduce_log":
                 self.logged.append(accelerator.reduce(loss.detach()[None] * scale, "sum").item())
@@ -134,21 +136,28 @@ def train(run: dict, handle, loop: Loop) -> list[dict]:
 def one_step(run: dict, handle, loop: Loop, s: int, counts: list[int], style: str) -> None:
     n, most, samples = counts[R], max(counts), samples_of(s, counts)
     fails = s == run.get("raise_at")
+
+    def micro_batch(x, y, *args, **kwargs) -> None:
+        loop.micro_batch(x, y, *args, **kwargs)
+        if style == "evaluate":  # an evaluation after every micro-batch, outside accumulate()
+            with torch.no_grad():
+                loop.model(x)
+
     if run["style"] == "pad":
         accelerator.gradient_accumulation_steps, accelerator.step = most, 0
         for k in range(most):
             x, y = batch(s, min(k, n - 1))
-            loop.micro_batch(x, y, samples, scale=1.0 if k < n else 0.0, loop=style, fail=fails and k == 0)
+            micro_batch(x, y, samples, scale=1.0 if k < n else 0.0, loop=style, fail=fails and k == 0)
     elif run["style"] == "accelerate":  # accelerate's own count, restarted: what step(n) sets
         accelerator.gradient_accumulation_steps, accelerator.step = n, 0
         for k in range(n):
-            loop.micro_batch(*batch(s, k), samples, loop=style, fail=fails and k == 0)
+            micro_batch(*batch(s, k), samples, loop=style, fail=fails and k == 0)
     else:
         mine = sum(rows(s, k, R) for k in range(n))
         with handle.step(n, samples=mine) as step:
             assert (step.largest, step.smallest, step.samples) == (most, min(counts), samples), step
             for k in range(n):
-                loop.micro_batch(*batch(s, k), step.samples, loop=style, fail=fails and k == 0)
+                micro_batch(*batch(s, k), step.samples, loop=style, fail=fails and k == 0)
                 if run.get("ask") and handle.preempted():  # after every micro-batch, as docs/modes.md says
                     preempted_at.append([s, k])
 
@@ -187,6 +196,13 @@ def refuse(run: dict, handle, loop: Loop) -> None:
             for k in range(n):
                 loop.micro_batch(*batch(0, k), 8)
                 accelerator.gather(torch.ones(1))
+    elif what == "forward_between_micro_batches":  # counts 2 and 3: an evaluation after every micro-batch
+        n = 2 + R
+        with handle.step(n):
+            for k in range(n):
+                loop.micro_batch(*batch(0, k), 8)
+                with torch.no_grad():  # outside accumulate(): FSDP2 all-gathers for it under deferred
+                    loop.model(batch(0, k)[0])
     elif what == "prepared_dataloader":
         loader = accelerator.prepare(torch.utils.data.DataLoader(list(range(8)), batch_size=2))
         for _ in loader:
