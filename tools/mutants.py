@@ -46,6 +46,21 @@ MUTANTS: dict[str, dict] = {
             "tests/distributed/test_uneven_steps.py::test_fsdp2_every_mode_ends_at_the_padded_run_with_per_rank_counts"
         ],
     },
+    "uneven_steps_last_micro_batch_gathers_per_token": {
+        "what": "under window, step(n)'s last micro-batch reshards after each forward: a generation there "
+        "gathers per token while a longer count's held micro-batch gathers once",
+        "edits": [
+            (
+                "accel_gradsync/runtime/integration/hooks.py",
+                "if steps.keeps_windowed():",
+                "if False:",
+            )
+        ],
+        "tests": [
+            "tests/distributed/test_uneven_steps.py::"
+            "test_a_generation_before_the_first_micro_batch_or_under_window_runs_with_per_rank_counts"
+        ],
+    },
     "kept_frozen_units_never_gated": {
         "what": "FSDP2's per-forward work runs at every generated token on keep_frozen_unsharded's units",
         "edits": [

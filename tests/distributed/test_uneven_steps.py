@@ -15,9 +15,12 @@ is replayed with the trained one, unless resident (auto keeps it). Bad uses are 
 line, on every rank where a count is wrong."""
 
 import json
+import time
 
 import pytest
-from launcher import accelerate_config, launch
+from launcher import WORKERS, accelerate_config, launch
+
+from benchmarks.launch import launch as launch_ranks
 
 COUNTS = [[3, 1], [2, 4], [1, 1], [4, 2]]
 LARGEST = [max(c) for c in COUNTS]
@@ -270,6 +273,61 @@ def test_fsdp2_an_evaluation_between_micro_batches_is_free_where_the_counts_are(
         assert len({json.dumps(s, sort_keys=True) for s in run["per_step"][1:]}) == 1, run["per_step"]
         assert all(step["reduce_scatters"] == TINYNET_UNITS for step in run["per_step"]), run["per_step"]
     assert fsdp2[0]["runs"]["window/evaluate"]["per_step"] == fsdp2[1]["runs"]["window/evaluate"]["per_step"]
+
+
+QWEN2 = accelerate_config("fsdp2", fsdp_transformer_layer_cls_to_wrap="Qwen2DecoderLayer")
+GENERATE_COUNTS = [1, 2]  # rank 0's first micro-batch is its last
+QWEN2_UNITS = 3  # tiny_qwen2_config: two decoder layers and the root
+GENERATE_TIMEOUT = 120  # each launch takes about 10 s; a hang ends here
+
+
+@pytest.fixture(scope="module")
+def generating():
+    """transformers' generate on a tiny Qwen2 (workers/token_sync.py, rank r asks for 3 + 4r new
+    tokens), inside step(n): before the first micro-batch under a plan that replays; inside the
+    first micro-batch under window, where it is rank 0's last and rank 1's held one."""
+    runs = [
+        {"name": "stock", "config": {}, "at": "outside"},
+        {"name": "replays/before", "config": {}, "at": "outside", "counts": GENERATE_COUNTS},
+        {"name": "window/inside", "config": MODES["window"], "at": "inside", "counts": GENERATE_COUNTS},
+    ]
+    return launch("token_sync", ["--runs", json.dumps(runs)], QWEN2, timeout=GENERATE_TIMEOUT)
+
+
+def test_a_generation_before_the_first_micro_batch_or_under_window_runs_with_per_rank_counts(generating):
+    """Each rank generates what stock generates and trains its own count. Under window rank 0's
+    generation sits in its last micro-batch: it gathers the units once, as rank 1's inside its
+    held one does (not once per token, which would leave rank 1 waiting), and from the second
+    step runs without transformers' per-token all-reduce on both (the first proves it free)."""
+    for r, rank in enumerate(generating):
+        stock = rank["runs"]["stock"]["steps"]
+        for name in ("replays/before", "window/inside"):
+            steps = rank["runs"][name]["steps"]
+            assert steps[0]["completions"] == stock[0]["completions"], name  # the same model generated
+            assert steps[0]["losses"][0] == pytest.approx(stock[0]["losses"][0], rel=1e-6), name
+            assert [len(s["losses"]) for s in steps] == [GENERATE_COUNTS[r]] * len(steps), name
+        window = [s["generate"] for s in rank["runs"]["window/inside"]["steps"]]
+        assert [g["all_gathers"] for g in window] == [QWEN2_UNITS] * len(window), window
+        assert [g["all_reduces"] for g in window[1:]] == [0] * (len(window) - 1), window
+    for name in ("replays/before", "window/inside"):
+        per_rank = [[s["generate"] for s in rank["runs"][name]["steps"]] for rank in generating]
+        assert per_rank[0] == per_rank[1], (name, per_rank)  # each rank's generation issues the same
+
+
+def test_a_generation_inside_a_micro_batch_a_rank_replays_is_refused_and_the_run_ends():
+    """Rank 0's only micro-batch generates under per_micro_batch: it would be replayed with its
+    generation (a KV cache grown in place) while rank 1 generated once. Rank 0 refuses at the
+    generation's first forward, before its all-gathers; rank 1, in that forward's all-gather, sees
+    rank 0 gone and the launcher ends the run, long before the timeout."""
+    runs = [{"name": "replays/inside", "config": {}, "at": "inside", "counts": GENERATE_COUNTS}]
+    start = time.monotonic()
+    done = launch_ranks(WORKERS / "token_sync.py", ["--runs", json.dumps(runs)], QWEN2, timeout=GENERATE_TIMEOUT)
+    took = time.monotonic() - start
+    assert done.returncode != 0 and "killed after" not in done.output, done.output[-3000:]
+    says = "grad_sync.step(1): this rank's last micro-batch generates (a forward of FSDPQwen2ForCausalLM with a KV"
+    refusals = [line for line in done.output.splitlines() if says in line]
+    assert len(refusals) == 1 and refusals[0].startswith("[rank0]"), done.output[-3000:]
+    assert took < GENERATE_TIMEOUT / 2, took
 
 
 def _check_accelerate_alone(ranks: list[dict], mode: str) -> None:

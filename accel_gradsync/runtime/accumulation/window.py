@@ -43,7 +43,7 @@ class Window:
         self.state = state
         self.generation = generation  # its flags sit on top of ours: released before ours change
         self._held: dict[nn.Module, tuple[Sequence[Unit], str]] = {}  # by model: (units held, how) in no_sync
-        self._restore_forward: Callable[[], None] | None = None  # flags to put back after the last forward
+        self._restore_forward: dict[nn.Module, Callable[[], None]] = {}  # by model: flags back after its last forward
         self._open: dict[nn.Module, bool] = {}  # by model: a micro-batch in progress, and whether it ends the step
         self._step_hook: torch.utils.hooks.RemovableHandle | None = None
 
@@ -194,7 +194,7 @@ class Window:
         in_progress = self._open.get(module)
         if in_progress is not None:  # another forward of the micro-batch in progress
             if in_progress:  # it ends the step
-                self._keep_windowed(self.state.bound[module])
+                self._keep_windowed(module)
             return
         state = self.state
         # Inside no_sync a micro-batch never ends the step, even outside accumulate() (sync_gradients True).
@@ -214,7 +214,7 @@ class Window:
             # its peak, read once per window instead of after every held backward.
             bound.account.record_held(bound.adapter.held_grad_bytes())
         if ends_step:
-            self._keep_windowed(bound)
+            self._keep_windowed(module)
         self._open[module] = ends_step
         bound.account.record_micro_batch(
             bound.adapter.units,
@@ -226,23 +226,38 @@ class Window:
             gathered=bound.adapter.unsharded_now(),
         )
 
-    def _keep_windowed(self, bound: BoundModel) -> None:
+    def keep_windowed(self) -> None:
+        """`grad_sync.step(n)`, this rank's last micro-batch, under a plan that makes the counts
+        free (hooks.py): every model's windowed params stay gathered from the micro-batch's first
+        forward, one without gradients included, through its backward. A generation there then
+        gathers once, as inside a held micro-batch of a rank that runs more, not once per token."""
+        for root in self.state.bound:
+            self._keep_windowed(root)
+
+    def _keep_windowed(self, root: nn.Module) -> None:
         """A forward of the window's last micro-batch keeps the windowed params too, so its backward
         gathers nothing; the backward then reshards (reshard_after_backward is back to what it was)."""
+        bound = self.state.bound[root]
         if bound.plan.windowed:
-            self.after_forward()
-            self._restore_forward = bound.adapter.keep_params_through_forward(bound.plan.windowed)
+            self._put_back(root)
+            self._restore_forward[root] = bound.adapter.keep_params_through_forward(bound.plan.windowed)
 
-    def after_forward(self, *_: Any) -> None:
-        """Forward hook: the last forward is done; its windowed params reshard after backward again."""
-        if self._restore_forward is not None:
-            self._restore_forward()
-            self._restore_forward = None
+    def after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        """Forward hook: the last forward with gradients is done; its windowed params reshard after
+        backward again (a forward without gradients before it, a generation, keeps them)."""
+        if torch.is_grad_enabled():
+            self._put_back(module)
+
+    def _put_back(self, root: nn.Module) -> None:
+        restore = self._restore_forward.pop(root, None)
+        if restore is not None:
+            restore()
 
     def abort(self) -> None:
         """An exception (KeyboardInterrupt included) left `accumulate()`: discard the window's
         gradients, held or not, so none leaks into the next one, and put every flag back."""
-        self.after_forward()
+        for root in list(self._restore_forward):
+            self._put_back(root)
         self.end_hold()
         for key, adapter in self.state.adapters.items():
             if adapter is not None:

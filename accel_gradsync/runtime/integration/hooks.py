@@ -77,6 +77,8 @@ def hook_accelerator(
                             steps.hold(window.no_sync(model, super().no_sync))
                     elif self.sync_gradients:
                         window.end_hold()  # before the last forward: the flags the window held come back
+                        if steps.keeps_windowed():  # step(n)'s free last: gathered as a held one is
+                            window.keep_windowed()
                     try:
                         yield
                         steps.flush()  # step(n): the replays, where the loop stepped outside the block

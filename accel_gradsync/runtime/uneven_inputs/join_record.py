@@ -13,6 +13,7 @@ collectives are the training ranks'.
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -103,6 +104,21 @@ def tensors_of(tree: Any) -> list[torch.Tensor]:
     if isinstance(tree, dict):
         return [t for v in tree.values() for t in tensors_of(v)]
     return []
+
+
+def holds_generation_cache(tree: Any) -> bool:
+    """A transformers KV cache (`Cache`) among a forward's inputs, in tuples, lists and dicts: a
+    generation's forward, which grows the cache in place, so its recorded call cannot run again."""
+    cache = getattr(sys.modules.get("transformers.cache_utils"), "Cache", None)
+    if cache is None:
+        return False  # transformers not loaded: no model here generates with its cache
+    if isinstance(tree, cache):
+        return True
+    if isinstance(tree, (tuple, list)):
+        return any(holds_generation_cache(v) for v in tree)
+    if isinstance(tree, dict):
+        return any(holds_generation_cache(v) for v in tree.values())
+    return False
 
 
 def zeros_like_tree(tree: Any, device: torch.device) -> Any:

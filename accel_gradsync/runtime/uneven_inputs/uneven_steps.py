@@ -10,7 +10,9 @@ its counter restarted, so `accumulate()` syncs at this rank's n-th micro-batch);
 step's largest count (`Attachment.step_largest`), `auto` re-planning every model there on every
 rank alike. Then:
 - a plan whose step issues the same collectives whatever its count (`costs.counts_are_free`: every
-  FSDP2 unit windowed or resident, DDP held at its root): nothing more;
+  FSDP2 unit windowed or resident, DDP held at its root): nothing more, but that a rank's last
+  micro-batch keeps the windowed params from its first forward (`Window.keep_windowed`), so a
+  generation in it gathers once, as in a longer count's held micro-batch, not once per token;
 - any other plan: a rank below the largest count holds its last micro-batch like the ones before
   (hooks.py enters the window's `no_sync` for it), records its forwards (join_watch.py,
   join_record.py), and at the first clip, loop collective or optimizer step after its backward
@@ -27,10 +29,12 @@ prepared DataLoader ending the window itself (`sync_with_dataloader`), a count b
 (every rank refuses). Refused where it is issued: in a step whose counts differ, a loop collective
 (`gather`, `reduce`, ...) between two of a rank's micro-batches, which the ranks would issue a
 different number of times (a rank that issues it after its last micro-batch does not refuse, and
-waits in it until the launcher stops the run the other rank left); in a step with replays, a
+waits in it until the launcher stops the run the other rank left). In a step with replays, a
 forward of a bound model outside `accumulate()` between two of a rank's micro-batches (an
-evaluation), refused before its collectives for the same reason. Refused at the block's end: a
-rank that ran another count than it said and, in a step with replays, an optimizer step before
+evaluation), for the same reason, before its collectives; and a generation (a forward with
+transformers' KV cache) inside a micro-batch a rank replays, which cannot run again (a rank that
+generates in a longer count's first micro-batch waits until the launcher stops the run). Refused
+at the block's end: a rank that ran another count than it said and, in a step with replays, an optimizer step before
 the last micro-batch's backward on any rank (agreed in one more small collective; a backward
 through its outputs is seen however the loop calls it).
 """
@@ -49,7 +53,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from accel_gradsync.runtime.accumulation.window import Window
 from accel_gradsync.runtime.core.state import Attachment
 from accel_gradsync.runtime.uneven_inputs.join import Join
-from accel_gradsync.runtime.uneven_inputs.join_record import Iteration, replay, tensors_of
+from accel_gradsync.runtime.uneven_inputs.join_record import Iteration, holds_generation_cache, replay, tensors_of
 from accel_gradsync.runtime.uneven_inputs.join_watch import ForwardWatch
 
 
@@ -84,6 +88,7 @@ class UnevenSteps:
         self._replays = 0  # this rank's replays at the block's last micro-batch (decided at its first)
         self._pending: Iteration | None = None  # the last micro-batch, recorded to replay
         self._uneven = False  # the step replays on some rank: every rank watches its last backward
+        self._free = False  # the plan makes the counts free: nothing replayed on any rank
         self._watching = False  # this rank's last micro-batch began and its backward is watched
         self._inside = False  # inside one of the block's accumulate() blocks
         self._backed = False  # a backward reached the last micro-batch's outputs
@@ -154,6 +159,12 @@ class UnevenSteps:
         """`accumulate()` left (hooks.py), its replays run."""
         if not self._replaying:
             self._inside = False
+
+    def keeps_windowed(self) -> bool:
+        """This rank's last micro-batch under a plan that makes the counts free: it keeps the
+        windowed params from its first forward, as a longer count's held micro-batch does, so a
+        generation in it issues what the other ranks' does (hooks.py, `Window.keep_windowed`)."""
+        return self.shape is not None and self._free and self._ran == self.shape.micro_batches
 
     def hold(self, no_sync: contextlib.AbstractContextManager) -> None:
         """Enter the window's `no_sync` of one model for the last micro-batch, until `flush`."""
@@ -256,8 +267,21 @@ class UnevenSteps:
         )
 
     def record(self, called: nn.Module, args: tuple, kwargs: dict) -> None:
-        if self._pending is not None and not self._replaying:
-            self._pending.forward(called, args, kwargs)
+        """A forward of the last micro-batch this rank replays, recorded; a generation's refused
+        (its cache grows in place, and the other ranks would not generate with the replays)."""
+        iteration, shape = self._pending, self.shape
+        if iteration is None or shape is None or self._replaying:
+            return
+        if holds_generation_cache((args, kwargs)):
+            raise ValueError(
+                f"grad_sync.step({shape.micro_batches}): this rank's last micro-batch generates (a forward of "
+                f"{type(called).__name__} with a KV cache, as transformers' generate runs it) and is replayed x 0 "
+                f"up to the step's largest count, {shape.largest}: a generation cannot run again, and the other "
+                "ranks would not generate with the replays; generate before the step's first micro-batch "
+                "(packing by tokens needs the completions anyway) or use a plan that makes the counts free "
+                "(window on FSDP2)."
+            )
+        iteration.forward(called, args, kwargs)
 
     # -- inside ----------------------------------------------------------------------------------
     def _before_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
@@ -319,7 +343,7 @@ class UnevenSteps:
         whether this rank replays."""
         state = self.state
         self.window.replan_all()
-        free = state.counts_are_free()
+        free = self._free = state.counts_are_free()
         self._replays = 0 if free else shape.largest - shape.micro_batches
         self._uneven = not free and shape.largest != shape.smallest
         for bound in state.bound.values():
@@ -335,7 +359,7 @@ class UnevenSteps:
             self._step_hook.remove()
             self._step_hook = None
         self.shape, self._ran, self._replays, self._replaying, self._uneven = None, 0, 0, False, False
-        self._inside = False
+        self._inside = self._free = False
         self._misordered = False
 
 

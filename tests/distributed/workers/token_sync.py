@@ -5,8 +5,11 @@ window, or inside its first micro-batch as in TRL) and the `synced_gpus` the cal
 transformers' default). Reported per step: the all-reduces issued during `generate` (counted from
 outside, by wrapping torch.distributed), the all-gathers, the tokens, the losses; per run whether
 the model's `generate` is back to what it was before attach after detach. `collective_in_forward`:
-the first decoder layer all-reduces at every forward, as a tensor-parallel layer would."""
+the first decoder layer all-reduces at every forward, as a tensor-parallel layer would. `counts`
+(per rank): each step is `grad_sync.step(counts[rank])` with that many micro-batches, a ValueError
+left to end the process (the launcher then stops the other rank)."""
 
+import contextlib
 import json
 
 import torch
@@ -56,14 +59,16 @@ def one_run(run: dict) -> dict:
     model.train()
     for step in range(STEPS):
         record: dict = {"losses": []}
-        if run["at"] == "outside":
-            ids, record["generate"] = generate(PROMPTS[step, rank])
-        for k in range(M):
-            with accelerator.accumulate(model):
-                if k == 0 and run["at"] == "inside":
-                    ids, record["generate"] = generate(PROMPTS[step, rank])
-                batch = ids[k * B : (k + 1) * B]
-                record["losses"].append(train_lm_micro_batch(accelerator, model, optimizer, batch))
+        n = run["counts"][rank] if "counts" in run else M
+        with handle.step(n) if "counts" in run else contextlib.nullcontext():
+            if run["at"] == "outside":
+                ids, record["generate"] = generate(PROMPTS[step, rank])
+            for k in range(n):
+                with accelerator.accumulate(model):
+                    if k == 0 and run["at"] == "inside":
+                        ids, record["generate"] = generate(PROMPTS[step, rank])
+                    batch = ids[k * B : (k + 1) * B]
+                    record["losses"].append(train_lm_micro_batch(accelerator, model, optimizer, batch))
         record["completions"] = ids[:, PROMPT:].tolist()
         out["steps"].append(record)
     handle.detach()
