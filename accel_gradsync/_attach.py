@@ -18,7 +18,6 @@ gloo without a GPU: `enable_cpu_fsdp`), `teardown` (gloo's exit-time abort), `op
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import warnings
 from typing import Any
@@ -35,7 +34,7 @@ from accel_gradsync.estimator.forecast.live import LiveForecaster
 from accel_gradsync.planning.costs import reduce_dtype_policy
 from accel_gradsync.planning.memory import MemoryProbe
 from accel_gradsync.planning.policies import SyncPolicy
-from accel_gradsync.planning.residency import splits_frozen
+from accel_gradsync.planning.residency import frozen_residency_under_vllm, splits_frozen
 from accel_gradsync.runtime.handle import GradSyncHandle
 from accel_gradsync.runtime.integration.hooks import is_hooked
 from accel_gradsync.runtime.wrappers.frozen_units import applies
@@ -137,10 +136,8 @@ def _reason_not_applicable(accelerator: Accelerator) -> str | None:
 
 def _check_frozen_residency(accelerator: Accelerator, settings: ResolvedConfig, trainer: Any) -> ResolvedConfig:
     """`keep_frozen_unsharded` where it cannot work. FSDP1: a unit's flat parameter gathers its
-    frozen and trained parameters together, so true is refused. A TRL trainer with `use_vllm`: its
-    weight sync merges the adapter into the sharded base between steps (`merge_adapter` adds
-    DTensors), which a kept unit's plain tensors cannot take, so true is refused and auto keeps
-    nothing (said in one line)."""
+    frozen and trained parameters together, so true is refused. A TRL trainer with `use_vllm`:
+    `frozen_residency_under_vllm` (true refused, auto keeps nothing: said in one line here)."""
     fsdp1 = accelerator.distributed_type == DistributedType.FSDP and not applies(accelerator)
     if settings.keep_frozen_unsharded is True and fsdp1:
         raise ValueError(
@@ -150,23 +147,14 @@ def _check_frozen_residency(accelerator: Accelerator, settings: ResolvedConfig, 
         )
     if trainer is None or not getattr(trainer.args, "use_vllm", False) or not applies(accelerator):
         return settings
-    if settings.keep_frozen_unsharded is True:
-        raise ValueError(
-            "keep_frozen_unsharded=true with use_vllm=true: TRL's weight sync merges the adapter into the "
-            "sharded base between steps (merge_adapter), which a kept unsharded base cannot take; set "
-            "keep_frozen_unsharded=false (auto keeps nothing under use_vllm)."
-        )
+    under_vllm = frozen_residency_under_vllm(settings)
     params = list(trainer.model.parameters())
     if splits_frozen(settings) and any(p.requires_grad for p in params) and not all(p.requires_grad for p in params):
         accelerator.print(
             "grad sync: keep_frozen_unsharded auto keeps no frozen unit under use_vllm: TRL's weight sync merges "
             "the adapter into the sharded base between steps."
         )
-    return (
-        dataclasses.replace(settings, keep_frozen_unsharded=False)
-        if settings.keep_frozen_unsharded is None
-        else settings
-    )
+    return under_vllm
 
 
 def _check_accelerate_config(accelerator: Accelerator, policy: SyncPolicy) -> None:

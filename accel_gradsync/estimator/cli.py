@@ -141,6 +141,14 @@ class EstimateArguments:
         default=None,
         metadata={"help": "For the step peak, GRPO: completions per prompt, checked against the generation batch."},
     )
+    use_vllm: bool = field(
+        default=False,
+        metadata={
+            "help": "GRPO with TRL's use_vllm (GRPOConfig use_vllm): vLLM generates, so the step peak has no "
+            "generation phase (vLLM's memory is its own), and --grad-sync-keep-frozen-unsharded keeps no frozen "
+            "unit (true is refused), as attach decides for such a Trainer."
+        },
+    )
     beta: float = field(
         default=0.0,
         metadata={
@@ -263,6 +271,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 lora=lora,
                 beta=args.beta,
                 torch_release=args.torch,
+                use_vllm=args.use_vllm,
             )
         except ValueError as err:
             estimate_parser.error(str(err))  # exits 2 with the usage line

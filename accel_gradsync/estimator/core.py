@@ -38,6 +38,7 @@ from accel_gradsync.estimator.step_peak import StepForecaster, resident_beyond_w
 from accel_gradsync.planning.costs import all_gathers_per_step, collectives_per_step, generation_cost
 from accel_gradsync.planning.policies import POLICIES, DeferredSync, SyncPolicy
 from accel_gradsync.planning.reduce_dtype import reduce_dtype_for
+from accel_gradsync.planning.residency import frozen_residency_under_vllm
 from accel_gradsync.planning.units import ALL_REDUCE, Plan
 from accel_gradsync.runtime.wrappers.adapter import ModelAdapter
 
@@ -63,6 +64,7 @@ def estimate(
     lora: LoraSpec | None = None,
     beta: float = 0.0,
     torch_release: str | None = None,
+    use_vllm: bool = False,
 ) -> Estimate:
     """What each sync mode would cost per optimizer step, before launch, planned by the
     runtime's own policies over the units a launched run would have.
@@ -91,6 +93,9 @@ def estimate(
             the parameter's dtype where the policy sets no reduce dtype; 2.14 in the compute
             dtype). Default: this process's torch. The model is still sharded, and the step peak
             simulated, by this process's torch: a step peak for another release says so.
+        use_vllm (`bool`): GRPO with TRL's `use_vllm`: vLLM generates, so the step peak has no
+            generation phase, and `keep_frozen_unsharded` keeps nothing (true is refused), as
+            attach decides for such a Trainer (`planning.residency.frozen_residency_under_vllm`).
 
     Returns:
         `Estimate`: the model, mesh and units, and one `ModeEstimate` per mode of
@@ -101,13 +106,18 @@ def estimate(
             neither of the two configs, a config accelerate cannot shard, M below 1, a process
             that already has a torch.distributed group, a negative beta), or a launch the estimate
             does not model (`lora` on a model transformers shards: the adapter trains outside FSDP),
-            a `torch_release` that is not a tested series.
+            a `torch_release` that is not a tested series, `keep_frozen_unsharded` true with
+            `use_vllm`.
     """
     check_beta(beta)
     series = check_torch_release(torch_release)
     if micro_batches < 1:
         raise ValueError(f"micro_batches={micro_batches}: needs at least 1 micro-batch per optimizer step.")
     config = GradSyncConfig() if config is None else config
+    spelled = config.keep_frozen_unsharded
+    if use_vllm:  # true refused, auto keeps nothing: what attach decides for a TRL trainer with use_vllm
+        frozen_residency_under_vllm(config.resolved())
+        config = dataclasses.replace(config, keep_frozen_unsharded="false")
     setup = read_launch_setup(accelerate_config, distributed_config, num_processes, mixed_precision)
     if lora is not None and setup.distributed_config:
         raise ValueError(
@@ -124,12 +134,14 @@ def estimate(
     result = _describe_launch(model_spec, setup, config, header, micro_batches)
     result.torch, result.torch_running = series, torch.__version__
     if lora is not None:  # frozen units to keep: each row says which it keeps
-        result.keep_frozen_unsharded = config.keep_frozen_unsharded  # as spelled: auto, true or false
+        result.keep_frozen_unsharded, result.use_vllm = spelled, use_vllm  # as spelled: auto, true or false
     reference_model = build_reference(beta, adapters.model_config, model_dtype, setup, config, lora)
     result.reference = count_for_mode(reference_model, config, micro_batches)
     sim = None
     if step_shape is not None:
-        sim = StepForecaster(adapters.model_config, model_dtype, setup, config, step_shape, micro_batches, lora)
+        sim = StepForecaster(
+            adapters.model_config, model_dtype, setup, config, step_shape, micro_batches, lora, use_vllm
+        )
         result.step_shape = dataclasses.asdict(step_shape)
     result.modes = [
         _estimate_row(name, policy, config, adapters, setup, micro_batches, sim, reference_model)

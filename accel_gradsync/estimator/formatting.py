@@ -84,6 +84,8 @@ def _describe_kept_frozen(est: Estimate) -> list[str]:
             "true": " (one process: attach does nothing)",
             "auto": " (auto keeps them only where budget and auto plan memory, as their bytes fit)",
         }[est.keep_frozen_unsharded]
+        if est.use_vllm:
+            why = " (use_vllm: TRL's weight sync merges the adapter into the sharded base between steps)"
         return [
             f"{setting}: {selected.mode} keeps no frozen unit unsharded{why}; the frozen base is gathered every step"
         ]

@@ -152,12 +152,18 @@ class Estimate:
     keep_frozen_unsharded: str | None = None
     """The setting (auto, true, false) where the model has frozen units to keep (`--lora-r`);
     None (and no `keep_frozen_unsharded` key nor the rows' resident keys) otherwise."""
+    use_vllm: bool = False
+    """`--use-vllm`: vLLM generates (no generation phase) and no frozen unit is kept whatever
+    `keep_frozen_unsharded` says."""
 
     def to_dict(self) -> dict:
         """Every field; without a step forecast the step_peak keys are left out, and without
         `--beta` the reference key and each row's reference keys, and without frozen units to keep
-        the resident keys, so the JSON is what it was before any of them existed."""
+        the resident keys, and `use_vllm` unless set, so the JSON is what it was before any of them
+        existed."""
         values = asdict(self)
+        if not self.use_vllm:
+            del values["use_vllm"]
         if self.keep_frozen_unsharded is None:
             del values["keep_frozen_unsharded"]
             for row in values["modes"]:

@@ -73,7 +73,10 @@ class StepForecaster:
         shape: StepShape,
         micro_batches: int,
         lora: LoraSpec | None = None,
+        use_vllm: bool = False,
     ) -> None:
+        """`use_vllm`: TRL's, where vLLM generates and the trained model does not: no generation
+        phase (vLLM's memory is its own), whatever `shape.max_completion_length` says."""
         if setup.fsdp_version != 2 or setup.distributed_config:
             raise ValueError(
                 "--micro-batch-size/--seq-len: the step forecast runs torch's FSDPMemTracker, which tracks FSDP2 "
@@ -94,6 +97,7 @@ class StepForecaster:
                     f"micro-batches x processes = {total}) to be a multiple of it; pass a divisor of {total}."
                 )
         self.model_config, self.setup, self.config, self.shape = model_config, setup, config, shape
+        self.use_vllm = use_vllm
         self.fake_step = FakeStep(model_dtype, setup, config, shape, micro_batches, lora)
         self.layers = count_layers(model_config)
         self.simulated: dict[Schedule, SimulatedStep] = {}
@@ -168,7 +172,12 @@ class StepForecaster:
                 "its held bytes and kept frozen units are added to the per_micro_batch step (not simulated; a kept "
                 "unit the step gathers anyway is counted twice at that moment)"
             )
-        if self.shape.max_completion_length:
+        if self.use_vllm:
+            unmodeled.append(
+                "vLLM's generation (use_vllm: its memory is its own) and TRL's weight sync, which reads each "
+                "parameter whole once per step"
+            )
+        elif self.shape.max_completion_length:
             gathered = plan.generation_bytes > 0
             # Gathered for generation, the kept units are among every unit's params already.
             phases["generation"] = self.simulate_generation(gathered) + (0 if gathered else resident)

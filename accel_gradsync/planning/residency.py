@@ -14,6 +14,7 @@ counted before the trained model's units (which are then planned within what is 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -74,6 +75,20 @@ def splits_frozen(settings: ResolvedConfig) -> bool:
     their own at prepare (runtime/wrappers/frozen_units.py): true, or auto under a mode that plans memory."""
     value = settings.keep_frozen_unsharded
     return value is True or (value is None and settings.sync_mode in PLANNED_MODES)
+
+
+def frozen_residency_under_vllm(settings: ResolvedConfig) -> ResolvedConfig:
+    """`keep_frozen_unsharded` under TRL's `use_vllm`, for attach and the estimate alike: its weight
+    sync merges the adapter into the sharded base between steps (`merge_adapter` adds DTensors),
+    which a kept unit's plain tensors cannot take, and reads every weight whole each step anyway.
+    true is refused; auto keeps nothing (the settings returned say false)."""
+    if settings.keep_frozen_unsharded is True:
+        raise ValueError(
+            "keep_frozen_unsharded=true with use_vllm=true: TRL's weight sync merges the adapter into the "
+            "sharded base between steps (merge_adapter), which a kept unsharded base cannot take; set "
+            "keep_frozen_unsharded=false (auto keeps nothing under use_vllm)."
+        )
+    return dataclasses.replace(settings, keep_frozen_unsharded=False)
 
 
 def frozen_units_to_keep(

@@ -190,3 +190,49 @@ def test_the_cli_models_it_and_says_nothing_on_stderr(good, capsys):
     layer = (64 * 64 + 64) + 2 * (32 * 64 + 32) + 64 * 64 + 3 * 64 * 128 + 2 * 64
     rows = json.loads(out.out)["modes"]
     assert rows[0]["resident_param_bytes"] == (2 * layer + 17 * 64 + 64) * 4 == 301_568
+
+
+def test_under_use_vllm_true_is_refused_and_auto_keeps_nothing_as_attach_decides(fsdp):
+    """TRL's use_vllm merges the adapter into the sharded base between steps: the live attach
+    refuses true and keeps nothing under auto (tests/distributed/test_frozen_units.py), and so does
+    the estimate. Under auto with room for the whole base, every row then gathers the base every
+    step, as the rows without the setting do."""
+    with pytest.raises(ValueError, match="keep_frozen_unsharded=true with use_vllm=true") as err:
+        estimate(tiny(), fsdp(), M, GradSyncConfig(keep_frozen_unsharded=True), lora=LORA, use_vllm=True)
+    assert "\n" not in str(err.value)
+    config = GradSyncConfig(sync_mode="auto", free_memory="1GiB")
+    kept = estimate(tiny(), fsdp(), M, config, lora=LORA)
+    assert next(m for m in kept.modes if m.mode.startswith("auto")).resident_units == KEPT_NAMES  # room for all
+    vllm = estimate(tiny(), fsdp(), M, config, lora=LORA, use_vllm=True)
+    assert len(vllm.units) == 4  # nothing split from the base
+    for row in (m for m in vllm.modes if m.applicable):
+        assert (row.units_resident, row.resident_units) == (0, []), row.mode
+        assert row.first_step_all_gathers == row.all_gathers, row.mode
+    header = format_table(vllm).splitlines()[1]
+    assert header.startswith("grad sync: keep_frozen_unsharded=auto: auto") and "use_vllm" in header, header
+    assert vllm.to_dict()["use_vllm"] is True and "use_vllm" not in kept.to_dict()
+
+
+def test_under_use_vllm_the_step_peak_has_no_generation_phase(fsdp):
+    """vLLM generates, not the trained model: no generation phase, whatever the completion length
+    (the row says what it leaves out), and the training phases are those without generation."""
+    shape = StepShape(1, 16, max_completion_length=8)
+    generating = _estimate(fsdp, step_shape=shape).mode("per_micro_batch")
+    assert generating.step_peak_parts.get("generation_peak")  # the trained model generates
+    vllm = estimate(tiny(), fsdp(), M, GradSyncConfig(), step_shape=shape, lora=LORA, use_vllm=True)
+    row = vllm.mode("per_micro_batch")
+    assert "generation_peak" not in row.step_peak_parts and row.step_peak_phase != "generation"
+    assert any("vLLM's generation" in note for note in row.step_peak_unmodeled), row.step_peak_unmodeled
+    plain = _estimate(fsdp, step_shape=StepShape(1, 16)).mode("per_micro_batch")
+    assert row.step_peak_bytes == plain.step_peak_bytes  # the training step alone
+
+
+def test_the_cli_reads_use_vllm(good, capsys):
+    args = ["estimate", "--micro-batches", "2", "--accelerate-config", good, "--lora-r", "8", "--json"]
+    assert main([*args, "--use-vllm", "--grad-sync-mode", "auto", "--grad-sync-free-memory", "1GiB"]) == 0
+    rows = json.loads(capsys.readouterr().out)["modes"]
+    assert all(row["units_resident"] == 0 for row in rows if row["applicable"])
+    with pytest.raises(SystemExit) as exit_:
+        main([*args, "--use-vllm", "--keep_frozen_unsharded"])
+    assert exit_.value.code == 2
+    assert "keep_frozen_unsharded=true with use_vllm=true" in capsys.readouterr().out

@@ -4,7 +4,7 @@ import pytest
 
 from accel_gradsync import GradSyncConfig
 from accel_gradsync.config.settings import ENV_PREFIX
-from accel_gradsync.planning.residency import decide_residency, frozen_units_to_keep
+from accel_gradsync.planning.residency import decide_residency, frozen_residency_under_vllm, frozen_units_to_keep
 
 MiB = 2**20
 
@@ -85,3 +85,17 @@ def test_frozen_units_count_what_resident_reference_models_take_first():
     assert frozen_units_to_keep(settings, [60, 30, 20], never, taken=50) == [False, True, True]
     auto = GradSyncConfig(sync_mode="auto", memory_margin=0.5).resolved()  # half of 200 B free
     assert frozen_units_to_keep(auto, [60, 30, 20], lambda: 200) == [True, True, False]
+
+
+def test_under_vllm_true_is_refused_and_auto_keeps_nothing_even_with_room():
+    """TRL's use_vllm merges the adapter into the sharded base between steps: what attach and the
+    estimate both apply before deciding which frozen units to keep."""
+    with pytest.raises(ValueError, match=r"use_vllm=true: .* set keep_frozen_unsharded=false"):
+        frozen_residency_under_vllm(GradSyncConfig(keep_frozen_unsharded="true").resolved())
+    for value in ("auto", "false"):
+        settings = GradSyncConfig(sync_mode="budget", memory_budget="100B", keep_frozen_unsharded=value).resolved()
+        under = frozen_residency_under_vllm(settings)
+        assert under.keep_frozen_unsharded is False and under.sync_mode == "budget", value
+        assert frozen_units_to_keep(under, [60, 30, 20], never) == [False, False, False]
+    without = GradSyncConfig(sync_mode="budget", memory_budget="100B").resolved()
+    assert frozen_units_to_keep(without, [60, 30, 20], never) == [True, True, False]  # without vLLM: what fits
