@@ -103,10 +103,11 @@ REFUSALS = [
 
 def _preempted_runs(mode: str) -> list[dict]:
     """save_on_signal asked after every micro-batch, rank 1 signalled before step 2: every rank
-    agrees at that step's end and the run stops there; the reference pads the first two steps."""
+    agrees at that step's end, saves its state inside the block and stops there; the reference
+    pads the first two steps."""
     config = {**MODES[mode], "save_on_signal": "SIGUSR1"}
     pad = {"name": f"{mode}/pad2", "config": MODES[mode], "counts": COUNTS[:2], "style": "pad"}
-    asks = {"config": config, "counts": COUNTS, "style": "step", "ask": True, "signal_at": 1}
+    asks = {"config": config, "counts": COUNTS, "style": "step", "ask": True, "signal_at": 1, "save": True}
     return [pad, {"name": f"{mode}/preempted", "references": [pad["name"]], **asks}]
 
 
@@ -240,6 +241,9 @@ def test_fsdp2_preempted_asked_after_every_micro_batch_agrees_at_the_step_end_on
             assert run["error"] is None and run["equal"] == {f"{mode}/pad2": True}, (mode, run)
             # True once, at this rank's own last micro-batch of the step the signal came before.
             assert run["preempted_at"] == [[1, COUNTS[1][r] - 1]], (mode, run["preempted_at"])
+            # Saved there, inside the block, each rank at its own last micro-batch: the state dict's
+            # collectives pair (nothing hangs), and the checkpoint holds files.
+            assert len(run["saved"]) == 1 and run["saved"][0] > 0, (mode, run["saved"])
             assert run["stats"]["optimizer_steps"] == 2, run["stats"]
 
 

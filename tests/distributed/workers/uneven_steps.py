@@ -11,7 +11,7 @@ gradients at every optimizer step and steps AdamW.
 Reports per run: the collectives counted from outside per step, `stats()` (totals and last step),
 the decision line at the end (`describe()`), where `grad_sync.preempted()` said True (`ask`: asked
 after every micro-batch; `signal_at`: rank 1 sends itself SIGUSR1 before that step, and the
-run stops after the step it agreed at), the final parameters compared bit for bit in the
+run stops after the step it agreed at; `save`: `accelerator.save_state` there, inside the block), the final parameters compared bit for bit in the
 worker with the runs named in `references`, and the message of a ValueError raised on this rank
 (`refuse`: one of the refusals to provoke)."""
 
@@ -160,6 +160,10 @@ def one_step(run: dict, handle, loop: Loop, s: int, counts: list[int], style: st
                 micro_batch(*batch(s, k), step.samples, loop=style, fail=fails and k == 0)
                 if run.get("ask") and handle.preempted():  # after every micro-batch, as docs/modes.md says
                     preempted_at.append([s, k])
+                    if run.get("save"):  # what a loop does then: its state saved inside the block
+                        where = os.path.join(args.out, f"state-{run['name'].replace('/', '-')}")
+                        accelerator.save_state(where)
+                        saved.append(sum(len(files) for _, _, files in os.walk(where)))
 
 
 def refuse(run: dict, handle, loop: Loop) -> None:
@@ -213,6 +217,7 @@ def refuse(run: dict, handle, loop: Loop) -> None:
 result: dict = {"runs": {}}
 params: dict[str, dict] = {}
 preempted_at: list[list[int]] = []  # [step, micro-batch] where grad_sync.preempted() said True
+saved: list[int] = []  # the files of each accelerator.save_state() there (`save`)
 for run in args.runs:
     accelerator.gradient_accumulation_steps = 2
     loop = Loop(reference=run.get("loop") == "reference")
@@ -223,6 +228,7 @@ for run in args.runs:
     counter.take()
     out: dict = {"error": None}
     preempted_at.clear()
+    saved.clear()
     try:
         if "refuse" in run:
             refuse(run, handle, loop)
@@ -231,7 +237,7 @@ for run in args.runs:
     except ValueError as e:
         out["error"] = str(e)
     if handle is not None:
-        out["decision"], out["preempted_at"] = handle.describe(), list(preempted_at)
+        out["decision"], out["preempted_at"], out["saved"] = handle.describe(), list(preempted_at), list(saved)
         stats = handle.stats()
         out["stats"] = {k: stats[k] for k in STATS}
         handle.detach()
