@@ -10,10 +10,10 @@ gradients at every optimizer step and steps AdamW.
 
 Reports per run: the collectives counted from outside per step, `stats()` (totals and last step),
 the decision line at the end (`describe()`), where `grad_sync.preempted()` said True (`ask`: asked
-after every micro-batch; `signal_at`: rank 1 sends itself SIGUSR1 before that step, and the
-run stops after the step it agreed at; `save`: `accelerator.save_state` there, inside the block), the final parameters compared bit for bit in the
-worker with the runs named in `references`, and the message of a ValueError raised on this rank
-(`refuse`: one of the refusals to provoke)."""
+after every micro-batch; `signal_at`: rank 1 sends itself SIGUSR1 before that step, and the run
+stops after the step it agreed at; `save`: `accelerator.save_state` there, inside the block), the
+final parameters compared bit for bit in the worker with the runs named in `references`, and the
+message of a ValueError raised on this rank (`refuse`: one of the refusals to provoke)."""
 
 import json
 import os
