@@ -5,9 +5,10 @@ with its last micro-batch x 0 (bit for bit): one rank running out in the middle 
 (8 and 7 micro-batches) and one at a window's boundary (4 and 8: the main process shadows a whole
 window). The loop clips gradients at every optimizer step. The poll is one all-reduce per micro-batch and
 per clip, plus one to leave, counted from outside.
-A rank with no micro-batch, an evaluation inside join(), `even_batches=False` (a prepared
-DataLoader would end each rank's window apart) and uneven counts without join() met by
-`wait_for_everyone()` or `save_state()` are refused on every rank in one line."""
+A rank with no micro-batch, an evaluation inside join(), a generation inside a micro-batch,
+`even_batches=False` (a prepared DataLoader would end each rank's window apart) and uneven counts
+without join() met by `wait_for_everyone()` or `save_state()` are refused on every rank in one
+line."""
 
 import json
 
@@ -261,3 +262,19 @@ def test_uneven_counts_without_join_are_refused_at_save_state(fsdp2):
         error = rank["runs"]["uneven_at_save_state"]["error"]
         assert error is not None and "\n" not in error, error
         assert "accelerator.save_state()" in error and "rank 0: 7 micro-batches, rank 1: 6 micro-batches" in error
+
+
+@pytest.mark.compat  # how transformers' generate passes its cache differs by release
+def test_a_generation_inside_a_micro_batch_is_refused_on_every_rank():
+    """transformers' generate inside each step's first micro-batch, inside join() (a tiny Qwen2,
+    workers/token_sync.py; rank r runs r + 1 steps): a rank that left would replay the generation's
+    forwards, their KV cache grown since, for each of the other's micro-batches (it hung until the
+    launcher's timeout). Both ranks refuse at the generation's first forward, through the poll,
+    and the run ends at once."""
+    runs = [{"name": "join/inside", "config": {}, "at": "inside", "join": True}]
+    config = accelerate_config("fsdp2", fsdp_transformer_layer_cls_to_wrap="Qwen2DecoderLayer")
+    done = launch_ranks(WORKERS / "token_sync.py", ["--runs", json.dumps(runs)], config, timeout=120)
+    assert done.returncode != 0 and "killed after" not in done.output, done.output[-3000:]
+    says = "grad_sync.join(): a generation inside a micro-batch (Qwen2ForCausalLM forwarded with a KV cache)"
+    refusals = [line.split(":", 1)[0] for line in done.output.splitlines() if says in line]
+    assert sorted(refusals) == ["[rank0]", "[rank1]"], done.output[-3000:]

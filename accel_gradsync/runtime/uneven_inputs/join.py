@@ -24,7 +24,8 @@ Trade-off: one small all-reduce per micro-batch, per clip and per loop collectiv
 micro-batch's inputs kept until the next. Refused on every rank in one line instead of a hang:
 `wait_for_everyone()`, `save_state()` and `load_state()` inside the block (a rank that left would
 never make them), a forward outside `accumulate()` in a loop that uses it (and the reverse), a
-step of an optimizer accelerate did not prepare, a rank with nothing to replay.
+generation inside a micro-batch (a forward with transformers' KV cache: a replay cannot run it
+again), a step of an optimizer accelerate did not prepare, a rank with nothing to replay.
 """
 
 from __future__ import annotations
@@ -47,7 +48,13 @@ from accel_gradsync.runtime.uneven_inputs.join_poll import (
     TRAINING,
     Poll,
 )
-from accel_gradsync.runtime.uneven_inputs.join_record import Iteration, replay, spec, zeros_like_tree
+from accel_gradsync.runtime.uneven_inputs.join_record import (
+    Iteration,
+    holds_generation_cache,
+    replay,
+    spec,
+    zeros_like_tree,
+)
 from accel_gradsync.runtime.uneven_inputs.join_steps import StepReports, decode, even_out_loop_state
 from accel_gradsync.runtime.uneven_inputs.join_watch import ForwardWatch
 from accel_gradsync.runtime.uneven_inputs.uneven import EvenCounts
@@ -246,9 +253,16 @@ class Join:
             self._begin(None)
 
     def record(self, called: nn.Module, args: tuple, kwargs: dict) -> None:
+        """A forward of the micro-batch, recorded for a replay; a generation's refused (its KV cache
+        grows in place, so it cannot run again, and a rank that left would replay it every time)."""
         if self._shadowing:
             return
         assert self._current is not None  # begun at accumulate() or by start
+        if holds_generation_cache((args, kwargs)):
+            self._refuse(
+                f"a generation inside a micro-batch ({model_name(called)} forwarded with a KV cache)",
+                "generate before the `with grad_sync.join():` block or after it",
+            )
         self._current.forward(called, args, kwargs)
 
     def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:

@@ -6,8 +6,9 @@ transformers' default). Reported per step: the all-reduces issued during `genera
 outside, by wrapping torch.distributed), the all-gathers, the tokens, the losses; per run whether
 the model's `generate` is back to what it was before attach after detach. `collective_in_forward`:
 the first decoder layer all-reduces at every forward, as a tensor-parallel layer would. `counts`
-(per rank): each step is `grad_sync.step(counts[rank])` with that many micro-batches, a ValueError
-left to end the process (the launcher then stops the other rank)."""
+(per rank): each step is `grad_sync.step(counts[rank])` with that many micro-batches; `join`: the
+steps run inside `grad_sync.join()`, rank r running r + 1 of them. A ValueError is left to end the
+process (the launcher then stops the other rank)."""
 
 import contextlib
 import json
@@ -57,7 +58,19 @@ def one_run(run: dict) -> dict:
         return ids, {"all_reduces": counts.get("all_reduce", 0), "all_gathers": gathers}
 
     model.train()
-    for step in range(STEPS):
+    joined = handle.join() if run.get("join") else contextlib.nullcontext()
+    with joined:
+        train(run, handle, model, optimizer, generate, out, steps=rank + 1 if run.get("join") else STEPS)
+    handle.detach()
+    out["generate_restored"] = vars(model).get("generate") is own_generate
+    accelerator.free_memory()
+    return out
+
+
+def train(run: dict, handle, model, optimizer, generate, out: dict, steps: int) -> None:
+    """`steps` optimizer steps of M micro-batches (step(n)'s n with `counts`), generating where
+    `run["at"]` says; each step's record appended to `out["steps"]`."""
+    for step in range(steps):
         record: dict = {"losses": []}
         n = run["counts"][rank] if "counts" in run else M
         with handle.step(n) if "counts" in run else contextlib.nullcontext():
@@ -71,10 +84,6 @@ def one_run(run: dict) -> dict:
                     record["losses"].append(train_lm_micro_batch(accelerator, model, optimizer, batch))
         record["completions"] = ids[:, PROMPT:].tolist()
         out["steps"].append(record)
-    handle.detach()
-    out["generate_restored"] = vars(model).get("generate") is own_generate
-    accelerator.free_memory()
-    return out
 
 
 write_result(args.out, {"tokens": TOKENS, "runs": {run["name"]: one_run(run) for run in args.runs}})
