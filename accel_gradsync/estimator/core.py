@@ -132,9 +132,9 @@ def estimate(
     except ValueError:  # its keep_frozen_unsharded reads free memory, not given: the row says so
         header = adapters.for_mode(config.mode, keep=False)
     result = _describe_launch(model_spec, setup, config, header, micro_batches)
-    result.torch, result.torch_running = series, torch.__version__
+    result.torch, result.torch_running, result.use_vllm = series, torch.__version__, use_vllm
     if lora is not None:  # frozen units to keep: each row says which it keeps
-        result.keep_frozen_unsharded, result.use_vllm = spelled, use_vllm  # as spelled: auto, true or false
+        result.keep_frozen_unsharded = spelled  # as spelled: auto, true or false
     reference_model = build_reference(beta, adapters.model_config, model_dtype, setup, config, lora)
     result.reference = count_for_mode(reference_model, config, micro_batches)
     sim = None

@@ -112,13 +112,15 @@ def holds_generation_cache(tree: Any) -> bool:
     cache = getattr(sys.modules.get("transformers.cache_utils"), "Cache", None)
     if cache is None:
         return False  # transformers not loaded: no model here generates with its cache
-    if isinstance(tree, cache):
-        return True
-    if isinstance(tree, (tuple, list)):
-        return any(holds_generation_cache(v) for v in tree)
-    if isinstance(tree, dict):
-        return any(holds_generation_cache(v) for v in tree.values())
-    return False
+
+    def holds(node: Any) -> bool:
+        if isinstance(node, (tuple, list)):
+            return any(holds(v) for v in node)
+        if isinstance(node, dict):
+            return any(holds(v) for v in node.values())
+        return isinstance(node, cache)
+
+    return holds(tree)
 
 
 def zeros_like_tree(tree: Any, device: torch.device) -> Any:
