@@ -13,12 +13,9 @@ rank alike. Then:
   FSDP2 unit windowed or resident, DDP held at its root): nothing more, but that a rank's last
   micro-batch keeps the windowed params from its first forward (`Window.keep_windowed`), so a
   generation in it gathers once, as in a longer count's held micro-batch, not once per token;
-- any other plan: a rank below the largest count holds its last micro-batch like the ones before
-  (hooks.py enters the window's `no_sync` for it), records its forwards (join_watch.py,
-  join_record.py), and at the first clip, loop collective or optimizer step after its backward
-  (else at the end of its `accumulate()` block) replays it x 0 until it ran the largest count,
-  the last replay syncing, with accelerate counting them on to the largest count: its collectives
-  pair one for one with those of the rank that runs the most.
+- any other plan: a rank below the largest count replays its last micro-batch x 0 until it ran
+  the largest count (step_replay.py), so its collectives pair one for one with those of the rank
+  that runs the most.
 The first `step(n)` of an attach prints each bound model's decision line again, saying which of
 the two the plan is; every line after it (auto's plan changes, a model bound later) says it too.
 
@@ -34,9 +31,9 @@ forward of a bound model outside `accumulate()` between two of a rank's micro-ba
 evaluation), for the same reason, before its collectives; and a generation (a forward with
 transformers' KV cache) inside a micro-batch a rank replays, which cannot run again (a rank that
 generates in a longer count's first micro-batch waits until the launcher stops the run). Refused
-at the block's end: a rank that ran another count than it said and, in a step with replays, an optimizer step before
-the last micro-batch's backward on any rank (agreed in one more small collective; a backward
-through its outputs is seen however the loop calls it).
+at the block's end: a rank that ran another count than it said and, in a step with replays, an
+optimizer step before the last micro-batch's backward on any rank (agreed in one more small
+collective; step_replay.py sees a backward through its outputs however the loop calls it).
 """
 
 from __future__ import annotations
@@ -46,15 +43,13 @@ import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
-import torch
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from accel_gradsync.runtime.accumulation.window import Window
 from accel_gradsync.runtime.core.state import Attachment
 from accel_gradsync.runtime.uneven_inputs.join import Join
-from accel_gradsync.runtime.uneven_inputs.join_record import Iteration, holds_generation_cache, replay, tensors_of
 from accel_gradsync.runtime.uneven_inputs.join_watch import ForwardWatch
+from accel_gradsync.runtime.uneven_inputs.step_replay import LastMicroBatch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,8 +71,9 @@ class StepShape:
 
 
 class UnevenSteps:
-    """The `step(n)` blocks of one `attach()`: the step's agreed counts, the last micro-batch held
-    and recorded, its replays."""
+    """The `step(n)` blocks of one `attach()`: the step's agreed counts, its plan (free or with
+    replays, step_replay.py's `LastMicroBatch`), and what the ranks would run a different number
+    of times, refused."""
 
     def __init__(self, state: Attachment, window: Window, join: Join) -> None:
         self.state = state
@@ -85,19 +81,11 @@ class UnevenSteps:
         self.join = join
         self.shape: StepShape | None = None  # inside a step(n) block
         self._ran = 0  # this rank's micro-batches in the block
-        self._replays = 0  # this rank's replays at the block's last micro-batch (decided at its first)
-        self._pending: Iteration | None = None  # the last micro-batch, recorded to replay
         self._uneven = False  # the step replays on some rank: every rank watches its last backward
         self._free = False  # the plan makes the counts free: nothing replayed on any rank
-        self._watching = False  # this rank's last micro-batch began and its backward is watched
         self._inside = False  # inside one of the block's accumulate() blocks
-        self._backed = False  # a backward reached the last micro-batch's outputs
-        self._misordered = False  # an optimizer step ran before that backward (refused at the block's end)
-        self._output_hooks: list = []  # on the bound models' forwards, while it is recorded
-        self._hold = contextlib.ExitStack()  # the last micro-batch's no_sync (hooks.py enters it)
+        self._last = LastMicroBatch(state)
         self._forwards = ForwardWatch(self)
-        self._step_hook: Any = None
-        self._replaying = False
 
     @contextlib.contextmanager
     def step(self, n: int, tokens: int | None = None, samples: int | None = None) -> Iterator[StepShape]:
@@ -112,10 +100,10 @@ class UnevenSteps:
         accelerator.gradient_accumulation_steps, accelerator.step = n, 0  # accumulate() syncs at this rank's n-th
         state.step_largest = shape.largest
         try:
-            self.shape, self._ran, self._replays = shape, 0, 0
+            self.shape, self._ran = shape, 0
             yield shape
-            self.flush()
-            if self._uneven and any(state.control.gather(self._misordered)):
+            self._last.flush()
+            if self._uneven and any(state.control.gather(self._last.misordered)):
                 raise ValueError(
                     "grad_sync.step(n): an optimizer step ran before the last micro-batch's backward, in a step whose "
                     "shorter ranks replay their last micro-batch x 0 after that backward; step after backward."
@@ -135,29 +123,22 @@ class UnevenSteps:
         """`accumulate(*models)` entered, its counter moved: True at this rank's last micro-batch
         of a step it ends with replays; hooks.py then holds it (`hold`), and its forwards are
         recorded from here."""
-        if self.shape is None or self._replaying:
+        if self.shape is None or self._last.replaying:
             return False
         self._ran, self._inside = self._ran + 1, True
         if self._ran == 1:
             self._plan_step(self.shape)
         last = self._ran == self.shape.micro_batches
-        if last and not self._replays:  # counted as it ends: a step that fails evens nothing out
+        if last and not self._last.replays:  # counted as it ends: a step that fails evens nothing out
             for bound in self.state.bound.values():
                 bound.account.record_skipped(0, self.shape.largest - self.shape.micro_batches)
-        if not last or not self._uneven:
-            return False
-        # Every rank of a step with replays: an optimizer step before this backward is refused on
-        # each (the replaying rank cannot replay before it; the others would wait for it).
-        self._watching, self._backed = True, False
-        self._output_hooks = [root.register_forward_hook(self._watch_outputs) for root in self.state.bound]
-        if not self._replays:
-            return False
-        self._pending = Iteration(models)
-        return True
+        # Every rank of a step with replays watches its last backward: an optimizer step before it
+        # is refused on each (the replaying rank cannot replay before it; the others would wait).
+        return last and self._uneven and self._last.begin(models)
 
     def leave(self) -> None:
         """`accumulate()` left (hooks.py), its replays run."""
-        if not self._replaying:
+        if not self._last.replaying:
             self._inside = False
 
     def keeps_windowed(self) -> bool:
@@ -167,13 +148,24 @@ class UnevenSteps:
         return self.shape is not None and self._free and self._ran == self.shape.micro_batches
 
     def hold(self, no_sync: contextlib.AbstractContextManager) -> None:
-        """Enter the window's `no_sync` of one model for the last micro-batch, until `flush`."""
-        self._hold.enter_context(no_sync)
+        """Enter the window's `no_sync` of one model for the last micro-batch, until it is replayed."""
+        self._last.hold(no_sync)
 
     def backward(self) -> None:
-        """`accelerator.backward` (hooks.py): the recorded micro-batch backs up here too."""
-        if self._pending is not None and not self._replaying:
-            self._pending.backward()
+        """`accelerator.backward` (hooks.py)."""
+        self._last.backward()
+
+    def after_backward_point(self) -> None:
+        """A clip or a loop collective (hooks.py): the last micro-batch's replays run first."""
+        self._last.after_backward_point()
+
+    def flush(self) -> None:
+        """The loop stepped outside the last micro-batch's `accumulate()` (hooks.py): its replays."""
+        self._last.flush()
+
+    def abort(self) -> None:
+        """An exception left `accumulate()`: nothing to replay, the hold ends (window.abort drops it)."""
+        self._last.stop()
 
     def loop_collective(self, name: str) -> None:
         """`accelerator.<name>()` (hooks.py: gather, reduce, ...). In a step whose counts differ,
@@ -185,7 +177,7 @@ class UnevenSteps:
             shape is not None
             and shape.largest != shape.smallest
             and 0 < self._ran < shape.micro_batches  # between two of this rank's micro-batches
-            and not self._replaying
+            and not self._last.replaying
         ):
             raise ValueError(
                 f"grad_sync.step({shape.micro_batches}): accelerator.{name}() after micro-batch {self._ran} of "
@@ -194,56 +186,7 @@ class UnevenSteps:
                 "and wait for each other; call it once per step, after the last micro-batch, or read the "
                 "step's totals from step.tokens or step.samples."
             )
-        self.after_backward_point()
-
-    def after_backward_point(self) -> None:
-        """A clip or a loop collective (hooks.py): the last micro-batch's backwards are over, so
-        its replays run first, where its backward ran (a clip's norm reads the synced gradients)."""
-        if self._pending is not None and self._backed:
-            self.flush()
-
-    def flush(self) -> None:
-        """Replay the recorded last micro-batch x 0 up to the step's largest count: the hold ends
-        (its gradients stay held), accelerate counts on to the largest, the last replay syncs."""
-        iteration, shape = self._pending, self.shape
-        if iteration is None or shape is None or self._replaying:
-            return
-        self._stop_recording()
-        accelerator = self.state.accelerator
-        accelerator.gradient_accumulation_steps = shape.largest
-        self._replaying = True
-        try:
-            for _ in range(self._replays):
-                for bound in self.state.bound.values():
-                    bound.account.record_skipped(1, 0)
-                with replay(accelerator, iteration):
-                    pass
-        finally:
-            self._replaying = False
-            accelerator.gradient_accumulation_steps = shape.micro_batches
-
-    def abort(self) -> None:
-        """An exception left `accumulate()`: nothing to replay, the hold ends (window.abort drops it)."""
-        self._stop_recording()
-
-    def _stop_recording(self) -> None:
-        self._pending, self._watching = None, False
-        for handle in self._output_hooks:
-            handle.remove()
-        self._output_hooks = []
-        self._hold.close()
-
-    def _watch_outputs(self, module: nn.Module, args: Any, output: Any) -> None:
-        """A forward of the last micro-batch: a backward through its outputs, however the loop
-        calls it (`accelerator.backward`, `loss.backward()`), marks its backward done."""
-        if not self._watching or self._replaying or not torch.is_grad_enabled():
-            return
-        for tensor in tensors_of(output):
-            if tensor.requires_grad:
-                tensor.register_hook(self._saw_backward)
-
-    def _saw_backward(self, grad: Any) -> None:
-        self._backed = True
+        self._last.after_backward_point()
 
     def close(self) -> None:
         """Detach."""
@@ -256,7 +199,7 @@ class UnevenSteps:
         different number of times. Before the first or after the last (its replays ran at its
         `accumulate()`'s end), every rank runs it once."""
         shape = self.shape
-        if shape is None or self._inside or self._replaying or not 0 < self._ran < shape.micro_batches:
+        if shape is None or self._inside or self._last.replaying or not 0 < self._ran < shape.micro_batches:
             return
         raise ValueError(
             f"grad_sync.step({shape.micro_batches}): a forward of {type(module).__name__} outside accumulate() "
@@ -267,35 +210,10 @@ class UnevenSteps:
         )
 
     def record(self, called: nn.Module, args: tuple, kwargs: dict) -> None:
-        """A forward of the last micro-batch this rank replays, recorded; a generation's refused
-        (its cache grows in place, and the other ranks would not generate with the replays)."""
-        iteration, shape = self._pending, self.shape
-        if iteration is None or shape is None or self._replaying:
-            return
-        if holds_generation_cache((args, kwargs)):
-            raise ValueError(
-                f"grad_sync.step({shape.micro_batches}): this rank's last micro-batch generates (a forward of "
-                f"{type(called).__name__} with a KV cache, as transformers' generate runs it) and is replayed x 0 "
-                f"up to the step's largest count, {shape.largest}: a generation cannot run again, and the other "
-                "ranks would not generate with the replays; generate before the step's first micro-batch "
-                "(packing by tokens needs the completions anyway) or use a plan that makes the counts free "
-                "(window on FSDP2)."
-            )
-        iteration.forward(called, args, kwargs)
+        """A forward's call: recorded where this rank replays its last micro-batch."""
+        self._last.record(called, args, kwargs)
 
     # -- inside ----------------------------------------------------------------------------------
-    def _before_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        """torch's global optimizer pre-step hook, inside a step with replays on some rank: after
-        the last micro-batch's backward, this rank's replays (if any) run first. Before it, the step
-        runs (raising here would leave the other ranks waiting in that backward's collectives), the
-        replays follow the backward, and every rank refuses at the block's end."""
-        if not self._watching or self._replaying:
-            return
-        if not self._backed:
-            self._misordered = True
-            return
-        self.flush()
-
     def _refuse_here(self) -> None:
         """What cannot run uneven counts, refused on this rank (every rank's loop is the same)."""
         where = "grad_sync.step(n)"
@@ -344,23 +262,17 @@ class UnevenSteps:
         state = self.state
         self.window.replan_all()
         free = self._free = state.counts_are_free()
-        self._replays = 0 if free else shape.largest - shape.micro_batches
         self._uneven = not free and shape.largest != shape.smallest
         for bound in state.bound.values():
             bound.account.record_uneven(shape.smallest, shape.largest)
         if self._uneven:
-            self._step_hook = register_optimizer_step_pre_hook(self._before_optimizer_step)
+            self._last.arm(shape, shape.largest - shape.micro_batches)
             self._forwards.watch(self.state.adapters)
 
     def _close(self) -> None:
-        self.abort()
+        self._last.close()
         self._forwards.close()
-        if self._step_hook is not None:
-            self._step_hook.remove()
-            self._step_hook = None
-        self.shape, self._ran, self._replays, self._replaying, self._uneven = None, 0, 0, False, False
-        self._inside = self._free = False
-        self._misordered = False
+        self.shape, self._ran, self._uneven, self._inside, self._free = None, 0, False, False, False
 
 
 def _count(n: Any) -> bool:
