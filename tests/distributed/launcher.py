@@ -5,7 +5,10 @@ rank order, or raises with the tail of the output when the run fails.
 
 from __future__ import annotations
 
+import json
 import os
+import shlex
+import subprocess
 import sys
 from pathlib import Path
 
@@ -13,6 +16,7 @@ from benchmarks.launch import REPO, free_port
 from benchmarks.launch import launch as launch_ranks
 
 WORKERS = Path(__file__).parent / "workers"
+COUNTER = Path(__file__).parent / "recipe_counter"
 
 
 def accelerate_config(kind: str, num_processes: int = 2, **fsdp: object) -> dict:
@@ -35,6 +39,37 @@ def recipe_launch(argv: list[str], env: dict | None = None) -> tuple[list[str], 
     full_env.pop("ACCEL_GRADSYNC_DEFER", None)
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", str(free_port()), *argv]
     return cmd, full_env
+
+
+def launch_counted(command: str, tmp: Path) -> dict:
+    """`command` (`accelerate launch ...`, as a doc gives it) from the repo root on 2 ranks,
+    offline, the collectives counted from outside (recipe_counter/sitecustomize.py): the output
+    and each rank's counts, or an AssertionError with the output's tail where it failed."""
+    argv = shlex.split(command)
+    assert argv[:2] == ["accelerate", "launch"], command
+    counters = tmp / "counters"
+    counters.mkdir()
+    env = {
+        "RECIPE_COUNTER_DIR": str(counters),
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(COUNTER), os.environ.get("PYTHONPATH")])),
+    }
+    cmd, env = recipe_launch(argv[2:], env)
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"{command} failed ({proc.returncode}):\n{output[-8000:]}"
+    ranks = [json.loads(p.read_text()) for p in sorted(counters.glob("rank*.json"))]
+    assert len(ranks) == 2, output[-4000:]
+    return {"stdout": proc.stdout, "output": output, "ranks": ranks}
+
+
+def reduce_scatters(rank: dict) -> int:
+    """A `launch_counted` rank's reduce-scatters, by either of torch's names."""
+    return rank["counts"].get("reduce_scatter_single", 0) + rank["counts"].get("reduce_scatter_tensor", 0)
+
+
+def all_gathers(rank: dict) -> int:
+    """A `launch_counted` rank's all-gathers into a tensor (FSDP's), by either of torch's names."""
+    return rank["counts"].get("all_gather_single", 0) + rank["counts"].get("all_gather_into_tensor", 0)
 
 
 def launch(

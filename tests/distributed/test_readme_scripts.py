@@ -10,16 +10,11 @@ each FSDP unit reduce-scatters once per optimizer step instead of once per micro
 from __future__ import annotations
 
 import json
-import os
 import re
-import shlex
-import subprocess
-from pathlib import Path
 
 import recipe_inputs
-from launcher import REPO, recipe_launch
+from launcher import REPO, launch_counted, reduce_scatters
 
-COUNTER = Path(__file__).parent / "recipe_counter"
 README = (REPO / "README.md").read_text()
 EXAMPLE = REPO / "examples" / "plain_loop.py"
 # Both models: 2 Qwen2DecoderLayer units (fsdp2.yaml's wrap class) and the root, embeddings tied.
@@ -32,29 +27,6 @@ def using_the_plugin() -> str:
 
 def python_blocks() -> list[str]:
     return re.findall(r"```python\n(.*?)```", using_the_plugin(), re.S)
-
-
-def launch(command: str, tmp: Path) -> dict:
-    """`command` (`accelerate launch ...`) from the repo root, offline, the collectives counted."""
-    argv = shlex.split(command)
-    assert argv[:2] == ["accelerate", "launch"], command
-    counters = tmp / "counters"
-    counters.mkdir()
-    env = {
-        "RECIPE_COUNTER_DIR": str(counters),
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(COUNTER), os.environ.get("PYTHONPATH")])),
-    }
-    cmd, env = recipe_launch(argv[2:], env)
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    output = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"{command} failed ({proc.returncode}):\n{output[-8000:]}"
-    ranks = [json.loads(p.read_text()) for p in sorted(counters.glob("rank*.json"))]
-    assert len(ranks) == 2, output[-4000:]
-    return {"stdout": proc.stdout, "output": output, "ranks": ranks}
-
-
-def reduce_scatters(rank: dict) -> int:
-    return rank["counts"].get("reduce_scatter_single", 0) + rank["counts"].get("reduce_scatter_tensor", 0)
 
 
 def assert_real_fsdp2(rank: dict) -> None:
@@ -73,7 +45,7 @@ def test_the_readme_plain_loop_is_the_example_file():
 
 def test_the_plain_loop_example_trains_with_one_reduce_scatter_per_unit_and_step(tmp_path):
     (command,) = re.findall(r"`(accelerate launch [^`]*examples/plain_loop\.py)`", using_the_plugin())
-    run = launch(command, tmp_path)
+    run = launch_counted(command, tmp_path)
     # The example: 32 sequences, 2 per micro-batch on each of 2 ranks, so 8 micro-batches per
     # rank; M = 4 per optimizer step, so 2 steps. Deferred: each unit reduce-scatters at the last
     # micro-batch of a step only.
@@ -109,7 +81,7 @@ def test_the_readme_trl_script_runs_as_written_on_cpu(tmp_path):
     )
     command = command.strip().replace("my_grpo.py", str(script)).replace("<model>", str(model)) + short
     assert "--defer-grad-sync" in command
-    run = launch(command, tmp_path)
+    run = launch_counted(command, tmp_path)
     for refused in ("doesn't support bf16", "pin_memory"):  # transformers' error, torch's DataLoader warning
         assert refused not in run["output"], run["output"][-3000:]
     for rank in run["ranks"]:
