@@ -80,6 +80,10 @@ TUNINGS = ("full", "lora")
 # frozen base for keep_frozen_unsharded.
 FULL_ONLY = ("keep_reference_unsharded",)
 LORA_ONLY = ("keep_frozen_unsharded",)
+# Whose generation draws random numbers: TRL generates in train mode, where PEFT's lora_dropout
+# (ModelConfig's default, 0.05) is active; Qwen2's attention dropout is 0. There the plugin keeps
+# transformers' per-token sync, so each rank's random state stays stock's (token_sync.py).
+GENERATION_DRAWS = {"full": False, "lora": True}
 
 
 def gradsync_kwargs(kwargs: dict[str, Any] | None, lora: bool) -> dict[str, Any] | None:

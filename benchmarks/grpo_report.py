@@ -183,7 +183,8 @@ def check_targets(results: GrpoResults) -> list[TargetResult]:
                 else:
                     out.append(judged(what, target, sp[1], quick, fmt_rounds(sp[1])))
             if window in rows:
-                out += [check_window_gathers(where, rows[window]), check_generation_all_reduces(where, rows[window])]
+                out.append(check_window_gathers(where, rows[window]))
+                out.append(check_generation_all_reduces(where, rows[window], rows.get(stock), tuning))
                 if grpo.keeps_reference(window):
                     out.append(check_reference(where, rows[window], beta))
             out += check_floor(run, where, tuning, quick)
@@ -234,12 +235,21 @@ def check_window_gathers(where: str, row: GrpoRow) -> TargetResult:
     return TargetResult(what, PASS if trained == {U} else FAIL, detail)
 
 
-def check_generation_all_reduces(where: str, row: GrpoRow) -> TargetResult:
+def check_generation_all_reduces(where: str, row: GrpoRow, stock: GrpoRow | None, tuning: str) -> TargetResult:
     """The window's generation issues no all-reduce: transformers' per-token flag all-reduce
-    (`synced_gpus`) is skipped where every unit stays unsharded (runtime/generating/token_sync.py)."""
+    (`synced_gpus`) is skipped where every unit stays unsharded (runtime/generating/token_sync.py),
+    unless the model's forwards draw random numbers there (`grpo.GENERATION_DRAWS`): then it
+    issues stock's, the same tokens' sync."""
     seen = row.counts_seen["generation"].get("all_reduces", [])
     what = f"[{where}] {row.config}: {targets.GRPO_GENERATION_ALL_REDUCES.name}"
-    return TargetResult(what, PASS if seen == [0] else FAIL, f"generation's all-reduces on every timed step: {seen}")
+    if not grpo.GENERATION_DRAWS[tuning]:
+        detail = f"generation's all-reduces on every timed step: {seen}"
+        return TargetResult(what, PASS if seen == [0] else FAIL, detail)
+    if stock is None:
+        return TargetResult(what, SKIP, f"dropout active in generation: stock's sync expected, {tuning}/stock not run")
+    theirs = stock.counts_seen["generation"].get("all_reduces", [])
+    detail = f"dropout active in generation, stock's sync kept: all-reduces {seen}, {stock.config}'s {theirs}"
+    return TargetResult(what, PASS if seen == theirs else FAIL, detail)
 
 
 def check_reference(where: str, row: GrpoRow, beta: float) -> TargetResult:

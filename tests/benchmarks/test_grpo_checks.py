@@ -75,10 +75,22 @@ def test_the_windows_generation_issues_no_all_reduce():
     quiet = row("full/window", [1.0], [0])
     synced = row("full/window", [1.0], [0])
     synced.counts_seen["generation"]["all_reduces"] = [0, 33]  # one step ran transformers' per-token sync
-    assert grpo_report.check_generation_all_reduces("loopback", quiet).status == "PASS"
-    assert grpo_report.check_generation_all_reduces("loopback", synced).status == "FAIL"
+    assert grpo_report.check_generation_all_reduces("loopback", quiet, None, "full").status == "PASS"
+    assert grpo_report.check_generation_all_reduces("loopback", synced, None, "full").status == "FAIL"
     checked = status(grpo_report.check_targets(results([quiet])), "[loopback] full/window: generation issues")
     assert list(checked.values()) == [("PASS", "generation's all-reduces on every timed step: [0]")]
+
+
+def test_where_generation_draws_the_window_issues_stocks_sync():
+    """LoRA's dropout is active in TRL's generation: the window keeps transformers' sync, so its
+    all-reduces are stock's; none (unsynced), or stock missing, is not a pass."""
+    stock, window = row("lora/stock", [1.0], [0]), row("lora/window", [1.0], [0])
+    stock.counts_seen["generation"]["all_reduces"] = [29, 33]
+    window.counts_seen["generation"]["all_reduces"] = [29, 33]
+    assert grpo_report.check_generation_all_reduces("loopback", window, stock, "lora").status == "PASS"
+    window.counts_seen["generation"]["all_reduces"] = [0]
+    assert grpo_report.check_generation_all_reduces("loopback", window, stock, "lora").status == "FAIL"
+    assert grpo_report.check_generation_all_reduces("loopback", window, None, "lora").status == "SKIP"
 
 
 def test_a_resident_reference_model_is_gathered_at_step_1_and_never_after():

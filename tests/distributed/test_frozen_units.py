@@ -31,9 +31,11 @@ optimizer built before `prepare` (workers/frozen_units.py).
   whose arguments set TRL's `use_vllm` are refused in one line (under `use_vllm` auto keeps nothing).
 - On a 2x2 HSDP mesh (4 ranks): only the adapters are gathered after step 1, exact, merge included.
 - TRL's GRPOTrainer through the recipe, `--use_peft` with `--beta` 0 and 0.04 (the reference is
-  the policy with its adapter off), deferred: the logged losses, rewards and KL equal the run without
-  the setting at every step; every all-gather the ranks issued (counted from outside the recipe)
-  is one the plugin's counters name, and the run issues fewer.
+  the policy with its adapter off) and TRL's default `lora_dropout`, deferred with the setting and
+  windowed (the adapters gathered once, generation without transformers' per-token sync where
+  no forward draws): the logged losses, rewards and KL equal stock accelerate's at every step,
+  the gradient norms up to summation order; every all-gather the ranks issued (counted from
+  outside the recipe) is one the plugin's counters name, and the run issues fewer.
 """
 
 import json
@@ -383,10 +385,13 @@ def test_fsdp1_is_refused_in_one_line_at_attach(fsdp1):
 
 
 LORA = (
-    "accelerate launch --config_file accelerate_configs/fsdp2.yaml recipes/grpo.py --grad-sync-log-all-counters"
-    " --defer-grad-sync --use_peft --lora_r 8 --lora_target_modules q_proj v_proj"
+    "accelerate launch --config_file accelerate_configs/fsdp2.yaml recipes/grpo.py"
+    " --use_peft --lora_r 8 --lora_target_modules q_proj v_proj"
 )
-KEEP_FLAG = " --grad-sync-keep-frozen-unsharded"
+PLUGIN = {
+    "keep": " --grad-sync-log-all-counters --defer-grad-sync --grad-sync-keep-frozen-unsharded",
+    "window": " --grad-sync-log-all-counters --defer-grad-sync --grad-sync-keep-params-unsharded",
+}
 
 
 @pytest.fixture(scope="module", params=["0", "0.04"], ids=lambda beta: f"beta{beta}")
@@ -394,8 +399,8 @@ def grpo(request, tmp_path_factory):
     """Under LoRA, TRL's reference (beta > 0) is the policy with its adapter off."""
     command = LORA + f" --beta {request.param}"
     runs = {
-        name: run_command(command + flag, tmp_path_factory.mktemp(name), timeout=600)
-        for name, flag in (("stock", ""), ("keep", KEEP_FLAG))
+        name: run_command(command + flags, tmp_path_factory.mktemp(name), timeout=600)
+        for name, flags in (("stock", ""), *PLUGIN.items())
     }
     return {**runs, "beta": float(request.param)}
 
@@ -404,17 +409,19 @@ def _gathers(rank: dict) -> int:
     return sum(rank["counts"].get(n, 0) for n in ("all_gather_single", "all_gather_into_tensor"))
 
 
-def test_grpo_with_lora_logs_what_it_logs_without_and_gathers_less(grpo):
-    stock, keep = grpo["stock"], grpo["keep"]
-    assert len(keep["logs"]) == len(stock["logs"]) > 0
-    assert all(("kl" in log) == (grpo["beta"] > 0) for log in keep["logs"]), keep["logs"]
-    for mine, theirs in zip(keep["logs"], stock["logs"], strict=True):
+@pytest.mark.parametrize("plugin", PLUGIN)
+def test_grpo_with_lora_logs_what_stock_logs_and_gathers_less(grpo, plugin):
+    stock, mine = grpo["stock"], grpo[plugin]
+    assert len(mine["logs"]) == len(stock["logs"]) > 0
+    assert all(("kl" in log) == (grpo["beta"] > 0) for log in mine["logs"]), mine["logs"]
+    for logged, theirs in zip(mine["logs"], stock["logs"], strict=True):
         for key in ("loss", "reward", "kl"):
-            assert mine.get(key) == theirs.get(key), (key, mine, theirs)
-    last = keep["logs"][-1]
-    for rank, stock_rank in zip(keep["ranks"], stock["ranks"], strict=True):
+            assert logged.get(key) == theirs.get(key), (key, logged, theirs)
+        assert logged["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-5), (logged, theirs)
+    last = mine["logs"][-1]
+    for rank, stock_rank in zip(mine["ranks"], stock["ranks"], strict=True):
         # Every all-gather counted from outside is one the plugin's counters name; fewer than without.
         assert _gathers(rank) == last["grad_sync/all_gathers"] + last["grad_sync/generation_all_gathers"], rank
         assert _gathers(rank) < _gathers(stock_rank), (rank, stock_rank)
-    line = next(line for line in keep["stdout"].splitlines() if line.startswith("grad sync: deferred"))
-    assert "frozen units for the run" in line, line
+    line = next(line for line in mine["stdout"].splitlines() if line.startswith("grad sync: deferred"))
+    assert ("frozen units for the run" if plugin == "keep" else "windowed") in line, line

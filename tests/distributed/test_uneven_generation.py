@@ -13,6 +13,11 @@ leave the other alone in any all-gather its forwards issue.
 - Where units reshard after each forward (per_micro_batch without the setting), transformers'
   default holds: one all-reduce per decoding loop on every rank, max(tokens) + 1 (the last finds
   every rank done), and the rank done first keeps running forwards with the other.
+- A model whose forwards draw random numbers while it generates (dropout in train mode, as TRL
+  generates, with PEFT's default `lora_dropout`) keeps transformers' default too: the rank done
+  first runs its forwards on, drawing what it draws under stock, so each rank's random state,
+  and the dropout masks and losses after it, stay stock's. In eval mode the same model runs
+  without the sync.
 - `synced_gpus=True` passed by the caller is kept; detach puts the model's `generate` back.
 """
 
@@ -34,6 +39,10 @@ RUNS = [
         "at": "outside",
         "collective_in_forward": True,
     },
+    {"name": "dropout_stock", "config": {}, "at": "inside", "dropout": 0.5},
+    {"name": "dropout_window_inside", "config": WINDOW, "at": "inside", "dropout": 0.5},
+    {"name": "dropout_stock_eval", "config": {}, "at": "inside", "dropout": 0.5, "eval": True},
+    {"name": "dropout_window_eval", "config": WINDOW, "at": "inside", "dropout": 0.5, "eval": True},
 ]
 
 
@@ -60,6 +69,22 @@ def test_no_all_reduce_per_token_where_every_unit_stays_unsharded(ranks):
             for step in later:
                 assert step["generate"]["all_reduces"] == 0, (name, step["generate"])
                 assert step["generate"]["all_gathers"] > 0, name  # the first forward gathered the units
+
+
+def test_a_generation_drawing_random_numbers_keeps_the_sync_and_stocks_random_state(ranks):
+    """Dropout active in generation: every generation synced as stock's, and after each the
+    rank's random state, the tokens and the training losses (dropout masks drawn after it) are
+    stock's; generating in eval mode, the same model runs unsynced after the proof."""
+    for rank in ranks:
+        stock, mine = rank["runs"]["dropout_stock"]["steps"], rank["runs"]["dropout_window_inside"]["steps"]
+        for step, theirs in zip(mine, stock, strict=True):
+            assert step["generate"]["all_reduces"] == SYNCED, step["generate"]
+            assert step["generate"]["rng"] == theirs["generate"]["rng"]
+            assert step["completions"] == theirs["completions"]
+            assert step["losses"] == pytest.approx(theirs["losses"], rel=1e-5)
+        stock, mine = rank["runs"]["dropout_stock_eval"]["steps"], rank["runs"]["dropout_window_eval"]["steps"]
+        assert [s["generate"]["all_reduces"] for s in mine] == [SYNCED, 0]
+        assert [s["completions"] for s in mine] == [s["completions"] for s in stock]
 
 
 def test_a_forward_with_a_collective_of_its_own_keeps_the_per_token_sync(ranks):

@@ -11,16 +11,21 @@ the slowest at every token. DDP's `generate` runs none.
 
 Kept units are not enough: a forward may issue collectives of its own at every token (tensor
 parallel over a 2-D mesh, an MoE all-to-all, context parallel, a model's own `all_reduce`), and a
-rank that stopped early would leave the others waiting in one. So the per-token sync goes off only
-for a model proven free of them (`CollectiveProof`): a generation left to transformers' default
-counts the c10d operations (a `TorchDispatchMode`) in its second forward, the first that finds
-the units gathered; none there, and later generations run without the sync; one, and the sync
-stays on for good. The first generation with units kept thus runs synced, and one forward of it
-pays the mode's per-operation cost.
+rank that stopped early would leave the others waiting in one. Nor may a forward draw random
+numbers (dropout active while it generates: TRL generates in train mode, and PEFT's
+`lora_dropout` defaults to 0.05): under the sync the rank done first runs its forwards on and
+draws with them, so without it that rank's random state, and every dropout mask and sample after
+it, would leave stock's. So the per-token sync goes off only for a model proven free of both
+(`SyncProof`): a generation left to transformers' default counts the c10d operations (a
+`TorchDispatchMode`) in its second forward, the first that finds the units gathered, and compares
+the default generators' states around it; nothing there, and later generations in the same mode
+(train or eval: dropout draws in one only) run without the sync; a collective, and the sync stays
+on for good; a draw, and it stays on in that mode. The first generation with units kept in each
+mode thus runs synced, and one forward of it pays the mode's per-operation cost.
 
 `skip_token_sync` wraps `generate` on each transformers `GenerationMixin` module of a bound model
 (the root; a PEFT model's inner transformers model, whose `generate` is the one that decides):
-when `kept()` holds at the call and the module is proven free of collectives, `synced_gpus` left
+when `kept()` holds at the call and the module is proven free of collectives and draws, `synced_gpus` left
 unset is passed as False; a value the caller passes is kept. The wrapper is an instance
 attribute, as `register_fsdp_forward_method` sets one (transformers' Trainer registers `generate`
 so); no class is touched. Removing the handle takes
@@ -38,6 +43,7 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -60,27 +66,38 @@ class _CollectiveCount(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-class CollectiveProof:
-    """Whether a generation module's forwards after a generation's first issue no collective:
-    `free` is None until a generation with two forwards or more was watched (`watching`)."""
+class SyncProof:
+    """Whether a generation module's forwards after a generation's first issue no collective
+    (`collectives`, for good) and draw no random number (`draws`, per train or eval mode): each
+    unknown until a generation with two forwards or more in that mode was watched (`watching`)."""
 
     def __init__(self) -> None:
-        self.free: bool | None = None
+        self.collectives: bool | None = None
+        self.draws: dict[bool, bool] = {}  # by the module's `training`
+
+    def settled(self, training: bool) -> bool:
+        return self.collectives is True or (self.collectives is not None and training in self.draws)
+
+    def free(self, training: bool) -> bool:
+        return self.collectives is False and self.draws.get(training) is False
 
     @contextlib.contextmanager
     def watching(self, module: nn.Module) -> Iterator[None]:
         """One `generate` of `module` with transformers' sync: count the collectives of its second
-        forward (the first gathers the units) and settle `free`."""
-        forwards, mode = [0], _CollectiveCount()
+        forward (the first gathers the units), see whether it drew, and settle both."""
+        forwards, mode, states = [0], _CollectiveCount(), []
+        training = module.training
 
         def before(_: nn.Module, args: Any) -> None:
             forwards[0] += 1
             if forwards[0] == 2:
+                states.append(_generator_states())
                 mode.__enter__()
 
         def after(_: nn.Module, args: Any, output: Any) -> None:
             if forwards[0] == 2:
                 mode.__exit__(None, None, None)
+                states.append(_generator_states())
 
         handles = [module.register_forward_pre_hook(before), module.register_forward_hook(after, always_call=True)]
         try:
@@ -88,8 +105,20 @@ class CollectiveProof:
         finally:
             for handle in handles:
                 handle.remove()
-        if forwards[0] >= 2:
-            self.free = mode.count == 0
+        if len(states) == 2:
+            self.collectives = bool(self.collectives) or mode.count > 0
+            self.draws[training] = any(not torch.equal(a, b) for a, b in zip(*states, strict=True))
+
+
+def _generator_states() -> list[torch.Tensor]:
+    """The default random generators' states: the CPU's, and each device's of the accelerator in use."""
+    states = [torch.get_rng_state()]
+    device = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    if device is not None:
+        module = torch.get_device_module(device)
+        if getattr(module, "is_initialized", lambda: True)() and hasattr(module, "get_rng_state_all"):
+            states += module.get_rng_state_all()
+    return states
 
 
 class TokenSyncHandle:
@@ -128,22 +157,22 @@ def skip_token_sync(root: nn.Module, kept: Callable[[], bool]) -> list[TokenSync
             continue
         position = parameters.index(ARGUMENT) - 1  # without self
         previous = vars(module).get("generate")
-        wrapper = _unsynced(module, position, kept, CollectiveProof())
+        wrapper = _unsynced(module, position, kept, SyncProof())
         setattr(module, "generate", wrapper)  # noqa: B010  NOTE: an instance attribute, as FSDP2's register sets
         wrapped.append((module, wrapper, previous))
     return [TokenSyncHandle(wrapped)] if wrapped else []
 
 
-def _unsynced(module: nn.Module, position: int, kept: Callable[[], bool], proof: CollectiveProof) -> Callable:
+def _unsynced(module: nn.Module, position: int, kept: Callable[[], bool], proof: SyncProof) -> Callable:
     generate: Callable = module.generate  # type: ignore[assignment]  # nn.Module types attributes as Tensor | Module
 
     @functools.wraps(generate)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         if wrapper.active and ARGUMENT not in kwargs and len(args) <= position and kept():  # type: ignore[attr-defined]
-            if proof.free is None:
-                with proof.watching(module):  # transformers' default, this once
+            if not proof.settled(module.training):
+                with proof.watching(module):  # transformers' default, once per mode
                     return generate(*args, **kwargs)
-            if proof.free:
+            if proof.free(module.training):
                 kwargs[ARGUMENT] = False
         return generate(*args, **kwargs)
 

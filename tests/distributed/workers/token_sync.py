@@ -4,13 +4,17 @@ what it generated, for 2 steps. Each run names a sync config, where generation h
 window, or inside its first micro-batch as in TRL) and the `synced_gpus` the caller passes (unset:
 transformers' default). Reported per step: the all-reduces issued during `generate` (counted from
 outside, by wrapping torch.distributed), the all-gathers, the tokens, the losses; per run whether
-the model's `generate` is back to what it was before attach after detach. `collective_in_forward`:
-the first decoder layer all-reduces at every forward, as a tensor-parallel layer would. `counts`
+the model's `generate` is back to what it was before attach after detach, and a fingerprint of
+the rank's random state after each generation. `collective_in_forward`: the first decoder layer
+all-reduces at every forward, as a tensor-parallel layer would. `dropout`: the model's attention
+dropout, active where it generates in train mode (as TRL does; `eval`: generation in eval mode,
+training in train mode). `counts`
 (per rank): each step is `grad_sync.step(counts[rank])` with that many micro-batches; `join`: the
 steps run inside `grad_sync.join()`, rank r running r + 1 of them. A ValueError is left to end the
 process (the launcher then stops the other rank)."""
 
 import contextlib
+import hashlib
 import json
 
 import torch
@@ -37,7 +41,13 @@ PROMPTS = torch.randint(
 
 def one_run(run: dict) -> dict:
     set_seed(0)
-    config = tiny_qwen2_config(vocab_size=VOCAB, pad_token_id=0, eos_token_id=None, bos_token_id=None)
+    config = tiny_qwen2_config(
+        vocab_size=VOCAB,
+        pad_token_id=0,
+        eos_token_id=None,
+        bos_token_id=None,
+        attention_dropout=run.get("dropout", 0.0),
+    )
     model = Qwen2ForCausalLM(config)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     if run.get("collective_in_forward"):  # a collective of the model's own at every forward, as tensor parallel
@@ -50,12 +60,15 @@ def one_run(run: dict) -> dict:
 
     def generate(prompts: torch.Tensor) -> tuple[torch.Tensor, dict]:
         counter.take()
+        model.train(not run.get("eval"))
         ids = model.generate(
             input_ids=prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=TOKENS, do_sample=False, **extra
         )
+        model.train()
         counts = counter.take()
         gathers = sum(n for name, n in counts.items() if "all_gather" in name)
-        return ids, {"all_reduces": counts.get("all_reduce", 0), "all_gathers": gathers}
+        rng = hashlib.sha1(torch.get_rng_state().numpy().tobytes()).hexdigest()
+        return ids, {"all_reduces": counts.get("all_reduce", 0), "all_gathers": gathers, "rng": rng}
 
     model.train()
     joined = handle.join() if run.get("join") else contextlib.nullcontext()
