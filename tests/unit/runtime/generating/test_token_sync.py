@@ -11,10 +11,11 @@ from accel_gradsync.runtime.generating.token_sync import skip_token_sync
 transformers = pytest.importorskip("transformers")
 
 
-def tiny_model() -> nn.Module:
+def tiny_model(attention_dropout: float = 0.0) -> nn.Module:
     config = transformers.Qwen2Config(
         vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
         num_key_value_heads=1, pad_token_id=0, eos_token_id=None, bos_token_id=None,
+        attention_dropout=attention_dropout,
     )  # fmt: skip
     return transformers.Qwen2ForCausalLM(config)
 
@@ -62,6 +63,20 @@ def test_one_forward_proves_nothing(model):
     for _ in range(2):
         generate(model, max_new_tokens=1)  # a single forward: the one that gathers
         assert "synced_gpus" not in recorder.calls[-1]
+
+
+def test_forwards_that_draw_keep_the_sync_in_their_mode_only():
+    """Dropout in train mode draws at every forward: the sync stays on there (a rank done first
+    draws on under it, as stock's does); in eval mode the same model is proven free and runs
+    without it."""
+    model = tiny_model(attention_dropout=0.5)
+    model.generate = recorder = Recorder(model)
+    skip_token_sync(model, lambda: True)
+    for training in (True, True, True, False, False, True):
+        model.train(training)
+        generate(model, max_new_tokens=3)
+    # Train mode: transformers' default every time. Eval mode: the first proves, the second skips.
+    assert [call.get("synced_gpus") for call in recorder.calls] == [None, None, None, None, False, None]
 
 
 def test_a_value_the_caller_passes_is_kept(model):
