@@ -227,13 +227,24 @@ MUTANTS: dict[str, dict] = {
         "edits": [
             (
                 "accel_gradsync/runtime/generating/token_sync.py",
-                "            if proof.free is None:\n",
+                "            if not proof.settled(module.training):\n",
                 "            if False:\n",
             ),
             (
                 "accel_gradsync/runtime/generating/token_sync.py",
-                "            if proof.free:\n",
-                "            if proof.free is not False:\n",
+                "            if proof.free(module.training):\n",
+                "            if not proof.collectives:\n",
+            ),
+        ],
+        "tests": ["tests/unit/runtime/generating/test_token_sync.py"],
+    },
+    "token_sync_off_where_forwards_draw": {
+        "what": "generate skips transformers' per-token sync where the forwards draw random numbers (dropout)",
+        "edits": [
+            (
+                "accel_gradsync/runtime/generating/token_sync.py",
+                "self.draws[training] = any(not torch.equal(a, b) for a, b in zip(*states, strict=True))",
+                "self.draws[training] = False",
             ),
         ],
         "tests": ["tests/unit/runtime/generating/test_token_sync.py"],
