@@ -49,7 +49,8 @@ def run_command(command: str, tmp: Path, timeout: int = 300) -> dict:
         raise AssertionError(f"{command} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     state = json.loads((out_dir / "trainer_state.json").read_text())
     ranks = [json.loads(p.read_text()) for p in sorted(counter_dir.glob("rank*.json"))]
-    return {"stdout": proc.stdout, "logs": [e for e in state["log_history"] if "loss" in e], "ranks": ranks}
+    logs = [e for e in state["log_history"] if "loss" in e]
+    return {"stdout": proc.stdout, "output": proc.stdout + proc.stderr, "logs": logs, "ranks": ranks}
 
 
 @pytest.fixture(scope="module")
@@ -186,6 +187,30 @@ def test_the_default_model_trains_with_a_reference_model(runs):
     first, last = run["logs"][0], run["logs"][-1]
     assert first["step"] == 1 and abs(first["kl"]) < 1e-4, first
     assert last["step"] == STEPS and last["grad_norm"] > 0, last
+
+
+# The real-model YAML's activation checkpointing (transformers' own): each decoder layer's training
+# forward, FSDP2's hooks and the plugin's with it, runs again inside the backward.
+CHECKPOINTED = " --activation_checkpointing true"
+
+
+def _gathers(rank: dict) -> int:
+    return sum(rank["counts"].get(n, 0) for n in ("all_gather_single", "all_gather_into_tensor"))
+
+
+def test_the_window_with_activation_checkpointing_learns_what_stock_learns_gathering_nothing_more(runs):
+    window, stock = runs(BETA + CHECKPOINTED), runs(QUICKSTART[1] + " --beta 0.04" + CHECKPOINTED)
+    for run in (window, stock):
+        for rank in run["ranks"]:
+            layers = rank["fsdp2_modules"].count("FSDPQwen2DecoderLayer")
+            # Checkpointed, counted from outside: each layer's training forward in every micro-batch.
+            assert rank["counts"].get("activation_checkpoint") == STEPS * MICRO_BATCHES * layers, rank["counts"]
+    for mine, theirs in zip(window["logs"], stock["logs"], strict=True):
+        assert mine["reward"] == theirs["reward"] and mine["step"] == theirs["step"]
+        for key in ("loss", "kl", "grad_norm"):  # the same gradients, summed in another order
+            assert mine[key] == pytest.approx(theirs[key], rel=1e-5, abs=1e-7), (key, mine, theirs)
+    # The recompute finds the window's units gathered: not one all-gather more than without it.
+    assert [_gathers(r) for r in window["ranks"]] == [_gathers(r) for r in runs(BETA)["ranks"]]
 
 
 def quoted_decision_lines(doc: str) -> list[str]:

@@ -2,8 +2,9 @@
 
 A test puts this folder on PYTHONPATH and names an output folder in RECIPE_COUNTER_DIR; every
 rank that `accelerate launch` starts (it has RANK set) then wraps the torch.distributed
-collectives FSDP calls, notes which FSDP wrappers exist when the first gradient reduce-scatter
-runs, and writes `rank<R>.json` at exit. Other processes (the launcher itself) are untouched.
+collectives FSDP calls and `torch.utils.checkpoint.checkpoint` (activation checkpointing), notes
+which FSDP wrappers exist when the first gradient reduce-scatter runs, and writes `rank<R>.json`
+at exit. Other processes (the launcher itself) are untouched.
 """
 
 import os
@@ -68,6 +69,17 @@ if os.environ.get("RECIPE_COUNTER_DIR") and "RANK" in os.environ:
 
     for _name in _COUNTED:
         _wrap(_name)
+
+    import torch.utils.checkpoint as _checkpoint
+
+    _recompute = _checkpoint.checkpoint
+
+    def _checkpointed(*args, **kwargs):
+        """A call that activation checkpointing (transformers' included) will recompute in backward."""
+        _counts["activation_checkpoint"] += 1
+        return _recompute(*args, **kwargs)
+
+    _checkpoint.checkpoint = _checkpointed
 
     @atexit.register
     def _dump() -> None:
