@@ -31,11 +31,12 @@ optimizer built before `prepare` (workers/frozen_units.py).
   whose arguments set TRL's `use_vllm` are refused in one line (under `use_vllm` auto keeps nothing).
 - On a 2x2 HSDP mesh (4 ranks): only the adapters are gathered after step 1, exact, merge included.
 - TRL's GRPOTrainer through the recipe, `--use_peft` with `--beta` 0 and 0.04 (the reference is
-  the policy with its adapter off) and TRL's default `lora_dropout`, deferred with the setting and
-  windowed (the adapters gathered once, generation without transformers' per-token sync where
-  no forward draws): the logged losses, rewards and KL equal stock accelerate's at every step,
-  the gradient norms up to summation order; every all-gather the ranks issued (counted from
-  outside the recipe) is one the plugin's counters name, and the run issues fewer.
+  the policy with its adapter off), TRL's default `lora_dropout` and activation checkpointing,
+  deferred with the setting and windowed (the adapters gathered once, generation without
+  transformers' per-token sync where no forward draws): the logged losses, rewards and KL equal
+  stock accelerate's at every step, the gradient norms up to summation order; every all-gather
+  the ranks issued (counted from outside the recipe) is one the plugin's counters name, and the
+  run issues fewer.
 """
 
 import json
@@ -384,9 +385,11 @@ def test_fsdp1_is_refused_in_one_line_at_attach(fsdp1):
         assert "fsdp_version: 2" in error and "keep_frozen_unsharded=false" in error, error
 
 
+# With activation checkpointing, as TRL defaults and the real-model YAML set it: each layer's
+# forward, the kept units' included, runs again in the backward.
 LORA = (
     "accelerate launch --config_file accelerate_configs/fsdp2.yaml recipes/grpo.py"
-    " --use_peft --lora_r 8 --lora_target_modules q_proj v_proj"
+    " --use_peft --lora_r 8 --lora_target_modules q_proj v_proj --activation_checkpointing true"
 )
 PLUGIN = {
     "keep": " --grad-sync-log-all-counters --defer-grad-sync --grad-sync-keep-frozen-unsharded",
@@ -420,6 +423,7 @@ def test_grpo_with_lora_logs_what_stock_logs_and_gathers_less(grpo, plugin):
         assert logged["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-5), (logged, theirs)
     last = mine["logs"][-1]
     for rank, stock_rank in zip(mine["ranks"], stock["ranks"], strict=True):
+        assert rank["counts"].get("activation_checkpoint", 0) > 0, rank["counts"]
         # Every all-gather counted from outside is one the plugin's counters name; fewer than without.
         assert _gathers(rank) == last["grad_sync/all_gathers"] + last["grad_sync/generation_all_gathers"], rank
         assert _gathers(rank) < _gathers(stock_rank), (rank, stock_rank)
