@@ -38,7 +38,7 @@ from accel_gradsync.estimator.step_peak import StepForecaster, resident_beyond_w
 from accel_gradsync.planning.costs import all_gathers_per_step, collectives_per_step, generation_cost
 from accel_gradsync.planning.policies import POLICIES, DeferredSync, SyncPolicy
 from accel_gradsync.planning.reduce_dtype import reduce_dtype_for
-from accel_gradsync.planning.residency import frozen_residency_under_vllm
+from accel_gradsync.planning.residency import frozen_residency_under_vllm, windows_every_unit
 from accel_gradsync.planning.units import ALL_REDUCE, Plan
 from accel_gradsync.runtime.wrappers.adapter import ModelAdapter
 
@@ -172,19 +172,22 @@ class _AdaptersByReduceDtype:
         self.same = bool(setup.distributed_config) or setup.mixed_precision == "no"
         self.adapters: dict[tuple[str, str | None, str | None], ModelAdapter] = {}
 
-    def for_mode(self, mode: str, running: bool = False, keep: bool = True) -> ModelAdapter:
+    def for_mode(self, mode: str, running: bool = False, keep: bool = True, window: bool | None = None) -> ModelAdapter:
         """Mode `mode`'s sharded model, its units following the estimate's torch release, or with
         `running` this process's torch (what the step simulation holds); a LoRA model split and its
-        frozen units kept as `keep_frozen_unsharded` does under `mode` (`keep_frozen_for`), unless
-        not `keep`. A mode whose keeping reads free memory, with none given, raises the
-        `ValueError` its row shows."""
+        frozen units kept as `keep_frozen_unsharded` does under `mode` (`keep_frozen_for`; `window`,
+        where given, for `keep_params_unsharded`), unless not `keep`. A mode whose keeping reads
+        free memory, with none given, raises the `ValueError` its row shows."""
         dtype = self.chosen if self.same else reduce_dtype_for(mode, self.chosen)
         # A LoRA model's frozen units, kept as a live prepare keeps them under `mode`. Only a LoRA
         # model has any (no reference model beside it: nothing resident to take room first).
-        frozen = keep_frozen_for(self.setup, self.config, mode, self.config.free_memory_bytes)
+        frozen = keep_frozen_for(self.setup, self.config, mode, self.config.free_memory_bytes, window=window)
         frozen = frozen if keep and self.lora is not None else None
         # The same decision for every mode where the setting is true: one model serves them all.
-        kept = None if frozen is None else "all" if frozen.settings.keep_frozen_unsharded is True else mode
+        kept = None
+        if frozen is not None:
+            windowed = windows_every_unit(frozen.settings)
+            kept = "all" if frozen.settings.keep_frozen_unsharded is True else WINDOW_ROW if windowed else mode
         key = (dtype, None if running else self.torch_release, kept)
         if key not in self.adapters:
             model = build_meta_model(self.model_config, self.model_dtype, self.lora)
@@ -236,7 +239,7 @@ def _estimate_row(
         window = {SyncMode.DEFERRED: False, WINDOW_ROW: True}.get(name)
         if policy_cls.name == SyncMode.BUDGET and not config.memory_budget:
             raise ValueError("needs a budget: set --grad-sync-memory-budget (e.g. 12GiB or 0.5 of free memory).")
-        adapter = adapters.for_mode(policy_cls.name)
+        adapter = adapters.for_mode(policy_cls.name, window=window)
         reference = count_for_mode(reference_model, config, micro_batches, policy_cls.name)
         # Within memory less what the reference model and the kept frozen units keep, as a live
         # run plans (budget, auto: bind.py's `_plan`).
@@ -260,7 +263,7 @@ def _estimate_row(
         # pass, and keep_frozen_unsharded its kept units through every phase.
         kept = max(plan.held_param_bytes() + resident_beyond_window(plan, adapter), plan.generation_bytes)
         other = adapters.torch_release != torch_series()  # the cluster runs another torch than this process
-        running = adapters.for_mode(policy_cls.name, running=True) if other else None
+        running = adapters.for_mode(policy_cls.name, running=True, window=window) if other else None
         peak = add_reference(sim.row(plan, adapter, policy_cls.name, running), reference, kept)
         row.step_peak_bytes, row.step_peak_phase = peak.peak_bytes, peak.phase
         row.step_peak_parts, row.step_peak_unmodeled = peak.parts, peak.unmodeled

@@ -81,14 +81,27 @@ def test_the_base_is_gathered_in_step_1_only_and_each_step_gathers_the_adapters(
     assert (window.all_gathers, window.first_step_all_gathers) == (2, 6)
 
 
-def test_false_and_auto_outside_budget_and_auto_keep_nothing_and_split_nothing(fsdp):
+def test_false_and_auto_outside_budget_auto_and_the_window_keep_nothing_and_split_nothing(fsdp):
     for config in ({"keep_frozen_unsharded": False}, {}):
         est = _estimate(fsdp, **config)
         assert len(est.units) == 4, config  # root, embeddings, two layers holding base and adapters
-        for row in (m for m in est.modes if m.applicable):
+        for row in (m for m in est.modes if m.applicable and (config or m.mode != "deferred+window")):
             assert (row.units_resident, row.resident_param_bytes, row.resident_units) == (0, 0, []), row.mode
             assert row.first_step_all_gathers == row.all_gathers
     assert est.keep_frozen_unsharded == "auto"
+
+
+def test_auto_under_the_window_keeps_the_whole_frozen_base(fsdp):
+    """Deferral with every unit windowed holds every unit's params through the step anyway: auto
+    keeps every frozen unit there, in its row whatever is selected, and in the header selected."""
+    for config in ({}, {"sync_mode": "deferred", "keep_params_unsharded": True}):
+        est = _estimate(fsdp, **config)
+        window = est.mode("deferred+window")
+        assert window.resident_units == KEPT_NAMES, config
+        assert window.resident_param_bytes == (NORM + EMBED + 2 * LAYER) * 4
+        assert (window.all_gathers, window.first_step_all_gathers) == (2, 6)  # the adapters once per step
+        assert est.mode("deferred").units_resident == 0
+    assert len(est.units) == 4 + 2  # selected: split as the live prepare splits
 
 
 def test_auto_under_budget_keeps_in_model_order_what_fits(fsdp):
