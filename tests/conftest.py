@@ -1,7 +1,8 @@
 """`@pytest.mark.slow` tests and params are skipped unless `--slow` or `-m slow`: the default suite
-keeps one short case of each multi-rank scenario (12 to 17 minutes on 2 CPU cores, torch 2.13: 17.0
-in CI's run of 2026-12-06, 11.9 the day before), and a module fixture that launches many runs at
-once asks the `slow` fixture whether to launch them all or a short share.
+keeps one short case of each multi-rank scenario (12 to 28 minutes on 2 CPU cores, torch 2.13: 28.1
+in CI's last run of 2026-12-06, 17.0 in an earlier one, 11.9 the day before), and a module
+fixture that launches many runs at once asks the `slow` fixture whether to launch them all or a
+short share.
 
 The package alone (`pip install accel-gradsync`, no extras) runs the tests of the package itself:
 the recipe's tests and the multi-rank suite (which trains the recipe's models with TRL and PEFT)
