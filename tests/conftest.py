@@ -1,5 +1,5 @@
 """`@pytest.mark.slow` tests and params are skipped unless `--slow` or `-m slow`: the default suite
-keeps one short case of each multi-rank scenario (12 to 28 minutes on 2 CPU cores, torch 2.13: 28.1
+keeps one short case of each multi-rank scenario (12 to 30 minutes on 2 CPU cores, torch 2.13: 29.6
 in CI's last run of 2026-12-06, 17.0 in an earlier one, 11.9 the day before), and a module
 fixture that launches many runs at once asks the `slow` fixture whether to launch them all or a
 short share.
