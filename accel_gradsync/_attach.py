@@ -4,12 +4,13 @@ package's `attach` stays the function.)
 
 Everything that can be refused is refused here, before any training step: a target that is
 neither, fewer than one micro-batch per optimizer step, a second attach, an accelerate config
-that would train unsharded or sync every micro-batch anyway, a `reduce_dtype` that comes after
-the model was wrapped. `reduce_dtype` (fp32 for `auto` and `budget` under bf16 mixed precision)
-is written into the FSDP plugin's public `mixed_precision_policy` field before `prepare`. This is
-the one place a handle is assembled: `GradSyncHandle(...)` (runtime/handle.py) builds the runtime's
-owners, then, after the checks, `connect` binds the models prepared before and hooks the
-accelerator and the Trainer.
+that would train unsharded or sync every micro-batch anyway, a `reduce_dtype` or
+`keep_frozen_unsharded=true` that comes after the model was wrapped (auto says it keeps nothing
+there). `reduce_dtype` (fp32 for `auto` and `budget` under bf16 mixed precision) is written into
+the FSDP plugin's public `mixed_precision_policy` field before `prepare`. This is the one place
+a handle is assembled: `GradSyncHandle(...)` (runtime/handle.py) builds the runtime's owners,
+then, after the checks, `connect` binds the models prepared before and hooks the accelerator and
+the Trainer.
 
 Shims for other libraries that attach relies on (accel_gradsync/compat/): `cpu` (real FSDP over
 gloo without a GPU: `enable_cpu_fsdp`), `teardown` (gloo's exit-time abort), `optimizer_state`
@@ -37,6 +38,7 @@ from accel_gradsync.planning.policies import SyncPolicy
 from accel_gradsync.planning.residency import frozen_residency_under_vllm, splits_frozen
 from accel_gradsync.runtime.handle import GradSyncHandle
 from accel_gradsync.runtime.integration.hooks import is_hooked
+from accel_gradsync.runtime.wrappers.adapt import model_name
 from accel_gradsync.runtime.wrappers.frozen_units import applies
 
 
@@ -71,7 +73,8 @@ def attach(
             `GradSyncConfig`.
         `ValueError`: before any training step, for what would not run as asked: a second
             attach, an FSDP config that trains unsharded, `sync_each_batch=True` with a holding
-            mode, a `reduce_dtype` after `prepare`, a mode the wrapper cannot run (at bind).
+            mode, a `reduce_dtype` or `keep_frozen_unsharded=true` after `prepare`, a mode the
+            wrapper cannot run (at bind).
     """
     config = GradSyncConfig() if config is None else config
     if not isinstance(config, GradSyncConfig):
@@ -95,6 +98,7 @@ def attach(
         handle.connect(None)  # save_on_signal only: a Trainer's, also on one process
         return handle
     models = list(getattr(accelerator, "_models", [])) if trainer is None else []
+    _check_prepared_before(accelerator, settings, models)
     _apply_reduce_dtype(accelerator, settings, handle.policy.name, already_prepared=bool(models))
     handle.connect(models)
     return handle
@@ -155,6 +159,30 @@ def _check_frozen_residency(accelerator: Accelerator, settings: ResolvedConfig, 
             "the adapter into the sharded base between steps."
         )
     return under_vllm
+
+
+def _check_prepared_before(accelerator: Accelerator, settings: ResolvedConfig, models: list) -> None:
+    """`keep_frozen_unsharded` on a trained model accelerate sharded before attach: its adapters
+    cannot get FSDP2 units of their own any more (frozen_units.py), so true is refused, and auto,
+    which would split one with frozen parameters, says in one line that it keeps nothing."""
+    if not applies(accelerator) or not splits_frozen(settings):
+        return
+    for model in models:
+        trained = [p.requires_grad for p in model.parameters()]
+        if not any(trained):
+            continue  # a frozen model: a reference model's residency is keep_reference_unsharded's
+        if settings.keep_frozen_unsharded is True:
+            raise ValueError(
+                f"keep_frozen_unsharded=true, but {model_name(model)} was prepared before "
+                "accel_gradsync.attach(): its adapters get FSDP2 units of their own when accelerate shards it; "
+                "call attach() before accelerator.prepare(model) (a Trainer prepares in train())."
+            )
+        if not all(trained):
+            accelerator.print(
+                f"grad sync: keep_frozen_unsharded auto keeps no frozen unit of {model_name(model)}: it was prepared "
+                "before attach(), so its adapters share units with the base; call attach() before "
+                "accelerator.prepare(model) to keep the base unsharded."
+            )
 
 
 def _check_accelerate_config(accelerator: Accelerator, policy: SyncPolicy) -> None:

@@ -28,9 +28,7 @@ from accel_gradsync.runtime.integration.bind import Binder, wants_binding
 from accel_gradsync.runtime.integration.connection import Connection
 from accel_gradsync.runtime.uneven_inputs.join import Join
 from accel_gradsync.runtime.uneven_inputs.uneven_steps import StepShape, UnevenSteps
-from accel_gradsync.runtime.wrappers.adapt import model_name
 from accel_gradsync.runtime.wrappers.adapter import ModelAdapter
-from accel_gradsync.runtime.wrappers.frozen_units import applies
 
 
 class GradSyncHandle:
@@ -304,8 +302,7 @@ class GradSyncHandle:
         (connection.py). On a refusal everything is undone (`detach`) before it raises.
 
         Raises:
-            `ValueError`: called again; `keep_frozen_unsharded=true` with a trained model prepared
-                before attach; what binding refuses.
+            `ValueError`: called again; what binding refuses.
         """
         if self._connected:
             raise ValueError("GradSyncHandle.connect() is attach()'s own step and runs once; call attach() instead.")
@@ -314,13 +311,6 @@ class GradSyncHandle:
         if models is None:
             return
         try:
-            trained = [m for m in models if any(p.requires_grad for p in m.parameters())]
-            if trained and self._state.settings.keep_frozen_unsharded is True and applies(self.accelerator):
-                raise ValueError(
-                    f"keep_frozen_unsharded=true, but {model_name(trained[0])} was prepared before "
-                    "accel_gradsync.attach(): its adapters get FSDP2 units of their own when accelerate shards it; "
-                    "call attach() before accelerator.prepare(model) (a Trainer prepares in train())."
-                )
             for model in models:
                 if wants_binding(self.accelerator, model):
                     self.bind(model)

@@ -28,7 +28,8 @@ optimizer built before `prepare` (workers/frozen_units.py).
   the padded run's), under auto (adapters windowed) nothing is replayed and each step gathers
   each adapter unit once; the kept units are gathered at the first step alone.
 - detach puts every unit back sharded; a model prepared before attach, FSDP1, and a Trainer
-  whose arguments set TRL's `use_vllm` are refused in one line (under `use_vllm` auto keeps nothing).
+  whose arguments set TRL's `use_vllm` are refused in one line (under `use_vllm` auto keeps nothing;
+  for a model prepared before attach, auto says in one line that it keeps nothing).
 - On a 2x2 HSDP mesh (4 ranks): only the adapters are gathered after step 1, exact, merge included.
 - TRL's GRPOTrainer through the recipe, `--use_peft` with `--beta` 0 and 0.04 (the reference is
   the policy with its adapter off), TRL's default `lora_dropout` and activation checkpointing,
@@ -54,6 +55,7 @@ HEAD_DIM = HIDDEN // HEADS
 ADAPTER_NUMEL = (R * HIDDEN + HIDDEN * R) + (R * HIDDEN + KV_HEADS * HEAD_DIM * R)
 CONFIG = accelerate_config("fsdp2", fsdp_transformer_layer_cls_to_wrap="Qwen2DecoderLayer")
 KEEP = {"keep_frozen_unsharded": True}
+BUDGET_ALL = {"sync_mode": "budget", "memory_budget": "1MiB"}  # auto keeps every frozen unit in it
 FORECAST = {"forecast_micro_batch_size": 2, "forecast_seq_len": 8}  # workers/frozen_units.py's B and SEQ
 RUNS = [
     {"name": "stock", "config": {}},
@@ -62,11 +64,12 @@ RUNS = [
     {"name": "keep_unfreeze", "config": KEEP, "unfreeze_at": 1},
     {"name": "keep_state_dict", "config": KEEP, "state_dict_at": 1},
     {"name": "attach_after_prepare", "config": KEEP, "attach_after_prepare": True},
+    {"name": "budget_after_prepare", "config": BUDGET_ALL, "attach_after_prepare": True},
     {"name": "stock_save_load", "config": {}, "save_at": 1, "load_at": 2},
     {"name": "keep_save_load", "config": KEEP, "save_at": 1, "load_at": 2},
     # The default, auto: budget keeps each frozen unit while it fits (all in 1 MiB; in 100 B no
     # decoder layer would fit, so nothing is split); per_micro_batch (the stock run) splits nothing.
-    {"name": "budget_all", "config": {"sync_mode": "budget", "memory_budget": "1MiB"}},
+    {"name": "budget_all", "config": BUDGET_ALL},
     {"name": "budget_none", "config": {"sync_mode": "budget", "memory_budget": "100B"}},
     {"name": "stock_raise", "config": {}, "raise_at": [1, 1]},
     {"name": "keep_raise", "config": KEEP, "raise_at": [1, 1]},
@@ -336,6 +339,21 @@ def test_a_model_prepared_before_attach_is_refused_in_one_line(ranks):
         error = rank["runs"]["attach_after_prepare"]["error"]
         assert "\n" not in error and "keep_frozen_unsharded=true" in error, error
         assert "call attach() before accelerator.prepare(model)" in error, error
+
+
+def test_auto_says_in_one_line_that_it_keeps_nothing_of_a_model_prepared_before_attach(ranks):
+    """budget_all, attached first, keeps every frozen unit; prepared first, its units mix adapters
+    and base (none without a trainable parameter but the root's), and attach's line says so."""
+    for r, rank in enumerate(ranks):
+        run = rank["runs"]["budget_after_prepare"]
+        layers = [units for name, units in run["units"].items() if name.endswith(("layers.0", "layers.1"))]
+        assert layers == [[4, 12]] * LAYERS, run["units"]  # adapters and base in one unit: nothing to keep
+        lines = [line for line in run["printed"].splitlines() if "keep_frozen_unsharded" in line]
+        if r == 0:  # accelerator.print: the main process only
+            assert len(lines) == 1 and "keeps no frozen unit" in lines[0], run["printed"]
+            assert "call attach() before accelerator.prepare(model)" in lines[0], lines
+        else:
+            assert lines == [], run["printed"]
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,8 @@ step `merge_at` (after `grad_sync.reshard_frozen()` unless `reshard` is false), 
 run with `counts` (per step, each rank's micro-batch count) runs each step inside
 `grad_sync.step(n)` (`style` `step`), or pads every rank to the step's largest count with
 micro-batches of loss x 0 (`style` `pad`, the reference); each micro-batch's loss counts 1 / the
-largest. `attach_after_prepare`, `refused` (at attach: FSDP1) and `use_vllm` (a Trainer with TRL's
+largest. `attach_after_prepare` (attach after `prepare`: the refusal, or what attach printed and
+the units), `refused` (at attach: FSDP1) and `use_vllm` (a Trainer with TRL's
 GRPOConfig(use_vllm=True)) report the refusal.
 
 Reported per run: per step the all-gathers (calls, and the bytes of their outputs) counted from
@@ -24,6 +25,7 @@ FSDP2's own pre- and post-forward on a unit with no trainable parameter (FSDP2's
 post-forwards, one entry per param group per forward it ran them on)."""
 
 import contextlib
+import io
 import json
 import os
 
@@ -183,14 +185,19 @@ def one_run(run: dict) -> dict:
         except ValueError as e:
             return {"error": str(e)}
         raise AssertionError(f"{run['name']} was not refused")
-    if run.get("attach_after_prepare"):  # too late to give the adapters units of their own: refused
+    if run.get("attach_after_prepare"):  # too late to give the adapters units of their own: true refused
         model, optimizer = accelerator.prepare(model, optimizer)
+        printed = io.StringIO()
         try:
-            accel_gradsync.attach(accelerator, config)
+            with contextlib.redirect_stdout(printed):
+                handle = accel_gradsync.attach(accelerator, config)
         except ValueError as e:
             accelerator.free_memory()
             return {"error": str(e)}
-        raise AssertionError("attach after prepare was not refused")
+        out = {"printed": printed.getvalue(), "units": units(model), "decision": handle.describe()}
+        handle.detach()
+        accelerator.free_memory()
+        return out
     handle = accel_gradsync.attach(accelerator, config)
     model, optimizer = accelerator.prepare(model, optimizer)
     out: dict = {"units": units(model), "decision": handle.describe(), "steps": []}
