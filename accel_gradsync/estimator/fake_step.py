@@ -7,7 +7,8 @@ dtypes, no storage) inside the tracker: optimizer state created as a step leaves
 min(M, 2) micro-batches of forward+backward with the schedule's FSDP2 flags (held units skip the
 sync of the non-final micro-batch, windowed units stay unsharded, as runtime/wrappers/fsdp2.py sets them),
 then the optimizer step; the tracker's peak is read per phase. GRPO's generation is a run of its
-own: the prompt prefilled, then one token at a time with the KV cache. step_peak.py decides which
+own: the prompt prefilled, then the last token decoded with the KV cache at its largest (a decode's
+peak grows with the cache, so the last token's is the decode's). step_peak.py decides which
 schedules to run and for how many layers.
 """
 
@@ -152,29 +153,40 @@ class FakeStep:
 
     def _generate(self, model_config: Any, gathered: bool) -> int:
         """GRPO's generation on the fake model: one rank's generation batch, prompt prefilled with
-        only the last position's logits, then one token at a time with the KV cache, as
+        only the last position's logits, then tokens decoded one at a time with the KV cache, as
         transformers' `generate` decodes (TRL turns gradient checkpointing off for it); with
         `gathered`, every unit stays unsharded from its first forward on, as
-        `gather_for_generation` keeps it. The tracker's peak over the loop."""
+        `gather_for_generation` keeps it. The larger of the prefill's peak and the last token's:
+        the tokens before it are one forward that grows the cache, its own peak left out (the same
+        bytes as decoding each, bit for bit, at a 255th of the forwards for 256 tokens)."""
         shape = self.shape
         batch, prompt = shape.generation_batch(self.micro_batches), shape.seq_len - shape.max_completion_length
         with self._tracked_model(model_config, self.config.mode, checkpointing=False) as (model, adapter, _, tracker):
             if gathered:
                 for unit in adapter.units:
                     cast(FSDPModule, unit.module).set_reshard_after_forward(False, recurse=False)
-            with tracker, torch.no_grad():
-                ids = torch.randint(0, model_config.vocab_size, (batch, prompt))
-                out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
-                kv = kv_cache_name()  # `cache` from transformers 5.24, `past_key_values` before
-                cache = getattr(out, kv)
-                for _ in range(shape.max_completion_length - 1):
-                    token = torch.softmax(out.logits[:, -1, :].float(), dim=-1).argmax(-1, keepdim=True)
-                    del out
-                    tracker.reset_mod_stats()  # the root's next forward (a PEFT root refuses it); the peak is kept
-                    out = model(input_ids=token, use_cache=True, **{kv: cache})
-                    cache = getattr(out, kv)
-                del out, cache
-                return _total(tracker.get_tracker_snapshot("peak"))
+            kv = kv_cache_name()  # `cache` from transformers 5.24, `past_key_values` before
+            decoded = shape.max_completion_length - 1  # tokens decoded after the prefill's first
+            with torch.no_grad():
+                with tracker:
+                    ids = torch.randint(0, model_config.vocab_size, (batch, prompt))
+                    out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
+                    peak = _total(tracker.get_tracker_snapshot("peak"))
+                    if decoded > 1:  # NOTE: grown in one forward, whose own peak is not a decode's
+                        tracker.reset_mod_stats()  # the root's next forward (a PEFT root refuses it)
+                        ids = torch.randint(0, model_config.vocab_size, (batch, decoded - 1))
+                        out = model(input_ids=ids, use_cache=True, logits_to_keep=1, **{kv: getattr(out, kv)})
+                    del ids
+                if decoded > 0:  # the last token's decode, the largest cache: the decode's peak
+                    tracker.reset_mod_stats()
+                    with tracker:  # entering again starts the peak from what is live now
+                        token = torch.softmax(out.logits[:, -1, :].float(), dim=-1).argmax(-1, keepdim=True)
+                        cache = getattr(out, kv)
+                        del out
+                        out = model(input_ids=token, use_cache=True, **{kv: cache})
+                        del out, cache
+                        peak = max(peak, _total(tracker.get_tracker_snapshot("peak")))
+                return peak
 
     def _run(self, model_config: Any, schedule: Schedule, whole: bool) -> SimulatedStep:
         """The tracked fake step of the module docstring, for `model_config` as given."""
