@@ -30,9 +30,9 @@ optimizer built before `prepare` (workers/frozen_units.py).
 - detach puts every unit back sharded; a model prepared before attach, FSDP1, and a Trainer
   whose arguments set TRL's `use_vllm` are refused in one line (under `use_vllm` auto keeps nothing;
   for a model prepared before attach, auto says in one line that it keeps nothing).
-- On a 2x2 HSDP mesh (4 ranks): only the adapters are gathered after step 1, exact, merge included.
-- TRL's GRPOTrainer through the recipe, `--use_peft` with `--beta` 0 and 0.04 (the reference is
-  the policy with its adapter off), TRL's default `lora_dropout` and activation checkpointing,
+- On a 2x2 HSDP mesh (4 ranks, --slow): only the adapters are gathered after step 1, exact, merge included.
+- TRL's GRPOTrainer through the recipe, `--use_peft` with `--beta` 0.04 (the reference is the policy
+  with its adapter off; 0 too with --slow), TRL's default `lora_dropout` and activation checkpointing,
   deferred with the setting and windowed (the adapters gathered once, generation without
   transformers' per-token sync where no forward draws): the logged losses, rewards and KL equal
   stock accelerate's at every step, the gradient norms up to summation order; every all-gather
@@ -370,6 +370,7 @@ def hsdp():
     return launch("frozen_units", ["--M", str(M), "--runs", json.dumps(runs)], config)
 
 
+@pytest.mark.slow  # 4 processes on 2 cores; test_modes holds every mode on an HSDP mesh
 def test_on_an_hsdp_mesh_only_the_adapters_are_gathered_after_step_1_and_it_is_exact(hsdp):
     per_step = LAYERS * M * 2
     assert len(hsdp) == 4
@@ -415,7 +416,8 @@ PLUGIN = {
 }
 
 
-@pytest.fixture(scope="module", params=["0", "0.04"], ids=lambda beta: f"beta{beta}")
+# The default suite: beta 0.04 (the reference is the policy with its adapter off); --slow: beta 0 too.
+@pytest.fixture(scope="module", params=[pytest.param("0", marks=pytest.mark.slow), "0.04"], ids=lambda b: f"beta{b}")
 def grpo(request, tmp_path_factory):
     """Under LoRA, TRL's reference (beta > 0) is the policy with its adapter off."""
     command = LORA + f" --beta {request.param}"

@@ -198,6 +198,7 @@ def _gathers(rank: dict) -> int:
     return sum(rank["counts"].get(n, 0) for n in ("all_gather_single", "all_gather_into_tensor"))
 
 
+@pytest.mark.slow  # the default suite holds checkpointing through test_frozen_units' LoRA GRPO runs
 def test_the_window_with_activation_checkpointing_learns_what_stock_learns_gathering_nothing_more(runs):
     window, stock = runs(BETA + CHECKPOINTED), runs(QUICKSTART[1] + " --beta 0.04" + CHECKPOINTED)
     for run in (window, stock):

@@ -163,6 +163,7 @@ def test_ddp_uneven_counts_without_join_are_refused_at_wait_for_everyone(ddp):
         assert "rank 0: 7 micro-batches, rank 1: 6 micro-batches" in error and "grad_sync.join()" in error
 
 
+@pytest.mark.slow  # waits out the worker's watchdog
 def test_ddp_per_micro_batch_uneven_without_join_never_pairs_the_check_with_a_gradient_all_reduce():
     """Rank 0's 7th micro-batch all-reduces its gradients on the default group while rank 1 checks
     the counts at wait_for_everyone(): on a group of its own the check cannot pair with it (gloo

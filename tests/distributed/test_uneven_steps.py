@@ -1,18 +1,18 @@
 """Micro-batch counts that differ across ranks and change every step, on 2 gloo ranks:
 `grad_sync.step(n)` around each optimizer step of a plain `accumulate` loop, the counts per step
 [3, 1], [2, 4], [1, 1], [4, 2] (rank 0, rank 1), micro-batches of 1 to 3 rows scaled by the step's
-samples over every rank. In every sync mode, FSDP2 (FSDP1, DDP and a 2x2 HSDP mesh, with four
-ranks' counts, in one more launch each), the
-run ends at the parameters of the padded run (every rank runs the step's largest count, a rank past
-its own repeating its last micro-batch with loss x 0) bit for bit, with the same config attached,
-and for the modes stock accelerate also runs (deferred, window) at stock accelerate's padded run.
-Under window (FSDP2) and DDP's deferral the collectives per step, counted from outside, are the
-same whatever the counts and nothing is replayed; in the other modes each rank issues per step what
-the padded run issues. The decision line says which of the two the plan is. `preempted()` asked
-after every micro-batch agrees at the end of the step one rank was signalled in, on every rank at
-its own last micro-batch, replays or none. A frozen reference model forwarded in every micro-batch
-is replayed with the trained one, unless resident (auto keeps it). Bad uses are refused in one
-line, on every rank where a count is wrong."""
+samples over every rank. In every sync mode, FSDP2 (DDP, and with --slow FSDP1 and a 2x2 HSDP mesh
+with four ranks' counts, in one more launch each), the run ends at the parameters of the padded run
+(every rank runs the step's largest count, a rank past its own repeating its last micro-batch with
+loss x 0) bit for bit, with the same config attached, and for the modes stock accelerate also runs
+(deferred, window) at stock accelerate's padded run. Under window (FSDP2) and DDP's deferral the
+collectives per step, counted from outside, are the same whatever the counts and nothing is
+replayed; in the other modes each rank issues per step what the padded run issues. The decision
+line says which of the two the plan is. `preempted()` asked after every micro-batch agrees at the
+end of the step one rank was signalled in, on every rank at its own last micro-batch, replays or
+none. A frozen reference model forwarded in every micro-batch is replayed with the trained one,
+unless resident (auto keeps it). Bad uses are refused in one line, on every rank where a count is
+wrong."""
 
 import json
 import time
@@ -352,6 +352,7 @@ def test_ddp_deferral_takes_accelerates_own_count_per_step_without_step(ddp):
     _check_accelerate_alone(ddp, "deferred")
 
 
+@pytest.mark.slow  # 4 processes on 2 cores
 def test_hsdp_every_mode_ends_at_the_padded_run_with_per_rank_counts(hsdp):
     """A 2x2 mesh: window's step reduce-scatters and all-reduces once per unit whatever the
     counts; all-reduce deferral (reduce-scatters every micro-batch) and the others replay."""
@@ -361,6 +362,7 @@ def test_hsdp_every_mode_ends_at_the_padded_run_with_per_rank_counts(hsdp):
             assert step["all_gathers"] == step["reduce_scatters"] == TINYNET_UNITS, step
 
 
+@pytest.mark.slow  # the same replays as DDP's, through FSDP1's no_sync
 def test_fsdp1_every_mode_ends_at_the_padded_run_with_per_rank_counts(fsdp1):
     _check(fsdp1, "fsdp1", ("per_micro_batch", "deferred"))
 
