@@ -2,7 +2,7 @@
 keeps one short case of each multi-rank scenario (12 to 30 minutes on 2 CPU cores, torch 2.13: 29.6
 in CI's last run of 2026-12-06, 17.0 in an earlier one, 11.9 the day before), and a module
 fixture that launches many runs at once asks the `slow` fixture whether to launch them all or a
-short share.
+short share (and under `-m compat` alone, the `compat_only` fixture, only what the compat tests read).
 
 The package alone (`pip install accel-gradsync`, no extras) runs the tests of the package itself:
 the recipe's tests and the multi-rank suite (which trains the recipe's models with TRL and PEFT)
@@ -36,6 +36,13 @@ def pytest_addoption(parser):
 def runs_slow(config) -> bool:
     markexpr = config.getoption("-m") or ""
     return bool(config.getoption("--slow") or ("slow" in markexpr and "not slow" not in markexpr))
+
+
+@pytest.fixture(scope="session")
+def compat_only(request) -> bool:
+    """True under `-m compat` alone (each stack's suite, `make test-compat`): a module fixture then
+    launches only the runs its compat tests read, the others being deselected."""
+    return (request.config.getoption("-m") or "").strip() == "compat"
 
 
 @pytest.fixture(scope="session")
