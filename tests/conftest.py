@@ -1,6 +1,7 @@
 """`@pytest.mark.slow` tests and params are skipped unless `--slow` or `-m slow`: the default suite
-keeps one short case of each multi-rank scenario (12 to 30 minutes on 2 CPU cores, torch 2.13: 29.6
-in CI's last run of 2026-12-06, 17.0 in an earlier one, 11.9 the day before), and a module
+keeps one short case of each multi-rank scenario (12 to 30 minutes on 2 CPU cores, torch 2.13: 18.2
+in CI's run of 0926a04 on 2026-12-06, whose whole `.ci/run` took 32 minutes; 29.6 in the one
+before the longest second cases went to --slow), and a module
 fixture that launches many runs at once asks the `slow` fixture whether to launch them all or a
 short share (and under `-m compat` alone, the `compat_only` fixture, only what the compat tests read).
 
