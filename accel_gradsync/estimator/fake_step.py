@@ -158,7 +158,7 @@ class FakeStep:
         `gathered`, every unit stays unsharded from its first forward on, as
         `gather_for_generation` keeps it. The larger of the prefill's peak and the last token's:
         the tokens before it are one forward that grows the cache, its own peak left out (the same
-        bytes as decoding each, bit for bit, at a 255th of the forwards for 256 tokens)."""
+        bytes as decoding each, in three forwards where that takes one per token)."""
         shape = self.shape
         batch, prompt = shape.generation_batch(self.micro_batches), shape.seq_len - shape.max_completion_length
         with self._tracked_model(model_config, self.config.mode, checkpointing=False) as (model, adapter, _, tracker):
