@@ -25,6 +25,7 @@ BLOCK, HEAD = 16 * 16 + 16, 17  # TinyNet trainable elements: one Block unit, th
 # 11 micro-batches, M=3: an error after backward (k=1), a KeyboardInterrupt after backward at a
 # non-final position of the next window (k=3), an error in forward (k=7) right after a step.
 RAISES = [[0, 1, "after_backward"], [0, 3, "keyboard"], [0, 7, "forward"]]
+M_FROM = [[2, 4], [4, 3], [5, 1]]  # [window, M]: accelerator.gradient_accumulation_steps set before it
 
 SPECS = (
     [{"name": f"cond_{r}", "model": "cond", "route": r, "M": 3, "L": 6, "config": DEFERRED} for r in ROUTES]
@@ -34,6 +35,10 @@ SPECS = (
         {"name": "m1_deferred", "M": 1, "L": 3, "config": DEFERRED},
         {"name": "epochs_deferred", "M": 3, "L": 7, "epochs": 2, "config": DEFERRED},
         {"name": "epochs_budget", "M": 3, "L": 7, "epochs": 2, "config": BUDGET},
+    ]
+    + [  # M set between optimizer steps: 2, 2, then 4, 4, then 3, then 1, 1
+        {"name": f"m_changes_{m}", "M": 2, "L": 17, "M_from": M_FROM, "config": c}
+        for m, c in (("budget", BUDGET), ("auto", {"sync_mode": "auto", "free_memory": "64GiB"}))
     ]
     + [{"name": f"raise_{m}", "M": 3, "L": 11, "raises": RAISES, "config": c} for m, c in MODES.items()]
     + [
@@ -164,6 +169,17 @@ def test_epochs_with_a_short_last_window_sync_and_match(fsdp2, mode):
 
 
 # -- an exception or KeyboardInterrupt in the middle of an accumulation --------------------------
+@pytest.mark.parametrize("mode", ["budget", "auto"])
+def test_accumulation_steps_changed_between_optimizer_steps(fsdp2, mode):
+    """The modes that plan for M follow a user who sets `gradient_accumulation_steps` between
+    steps: every step's gradients exact, each window's reduce-scatters those of its own M."""
+    for name, run in _runs(fsdp2, f"m_changes_{mode}"):
+        _exact(name, run)
+        _counts(name, run)
+        _flags_and_memory(name, run)
+        assert run["syncs_as_planned"], name
+
+
 @pytest.mark.parametrize("mode", list(MODES))
 def test_aborted_accumulation_restores_flags_and_leaves_no_gradient(fsdp2, mode):
     for name, run in _runs(fsdp2, f"raise_{mode}"):

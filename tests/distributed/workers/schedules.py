@@ -3,6 +3,7 @@ report what differed. Shared by the reliability and property workers.
 
 A schedule is a JSON dict:
     M, L (micro-batches per rank per epoch), epochs, config (GradSyncConfig kwargs),
+    M_from: [[window, M]] (the loop sets `gradient_accumulation_steps` to M before that window),
     model: "tiny" | "cond" | "frozen", route (CondNet routing rule, see ROUTES),
     raises: [[epoch, k, kind]] with kind "forward" | "after_backward" | "keyboard",
     param_dtype: "bf16" (FSDP2 MixedPrecisionPolicy(param_dtype=bf16)) or absent,
@@ -92,19 +93,25 @@ ROUTES = ("alternate", "only_final", "block_only_final", "skip_final", "skip_win
 
 def positions(spec: dict) -> list[dict]:
     """Every micro-batch of the schedule in order, with its place in the window it belongs to."""
-    M, L, raises = spec["M"], spec["L"], {(e, k): kind for e, k, kind in spec.get("raises", [])}
+    L, raises = spec["L"], {(e, k): kind for e, k, kind in spec.get("raises", [])}
     out, window = [], 0
     for epoch in range(spec.get("epochs", 1)):
         c = 0
         for k in range(L):
-            kind = raises.get((epoch, k))
+            kind, M = raises.get((epoch, k)), window_M(spec, window)
             final = c + 1 == M or k == L - 1
-            out.append({"epoch": epoch, "k": k, "c": c, "final": final, "window": window, "raise": kind})
+            out.append({"epoch": epoch, "k": k, "c": c, "final": final, "window": window, "raise": kind, "M": M})
             if kind is not None or final:
                 c, window = 0, window + 1
             else:
                 c += 1
     return out
+
+
+def window_M(spec: dict, window: int) -> int:
+    """M of the schedule's `window`-th window: `M`, or the last `[from_window, M]` of `M_from` that
+    has begun (the user sets `accelerator.gradient_accumulation_steps` between optimizer steps)."""
+    return next((M for start, M in reversed(spec.get("M_from", [])) if window >= start), spec["M"])
 
 
 def build_model(spec: dict) -> nn.Module:
@@ -126,7 +133,7 @@ def reference_steps(model: nn.Module, spec: dict, X, Y, N: int) -> list[dict]:
             ref.zero_grad()
             continue
         out = ref(X[sl], **route(spec.get("route", ""), pos)) if spec.get("model") == "cond" else ref(X[sl])
-        (F.mse_loss(out, Y[sl]) / spec["M"]).backward()
+        (F.mse_loss(out, Y[sl]) / pos["M"]).backward()
         if pos["raise"] is not None:
             ref.zero_grad()
             continue
@@ -212,6 +219,8 @@ def run_schedule(accelerator, spec: dict, counter) -> dict:
                 for x, y in loader:
                     pos = order[i]
                     i += 1
+                    if pos["c"] == 0 and pos["M"] != accelerator.gradient_accumulation_steps:
+                        accelerator.gradient_accumulation_steps = pos["M"]  # between optimizer steps
                     try:
                         with accelerator.accumulate(model):
                             inside = sync_flags(model) if is_fsdp2 else None
