@@ -36,6 +36,10 @@ SPECS = (
         {"name": "epochs_deferred", "M": 3, "L": 7, "epochs": 2, "config": DEFERRED},
         {"name": "epochs_budget", "M": 3, "L": 7, "epochs": 2, "config": BUDGET},
     ]
+    + [  # a forward with gradients and no backward after each window's last backward (a metric)
+        {"name": f"extra_forward_{m}", "M": 2, "L": 6, "extra_forward": True, "config": c}
+        for m, c in (("deferred", DEFERRED), ("window", {**DEFERRED, "keep_params_unsharded": True}))
+    ]
     + [  # M set between optimizer steps: 2, 2, then 4, 4, then 3, then 1, 1
         {"name": f"m_changes_{m}", "M": 2, "L": 17, "M_from": M_FROM, "config": c}
         for m, c in (("budget", BUDGET), ("auto", {"sync_mode": "auto", "free_memory": "64GiB"}))
@@ -169,6 +173,17 @@ def test_epochs_with_a_short_last_window_sync_and_match(fsdp2, mode):
 
 
 # -- an exception or KeyboardInterrupt in the middle of an accumulation --------------------------
+@pytest.mark.parametrize("mode", ["deferred", "window"])
+def test_a_forward_without_backward_before_the_step_leaves_nothing_stale(fsdp2, mode):
+    """A forward with gradients after the last backward leaves FSDP2's root unsharded (and, with
+    `keep_params_unsharded`, every unit the window kept through it); nothing so gathered may go
+    into the optimizer step, or the next forward runs on the parameters from before it."""
+    for name, run in _runs(fsdp2, f"extra_forward_{mode}"):
+        _exact(name, run)
+        _counts(name, run)
+        _flags_and_memory(name, run)
+
+
 @pytest.mark.parametrize("mode", ["budget", "auto"])
 def test_accumulation_steps_changed_between_optimizer_steps(fsdp2, mode):
     """The modes that plan for M follow a user who sets `gradient_accumulation_steps` between

@@ -1,6 +1,6 @@
 """The hot path: hold the sync of a window's non-final micro-batches as planned, keep a window's
-params through its last forward, count every micro-batch, and drop the window's gradients when an
-exception ends it.
+params through its last forward, count every micro-batch, drop the window's gradients when an
+exception ends it, and leave no unit gathered from before an optimizer step.
 
 `Accelerator.accumulate()` and the Trainer enter `no_sync(model)` on every micro-batch but the
 last (hooks.py routes it to `Window.no_sync`); a forward pre-hook on each bound model sees every
@@ -50,8 +50,9 @@ class Window:
     def watch(self, root: nn.Module) -> list[torch.utils.hooks.RemovableHandle]:
         """Count `root`'s micro-batches from its forward (hooks inside DDP's wrapper) and FSDP2's
         collectives from its units' state (fsdp2_counts.py), and end every micro-batch at an
-        optimizer step (one hook for every model, until `close`). Removing the handles returned
-        unwatches `root` alone (a model bound again)."""
+        optimizer step, after which no unit a forward left gathered stays so (one hook for every
+        model, until `close`). Removing the handles returned unwatches `root` alone (a model bound
+        again)."""
         bound = self.state.bound[root]
         handles = [root.register_forward_pre_hook(self.on_forward), root.register_forward_hook(self.after_forward)]
         handles.extend(watch_fsdp2(bound.adapter, bound.account))
@@ -68,9 +69,17 @@ class Window:
             self._step_hook = None
 
     def _after_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        """Global optimizer post-step hook: the micro-batch that ended the window is over."""
+        """Global optimizer post-step hook: the micro-batch that ended the window is over. What a
+        forward after its last backward left gathered (a forward with gradients for a metric, a
+        skipped backward) from the models `optimizer` updates is resharded, so their next forward
+        gathers the stepped parameters; after a normal window there is none. A window still
+        holding keeps what it keeps; inside `step(n)` nothing is resharded: a rank that replays
+        holds its last micro-batch through the step and one that does not, not, so a reshard on
+        one of them alone would misalign the next all-gathers."""
         self._open.clear()
         for bound in self.state.bound.values():
+            if bound.hold is None and not self.state.step_largest:
+                bound.adapter.reshard_left_gathered(optimizer)
             bound.account.close_step()
 
     @contextlib.contextmanager

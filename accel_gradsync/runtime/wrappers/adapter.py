@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Sequence
 
+import torch
 from torch import nn
 
 from accel_gradsync.planning.units import Unit
@@ -65,6 +66,12 @@ class ModelAdapter:
 
     def reshard(self, units: Sequence[Unit]) -> None:
         """Free the unsharded params of `units` (after an aborted window)."""
+
+    def reshard_left_gathered(self, optimizer: torch.optim.Optimizer) -> list[Unit]:
+        """After `optimizer` stepped: reshard every unit of this model a forward left unsharded
+        (none kept for the run) whose parameters it updated; returns them. FSDP2 only: its next
+        forward would run on their unsharded copy from before the step."""
+        return []
 
     def unit_modules(self) -> list[tuple[nn.Module, Unit]]:
         """Every module FSDP2 runs a unit's pre-forward on, with its unit (a grouped

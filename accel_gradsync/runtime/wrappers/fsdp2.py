@@ -29,11 +29,13 @@ from accel_gradsync.runtime.wrappers.fsdp2_state import (
     check_fsdp2_internals,
     grad_dtype_of,
     group_params,
+    param_groups,
     param_now,
     sharded_param,
     state_groups,
     sync_flags,
     unit_params,
+    unsharded,
 )
 
 
@@ -200,6 +202,19 @@ class FSDP2Adapter(ModelAdapter):
     def reshard(self, units: Sequence[Unit]) -> None:
         for u in units:
             as_fsdp2(u.module).reshard()
+
+    def reshard_left_gathered(self, optimizer: torch.optim.Optimizer) -> list[Unit]:
+        # FSDP2 all-gathers in a forward only into a group that is sharded: one left unsharded (the
+        # root after a forward with no backward; a unit a window or `keep_params_unsharded` kept
+        # through it) would run the next forward on its parameters from before the step.
+        left = [u for u in self.units if not u.resident and any(unsharded(g) for g in param_groups(u))]
+        if not left:
+            return []  # after every normal window: attribute reads only
+        ours = {id(sharded_param(p)) for u in left for p in unit_params(as_fsdp2(u.module))}
+        if not any(id(p) in ours for group in optimizer.param_groups for p in group["params"]):
+            return []  # another model's optimizer (a GAN's): these are not stale
+        self.reshard(left)
+        return left
 
     def unit_modules(self) -> list[tuple[nn.Module, Unit]]:
         by_state = {id(as_fsdp2(u.module)._get_fsdp_state()): u for u in self.units}

@@ -67,8 +67,11 @@ def make_data(n: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(n, DIM, generator=g), torch.randn(n, generator=g)
 
 
-def full_grads(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Unsharded gradients by original parameter name, for FSDP2, FSDP1 and DDP models."""
+def full_grads(model: nn.Module, sharded: dict[str, nn.Parameter] | None = None) -> dict[str, torch.Tensor]:
+    """Unsharded gradients by original parameter name, for FSDP2, FSDP1 and DDP models. FSDP2:
+    `sharded`, `dict(model.named_parameters())` taken while every unit was sharded (after
+    `prepare`), reads the optimizer's own parameters where a unit is unsharded now (its
+    `named_parameters` are then the unsharded ones)."""
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
 
@@ -80,9 +83,8 @@ def full_grads(model: nn.Module) -> dict[str, torch.Tensor]:
         with FSDP1.summon_full_params(model, with_grads=True):
             return {clean(n): p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     if isinstance(model, FSDPModule):
-        return {
-            clean(n): p.grad.full_tensor().detach().clone() for n, p in model.named_parameters() if p.grad is not None
-        }
+        named = sharded if sharded is not None else dict(model.named_parameters())
+        return {clean(n): p.grad.full_tensor().detach().clone() for n, p in named.items() if p.grad is not None}
     return {clean(n): p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 

@@ -4,6 +4,7 @@ report what differed. Shared by the reliability and property workers.
 A schedule is a JSON dict:
     M, L (micro-batches per rank per epoch), epochs, config (GradSyncConfig kwargs),
     M_from: [[window, M]] (the loop sets `gradient_accumulation_steps` to M before that window),
+    extra_forward: bool (a forward with gradients and no backward after each window's last backward),
     model: "tiny" | "cond" | "frozen", route (CondNet routing rule, see ROUTES),
     raises: [[epoch, k, kind]] with kind "forward" | "after_backward" | "keyboard",
     param_dtype: "bf16" (FSDP2 MixedPrecisionPolicy(param_dtype=bf16)) or absent,
@@ -197,6 +198,7 @@ def run_schedule(accelerator, spec: dict, counter) -> dict:
     adapter = adapt_model(model)
     is_fsdp2 = adapter is not None and adapter.kind == "fsdp2"
     flags0 = sync_flags(model) if is_fsdp2 else None
+    sharded = dict(model.named_parameters()) if is_fsdp2 else None  # the optimizer's, whatever is gathered later
     result["bound_at_prepare"] = handle.plan() is not None
     if handle.plan() is None:  # bind() is public: do what the first no_sync() would do
         handle.bind(model)
@@ -234,10 +236,12 @@ def run_schedule(accelerator, spec: dict, counter) -> dict:
                                 raise RuntimeError(INJECTED)
                             if pos["raise"] == "keyboard":
                                 raise KeyboardInterrupt(INJECTED)
+                            if spec.get("extra_forward") and pos["final"]:
+                                model(x, **kwargs)  # a forward with gradients and no backward (logging)
                             if accelerator.sync_gradients:
                                 counts = counter.take()
                                 with counter.paused():
-                                    grads = full_grads(model)
+                                    grads = full_grads(model, sharded)
                                 want = expected[len(steps)] if len(steps) < len(expected) else {}
                                 steps.append(
                                     {
