@@ -40,6 +40,10 @@ SPECS = (
         {"name": f"extra_forward_{m}", "M": 2, "L": 6, "extra_forward": True, "config": c}
         for m, c in (("deferred", DEFERRED), ("window", {**DEFERRED, "keep_params_unsharded": True}))
     ]
+    + [  # accelerator.clip_grad_norm_ after every backward, not only where sync_gradients is True
+        {"name": f"clip_every_{m}", "M": 3, "L": 6, "clip_every": True, "config": c}
+        for m, c in (("deferred", DEFERRED), ("budget", BUDGET))
+    ]
     + [  # M set between optimizer steps: 2, 2, then 4, 4, then 3, then 1, 1
         {"name": f"m_changes_{m}", "M": 2, "L": 17, "M_from": M_FROM, "config": c}
         for m, c in (("budget", BUDGET), ("auto", {"sync_mode": "auto", "free_memory": "64GiB"}))
@@ -182,6 +186,24 @@ def test_a_forward_without_backward_before_the_step_leaves_nothing_stale(fsdp2, 
         _exact(name, run)
         _counts(name, run)
         _flags_and_memory(name, run)
+
+
+@pytest.mark.parametrize("mode", ["deferred", "budget"])
+def test_a_clip_in_every_micro_batch_is_said_where_it_clips_some_units_alone(fsdp2, mode):
+    """A loop that clips after every backward: under budget (a Block held, the rest reduced every
+    micro-batch) a clip inside the window would scale the reduced units' partial sums alone, as no
+    stock configuration does, so it is said once; under deferred (every unit held, nothing to clip
+    yet, as under accelerate's no_sync) nothing is said. The norm here is too large to scale: the
+    gradients stay exact."""
+    for name, run in _runs(fsdp2, f"clip_every_{mode}"):
+        _exact(name, run)
+        said = [w for w in run["train_warnings"] if "clip_grad_norm_ ran in a micro-batch" in w]
+        if mode == "budget":
+            assert len(said) == 1, run["train_warnings"]
+            assert "holds 1 unit(s) and 2 reduce every micro-batch" in said[0], said
+            assert "Clip only when accelerator.sync_gradients is True" in said[0], said
+        else:
+            assert said == [], said
 
 
 @pytest.mark.parametrize("mode", ["budget", "auto"])

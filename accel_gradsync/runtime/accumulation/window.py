@@ -28,6 +28,7 @@ from accel_gradsync.runtime.accumulation.window_checks import (
     check_explicit_no_sync,
     warn_cannot_hold_yet,
     warn_evened_out,
+    warn_if_clipped_mid_window,
     warn_if_sync_each_batch,
 )
 from accel_gradsync.runtime.core.fsdp2_counts import watch_fsdp2, watch_replicated_all_reduces
@@ -234,6 +235,12 @@ class Window:
             keeps_params_when_held=bound.adapter.keeps_params_when_held,
             gathered=bound.adapter.unsharded_now(),
         )
+
+    def on_clip(self) -> None:
+        """`accelerator.clip_grad_norm_` (hooks.py): say once where one inside a held micro-batch
+        clips some units' partial gradients and not the others'."""
+        for root, (held, _) in self._held.items():
+            warn_if_clipped_mid_window(self.state, held, self.state.bound[root].adapter.units)
 
     def keep_windowed(self) -> None:
         """`grad_sync.step(n)`, this rank's last micro-batch, under a plan that makes the counts

@@ -5,7 +5,10 @@ the window cannot do what its plan says (window.py calls each at the moment it f
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from accel_gradsync.config.settings import SyncMode
+from accel_gradsync.planning.units import Unit
 from accel_gradsync.runtime.core.state import Attachment
 
 
@@ -61,3 +64,19 @@ def warn_if_sync_each_batch(state: Attachment) -> None:
             f"accel_gradsync: sync mode '{state.policy.name}' is not applied: accelerate's "
             "sync_each_batch=True was set after attach() and makes every micro-batch sync.",
         )
+
+
+def warn_if_clipped_mid_window(state: Attachment, held: Sequence[Unit], units: Sequence[Unit]) -> None:
+    """`accelerator.clip_grad_norm_` inside a micro-batch that does not end the step, of a model
+    whose plan holds `held` of its `units`: where the others reduced this micro-batch, the clip
+    scales their partial sums alone, as no stock configuration does."""
+    synced = [u for u in units if not u.frozen and u not in held]
+    if not held or not synced:
+        return  # all held: nothing to clip yet, as under accelerate's no_sync; none: sync_each_batch's
+    state.warn_once(
+        "clip_mid_window",
+        f"accel_gradsync: accelerator.clip_grad_norm_ ran in a micro-batch that does not end the optimizer "
+        f"step, where the plan holds {len(held)} unit(s) and {len(synced)} reduce every micro-batch: it "
+        "scales those units' partial gradients alone (accelerate's no_sync clips none of them before the step, "
+        "sync_each_batch=True all of them). Clip only when accelerator.sync_gradients is True.",
+    )

@@ -5,6 +5,7 @@ A schedule is a JSON dict:
     M, L (micro-batches per rank per epoch), epochs, config (GradSyncConfig kwargs),
     M_from: [[window, M]] (the loop sets `gradient_accumulation_steps` to M before that window),
     extra_forward: bool (a forward with gradients and no backward after each window's last backward),
+    clip_every: bool (`accelerator.clip_grad_norm_` after every backward, not only the step's),
     model: "tiny" | "cond" | "frozen", route (CondNet routing rule, see ROUTES),
     raises: [[epoch, k, kind]] with kind "forward" | "after_backward" | "keyboard",
     param_dtype: "bf16" (FSDP2 MixedPrecisionPolicy(param_dtype=bf16)) or absent,
@@ -236,6 +237,8 @@ def run_schedule(accelerator, spec: dict, counter) -> dict:
                                 raise RuntimeError(INJECTED)
                             if pos["raise"] == "keyboard":
                                 raise KeyboardInterrupt(INJECTED)
+                            if spec.get("clip_every"):  # unconditionally; too large a norm to scale anything
+                                accelerator.clip_grad_norm_(model.parameters(), 1e9)
                             if spec.get("extra_forward") and pos["final"]:
                                 model(x, **kwargs)  # a forward with gradients and no backward (logging)
                             if accelerator.sync_gradients:
