@@ -37,8 +37,9 @@ SPECS = (
         {"name": "epochs_budget", "M": 3, "L": 7, "epochs": 2, "config": BUDGET},
     ]
     + [  # a forward with gradients and no backward after each window's last backward (a metric)
-        {"name": f"extra_forward_{m}", "M": 2, "L": 6, "extra_forward": True, "config": c}
+        {"name": f"extra_forward_{m}{'_no_grad' * (g == 'no_grad')}", "M": 2, "L": 6, "extra_forward": g, "config": c}
         for m, c in (("deferred", DEFERRED), ("window", {**DEFERRED, "keep_params_unsharded": True}))
+        for g in (True, "no_grad")
     ]
     + [  # accelerator.clip_grad_norm_ after every backward, not only where sync_gradients is True
         {"name": f"clip_every_{m}", "M": 3, "L": 6, "clip_every": True, "config": c}
@@ -179,10 +180,11 @@ def test_epochs_with_a_short_last_window_sync_and_match(fsdp2, mode):
 # -- an exception or KeyboardInterrupt in the middle of an accumulation --------------------------
 @pytest.mark.parametrize("mode", ["deferred", "window"])
 def test_a_forward_without_backward_before_the_step_leaves_nothing_stale(fsdp2, mode):
-    """A forward with gradients after the last backward leaves FSDP2's root unsharded (and, with
-    `keep_params_unsharded`, every unit the window kept through it); nothing so gathered may go
-    into the optimizer step, or the next forward runs on the parameters from before it."""
-    for name, run in _runs(fsdp2, f"extra_forward_{mode}"):
+    """A forward after the last backward, with gradients or without, leaves FSDP2's root unsharded
+    (and, with gradients under `keep_params_unsharded`, every unit the window kept through it);
+    nothing so gathered may outlast the optimizer step, or the next forward runs on the
+    parameters from before it."""
+    for name, run in _runs(fsdp2, f"extra_forward_{mode}"):  # both: with gradients, and no_grad
         _exact(name, run)
         _counts(name, run)
         _flags_and_memory(name, run)

@@ -4,7 +4,8 @@ report what differed. Shared by the reliability and property workers.
 A schedule is a JSON dict:
     M, L (micro-batches per rank per epoch), epochs, config (GradSyncConfig kwargs),
     M_from: [[window, M]] (the loop sets `gradient_accumulation_steps` to M before that window),
-    extra_forward: bool (a forward with gradients and no backward after each window's last backward),
+    extra_forward: true or "no_grad" (a forward, with gradients or without, and no backward after each
+        window's last backward),
     clip_every: bool (`accelerator.clip_grad_norm_` after every backward, not only the step's),
     model: "tiny" | "cond" | "frozen", route (CondNet routing rule, see ROUTES),
     raises: [[epoch, k, kind]] with kind "forward" | "after_backward" | "keyboard",
@@ -239,8 +240,9 @@ def run_schedule(accelerator, spec: dict, counter) -> dict:
                                 raise KeyboardInterrupt(INJECTED)
                             if spec.get("clip_every"):  # unconditionally; too large a norm to scale anything
                                 accelerator.clip_grad_norm_(model.parameters(), 1e9)
-                            if spec.get("extra_forward") and pos["final"]:
-                                model(x, **kwargs)  # a forward with gradients and no backward (logging)
+                            if spec.get("extra_forward") and pos["final"]:  # a metric: no backward
+                                with torch.set_grad_enabled(spec["extra_forward"] != "no_grad"):
+                                    model(x, **kwargs)
                             if accelerator.sync_gradients:
                                 counts = counter.take()
                                 with counter.paused():
