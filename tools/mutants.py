@@ -162,6 +162,19 @@ MUTANTS: dict[str, dict] = {
         ],
         "tests": ["tests/distributed/test_accumulate.py", "tests/distributed/test_window.py"],
     },
+    "stale_after_the_step": {
+        "what": "a unit a forward after the last backward left unsharded stays so through the optimizer step",
+        "edits": [
+            (
+                "accel_gradsync/runtime/accumulation/window.py",
+                "bound.adapter.reshard_left_gathered(optimizer)",
+                "pass",
+            )
+        ],
+        "tests": [
+            "tests/distributed/test_reliability_edge.py::test_a_forward_without_backward_before_the_step_leaves_nothing_stale"
+        ],
+    },
     "budget_takes_units_that_do_not_fit": {
         "what": "budget's first fit takes a level while the bytes used so far fit, whatever it adds",
         "edits": [
