@@ -54,13 +54,14 @@ def units_held(spec: dict) -> tuple[int, int]:
 
 def expected_reduce_scatters(spec: dict) -> list[int]:
     """Reduce-scatters counted between two optimizer steps: each micro-batch syncs every unit
-    but the held ones, the last of a step every unit; a micro-batch that raises in forward
-    issues none; one that raises after backward issues what its place implies, counted into the
+    but the held ones, the last of a step every unit; a micro-batch that raises in forward, or
+    that the loop skips before its backward, issues none (a skipped last one steps nothing: its
+    window's reduce-scatters count into the next step); one that raises after backward issues what its place implies, counted into the
     next step, and its window is no step."""
     units, (before, after) = syncing_units(spec), units_held(spec)
     out, pending = [], 0
     for pos in positions(spec):
-        if pos["raise"] == "forward":
+        if pos["raise"] in ("forward", "skip"):  # no backward: nothing reduced; a skipped last one carries on
             continue
         held = after if out else before
         pending += units if pos["final"] else units - held
@@ -75,7 +76,7 @@ def defers_something(spec: dict) -> bool:
     before, after = units_held(spec)
     steps = 0
     for pos in positions(spec):
-        if pos["raise"] != "forward" and not pos["final"] and (after if steps else before):
+        if pos["raise"] not in ("forward", "skip") and not pos["final"] and (after if steps else before):
             return True
         steps += pos["final"] and pos["raise"] is None
     return False

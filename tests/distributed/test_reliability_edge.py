@@ -41,6 +41,10 @@ SPECS = (
         for m, c in (("deferred", DEFERRED), ("window", {**DEFERRED, "keep_params_unsharded": True}))
         for g in (True, "no_grad")
     ]
+    + [  # a loss guard skips backward and step: a held micro-batch (k=1), then a window's last (k=5)
+        {"name": f"skip_{m}", "M": 3, "L": 9, "raises": [[0, 1, "skip"], [0, 5, "skip"]], "config": c}
+        for m, c in (("deferred", DEFERRED), ("budget", BUDGET), ("window", {**DEFERRED, "keep_params_unsharded": True}))
+    ]
     + [  # accelerator.clip_grad_norm_ after every backward, not only where sync_gradients is True
         {"name": f"clip_every_{m}", "M": 3, "L": 6, "clip_every": True, "config": c}
         for m, c in (("deferred", DEFERRED), ("budget", BUDGET))
@@ -188,6 +192,18 @@ def test_a_forward_without_backward_before_the_step_leaves_nothing_stale(fsdp2, 
         _exact(name, run)
         _counts(name, run)
         _flags_and_memory(name, run)
+
+
+@pytest.mark.parametrize("mode", ["deferred", "budget", "window"])
+def test_a_loss_guard_that_skips_backward_and_step_trains_as_the_reference(fsdp2, mode):
+    """`if not torch.isfinite(loss): continue` inside accumulate(): a skipped held micro-batch adds
+    nothing and its window goes on; a skipped last one steps nothing, and what its window held or
+    reduced counts into the next step, as in the single-process reference."""
+    for name, run in _runs(fsdp2, f"skip_{mode}"):
+        _exact(name, run)
+        _counts(name, run)
+        _flags_and_memory(name, run)
+        assert run["syncs_as_planned"], name
 
 
 @pytest.mark.parametrize("mode", ["deferred", "budget"])

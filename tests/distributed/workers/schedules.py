@@ -8,7 +8,8 @@ A schedule is a JSON dict:
         window's last backward),
     clip_every: bool (`accelerator.clip_grad_norm_` after every backward, not only the step's),
     model: "tiny" | "cond" | "frozen", route (CondNet routing rule, see ROUTES),
-    raises: [[epoch, k, kind]] with kind "forward" | "after_backward" | "keyboard",
+    raises: [[epoch, k, kind]] with kind "forward" | "after_backward" | "keyboard" | "skip" (the loop's
+        loss guard `continue`s before backward and step: no exception, the window goes on),
     param_dtype: "bf16" (FSDP2 MixedPrecisionPolicy(param_dtype=bf16)) or absent,
     attach_before_prepare: bool (needed for reduce_dtype),
     zero_grad_on_abort: bool (default True: the user's handler calls `model.zero_grad()`).
@@ -104,7 +105,7 @@ def positions(spec: dict) -> list[dict]:
             kind, M = raises.get((epoch, k)), window_M(spec, window)
             final = c + 1 == M or k == L - 1
             out.append({"epoch": epoch, "k": k, "c": c, "final": final, "window": window, "raise": kind, "M": M})
-            if kind is not None or final:
+            if (kind is not None and kind != "skip") or final:
                 c, window = 0, window + 1
             else:
                 c += 1
@@ -134,6 +135,8 @@ def reference_steps(model: nn.Module, spec: dict, X, Y, N: int) -> list[dict]:
         sl = slice(pos["k"] * N * BATCH, (pos["k"] + 1) * N * BATCH)
         if pos["raise"] == "forward":
             ref.zero_grad()
+            continue
+        if pos["raise"] == "skip":  # the loop's `continue`: no backward, no step; the window goes on
             continue
         out = ref(X[sl], **route(spec.get("route", ""), pos)) if spec.get("model") == "cond" else ref(X[sl])
         (F.mse_loss(out, Y[sl]) / pos["M"]).backward()
@@ -233,6 +236,8 @@ def run_schedule(accelerator, spec: dict, counter) -> dict:
                             loss = F.mse_loss(model(x, **kwargs).float(), y)
                             if pos["raise"] == "forward":
                                 raise RuntimeError(INJECTED)
+                            if pos["raise"] == "skip":  # a loss guard: no backward, and past the step
+                                continue
                             accelerator.backward(loss)
                             if pos["raise"] == "after_backward":
                                 raise RuntimeError(INJECTED)
