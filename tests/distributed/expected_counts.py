@@ -56,8 +56,8 @@ def expected_reduce_scatters(spec: dict) -> list[int]:
     """Reduce-scatters counted between two optimizer steps: each micro-batch syncs every unit
     but the held ones, the last of a step every unit; a micro-batch that raises in forward, or
     that the loop skips before its backward, issues none (a skipped last one steps nothing: its
-    window's reduce-scatters count into the next step); one that raises after backward issues what its place implies, counted into the
-    next step, and its window is no step."""
+    window's reduce-scatters count into the next step); one that raises after backward issues
+    what its place implies, counted into the next step, and its window is no step."""
     units, (before, after) = syncing_units(spec), units_held(spec)
     out, pending = [], 0
     for pos in positions(spec):

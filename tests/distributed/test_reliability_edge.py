@@ -21,6 +21,7 @@ from accel_gradsync.compat.fsdp2 import torch_series
 DEFERRED, PMB = {"defer": True}, {}
 BUDGET = {"sync_mode": "budget", "memory_budget": "1100B"}  # one Block's 1088 B gradient fits, not the head too
 MODES = {"deferred": DEFERRED, "per_micro_batch": PMB, "budget": BUDGET}
+WINDOW = {**DEFERRED, "keep_params_unsharded": True}
 BLOCK, HEAD = 16 * 16 + 16, 17  # TinyNet trainable elements: one Block unit, the root's head
 # 11 micro-batches, M=3: an error after backward (k=1), a KeyboardInterrupt after backward at a
 # non-final position of the next window (k=3), an error in forward (k=7) right after a step.
@@ -38,12 +39,12 @@ SPECS = (
     ]
     + [  # a forward with gradients and no backward after each window's last backward (a metric)
         {"name": f"extra_forward_{m}{'_no_grad' * (g == 'no_grad')}", "M": 2, "L": 6, "extra_forward": g, "config": c}
-        for m, c in (("deferred", DEFERRED), ("window", {**DEFERRED, "keep_params_unsharded": True}))
+        for m, c in (("deferred", DEFERRED), ("window", WINDOW))
         for g in (True, "no_grad")
     ]
     + [  # a loss guard skips backward and step: a held micro-batch (k=1), then a window's last (k=5)
         {"name": f"skip_{m}", "M": 3, "L": 9, "raises": [[0, 1, "skip"], [0, 5, "skip"]], "config": c}
-        for m, c in (("deferred", DEFERRED), ("budget", BUDGET), ("window", {**DEFERRED, "keep_params_unsharded": True}))
+        for m, c in (("deferred", DEFERRED), ("budget", BUDGET), ("window", WINDOW))
     ]
     + [  # accelerator.clip_grad_norm_ after every backward, not only where sync_gradients is True
         {"name": f"clip_every_{m}", "M": 3, "L": 6, "clip_every": True, "config": c}
