@@ -51,7 +51,7 @@ def hook_accelerator(
     `accumulate`, `backward`, `clip_grad_norm_`, the loop's collectives (`gather`, `reduce`, ...),
     `wait_for_everyone` and `save_state`/`load_state` also serve `grad_sync.join()` (join.py), and
     `accumulate`, `backward`, `clip_grad_norm_` and the loop's collectives `grad_sync.step(n)`
-    (uneven_steps.py).
+    (uneven_steps.py); `clip_grad_norm_` tells the window too (a clip inside a held micro-batch).
     `discard_on_exception`: a Trainer's `no_sync` aborts the window itself (`Window.no_sync`).
     Returns the original class."""
     base = type(accelerator)
