@@ -175,6 +175,20 @@ MUTANTS: dict[str, dict] = {
             "tests/distributed/test_reliability_edge.py::test_a_forward_without_backward_before_the_step_leaves_nothing_stale"
         ],
     },
+    "stale_reshard_for_any_optimizer": {
+        "what": "any optimizer's step reshards what a bound model keeps for its backward (a GAN's other one too)",
+        "edits": [
+            (
+                "accel_gradsync/runtime/wrappers/fsdp2.py",
+                "return []  # another model's optimizer (a GAN's): these are not stale",
+                "pass",
+            )
+        ],
+        "tests": [
+            "tests/distributed/test_reliability_edge.py::"
+            "test_another_models_optimizer_step_inside_a_micro_batch_reshards_nothing"
+        ],
+    },
     "budget_takes_units_that_do_not_fit": {
         "what": "budget's first fit takes a level while the bytes used so far fit, whatever it adds",
         "edits": [

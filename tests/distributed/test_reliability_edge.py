@@ -46,6 +46,10 @@ SPECS = (
         {"name": f"skip_{m}", "M": 3, "L": 9, "raises": [[0, 1, "skip"], [0, 5, "skip"]], "config": c}
         for m, c in (("deferred", DEFERRED), ("budget", BUDGET), ("window", WINDOW))
     ]
+    + [  # another model's optimizer steps between the last micro-batch's forward and backward
+        {"name": f"{name}_window", "M": 2, "L": 6, "config": WINDOW, **extra}
+        for name, extra in (("other_step", {"other_step": True}), ("no_other_step", {}))
+    ]
     + [  # accelerator.clip_grad_norm_ after every backward, not only where sync_gradients is True
         {"name": f"clip_every_{m}", "M": 3, "L": 6, "clip_every": True, "config": c}
         for m, c in (("deferred", DEFERRED), ("budget", BUDGET))
@@ -193,6 +197,19 @@ def test_a_forward_without_backward_before_the_step_leaves_nothing_stale(fsdp2, 
         _exact(name, run)
         _counts(name, run)
         _flags_and_memory(name, run)
+
+
+def test_another_models_optimizer_step_inside_a_micro_batch_reshards_nothing(fsdp2):
+    """A GAN's other optimizer steps between the window's last forward and its backward, while
+    the window keeps the units gathered for that backward: they are not stale (that optimizer
+    updates none of them), so nothing is resharded and gathered again. All-gathers per step are
+    those of the same schedule without that step, counted from outside; gradients exact."""
+    for rank in fsdp2:
+        with_step, without = rank["runs"]["other_step_window"], rank["runs"]["no_other_step_window"]
+        _exact("other_step_window", with_step)
+        _exact("no_other_step_window", without)
+        got, want = [s["all_gathers"] for s in with_step["steps"]], [s["all_gathers"] for s in without["steps"]]
+        assert got == want, (got, want)
 
 
 @pytest.mark.parametrize("mode", ["deferred", "budget", "window"])

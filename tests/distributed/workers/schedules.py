@@ -7,6 +7,8 @@ A schedule is a JSON dict:
     extra_forward: true or "no_grad" (a forward, with gradients or without, and no backward after each
         window's last backward),
     clip_every: bool (`accelerator.clip_grad_norm_` after every backward, not only the step's),
+    other_step: bool (another model's optimizer steps between the forward and backward of each
+        window's last micro-batch),
     model: "tiny" | "cond" | "frozen", route (CondNet routing rule, see ROUTES),
     raises: [[epoch, k, kind]] with kind "forward" | "after_backward" | "keyboard" | "skip" (the loop's
         loss guard `continue`s before backward and step: no exception, the window goes on),
@@ -214,6 +216,9 @@ def run_schedule(accelerator, spec: dict, counter) -> dict:
         "windowed": [u.name for u in plan.windowed],
     }
 
+    other = nn.Linear(2, 2)  # trained by nothing: `other_step` steps its optimizer between forward and backward
+    other.weight.grad, other.bias.grad = torch.zeros_like(other.weight), torch.zeros_like(other.bias)
+    other_optimizer = torch.optim.SGD(other.parameters(), lr=LR)
     order = positions(spec)
     steps, aborts, syncs_as_planned, flags_inside, flags_between = [], [], [], [], []
     held_after_step = []
@@ -234,6 +239,8 @@ def run_schedule(accelerator, spec: dict, counter) -> dict:
                             syncs_as_planned.append(accelerator.sync_gradients == pos["final"])
                             kwargs = route(spec.get("route", ""), pos) if spec.get("model") == "cond" else {}
                             loss = F.mse_loss(model(x, **kwargs).float(), y)
+                            if spec.get("other_step") and pos["final"]:  # another model's optimizer (a GAN's)
+                                other_optimizer.step()
                             if pos["raise"] == "forward":
                                 raise RuntimeError(INJECTED)
                             if pos["raise"] == "skip":  # a loss guard: no backward, and past the step
@@ -257,6 +264,8 @@ def run_schedule(accelerator, spec: dict, counter) -> dict:
                                     {
                                         "reduce_scatters": counts.get("reduce_scatter_single", 0)
                                         + counts.get("reduce_scatter_tensor", 0),
+                                        "all_gathers": counts.get("all_gather_single", 0)
+                                        + counts.get("all_gather_into_tensor", 0),
                                         **compare(grads, want),
                                     }
                                 )
