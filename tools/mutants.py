@@ -175,6 +175,46 @@ MUTANTS: dict[str, dict] = {
             "tests/distributed/test_reliability_edge.py::test_a_forward_without_backward_before_the_step_leaves_nothing_stale"
         ],
     },
+    "metric_before_the_replays": {
+        "what": "step(n): a forward without gradients after the last backward runs before the replays",
+        "edits": [
+            (
+                "accel_gradsync/runtime/uneven_inputs/uneven_steps.py",
+                "self._last.before_forward_without_grad()",
+                "pass",
+            )
+        ],
+        "tests": [
+            "tests/distributed/test_uneven_steps.py::test_fsdp2_a_metric_forward_after_the_last_backward_sees_the_stepped_params"
+        ],
+    },
+    "stale_inside_step_n": {
+        "what": "step(n): a unit a metric forward left unsharded stays so through the optimizer step",
+        "edits": [
+            (
+                "accel_gradsync/runtime/accumulation/window.py",
+                "if bound.hold is None and not keep:",
+                "if bound.hold is None and not keep and not self.state.step_largest:",
+            )
+        ],
+        "tests": [
+            "tests/distributed/test_uneven_steps.py::test_fsdp2_a_metric_forward_after_the_last_backward_sees_the_stepped_params"
+        ],
+    },
+    "replay_a_trailing_forward": {
+        "what": "step(n): a forward with gradients and no backward after the last one is replayed, not refused",
+        "edits": [
+            (
+                "accel_gradsync/runtime/uneven_inputs/step_replay.py",
+                "if iteration.forwards_after_last_backward():",
+                "if False:",
+            )
+        ],
+        "tests": [
+            "tests/distributed/test_uneven_steps.py::"
+            "test_a_forward_with_gradients_and_no_backward_after_the_last_is_refused_where_a_rank_replays"
+        ],
+    },
     "stale_reshard_for_any_optimizer": {
         "what": "any optimizer's step reshards what a bound model keeps for its backward (a GAN's other one too)",
         "edits": [

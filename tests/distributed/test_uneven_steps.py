@@ -67,8 +67,10 @@ def _accelerate_alone(mode: str) -> dict:
 
 # Where the replays run: at the clip (the runs above), else at the optimizer step inside the block,
 # at the end of the block where the loop steps after it, at a loop collective before the step, at
-# the clip after a loss.backward() of the loop's own, at the clip of a micro-batch of two forwards.
-LOOPS = ("no_clip", "step_outside", "reduce_log", "loss_backward", "two_forwards")
+# the clip after a loss.backward() of the loop's own, at the clip of a micro-batch of two forwards,
+# of one with a backward per part of it, at a forward without gradients after the last backward (a
+# metric, which then runs after them).
+LOOPS = ("no_clip", "step_outside", "reduce_log", "loss_backward", "two_forwards", "split", "metric")
 
 
 def _loop_runs(mode: str) -> list[dict]:
@@ -117,6 +119,14 @@ def _reference_runs(mode: str) -> list[dict]:
     common = {"config": MODES[mode], "counts": COUNTS, "loop": "reference"}
     pad = {"name": f"{mode}/reference/pad", "style": "pad", **common}
     return [pad, {"name": f"{mode}/reference", "style": "step", "references": [pad["name"]], **common}]
+
+
+def _metric_runs(mode: str) -> list[dict]:
+    """The model forwarded once more without gradients after the step's last backward, before the
+    clip and the optimizer step (a training metric), against the same loop padded."""
+    common = {"config": MODES[mode], "counts": COUNTS, "loop": "metric"}
+    pad = {"name": f"{mode}/metric/pad", "style": "pad", **common}
+    return [pad, {"name": f"{mode}/metric", "style": "step", "references": [pad["name"]], **common}]
 
 
 def _evaluate_runs(mode: str) -> list[dict]:
@@ -281,6 +291,50 @@ def test_fsdp2_an_evaluation_between_micro_batches_is_free_where_the_counts_are(
         assert len({json.dumps(s, sort_keys=True) for s in run["per_step"][1:]}) == 1, run["per_step"]
         assert all(step["reduce_scatters"] == TINYNET_UNITS for step in run["per_step"]), run["per_step"]
     assert fsdp2[0]["runs"]["window/evaluate"]["per_step"] == fsdp2[1]["runs"]["window/evaluate"]["per_step"]
+
+
+METRIC_TIMEOUT = 90  # each launch takes about 10 s; a hang ends here
+
+
+@pytest.fixture(scope="module")
+def metric():
+    runs = _metric_runs("per_micro_batch") + _metric_runs("window")
+    return launch("uneven_steps", ["--runs", json.dumps(runs)], accelerate_config("fsdp2"), timeout=METRIC_TIMEOUT)
+
+
+def test_fsdp2_a_metric_forward_after_the_last_backward_sees_the_stepped_params(metric):
+    """A forward without gradients between the step's last backward and its optimizer step (a
+    training metric): on a rank that replays, the replays run first, so its all-gathers pair with
+    the other ranks' after their last micro-batch (before, the ranks hung); under window, whose
+    counts are free, nothing is replayed. Either way the units it left gathered are resharded at the
+    step: the runs end at the padded run's parameters, bit for bit (they read the root's pre-step
+    params from the second step on before)."""
+    for rank in metric:
+        for mode in ("per_micro_batch", "window"):
+            run, pad = rank["runs"][f"{mode}/metric"], rank["runs"][f"{mode}/metric/pad"]
+            assert run["error"] is None and all(run["equal"].values()), (mode, run["error"], run["equal"])
+            if mode == "per_micro_batch":
+                assert run["per_step"] == pad["per_step"], (run["per_step"], pad["per_step"])
+    for mode in ("per_micro_batch", "window"):
+        assert metric[0]["runs"][f"{mode}/metric"]["per_step"] == metric[1]["runs"][f"{mode}/metric"]["per_step"]
+
+
+def test_a_forward_with_gradients_and_no_backward_after_the_last_is_refused_where_a_rank_replays():
+    """The same metric forward with gradients on: it may belong to the micro-batch (a backward per
+    part of it), so it is recorded, and its all-gathers ran while rank 0 was still in its second
+    micro-batch. Rank 1 refuses at its replays and exits; the launcher ends the run long before
+    the timeout."""
+    runs = [{"name": "metric_grad", "config": MODES["deferred"], "counts": COUNTS, "style": "step"}]
+    runs[0].update(loop="metric_grad", uncaught=True)
+    start = time.monotonic()
+    args = ["--runs", json.dumps(runs)]
+    done = launch_ranks(WORKERS / "uneven_steps.py", args, accelerate_config("fsdp2"), timeout=METRIC_TIMEOUT)
+    took = time.monotonic() - start
+    assert done.returncode != 0 and "killed after" not in done.output, done.output[-3000:]
+    says = "grad_sync.step(1): a forward with gradients after this rank's last micro-batch's backward"
+    refusals = [line for line in done.output.splitlines() if says in line]
+    assert len(refusals) == 1 and refusals[0].startswith("[rank1]"), done.output[-3000:]
+    assert took < METRIC_TIMEOUT / 2, took
 
 
 QWEN2 = accelerate_config("fsdp2", fsdp_transformer_layer_cls_to_wrap="Qwen2DecoderLayer")

@@ -47,6 +47,7 @@ class Window:
         self._restore_forward: dict[nn.Module, Callable[[], None]] = {}  # by model: flags back after its last forward
         self._open: dict[nn.Module, bool] = {}  # by model: a micro-batch in progress, and whether it ends the step
         self._step_hook: torch.utils.hooks.RemovableHandle | None = None
+        self._gathered_for_backward = False  # the next optimizer step runs before a backward: reshard nothing
 
     def watch(self, root: nn.Module) -> list[torch.utils.hooks.RemovableHandle]:
         """Count `root`'s micro-batches from its forward (hooks inside DDP's wrapper) and FSDP2's
@@ -74,14 +75,20 @@ class Window:
         forward after its last backward left gathered (a forward with gradients for a metric, a
         skipped backward) from the models `optimizer` updates is resharded, so their next forward
         gathers the stepped parameters; after a normal window there is none. A window still
-        holding keeps what it keeps; inside `step(n)` nothing is resharded: a rank that replays
-        holds its last micro-batch through the step and one that does not, not, so a reshard on
-        one of them alone would misalign the next all-gathers."""
+        holding keeps what it keeps, and so does a step that `keep_gathered_through_step` announced."""
         self._open.clear()
+        keep, self._gathered_for_backward = self._gathered_for_backward, False
         for bound in self.state.bound.values():
-            if bound.hold is None and not self.state.step_largest:
+            if bound.hold is None and not keep:
                 bound.adapter.reshard_left_gathered(optimizer)
             bound.account.close_step()
+
+    def keep_gathered_through_step(self) -> None:
+        """The optimizer step about to run comes before the last micro-batch's backward, which
+        needs what its forward gathered (`step(n)` refuses the loop at the block's end; a rank
+        that replays holds that micro-batch, one that does not would gather again alone and
+        misalign the next collectives): the step reshards nothing."""
+        self._gathered_for_backward = True
 
     @contextlib.contextmanager
     def no_sync(self, model: nn.Module, inner_no_sync: Callable, discard_on_exception: bool = False) -> Iterator[None]:

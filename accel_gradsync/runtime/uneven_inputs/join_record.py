@@ -53,6 +53,11 @@ class Iteration:
     def backward(self) -> None:
         self.events.append(Backward())
 
+    def forwards_after_last_backward(self) -> bool:
+        """A forward with gradients after the iteration's last backward, with none after it."""
+        last = max((i for i, e in enumerate(self.events) if isinstance(e, Backward)), default=None)
+        return last is not None and any(isinstance(e, Forward) and e.grad for e in self.events[last + 1 :])
+
 
 @contextlib.contextmanager
 def replay(accelerator: Accelerator, iteration: Iteration) -> Iterator[None]:

@@ -2,14 +2,17 @@
 which): `LastMicroBatch` watches its backward on every rank, and on a rank below the step's largest
 count holds it, records it and replays it x 0 until that rank ran the largest count.
 
-Where the replays run: at the first clip, loop collective or optimizer step after the last
-micro-batch's backward (a clip's norm reads the synced gradients), else where its `accumulate()`
-block ends. The micro-batch is held like the ones before it (hooks.py enters the window's
-`no_sync` for it, `hold`), its forwards recorded as `join()` records them (join_record.py), and
-accelerate counts the replays on to the largest count, so the last replay syncs: the collectives
-pair one for one with those of the rank that runs the most. An optimizer step before that backward
-cannot wait for the replays (the other ranks wait in the backward's collectives), so it runs, and
-is reported (`misordered`) for every rank to refuse at the block's end.
+Where the replays run: at the first clip, loop collective, optimizer step or forward without
+gradients of a trained model (a metric) after the last micro-batch's backward (a clip's norm reads
+the synced gradients), else where its `accumulate()` block ends. A forward with gradients there
+may belong to the micro-batch (a backward per part of it), so it is recorded; one with no backward
+after it is refused at the replays (its collectives ran early). The micro-batch is held like the
+ones before it (hooks.py enters the window's `no_sync` for it, `hold`), its forwards recorded as
+`join()` records them (join_record.py), and accelerate counts the replays on to the largest count,
+so the last replay syncs: the collectives pair one for one with those of the rank that runs the
+most. An optimizer step before that backward cannot wait for the replays (the other ranks wait in
+the backward's collectives), so it runs, resharding nothing (`Window.keep_gathered_through_step`),
+and is reported (`misordered`) for every rank to refuse at the block's end.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from accel_gradsync.runtime.accumulation.window import Window
 from accel_gradsync.runtime.core.state import Attachment
 from accel_gradsync.runtime.uneven_inputs.join_record import Iteration, holds_generation_cache, replay, tensors_of
 
@@ -29,8 +33,9 @@ class LastMicroBatch:
     """One step's last micro-batch where some rank replays: its backward watched, its record, its
     replays. `arm` at the step's first micro-batch, `begin` at the last, `close` at the block's end."""
 
-    def __init__(self, state: Attachment) -> None:
+    def __init__(self, state: Attachment, window: Window) -> None:
         self.state = state
+        self.window = window  # told when the optimizer steps before the last micro-batch's backward
         self.replays = 0  # this rank's replays, decided at the step's first micro-batch
         self.replaying = False
         self.misordered = False  # an optimizer step ran before the last micro-batch's backward
@@ -89,6 +94,15 @@ class LastMicroBatch:
         if self._pending is not None and self._backed:
             self.flush()
 
+    def before_forward_without_grad(self) -> None:
+        """A trained model's forward without gradients begins (a metric, an evaluation, a
+        generation): after the last micro-batch's backward it is no part of what the replays
+        repeat, so they run first (with gradients, whatever the loop's grad mode); the forward then
+        issues its collectives where the other ranks issue theirs, after their last micro-batch."""
+        if self._pending is not None and self._backed:
+            with torch.enable_grad():
+                self.flush()
+
     def flush(self) -> None:
         """Replay the recorded last micro-batch x 0 up to the step's largest count: the hold ends
         (its gradients stay held), accelerate counts on to the largest, the last replay syncs."""
@@ -96,6 +110,15 @@ class LastMicroBatch:
         if iteration is None or self.replaying:
             return
         self.stop()
+        if iteration.forwards_after_last_backward():
+            raise ValueError(
+                f"grad_sync.step({shape.micro_batches}): a forward with gradients after this rank's last "
+                f"micro-batch's backward, with no backward after it, in a step whose counts differ across ranks "
+                f"({shape.smallest} to {shape.largest}) and whose plan replays the shorter ranks' last micro-batch: "
+                "its collectives ran while the other ranks were still in their micro-batches (they wait until the "
+                "launcher stops the run); run such a forward (a metric) under torch.no_grad(), or use a plan that "
+                "makes the counts free (window on FSDP2)."
+            )
         accelerator = self.state.accelerator
         accelerator.gradient_accumulation_steps = shape.largest
         self.replaying = True
@@ -146,5 +169,6 @@ class LastMicroBatch:
             return
         if not self._backed:
             self.misordered = True
+            self.window.keep_gathered_through_step()
             return
         self.flush()

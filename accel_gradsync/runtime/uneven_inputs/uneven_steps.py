@@ -15,7 +15,8 @@ rank alike. Then:
   generation in it gathers once, as in a longer count's held micro-batch, not once per token;
 - any other plan: a rank below the largest count replays its last micro-batch x 0 until it ran
   the largest count (step_replay.py), so its collectives pair one for one with those of the rank
-  that runs the most.
+  that runs the most; a trained model's forward without gradients after that micro-batch's
+  backward (a metric) runs them first.
 The first `step(n)` of an attach prints each bound model's decision line again, saying which of
 the two the plan is; every line after it (auto's plan changes, a model bound later) says it too.
 
@@ -31,6 +32,8 @@ forward of a bound model outside `accumulate()` between two of a rank's micro-ba
 evaluation), for the same reason, before its collectives; and a generation (a forward with
 transformers' KV cache) inside a micro-batch a rank replays, which cannot run again (a rank that
 generates in a longer count's first micro-batch waits until the launcher stops the run). Refused
+at the replays: a forward with gradients and no backward after the last micro-batch's backward,
+whose collectives ran before the other ranks' (they wait likewise). Refused
 at the block's end: a rank that ran another count than it said and, in a step with replays, an
 optimizer step before the last micro-batch's backward on any rank (agreed in one more small
 collective; step_replay.py sees a backward through its outputs however the loop calls it).
@@ -43,10 +46,11 @@ import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 from torch import nn
 
 from accel_gradsync.runtime.accumulation.window import Window
-from accel_gradsync.runtime.core.state import Attachment
+from accel_gradsync.runtime.core.state import Attachment, root_of
 from accel_gradsync.runtime.uneven_inputs.join import Join
 from accel_gradsync.runtime.uneven_inputs.join_watch import ForwardWatch
 from accel_gradsync.runtime.uneven_inputs.step_replay import LastMicroBatch
@@ -84,7 +88,7 @@ class UnevenSteps:
         self._uneven = False  # the step replays on some rank: every rank watches its last backward
         self._free = False  # the plan makes the counts free: nothing replayed on any rank
         self._inside = False  # inside one of the block's accumulate() blocks
-        self._last = LastMicroBatch(state)
+        self._last = LastMicroBatch(state, window)
         self._forwards = ForwardWatch(self)
 
     @contextlib.contextmanager
@@ -197,8 +201,11 @@ class UnevenSteps:
         """A bound model's forward begins, before its collectives: refused outside `accumulate()`
         between two of this rank's micro-batches (an evaluation), which the ranks would run a
         different number of times. Before the first or after the last (its replays ran at its
-        `accumulate()`'s end), every rank runs it once."""
+        `accumulate()`'s end), every rank runs it once. One without gradients of a trained model
+        after the last micro-batch's backward runs the replays first (step_replay.py)."""
         shape = self.shape
+        if shape is not None and not torch.is_grad_enabled() and root_of(module) in self.state.bound:
+            self._last.before_forward_without_grad()  # a metric after the last backward: the replays first
         if shape is None or self._inside or self._last.replaying or not 0 < self._ran < shape.micro_batches:
             return
         raise ValueError(

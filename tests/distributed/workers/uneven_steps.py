@@ -13,7 +13,8 @@ the decision line at the end (`describe()`), where `grad_sync.preempted()` said 
 after every micro-batch; `signal_at`: rank 1 sends itself SIGUSR1 before that step, and the run
 stops after the step it agreed at; `save`: `accelerator.save_state` there, inside the block), the
 final parameters compared bit for bit in the worker with the runs named in `references`, and the
-message of a ValueError raised on this rank (`refuse`: one of the refusals to provoke)."""
+message of a ValueError raised on this rank (`refuse`: one of the refusals to provoke; `uncaught`:
+not caught, so the rank exits as a loop of the user's would)."""
 
 import json
 import os
@@ -30,7 +31,8 @@ import accel_gradsync
 from benchmarks.collectives import KIND
 
 CLIP = 0.05  # below the gradients' norm: every step clips
-CLIPPED = ("clip", "loss_backward", "two_forwards", "reference", "evaluate")  # the loops that clip
+# The loops that clip.
+CLIPPED = ("clip", "loss_backward", "two_forwards", "reference", "evaluate", "metric", "metric_grad", "split")
 STATS = (
     "micro_batches",
     "optimizer_steps",
@@ -91,11 +93,18 @@ class Loop:
         `two_forwards` (`clip`, the model forwarded twice), `reference` (`clip`, the target moved
         half way to a frozen reference model's output, its forward without gradients first, as
         TRL's log-prob pass), `evaluate` (`clip`; `one_step` forwards the model without gradients
-        after the block). `fail`: raise after the forward."""
+        after the block), `metric` / `metric_grad` (`clip`, the model forwarded once more after the
+        step's last backward, without gradients / with them, and no backward), `split` (`clip`, a
+        backward per part of the micro-batch: its first row, then the rest, maybe none, each after
+        its own forward). `fail`: raise after the forward."""
         with accelerator.accumulate(self.model):
             if loop == "reference":
                 with torch.no_grad():
                     y = (y + self.ref(x)) / 2
+            if loop == "split":
+                part = F.mse_loss(self.model(x[:1]), y[:1], reduction="sum") * (N / samples)
+                accelerator.backward(part * accelerator.gradient_accumulation_steps * scale)
+                x, y = x[1:], y[1:]
             loss = F.mse_loss(self.model(x), y, reduction="sum") * (N / samples)
             if loop == "two_forwards":
                 loss = loss + F.mse_loss(self.model(x * 0.5), y, reduction="sum") * (N / samples)
@@ -105,6 +114,9 @@ class Loop:
                 (loss * scale).backward()
             else:  # accelerate divides by gradient_accumulation_steps: the step's own count cancels it.
                 accelerator.backward(loss * accelerator.gradient_accumulation_steps * scale)
+            if accelerator.sync_gradients and loop in ("metric", "metric_grad"):
+                with torch.set_grad_enabled(loop == "metric_grad"):
+                    self.model(x)
             if accelerator.sync_gradients and loop in CLIPPED:
                 accelerator.clip_grad_norm_(self.model.parameters(), CLIP)
             if accelerator.sync_gradients and loop == "reduce_log":
@@ -235,6 +247,8 @@ for run in args.runs:
         else:
             out["per_step"] = train(run, handle, loop)
     except ValueError as e:
+        if run.get("uncaught"):  # as a loop of the user's: the rank exits, the launcher ends the run
+            raise
         out["error"] = str(e)
     if handle is not None:
         out["decision"], out["preempted_at"], out["saved"] = handle.describe(), list(preempted_at), list(saved)
@@ -247,6 +261,7 @@ for run in args.runs:
         for ref in run.get("references", []):
             mine, theirs = params[run["name"]], params[ref]
             out["equal"][ref] = all(torch.equal(mine[n], theirs[n]) for n in theirs)
+            out.setdefault("max_diff", {})[ref] = max((mine[n] - theirs[n]).abs().max().item() for n in theirs)
     result["runs"][run["name"]] = out
     accelerator.free_memory()
     del loop
