@@ -54,6 +54,16 @@ SPECS = (
         {"name": f"clip_every_{m}", "M": 3, "L": 6, "clip_every": True, "config": c}
         for m, c in (("deferred", DEFERRED), ("budget", BUDGET))
     ]
+    + [  # a backward per half of each micro-batch, or two of one forward (the first retain_graph=True)
+        {"name": f"backwards_{b}_{m}", "M": 3, "L": 6, "backwards": b, "config": c}
+        for b in ("split", "retain")
+        for m, c in (("deferred", DEFERRED), ("budget", BUDGET), ("window", WINDOW))
+    ]
+    + [  # an evaluation (no_grad) after each held micro-batch; the loss averaged over ranks every micro-batch
+        {"name": f"{k}_{m}", "M": 3, "L": 6, k: True, "config": c}
+        for k in ("eval_mid", "log_every")
+        for m, c in (("budget", BUDGET), ("window", WINDOW))
+    ]
     + [  # M set between optimizer steps: 2, 2, then 4, 4, then 3, then 1, 1
         {"name": f"m_changes_{m}", "M": 2, "L": 17, "M_from": M_FROM, "config": c}
         for m, c in (("budget", BUDGET), ("auto", {"sync_mode": "auto", "free_memory": "64GiB"}))
@@ -240,6 +250,24 @@ def test_a_clip_in_every_micro_batch_is_said_where_it_clips_some_units_alone(fsd
             assert "Clip only when accelerator.sync_gradients is True" in said[0], said
         else:
             assert said == [], said
+
+
+@pytest.mark.parametrize("name", ["backwards_split", "backwards_retain", "eval_mid", "log_every"])
+def test_more_backwards_evaluations_and_loop_collectives_in_a_window_are_exact_and_counted(fsdp2, name):
+    """Two backwards in a micro-batch (a multi-task loop's, or two losses of one forward), an
+    evaluation inside the window, a loss all-reduced for logging every micro-batch: gradients
+    exact, and `stats()` says what ran, counted from outside (the logging all-reduce syncs no
+    gradient: FSDP2 all-reduces none here). Under window the evaluation gathers nothing."""
+    for run_name, run in _runs(fsdp2, name):
+        _exact(run_name, run)
+        _flags_and_memory(run_name, run)
+        stats, steps = run["stats"], run["steps"]
+        assert stats["reduce_scatters_issued"] == sum(s["reduce_scatters"] for s in steps), (run_name, stats)
+        gathers = stats["all_gathers"] + stats["generation_all_gathers"]
+        assert gathers == sum(s["all_gathers"] for s in steps), (run_name, stats)
+        assert stats["all_reduces_issued"] == 0, (run_name, stats)
+        if run_name == "eval_mid_window":
+            assert [s["all_gathers"] for s in steps] == [3, 3], steps  # the window's one per unit
 
 
 @pytest.mark.parametrize("mode", ["budget", "auto"])

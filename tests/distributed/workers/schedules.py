@@ -9,6 +9,11 @@ A schedule is a JSON dict:
     clip_every: bool (`accelerator.clip_grad_norm_` after every backward, not only the step's),
     other_step: bool (another model's optimizer steps between the forward and backward of each
         window's last micro-batch),
+    backwards: "split" (a backward per half of the micro-batch, each after its own forward, as a
+        multi-task loop does) | "retain" (one forward, its loss in two halves, each backward on its
+        own, the first with `retain_graph=True`); the gradients are the one backward's,
+    eval_mid: bool (a forward without gradients after each held micro-batch's backward),
+    log_every: bool (the loss averaged over ranks, `accelerator.reduce`, after every backward),
     model: "tiny" | "cond" | "frozen", route (CondNet routing rule, see ROUTES),
     raises: [[epoch, k, kind]] with kind "forward" | "after_backward" | "keyboard" | "skip" (the loop's
         loss guard `continue`s before backward and step: no exception, the window goes on),
@@ -238,7 +243,17 @@ def run_schedule(accelerator, spec: dict, counter) -> dict:
                             inside = sync_flags(model) if is_fsdp2 else None
                             syncs_as_planned.append(accelerator.sync_gradients == pos["final"])
                             kwargs = route(spec.get("route", ""), pos) if spec.get("model") == "cond" else {}
+                            if spec.get("backwards") == "split":  # all but the last half here
+                                for h in range(BATCH - 1):
+                                    half = F.mse_loss(model(x[h : h + 1], **kwargs).float(), y[h : h + 1])
+                                    accelerator.backward(half / BATCH)
+                                x, y = x[BATCH - 1 :], y[BATCH - 1 :]
                             loss = F.mse_loss(model(x, **kwargs).float(), y)
+                            if spec.get("backwards") == "split":
+                                loss = loss / BATCH
+                            if spec.get("backwards") == "retain":
+                                accelerator.backward(loss / 2, retain_graph=True)
+                                loss = loss / 2
                             if spec.get("other_step") and pos["final"]:  # another model's optimizer (a GAN's)
                                 other_optimizer.step()
                             if pos["raise"] == "forward":
@@ -252,6 +267,11 @@ def run_schedule(accelerator, spec: dict, counter) -> dict:
                                 raise KeyboardInterrupt(INJECTED)
                             if spec.get("clip_every"):  # unconditionally; too large a norm to scale anything
                                 accelerator.clip_grad_norm_(model.parameters(), 1e9)
+                            if spec.get("log_every"):  # the loss averaged over ranks, for a logger
+                                accelerator.reduce(loss.detach(), reduction="mean")
+                            if spec.get("eval_mid") and not pos["final"]:  # an evaluation inside the window
+                                with torch.no_grad():
+                                    model(x, **kwargs)
                             if spec.get("extra_forward") and pos["final"]:  # a metric: no backward
                                 with torch.set_grad_enabled(spec["extra_forward"] != "no_grad"):
                                     model(x, **kwargs)
