@@ -98,6 +98,7 @@ REFUSALS = [
         "prepared_dataloader",
         "step_before_backward",
         "gather_every_micro_batch",
+        "clip_every_micro_batch",
         "forward_between_micro_batches",
     )
 ]
@@ -166,6 +167,9 @@ def hsdp():
 @pytest.fixture(scope="module")
 def ddp():
     runs = _runs(("per_micro_batch", "deferred", "window")) + [_accelerate_alone("deferred")]
+    common = {"config": MODES["per_micro_batch"], "counts": COUNTS, "loop": "clip_every"}  # DDP's clip is local
+    runs += [{"name": "clip_every/pad", "style": "pad", **common}]
+    runs += [{"name": "clip_every", "style": "step", "references": ["clip_every/pad"], **common}]
     return launch("uneven_steps", ["--runs", json.dumps(runs)], timeout=TIMEOUT)
 
 
@@ -427,6 +431,9 @@ def test_fsdp1_every_mode_ends_at_the_padded_run_with_per_rank_counts(fsdp1):
 
 def test_ddp_every_mode_ends_at_the_padded_run_with_per_rank_counts(ddp):
     _check(ddp, "ddp", ("per_micro_batch", "deferred", "window"))
+    for rank in ddp:  # a clip after every micro-batch is local on DDP: not refused, as padded
+        run = rank["runs"]["clip_every"]
+        assert run["error"] is None and run["equal"] == {"clip_every/pad": True}, run
     for rank in ddp:  # held at the root: one all-reduce pass (TinyNet fits one bucket) per step
         assert {json.dumps(s) for s in rank["runs"]["deferred"]["per_step"]} == {
             json.dumps(rank["runs"]["deferred"]["per_step"][0])
@@ -446,6 +453,8 @@ def test_ddp_every_mode_ends_at_the_padded_run_with_per_rank_counts(ddp):
         ("step_before_backward", "an optimizer step ran before the last micro-batch's backward", True),
         # Both ranks gather after micro-batch 1, before their last: each refuses there.
         ("gather_every_micro_batch", "accelerator.gather() after micro-batch 1 of this rank's", True),
+        # A clip after every micro-batch: FSDP2's norm is an all-reduce; each refuses before it.
+        ("clip_every_micro_batch", "accelerator.clip_grad_norm_() after micro-batch 1 of this rank's", True),
         # An evaluation after every micro-batch, outside accumulate(): each refuses before its all-gathers.
         ("forward_between_micro_batches", "a forward of FSDPTinyNet outside accumulate() after micro-batch 1", True),
     ],

@@ -91,7 +91,7 @@ def hook_accelerator(
                         steps.leave()
 
         def clip_grad_norm_(self, parameters, max_norm, norm_type=2):  # accelerate's signature
-            steps.after_backward_point()  # step(n): the last micro-batch's replays first
+            steps.clip()  # step(n): the last micro-batch's replays first; refused between two on FSDP
             window.on_clip()  # a clip inside a held micro-batch of a plan that holds some units
             parameters = join.clip(parameters, max_norm, norm_type)  # inside join(): a rank that left clips too
             return super().clip_grad_norm_(parameters, max_norm, norm_type)

@@ -25,9 +25,10 @@ padding would cost on the ranks that replay (no more), and the last micro-batch'
 they ran. Refused in one line before any collective: a Trainer, inside `join()`, mid-window, a
 prepared DataLoader ending the window itself (`sync_with_dataloader`), a count below 1 on any rank
 (every rank refuses). Refused where it is issued: in a step whose counts differ, a loop collective
-(`gather`, `reduce`, ...) between two of a rank's micro-batches, which the ranks would issue a
-different number of times (a rank that issues it after its last micro-batch does not refuse, and
-waits in it until the launcher stops the run the other rank left). In a step with replays, a
+(`gather`, `reduce`, ...; on FSDP a clip, whose norm is an all-reduce) between two of a rank's
+micro-batches, which the ranks would issue a different number of times (a rank that issues it
+after its last micro-batch does not refuse, and waits in it until the launcher stops the run the
+other rank left). In a step with replays, a
 forward of a bound model outside `accumulate()` between two of a rank's micro-batches (an
 evaluation), for the same reason, before its collectives; and a generation (a forward with
 transformers' KV cache) inside a micro-batch a rank replays, which cannot run again (a rank that
@@ -159,10 +160,6 @@ class UnevenSteps:
         """`accelerator.backward` (hooks.py)."""
         self._last.backward()
 
-    def after_backward_point(self) -> None:
-        """A clip or a loop collective (hooks.py): the last micro-batch's replays run first."""
-        self._last.after_backward_point()
-
     def flush(self) -> None:
         """The loop stepped outside the last micro-batch's `accumulate()` (hooks.py): its replays."""
         self._last.flush()
@@ -176,6 +173,26 @@ class UnevenSteps:
         between two of this rank's micro-batches it is refused: the other ranks would issue it
         another number of times, and one would wait for a collective that never comes. Else the
         last micro-batch's replays run first (`after_backward_point`)."""
+        self._refuse_between(
+            f"accelerator.{name}()",
+            "the ranks would issue it a different number of times and wait for each other; call it once per "
+            "step, after the last micro-batch, or read the step's totals from step.tokens or step.samples.",
+        )
+        self._last.after_backward_point()
+
+    def clip(self) -> None:
+        """`accelerator.clip_grad_norm_` (hooks.py): of an FSDP model its norm is an all-reduce, so
+        between two of this rank's micro-batches, in a step whose counts differ, it is refused as a
+        loop collective is (DDP's is local). Else the last micro-batch's replays run first."""
+        if any(adapter is not None and adapter.kind != "ddp" for adapter in self.state.adapters.values()):
+            self._refuse_between(
+                "accelerator.clip_grad_norm_()",
+                "under FSDP its norm is an all-reduce, which the ranks would issue a different number of times, "
+                "and wait for each other; clip once per step, where accelerator.sync_gradients is True.",
+            )
+        self._last.after_backward_point()
+
+    def _refuse_between(self, what: str, why: str) -> None:
         shape = self.shape
         if (
             shape is not None
@@ -184,13 +201,10 @@ class UnevenSteps:
             and not self._last.replaying
         ):
             raise ValueError(
-                f"grad_sync.step({shape.micro_batches}): accelerator.{name}() after micro-batch {self._ran} of "
-                f"this rank's {shape.micro_batches}, in a step whose counts differ across ranks "
-                f"({shape.smallest} to {shape.largest}): the ranks would issue it a different number of times "
-                "and wait for each other; call it once per step, after the last micro-batch, or read the "
-                "step's totals from step.tokens or step.samples."
+                f"grad_sync.step({shape.micro_batches}): {what} after micro-batch {self._ran} of this rank's "
+                f"{shape.micro_batches}, in a step whose counts differ across ranks ({shape.smallest} to "
+                f"{shape.largest}): {why}"
             )
-        self._last.after_backward_point()
 
     def close(self) -> None:
         """Detach."""

@@ -32,7 +32,8 @@ from benchmarks.collectives import KIND
 
 CLIP = 0.05  # below the gradients' norm: every step clips
 # The loops that clip.
-CLIPPED = ("clip", "loss_backward", "two_forwards", "reference", "evaluate", "metric", "metric_grad", "split")
+CLIPPED = ("clip", "loss_backward", "two_forwards", "reference", "evaluate")
+CLIPPED += ("metric", "metric_grad", "split", "clip_every")
 STATS = (
     "micro_batches",
     "optimizer_steps",
@@ -94,7 +95,8 @@ class Loop:
         half way to a frozen reference model's output, its forward without gradients first, as
         TRL's log-prob pass), `evaluate` (`clip`; `one_step` forwards the model without gradients
         after the block), `metric` / `metric_grad` (`clip`, the model forwarded once more after the
-        step's last backward, without gradients / with them, and no backward), `split` (`clip`, a
+        step's last backward, without gradients / with them, and no backward), `clip_every` (`clip`,
+        and a clip after every other micro-batch's backward too), `split` (`clip`, a
         backward per part of the micro-batch: its first row, then the rest, maybe none, each after
         its own forward). `fail`: raise after the forward."""
         with accelerator.accumulate(self.model):
@@ -117,6 +119,8 @@ class Loop:
             if accelerator.sync_gradients and loop in ("metric", "metric_grad"):
                 with torch.set_grad_enabled(loop == "metric_grad"):
                     self.model(x)
+            if loop == "clip_every" and not accelerator.sync_gradients:  # the step's own clip below
+                accelerator.clip_grad_norm_(self.model.parameters(), 1e9)
             if accelerator.sync_gradients and loop in CLIPPED:
                 accelerator.clip_grad_norm_(self.model.parameters(), CLIP)
             if accelerator.sync_gradients and loop == "reduce_log":
@@ -212,6 +216,11 @@ def refuse(run: dict, handle, loop: Loop) -> None:
             for k in range(n):
                 loop.micro_batch(*batch(0, k), 8)
                 accelerator.gather(torch.ones(1))
+    elif what == "clip_every_micro_batch":  # counts 2 and 3: each rank clips after every micro-batch
+        n = 2 + R
+        with handle.step(n):
+            for k in range(n):
+                loop.micro_batch(*batch(0, k), 8, loop="clip_every")
     elif what == "forward_between_micro_batches":  # counts 2 and 3: an evaluation after every micro-batch
         n = 2 + R
         with handle.step(n):
