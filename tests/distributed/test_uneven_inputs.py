@@ -58,7 +58,7 @@ def _pair(name: str, **run) -> list[dict]:
 
 # What a loop does around join() beyond the plain accumulate loop: each scheduler (the runs above
 # step a prepared one every micro-batch), per epoch with join() around each epoch, a loop without
-# accumulate() (M = 1 and 4), a loss logged through each loop collective.
+# accumulate() (M = 1 and 4), a loss logged through each loop collective, a metric forward.
 LOOPS = {
     "scheduler_unprepared_step": {"config": MODES["deferred"], "counts": [3, 21], "scheduler": "unprepared_step"},
     "scheduler_prepared_epoch": {
@@ -79,8 +79,12 @@ LOOPS = {
     "log_gather": {"config": MODES["deferred"], "counts": [8, 7], "log": "gather"},
     "log_reduce": {"config": MODES["window"], "counts": [8, 7], "log": "reduce"},
     "log_gather_for_metrics": {"config": {}, "counts": [7, 8], "log": "gather_for_metrics"},
+    # A forward without gradients after each step's last backward (a metric): a rank that left forwards too.
+    "metric_mid_window": {"config": MODES["per_micro_batch"], "counts": [8, 7], "metric": "no_grad"},
+    "metric_boundary": {"config": MODES["window"], "counts": [4, 8], "metric": "no_grad"},
 }
 DDP_LOOPS = ("scheduler_unprepared_step", "scheduler_prepared_epoch", "no_accumulate_M1", "log_gather")
+DDP_LOOPS += ("metric_mid_window",)
 
 
 def _loop_runs(names) -> list[dict]:

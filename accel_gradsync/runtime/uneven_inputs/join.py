@@ -8,17 +8,18 @@ step with the others' at every optimizer step, with the others' learning rates.
 
 How. Inside `join()` every micro-batch (an `accelerator.accumulate()` entry; in a loop without it,
 the first forward after an optimizer step: join_watch.py sees the loop's forwards) and every
-`clip_grad_norm_` and loop collective (`gather`, `reduce`, ...: hooks.py) issue one all-reduce
-(join_poll.py) on the plugin's own group (agreement.py) before any collective of theirs. A
-training rank waits for the answer only at its first and at a loop collective, and reads the
-others at its next poll, for refusals. Each poll also carries which prepared optimizers the rank
-stepped since its last one and with which hyperparameters (join_steps.py). A rank that left its
-loop polls with 0 and, while any other rank trains, follows them (`_shadow`): per micro-batch it
-replays its last one x 0 (join_record.py), clips where they clip, contributes zeros to their loop
-collectives, and steps the optimizers they stepped, with their learning rates; it steps no
-scheduler (only the loop knows when). When the last rank leaves, all polls say 0, every rank
-leaves together, and the ranks that shadowed take the schedulers' states and hyperparameters of
-the rank that trained longest.
+`clip_grad_norm_`, loop collective (`gather`, `reduce`, ...: hooks.py) and forward of a trained
+model without gradients after the micro-batch's backward (a metric: not recorded) issue one
+all-reduce (join_poll.py) on the plugin's own group (agreement.py) before any collective of
+theirs. A training rank waits for the answer only at its first and at a loop collective, and reads
+the others at its next poll, for refusals. Each poll also carries which prepared optimizers the
+rank stepped since its last one and with which hyperparameters (join_steps.py). A rank that left
+its loop polls with 0 and, while any other rank trains, follows them (`_shadow`): per micro-batch
+it replays its last one x 0 (join_record.py), clips where they clip, contributes zeros to their
+loop collectives, forwards the model they forward for a metric, and steps the optimizers they
+stepped, with their learning rates; it steps no scheduler (only the loop knows when). When the
+last rank leaves, all polls say 0, every rank leaves together, and the ranks that shadowed take
+the schedulers' states and hyperparameters of the rank that trained longest.
 
 Trade-off: one small all-reduce per micro-batch, per clip and per loop collective, and the last
 micro-batch's inputs kept until the next. Refused on every rank in one line instead of a hang:
@@ -38,10 +39,11 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from accel_gradsync.runtime.core.state import Attachment
+from accel_gradsync.runtime.core.state import Attachment, root_of
 from accel_gradsync.runtime.uneven_inputs.join_poll import (
     CLIPPING,
     COLLECTIVE,
+    FORWARD,
     MAX_NORM,
     NORM_TYPE,
     STEPS,
@@ -50,6 +52,7 @@ from accel_gradsync.runtime.uneven_inputs.join_poll import (
 )
 from accel_gradsync.runtime.uneven_inputs.join_record import (
     Iteration,
+    forward_again,
     holds_generation_cache,
     replay,
     spec,
@@ -220,6 +223,12 @@ class Join:
                         zeros = zeros_like_tree(tree, accelerator.device) if tree is not None else []
                         getattr(accelerator, name)(zeros, **kwargs)
                         continue
+                    if counts[FORWARD]:  # a metric after their backward: the same model forwarded here
+                        assert self._last is not None  # else CANNOT_SHADOW refused
+                        root = list(self.state.bound)[counts[FORWARD] // counts[TRAINING] - 1]
+                        with torch.no_grad():
+                            forward_again(self._last, root)
+                        continue
                     self.steps.step(stepped)  # the others' steps in the micro-batch just replayed
                     stepped.clear()
                     replayed.close()
@@ -258,6 +267,12 @@ class Join:
         if self._shadowing:
             return
         assert self._current is not None  # begun at accumulate() or by start
+        root = root_of(called)
+        if not torch.is_grad_enabled() and self._current.backed() and root in self.state.bound:
+            # A metric after the micro-batch's backward: no replay repeats it; announced as a clip
+            # is, before its collectives, so a rank that left forwards the same model then.
+            self._send(training=True, forward=1 + list(self.state.bound).index(root), wait=False)
+            return
         if holds_generation_cache((args, kwargs)):
             self._refuse(
                 f"a generation inside a micro-batch ({model_name(called)} forwarded with a KV cache)",

@@ -15,11 +15,13 @@ from accel_gradsync.runtime.core.agreement import ControlGroup
 from accel_gradsync.runtime.uneven_inputs.join_steps import StepReports, encode
 from accel_gradsync.runtime.uneven_inputs.uneven import by_rank
 
-TRAINING, CANNOT_SHADOW, FAILED, CLIPPING, COLLECTIVE, MAX_NORM, NORM_TYPE, STEPS = 0, 1, 2, 3, 4, 5, 7, 9
+TRAINING, CANNOT_SHADOW, FAILED, CLIPPING, COLLECTIVE, FORWARD, MAX_NORM, NORM_TYPE, STEPS = 0, 1, 2, 3, 4, 5, 6, 8, 10
 """The poll's slots, summed over ranks: the ranks still training, those that left with nothing to
 shadow, those that stopped on an error, those about to clip gradients, those about to issue a
-loop collective, the clip's `max_norm` and `norm_type` (two halves each, join_steps.encode), and
-from `STEPS` on the optimizer steps taken since the last poll (join_steps.StepReports)."""
+loop collective, those about to forward a trained model without gradients after the micro-batch's
+backward (1 + its index among the bound models), the clip's `max_norm` and `norm_type` (two halves
+each, join_steps.encode), and from `STEPS` on the optimizer steps taken since the last poll
+(join_steps.StepReports)."""
 
 
 class Poll:
@@ -38,13 +40,14 @@ class Poll:
         clip: tuple = (),
         failed: bool = False,
         collective: bool = False,
+        forward: int = 0,
         wait: bool = True,
     ) -> list:
         """This rank's poll; the sums over ranks where it waits (else `[]`). `micro_batches`: this
         rank's own so far, named in a refusal."""
         self.settle(micro_batches)
         max_norm, norm_type = clip or (0.0, 0.0)
-        flags = [training, cannot_shadow, failed, bool(clip), collective]
+        flags = [training, cannot_shadow, failed, bool(clip), collective, forward]
         mine = [*map(int, flags), *encode(max_norm), *encode(norm_type), *self.steps.take()]
         polled = torch.tensor(mine, dtype=torch.int64)
         work = self.control.all_reduce(polled, async_op=True)
@@ -77,8 +80,9 @@ class Poll:
                 f"grad_sync.join(): a rank left the loop with no micro-batch to shadow the others' with "
                 f"({by_rank(done)}): give every rank at least one micro-batch inside join()."
             )
-        if counts[CLIPPING] not in (0, counts[TRAINING]) or counts[COLLECTIVE] not in (0, counts[TRAINING]):
+        n = counts[TRAINING]
+        if counts[CLIPPING] not in (0, n) or counts[COLLECTIVE] not in (0, n) or counts[FORWARD] % max(n, 1):
             raise ValueError(
-                "grad_sync.join(): the ranks still training disagree: some clip gradients or gather while others "
-                "start a micro-batch; every rank's loop must clip and gather at the same micro-batches."
+                "grad_sync.join(): the ranks still training disagree: some clip gradients, gather or forward a "
+                "metric while others start a micro-batch; every rank's loop must do so at the same micro-batches."
             )

@@ -53,6 +53,10 @@ class Iteration:
     def backward(self) -> None:
         self.events.append(Backward())
 
+    def backed(self) -> bool:
+        """A backward ran in the iteration."""
+        return any(isinstance(e, Backward) for e in self.events)
+
     def forwards_after_last_backward(self) -> bool:
         """A forward with gradients after the iteration's last backward, with none after it."""
         last = max((i for i, e in enumerate(self.events) if isinstance(e, Backward)), default=None)
@@ -82,6 +86,14 @@ def replay(accelerator: Accelerator, iteration: Iteration) -> Iterator[None]:
         if not backwards:
             _backward_zero(accelerator, outputs)
         yield
+
+
+def forward_again(iteration: Iteration, root: nn.Module) -> None:
+    """`root`'s first recorded forward of `iteration` once more, its output dropped: what a rank
+    that left issues where the others forward that model for a metric (the collectives are the
+    model's, whatever the inputs)."""
+    event = next(e for e in iteration.events if isinstance(e, Forward) and root_of(e.module) is root)
+    event.module(*event.args, **event.kwargs)
 
 
 def _backward_zero(accelerator: Accelerator, outputs: list[torch.Tensor]) -> None:
