@@ -270,6 +270,29 @@ def test_more_backwards_evaluations_and_loop_collectives_in_a_window_are_exact_a
             assert [s["all_gathers"] for s in steps] == [3, 3], steps  # the window's one per unit
 
 
+HSDP_SPECS = [
+    {"name": f"clip_every_{m}", "M": 3, "L": 6, "clip_every": True, "config": c}
+    for m, c in (("defer_all_reduce", {"sync_mode": "defer_all_reduce"}), ("deferred", DEFERRED))
+]
+
+
+@pytest.mark.slow  # four ranks
+def test_a_clip_in_every_micro_batch_under_defer_all_reduce_is_said():
+    """HSDP (2x2): under defer_all_reduce a clip inside the window would scale each replica group's
+    reduce-scattered, not yet all-reduced, gradients by that group's own norm: said once; under
+    deferred (nothing reduced yet) nothing is said. The norm here is too large to scale: exact."""
+    config = accelerate_config("fsdp2", num_processes=4)
+    config["parallelism_config"] = {"parallelism_config_dp_replicate_size": 2, "parallelism_config_dp_shard_size": 2}
+    for rank in _launch(config, HSDP_SPECS):
+        for name, run in rank["runs"].items():
+            _exact(name, run)
+            said = [w for w in run["train_warnings"] if "clip_grad_norm_ ran in a micro-batch" in w]
+            if name == "clip_every_defer_all_reduce":
+                assert len(said) == 1 and "each replica group's partial gradients" in said[0], run["train_warnings"]
+            else:
+                assert said == [], said
+
+
 @pytest.mark.parametrize("mode", ["budget", "auto"])
 def test_accumulation_steps_changed_between_optimizer_steps(fsdp2, mode):
     """The modes that plan for M follow a user who sets `gradient_accumulation_steps` between

@@ -246,8 +246,8 @@ class Window:
     def on_clip(self) -> None:
         """`accelerator.clip_grad_norm_` (hooks.py): say once where one inside a held micro-batch
         clips some units' partial gradients and not the others'."""
-        for root, (held, _) in self._held.items():
-            warn_if_clipped_mid_window(self.state, held, self.state.bound[root].adapter.units)
+        for root, (held, hold) in self._held.items():
+            warn_if_clipped_mid_window(self.state, held, self.state.bound[root].adapter.units, hold)
 
     def keep_windowed(self) -> None:
         """`grad_sync.step(n)`, this rank's last micro-batch, under a plan that makes the counts

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from accel_gradsync.config.settings import SyncMode
-from accel_gradsync.planning.units import Unit
+from accel_gradsync.planning.units import ALL_REDUCE, Unit
 from accel_gradsync.runtime.core.state import Attachment
 
 
@@ -66,10 +66,20 @@ def warn_if_sync_each_batch(state: Attachment) -> None:
         )
 
 
-def warn_if_clipped_mid_window(state: Attachment, held: Sequence[Unit], units: Sequence[Unit]) -> None:
+def warn_if_clipped_mid_window(state: Attachment, held: Sequence[Unit], units: Sequence[Unit], hold: str) -> None:
     """`accelerator.clip_grad_norm_` inside a micro-batch that does not end the step, of a model
-    whose plan holds `held` of its `units`: where the others reduced this micro-batch, the clip
-    scales their partial sums alone, as no stock configuration does."""
+    whose plan holds `held` of its `units` (`hold`: what they skip): where the others reduced this
+    micro-batch, the clip scales their partial sums alone, as no stock configuration does; under
+    HSDP's `defer_all_reduce` it scales each replica group's partial sums by that group's norm."""
+    if hold == ALL_REDUCE and held:
+        state.warn_once(
+            "clip_mid_window",
+            "accel_gradsync: accelerator.clip_grad_norm_ ran in a micro-batch that does not end the optimizer "
+            "step, under defer_all_reduce: the gradients are reduce-scattered but not yet all-reduced across "
+            "replicas, so it scales each replica group's partial gradients by that group's own norm (no stock "
+            "configuration does). Clip only when accelerator.sync_gradients is True.",
+        )
+        return
     synced = [u for u in units if not u.frozen and u not in held]
     if not held or not synced:
         return  # all held: nothing to clip yet, as under accelerate's no_sync; none: sync_each_batch's
