@@ -215,6 +215,19 @@ MUTANTS: dict[str, dict] = {
             "test_a_forward_with_gradients_and_no_backward_after_the_last_is_refused_where_a_rank_replays"
         ],
     },
+    "join_shadow_clips_a_kept_list": {
+        "what": "join(): a rank that left clips the parameter list kept from its last clip, not the model's now",
+        "edits": [
+            (
+                "accel_gradsync/runtime/uneven_inputs/join.py",
+                "if self._clip_model is not None:",
+                "if False:",
+            )
+        ],
+        "tests": [
+            "tests/distributed/test_uneven_inputs.py::test_fsdp2_join_follows_every_scheduler_loop_style_and_logged_collective"
+        ],
+    },
     "stale_reshard_for_any_optimizer": {
         "what": "any optimizer's step reshards what a bound model keeps for its backward (a GAN's other one too)",
         "edits": [

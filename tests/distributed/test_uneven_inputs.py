@@ -58,7 +58,8 @@ def _pair(name: str, **run) -> list[dict]:
 
 # What a loop does around join() beyond the plain accumulate loop: each scheduler (the runs above
 # step a prepared one every micro-batch), per epoch with join() around each epoch, a loop without
-# accumulate() (M = 1 and 4), a loss logged through each loop collective, a metric forward.
+# accumulate() (M = 1 and 4), a loss logged through each loop collective, a metric forward, a clip
+# after every micro-batch.
 LOOPS = {
     "scheduler_unprepared_step": {"config": MODES["deferred"], "counts": [3, 21], "scheduler": "unprepared_step"},
     "scheduler_prepared_epoch": {
@@ -82,6 +83,10 @@ LOOPS = {
     # A forward without gradients after each step's last backward (a metric): a rank that left forwards too.
     "metric_mid_window": {"config": MODES["per_micro_batch"], "counts": [8, 7], "metric": "no_grad"},
     "metric_boundary": {"config": MODES["window"], "counts": [4, 8], "metric": "no_grad"},
+    # A clip after every micro-batch (a loop that always clips): a rank that left clips the model's
+    # parameters as they are then, not a list kept from a held micro-batch (the window keeps its units
+    # unsharded there, and FSDP2 swaps their registered parameters).
+    "clip_every_mid_window": {"config": MODES["window"], "counts": [8, 7], "clip_every": True},
 }
 DDP_LOOPS = ("scheduler_unprepared_step", "scheduler_prepared_epoch", "no_accumulate_M1", "log_gather")
 DDP_LOOPS += ("metric_mid_window",)

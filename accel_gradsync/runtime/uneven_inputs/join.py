@@ -78,6 +78,7 @@ class Join:
         self._forwards = ForwardWatch(self)
         self._step_hook: Any = None
         self._clip_params: list = []  # what this rank's loop clipped inside join()
+        self._clip_model: nn.Module | None = None  # the model whose parameters() it clipped, if it did
         self._in_collective = False
         self.steps = StepReports(state.accelerator)
         self._poll = Poll(state.control, self.steps)
@@ -142,9 +143,15 @@ class Join:
         rank that left clips too (the norm is a collective). Returns `parameters` to clip, as a list."""
         if not self.inside or self._shadowing:
             return parameters
-        self._clip_params = [parameters] if torch.is_tensor(parameters) else list(parameters)
+        clipped = [parameters] if torch.is_tensor(parameters) else list(parameters)
+        ids = [id(p) for p in clipped]
+        # NOTE: a model's own parameters() are read again at each shadow clip: FSDP2 swaps a unit's
+        # registered parameters while it is unsharded, so a list kept from a held micro-batch goes stale.
+        models = self.state.accelerator._models
+        self._clip_model = next((m for m in models if [id(p) for p in m.parameters()] == ids), None)
+        self._clip_params = clipped
         self._send(training=True, clip=(float(max_norm), float(norm_type)), wait=False)
-        return self._clip_params
+        return clipped
 
     @contextlib.contextmanager
     def loop_collective(self, name: str, data: Any, kwargs: dict) -> Iterator[None]:
@@ -242,6 +249,8 @@ class Join:
 
     def _clipped(self) -> list:
         """What this rank clipped while it trained; else every parameter of the models it ran."""
+        if self._clip_model is not None:
+            return list(self._clip_model.parameters())
         if self._clip_params:
             return self._clip_params
         models = self._last.models if self._last is not None and self._last.models else self.state.accelerator._models
@@ -308,6 +317,6 @@ class Join:
             self._step_hook.remove()
             self._step_hook = None
         self.inside, self._open, self._style, self._current, self._last = False, False, "", None, None
-        self._clip_params = []
+        self._clip_params, self._clip_model = [], None
         self._poll.clear()
         self.steps.clear()

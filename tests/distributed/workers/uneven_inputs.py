@@ -12,8 +12,8 @@ epoch's `join()` block; `none`), `clip_grad_norm_` at every optimizer step, `epo
 rank's count per epoch), inside `accumulate()` or (`accumulate: false`) accelerate's basic loop
 (forward, backward, step, zero_grad), optionally logging each micro-batch's loss through `log`
 (`gather`, `reduce`, `gather_for_metrics`), forwarding the model once more after each step's last
-backward (`metric`: `no_grad` or `grad`, no backward after it), or saving at micro-batch `save_at`
-inside the block.
+backward (`metric`: `no_grad` or `grad`, no backward after it), clipping after every micro-batch
+too (`clip_every`), or saving at micro-batch `save_at` inside the block.
 Reports per run the final parameters (compared in the worker, bit for bit, with the run named as
 `reference`), the final learning rate, the logged values, the all-reduces counted from outside
 over the loop, `stats()`, and the message of a ValueError raised on this rank."""
@@ -92,6 +92,8 @@ class Loop:
         if accelerator.sync_gradients and self.run.get("metric"):  # a forward and no backward
             with torch.set_grad_enabled(self.run["metric"] == "grad"):
                 self.model(x)
+        if self.run.get("clip_every") and not accelerator.sync_gradients:  # too large a norm to scale
+            accelerator.clip_grad_norm_(self.model.parameters(), 1e9)
         if accelerator.sync_gradients:  # the norm is a collective: a rank that left must clip too
             accelerator.clip_grad_norm_(self.model.parameters(), CLIP)
         self.optimizer.step()
