@@ -11,8 +11,9 @@ replayed; in the other modes each rank issues per step what the padded run issue
 line says which of the two the plan is. `preempted()` asked after every micro-batch agrees at the
 end of the step one rank was signalled in, on every rank at its own last micro-batch, replays or
 none. A frozen reference model forwarded in every micro-batch is replayed with the trained one,
-unless resident (auto keeps it). Bad uses are refused in one line, on every rank where a count is
-wrong."""
+unless resident (auto keeps it). A training metric forwarded without gradients after the last
+backward runs after the replays and sees the stepped parameters; one with gradients is refused
+where a rank replays. Bad uses are refused in one line, on every rank where a count is wrong."""
 
 import json
 import time
