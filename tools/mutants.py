@@ -215,6 +215,20 @@ MUTANTS: dict[str, dict] = {
             "test_a_forward_with_gradients_and_no_backward_after_the_last_is_refused_where_a_rank_replays"
         ],
     },
+    "join_metric_replayed": {
+        "what": "join(): a forward without gradients after the backward is recorded with the micro-batch",
+        "edits": [
+            (
+                "accel_gradsync/runtime/uneven_inputs/join.py",
+                "if not torch.is_grad_enabled() and self._current.backed() and root in self.state.bound:",
+                "if False:",
+            )
+        ],
+        "tests": [
+            "tests/distributed/test_uneven_inputs.py::"
+            "test_fsdp2_a_metric_forward_after_the_backward_is_forwarded_by_a_rank_that_left_too"
+        ],
+    },
     "join_shadow_clips_a_kept_list": {
         "what": "join(): a rank that left clips the parameter list kept from its last clip, not the model's now",
         "edits": [

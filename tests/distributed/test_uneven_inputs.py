@@ -29,6 +29,7 @@ MODES = {
 FSDP1_MODES = ("per_micro_batch", "deferred")  # budget is FSDP2's; FSDP1 ignores the window
 TIMEOUT = 300  # a hang fails the launch instead of the suite
 HANG = 20  # seconds from its start a run that must hang waits before its ranks print their stacks
+METRIC_TIMEOUT = 90  # the launch takes about 10 s; a hang ends here
 
 
 def _runs(modes, cases=tuple(CASES)):
@@ -92,6 +93,9 @@ DDP_LOOPS = ("scheduler_unprepared_step", "scheduler_prepared_epoch", "no_accumu
 DDP_LOOPS += ("metric_mid_window",)
 
 
+METRIC_LOOPS = ("metric_mid_window", "metric_boundary")  # a launch of their own: before the change they hung
+
+
 def _loop_runs(names) -> list[dict]:
     return [run for name in names for run in _pair(name, **LOOPS[name])]
 
@@ -111,10 +115,16 @@ REFUSALS = [
 
 @pytest.fixture(scope="module")
 def fsdp2(slow):
-    runs = (_runs(MODES) if slow else SHORT) + _loop_runs(LOOPS) + REFUSALS
+    runs = (_runs(MODES) if slow else SHORT) + _loop_runs([n for n in LOOPS if n not in METRIC_LOOPS]) + REFUSALS
     return launch(
         "uneven_inputs", ["--M", str(M), "--runs", json.dumps(runs)], accelerate_config("fsdp2"), timeout=TIMEOUT
     )
+
+
+@pytest.fixture(scope="module")
+def metric():
+    args = ["--M", str(M), "--runs", json.dumps(_loop_runs(METRIC_LOOPS))]
+    return launch("uneven_inputs", args, accelerate_config("fsdp2"), timeout=METRIC_TIMEOUT)
 
 
 @pytest.fixture(scope="module")
@@ -151,7 +161,7 @@ def _check_loops(ranks, names):
 
 
 def test_fsdp2_join_follows_every_scheduler_loop_style_and_logged_collective(fsdp2):
-    _check_loops(fsdp2, LOOPS)
+    _check_loops(fsdp2, [n for n in LOOPS if n not in METRIC_LOOPS])
     # From first principles: LambdaLR 1 / (1 + steps), stepped at each of the 21 // M optimizer steps.
     for rank in fsdp2:
         assert rank["runs"]["scheduler_unprepared_step"]["lr"] == 0.01 * (1.0 / (1 + 21 // M))
@@ -159,6 +169,13 @@ def test_fsdp2_join_follows_every_scheduler_loop_style_and_logged_collective(fsd
     # the zero a loss x 0 gives.
     gathered = fsdp2[0]["runs"]["log_gather"]["logged"]
     assert len(gathered) == 8 and gathered[-1][1] == 0.0 and gathered[-1][0] > 0, gathered
+
+
+def test_fsdp2_a_metric_forward_after_the_backward_is_forwarded_by_a_rank_that_left_too(metric):
+    """A forward without gradients after each step's last backward: announced in the poll, not
+    replayed; the rank that left forwards the same model once, so the all-gathers pair (per micro-batch
+    leaving mid-window, the window at a boundary), and the run ends at the padded run's parameters."""
+    _check_loops(metric, METRIC_LOOPS)
 
 
 def test_ddp_join_follows_schedulers_loop_style_and_logged_collectives(ddp):
