@@ -93,7 +93,7 @@ DDP_LOOPS = ("scheduler_unprepared_step", "scheduler_prepared_epoch", "no_accumu
 DDP_LOOPS += ("metric_mid_window",)
 
 
-METRIC_LOOPS = ("metric_mid_window", "metric_boundary")  # a launch of their own: before the change they hung
+METRIC_LOOPS = ("metric_mid_window", "metric_boundary")  # a launch of their own: a hang ends in 90 s
 
 
 def _loop_runs(names) -> list[dict]:

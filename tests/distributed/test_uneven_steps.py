@@ -310,10 +310,10 @@ def metric():
 def test_fsdp2_a_metric_forward_after_the_last_backward_sees_the_stepped_params(metric):
     """A forward without gradients between the step's last backward and its optimizer step (a
     training metric): on a rank that replays, the replays run first, so its all-gathers pair with
-    the other ranks' after their last micro-batch (before, the ranks hung); under window, whose
+    the other ranks' after their last micro-batch (else the ranks would hang); under window, whose
     counts are free, nothing is replayed. Either way the units it left gathered are resharded at the
-    step: the runs end at the padded run's parameters, bit for bit (they read the root's pre-step
-    params from the second step on before)."""
+    step, so the next step reads the stepped root: the runs end at the padded run's parameters, bit
+    for bit."""
     for rank in metric:
         for mode in ("per_micro_batch", "window"):
             run, pad = rank["runs"][f"{mode}/metric"], rank["runs"][f"{mode}/metric/pad"]
@@ -331,15 +331,20 @@ def test_a_forward_with_gradients_and_no_backward_after_the_last_is_refused_wher
     the timeout."""
     runs = [{"name": "metric_grad", "config": MODES["deferred"], "counts": COUNTS, "style": "step"}]
     runs[0].update(loop="metric_grad", uncaught=True)
+    says = "grad_sync.step(1): a forward with gradients after this rank's last micro-batch's backward"
+    _check_refused_and_ended("uneven_steps", runs, accelerate_config("fsdp2"), METRIC_TIMEOUT, says, rank=1)
+
+
+def _check_refused_and_ended(worker: str, runs: list[dict], config, timeout: int, says: str, rank: int) -> None:
+    """The launch fails with one line saying `says`, from `rank`, and ends well before `timeout`
+    (the launcher stops the other ranks once the refusing one exits)."""
     start = time.monotonic()
-    args = ["--runs", json.dumps(runs)]
-    done = launch_ranks(WORKERS / "uneven_steps.py", args, accelerate_config("fsdp2"), timeout=METRIC_TIMEOUT)
+    done = launch_ranks(WORKERS / f"{worker}.py", ["--runs", json.dumps(runs)], config, timeout=timeout)
     took = time.monotonic() - start
     assert done.returncode != 0 and "killed after" not in done.output, done.output[-3000:]
-    says = "grad_sync.step(1): a forward with gradients after this rank's last micro-batch's backward"
     refusals = [line for line in done.output.splitlines() if says in line]
-    assert len(refusals) == 1 and refusals[0].startswith("[rank1]"), done.output[-3000:]
-    assert took < METRIC_TIMEOUT / 2, took
+    assert len(refusals) == 1 and refusals[0].startswith(f"[rank{rank}]"), done.output[-3000:]
+    assert took < timeout / 2, took
 
 
 QWEN2 = accelerate_config("fsdp2", fsdp_transformer_layer_cls_to_wrap="Qwen2DecoderLayer")
@@ -389,14 +394,8 @@ def test_a_generation_inside_a_micro_batch_a_rank_replays_is_refused_and_the_run
     generation's first forward, before its all-gathers; rank 1, in that forward's all-gather, sees
     rank 0 gone and the launcher ends the run, long before the timeout."""
     runs = [{"name": "replays/inside", "config": {}, "at": "inside", "counts": GENERATE_COUNTS}]
-    start = time.monotonic()
-    done = launch_ranks(WORKERS / "token_sync.py", ["--runs", json.dumps(runs)], QWEN2, timeout=GENERATE_TIMEOUT)
-    took = time.monotonic() - start
-    assert done.returncode != 0 and "killed after" not in done.output, done.output[-3000:]
     says = "grad_sync.step(1): this rank's last micro-batch generates (a forward of FSDPQwen2ForCausalLM with a KV"
-    refusals = [line for line in done.output.splitlines() if says in line]
-    assert len(refusals) == 1 and refusals[0].startswith("[rank0]"), done.output[-3000:]
-    assert took < GENERATE_TIMEOUT / 2, took
+    _check_refused_and_ended("token_sync", runs, QWEN2, GENERATE_TIMEOUT, says, rank=0)
 
 
 def _check_accelerate_alone(ranks: list[dict], mode: str) -> None:
