@@ -1,7 +1,7 @@
 """One-GPU check of what CPU runs cannot show: `python benchmarks/device_check.py` from the repo root
 writes gpu_check.json to $OUT (or here). The CUDA memory probe `auto` plans from: its peak is about
-1 GiB after a 1 GiB allocation and near 0 after the reset. The FSDP2 window on CUDA (world size 1,
-NCCL): memory after each backward stays level inside a window and drops by the unsharded fp32
+1 GiB after a 1 GiB allocation and near 0 after the reset. FSDP2, every unit windowed, on CUDA (world
+size 1, NCCL): memory after each backward stays level inside a window and drops by the unsharded fp32
 params (`param_mib_fp32`) after its last one, in both steps; `flags_restored` is true.
 
 No test or target runs it (CI has no GPU): run it after a change to the device memory probe or to

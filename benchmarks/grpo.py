@@ -51,9 +51,9 @@ MODES: dict[str, tuple[dict[str, Any] | None, str]] = {
     "stock": (None, "stock TRL + accelerate (no plugin; accelerate's no_sync defers on FSDP2)"),
     "per_micro_batch": ({"defer": False}, "plugin, per-micro-batch sync"),
     "deferred": ({"defer": True}, "plugin, deferred sync"),
-    "window": (
+    "windowed": (
         {"defer": True, "keep_params_unsharded": True, "keep_reference_unsharded": True, "keep_frozen_unsharded": True},
-        "plugin, deferred + keep_params_unsharded (the window) + keep_reference_unsharded (full fine-tuning: "
+        "plugin, deferred + keep_params_unsharded (every unit windowed) + keep_reference_unsharded (full fine-tuning: "
         "the reference model gathered once, at its first forward, and kept) + keep_frozen_unsharded (LoRA: the "
         "frozen base gathered once, at its first forward, and kept; only the adapters each step)",
     ),
@@ -76,7 +76,7 @@ REORDERED = ("ddp", "per_micro_batch", "auto")
 LOG_RTOL = 1e-4
 TUNINGS = ("full", "lora")
 # Under LoRA, TRL's reference is the policy with its adapter off, no model of its own: nothing for
-# keep_reference_unsharded to keep (the window already keeps the policy). Full fine-tuning has no
+# keep_reference_unsharded to keep (windowing already keeps the policy). Full fine-tuning has no
 # frozen base for keep_frozen_unsharded.
 FULL_ONLY = ("keep_reference_unsharded",)
 LORA_ONLY = ("keep_frozen_unsharded",)
@@ -194,7 +194,7 @@ def build_model_dir(path: Path, size_name: str) -> dict:
 
 def worker_args(p: dict, model_dir: Path, pin: bool, configs: list[str], round_index: int) -> list[str]:
     """One launch's worker arguments: one round of `configs`; FSDP2's launches also time the backend's
-    collectives (the window's pair against DDP's all-reduce), DDP's do not need to."""
+    collectives (windowed's pair against DDP's all-reduce), DDP's do not need to."""
     args = ["--model-dir", str(model_dir), "--size", p["size"], "--configs", ",".join(configs)]
     args += ["--round", str(round_index), "--steps", str(p["steps"]), "--beta", str(p.get("beta", 0.0))]
     return args + (["--pin-cores"] if pin else []) + ([] if is_ddp(configs[0]) else ["--time-collectives"])

@@ -1,6 +1,6 @@
 """The GRPO benchmark's report: results.json -> results.md (a table per network),
 grpo_step_split.png (each configuration's step split into phases) and the target summary (PASS /
-FAIL / SKIP / N/D, of the GRPO targets in `targets.py`): the window's speedup over stock, its
+FAIL / SKIP / N/D, of the GRPO targets in `targets.py`): windowed's speedup over stock, its
 all-gathers, no all-reduce in its generation, the floor (its step and its memory between steps
 against DDP's), the reference model kept resident and the identity with stock. Timing targets are
 judged on per-round ratios (`speedup`), counts on every recorded step.
@@ -160,7 +160,7 @@ def backend_line(run: GrpoRun) -> str:
     return (
         f"Collectives alone on this network (rank 0 of FSDP2's launches, median of 3 in each, median over the "
         f"launches; the model's {mib:.1f} MiB of fp32 params): all-gather {b['all_gather']:.0f} ms, reduce-scatter "
-        f"{b['reduce_scatter']:.0f} ms, all-reduce {b['all_reduce']:.0f} ms. The window's pair per step moves the "
+        f"{b['reduce_scatter']:.0f} ms, all-reduce {b['all_reduce']:.0f} ms. Windowed's pair per step moves the "
         f"bytes of DDP's one all-reduce and costs {pair_over_all_reduce(run):.2f}x it here, before FSDP2's copies "
         "in and out; with beta > 0 a reference model resharded after its log-prob pass adds one all-gather per "
         "step that DDP, which replicates it, does not need (kept resident: none after step 1)."
@@ -173,39 +173,39 @@ def check_targets(results: GrpoResults) -> list[TargetResult]:
     out = []
     for run in results.runs:
         where, rows = network(run), rows_of(run)
-        target = targets.GRPO_WINDOW_SPEEDUP.get(run.link)
+        target = targets.GRPO_WINDOWED_SPEEDUP.get(run.link)
         for tuning in grpo.TUNINGS:
-            window, stock = f"{tuning}/window", f"{tuning}/stock"
-            if target is not None:  # stock's step / the window's per round, their median against the target
-                what = f"[{where}] {window} {target.name.replace('than stock', f'than {stock}')}"
-                if (sp := speedup(run, window, stock)) is None:
+            windowed, stock = f"{tuning}/windowed", f"{tuning}/stock"
+            if target is not None:  # stock's step / windowed's per round, their median against the target
+                what = f"[{where}] {windowed} {target.name.replace('than stock', f'than {stock}')}"
+                if (sp := speedup(run, windowed, stock)) is None:
                     out.append(TargetResult(what, SKIP, "not run"))
                 else:
                     out.append(judged(what, target, sp[1], quick, fmt_rounds(sp[1])))
-            if window in rows:
-                out.append(check_window_gathers(where, rows[window]))
-                out.append(check_generation_all_reduces(where, rows[window], rows.get(stock), tuning))
-                if grpo.keeps_reference(window):
-                    out.append(check_reference(where, rows[window], beta))
+            if windowed in rows:
+                out.append(check_windowed_gathers(where, rows[windowed]))
+                out.append(check_generation_all_reduces(where, rows[windowed], rows.get(stock), tuning))
+                if grpo.keeps_reference(windowed):
+                    out.append(check_reference(where, rows[windowed], beta))
             out += check_floor(run, where, tuning, quick)
         out += check_identical(where, rows, beta)
     return out
 
 
 def check_floor(run: GrpoRun, where: str, tuning: str, quick: bool) -> list[TargetResult]:
-    """The window against DDP, the data-parallel floor: its step time within 1.10x (the median of
+    """Windowed against DDP, the data-parallel floor: its step time within 1.10x (the median of
     the per-round ratios), its memory between optimizer steps below DDP's."""
-    rows, window, ddp = rows_of(run), f"{tuning}/window", f"{tuning}/{grpo.DDP}"
-    time_what = f"[{where}] {window} {targets.GRPO_DDP_FLOOR.name.replace('DDP', ddp)}"
-    state_what = f"[{where}] {window}: {targets.GRPO_STATE.name.replace('DDP', ddp)}"
-    if window not in rows or ddp not in rows:
+    rows, windowed, ddp = rows_of(run), f"{tuning}/windowed", f"{tuning}/{grpo.DDP}"
+    time_what = f"[{where}] {windowed} {targets.GRPO_DDP_FLOOR.name.replace('DDP', ddp)}"
+    state_what = f"[{where}] {windowed}: {targets.GRPO_STATE.name.replace('DDP', ddp)}"
+    if windowed not in rows or ddp not in rows:
         return [TargetResult(time_what, SKIP, "not run"), TargetResult(state_what, SKIP, "not run")]
-    ratio = speedup(run, ddp, window)
+    ratio = speedup(run, ddp, windowed)
     assert ratio is not None  # both ran, in the same rounds
     measured = fmt_rounds(ratio[1])
     if (pair := pair_over_all_reduce(run)) is not None:
         measured += f"; collectives alone: all-gather + reduce-scatter = {pair:.2f}x all-reduce of the same bytes"
-    w, d = rows[window], rows[ddp].state_bytes
+    w, d = rows[windowed], rows[ddp].state_bytes
     state = f"{w.state_bytes / MiB:.2f} MiB against {d / MiB:.2f} MiB per rank" + (
         f" ({w.state_bytes / d:.2f}x)" if d else ""
     )
@@ -220,13 +220,13 @@ def check_floor(run: GrpoRun, where: str, tuning: str, quick: bool) -> list[Targ
     return [judged(time_what, targets.GRPO_DDP_FLOOR, ratio[1], quick, measured), state_result]
 
 
-def check_window_gathers(where: str, row: GrpoRow) -> TargetResult:
-    """The window gathers each unit of the trained model once per step (a reference model's log-prob
+def check_windowed_gathers(where: str, row: GrpoRow) -> TargetResult:
+    """Windowed gathers each unit of the trained model once per step (a reference model's log-prob
     passes are a model of their own): at generation's first forward, kept to the optimizer step;
     units kept unsharded for the run (keep_frozen_unsharded) never after step 1."""
     U, seen = row.units - row.resident_units, row.counts_seen  # resident units: gathered at step 1 only
     trained = {g + t for g in seen["generation"]["all_gathers"] for t in seen["training"]["all_gathers"]}
-    what = f"[{where}] {row.config}: {targets.GRPO_WINDOW_GATHERS.name}"
+    what = f"[{where}] {row.config}: {targets.GRPO_WINDOWED_GATHERS.name}"
     kept = f" ({row.units} units, {row.resident_units} kept unsharded for the run)" if row.resident_units else ""
     detail = (
         f"U = {U}{kept}; every timed step: generation {seen['generation']['all_gathers']}, training "
@@ -236,7 +236,7 @@ def check_window_gathers(where: str, row: GrpoRow) -> TargetResult:
 
 
 def check_generation_all_reduces(where: str, row: GrpoRow, stock: GrpoRow | None, tuning: str) -> TargetResult:
-    """The window's generation issues no all-reduce: transformers' per-token flag all-reduce
+    """Windowed's generation issues no all-reduce: transformers' per-token flag all-reduce
     (`synced_gpus`) is skipped where every unit stays unsharded (runtime/generating/token_sync.py),
     unless the model's forwards draw random numbers there (`grpo.GENERATION_DRAWS`): then it
     issues stock's, the same tokens' sync."""

@@ -198,7 +198,7 @@ def run_one(name: str, round_index: int, args: argparse.Namespace, phases: Phase
 
 
 def time_collectives(numel: int, reps: int = 3) -> dict[str, float]:
-    """Median ms of one all-gather and one reduce-scatter of `numel` fp32 elements (what the window
+    """Median ms of one all-gather and one reduce-scatter of `numel` fp32 elements (what windowed
     moves for the whole model, each once per step) and of one all-reduce of them (DDP's gradient
     sync, the same bytes by the ring formula), on this launch's process group: what the backend
     itself charges for each, apart from FSDP2, TRL and the plugin."""

@@ -25,8 +25,8 @@ KINDS = ("reduce_scatters", "all_reduces", "all_gathers")
 
 
 def budget(fraction: float) -> Callable[[dict], dict]:
-    """A budget of `fraction` x the bytes a full window holds on one rank (unsharded grads and params)."""
-    return lambda facts: {"sync_mode": "budget", "memory_budget": f"{int(fraction * facts['full_window_bytes'])}B"}
+    """A budget of `fraction` x the bytes `windowed` holds on one rank (unsharded grads and params)."""
+    return lambda facts: {"sync_mode": "budget", "memory_budget": f"{int(fraction * facts['windowed_bytes'])}B"}
 
 
 def config(group: str, label: str, gradsync: Any = None, loop: str = "accumulate", **extra: Any) -> dict[str, Any]:
@@ -44,14 +44,14 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "deferred_join": config(
         "plugin", "accel_gradsync deferred inside grad_sync.join(), even inputs", {"defer": True}, join=True
     ),
-    "window": config(
+    "windowed": config(
         "plugin",
-        "accel_gradsync deferred + window (params unsharded through the window)",
+        "accel_gradsync deferred + keep_params_unsharded (params unsharded through the window)",
         {"defer": True, "keep_params_unsharded": True},
     ),
     # Memory-aware modes: each defers only what fits.
     **{
-        f"budget_{p}": config("memory-aware", f"budget = {p}% of a full window's bytes", budget(p / 100))
+        f"budget_{p}": config("memory-aware", f"budget = {p}% of windowed's bytes", budget(p / 100))
         for p in (25, 50, 75)
     },
     "auto": config("memory-aware", "auto (from free memory)", {"sync_mode": "auto"}),
@@ -59,11 +59,13 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "stock_accumulate": config("peer", "stock accelerate accumulate (no plugin)"),
     "stock_sync_each_batch": config("peer", "stock accelerate, sync_each_batch=True", sync_each_batch=True),
     "raw_fsdp2": config("peer", "hand-written set_requires_gradient_sync loop (verl)", loop="raw"),
-    "raw_window": config("peer", "hand-written window loop (PyTorch issue 124319)", loop="raw_window", **NO_RESHARD),
-    "stock_window_by_hand": config(
+    "raw_windowed": config(
+        "peer", "hand-written windowed loop (PyTorch issue 124319)", loop="raw_windowed", **NO_RESHARD
+    ),
+    "stock_windowed_by_hand": config(
         "peer",
-        "stock accelerate accumulate, window flags by hand (PyTorch issue 124319)",
-        loop="accumulate_window",
+        "stock accelerate accumulate, windowed flags by hand (PyTorch issue 124319)",
+        loop="accumulate_windowed",
         **NO_RESHARD,
     ),
     "stock_no_reshard": config("peer", "stock accelerate accumulate, fsdp_reshard_after_forward: false", **NO_RESHARD),
@@ -83,10 +85,10 @@ PAIRS: tuple[tuple[str, str], ...] = (
     ("deferred", "raw_fsdp2"),
     ("deferred", "deferred_join"),
     ("per_micro_batch", "stock_sync_each_batch"),
-    ("window", "raw_window"),
-    # The same window flags by hand, in accelerate's own loop: what the plugin adds to that loop,
-    # apart from what the loop itself costs against `raw_window`.
-    ("window", "stock_window_by_hand"),
+    ("windowed", "raw_windowed"),
+    # The same windowed flags by hand, in accelerate's own loop: what the plugin adds to that loop,
+    # apart from what the loop itself costs against `raw_windowed`.
+    ("windowed", "stock_windowed_by_hand"),
 )
 
 # Model sizes: `layers` residual MLP blocks of width `dim` and a root of the same size (8 dim^2 +
@@ -111,12 +113,12 @@ QUICK = {
     "configs": [
         "per_micro_batch",
         "deferred",
-        "window",
+        "windowed",
         "budget_50",
         "stock_accumulate",
         "stock_sync_each_batch",
         "raw_fsdp2",
-        "raw_window",
+        "raw_windowed",
     ],
 }
 # steps None: each size's own `steps` (a full run must fit 10 minutes on 2 cores).
@@ -138,12 +140,12 @@ CLUSTER = {
     "configs": [
         "per_micro_batch",
         "deferred",
-        "window",
+        "windowed",
         "budget_50",
         "auto",
         "stock_accumulate",
         "raw_fsdp2",
-        "raw_window",
+        "raw_windowed",
         "hsdp_per_micro_batch",
         "hsdp_deferred",
         "hsdp_defer_all_reduce",
@@ -155,7 +157,7 @@ CLUSTER_QUICK = {
     "reps": 1,
     "steps": 1,
     "hsdp_size": "small",
-    "configs": ["per_micro_batch", "deferred", "window", "hsdp_per_micro_batch", "hsdp_defer_all_reduce"],
+    "configs": ["per_micro_batch", "deferred", "windowed", "hsdp_per_micro_batch", "hsdp_defer_all_reduce"],
 }
 
 

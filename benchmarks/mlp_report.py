@@ -62,7 +62,7 @@ def write_table(results: Results) -> str:
             "optimizer step on one rank; MiB sent per rank uses the ring formula on the tensors the "
             "collectives were given. Held grad: sharded + unsharded gradient bytes on one rank "
             "between micro-batches, from the tensors (plugin's own measure in brackets). Held params: "
-            "unsharded parameter bytes alive after a backward (what a window keeps).",
+            "unsharded parameter bytes alive after a backward (what windowing keeps).",
             "",
             f"| configuration | M | step ms | ratio | CPU ms | reduce-scatters | all-reduces | all-gathers | "
             f"MiB sent | held grad MiB | held params MiB | {mem_col} |",
@@ -85,12 +85,12 @@ def write_table(results: Results) -> str:
 
 def plot(results: Results, out: Path) -> None:
     """step_time_vs_M.png: step time against M; memory_vs_time.png: held memory against step time at
-    the largest M, per-micro-batch, deferred and the window the frontier's corners. A panel per run."""
+    the largest M, per-micro-batch, deferred and windowed the frontier's corners. A panel per run."""
     runs, M = results.runs, max(results.plan["Ms"])
     (fig, axes), (fig2, axes2) = stats.panels(len(runs), 6, 4.5), stats.panels(len(runs), 6, 4.5)
     for ax, ax2, run in zip(axes, axes2, runs, strict=True):
         by, hsdp = index(run), run.ranks == 4
-        corners = [baseline_of(run), "hsdp_deferred" if hsdp else "deferred"] + ([] if hsdp else ["window"])
+        corners = [baseline_of(run), "hsdp_deferred" if hsdp else "deferred"] + ([] if hsdp else ["windowed"])
         if len(corners := [c for c in corners if (c, M) in by]) >= 2:
             xs, ys = [held_bytes(by[(c, M)]) / MiB for c in corners], [by[(c, M)].step_time_s * 1e3 for c in corners]
             ax2.plot(xs, ys, "k-", alpha=0.4, label=" - ".join(corners) + " frontier")
@@ -120,11 +120,11 @@ def plot(results: Results, out: Path) -> None:
 OVERHEADS = (
     ("deferred", "raw_fsdp2", 2, "the hand-written raw-API loop"),
     ("per_micro_batch", "stock_sync_each_batch", 1, "stock sync_each_batch=True"),
-    ("window", "raw_window", 2, "the hand-written window loop"),
-    ("window", "stock_window_by_hand", 2, "the same flags by hand in accelerate's own loop"),
+    ("windowed", "raw_windowed", 2, "the hand-written windowed loop"),
+    ("windowed", "stock_windowed_by_hand", 2, "the same flags by hand in accelerate's own loop"),
     ("deferred_join", "deferred", 1, "the same loop without grad_sync.join()"),
 )
-WINDOWED = ("window", "raw_window", "stock_window_by_hand")
+WINDOWED = ("windowed", "raw_windowed", "stock_windowed_by_hand")
 # Exact (reduce-scatters, all-reduces) per optimizer step, "MU" = M x U; HSDP also all-reduces
 # across replicas on every reduce-scatter it does not defer. Budget modes, auto and the Trainer are
 # left out: their plan or their own loop sets how many.
@@ -154,7 +154,7 @@ def check_targets(results: Results, link_decides_only: bool = False) -> list[Tar
     comm = [r for r in runs if r.size == "large"] or runs[-1:]  # the communication-bound model
     margin = f" (clear margin: >= {targets.CLEAR_MARGIN}x)"
     out += [check_speedup(run, "deferred", targets.DEFERRED_SPEEDUP, [4, 8], quick, margin) for run in comm]
-    out += [check_speedup(run, "window", targets.WINDOW_SPEEDUP, [8], quick) for run in comm]
+    out += [check_speedup(run, "windowed", targets.WINDOWED_SPEEDUP, [8], quick) for run in comm]
     if not link_decides_only:
         out.append(check_frontier(results, runs))
     out.append(check_hsdp(results, hsdp))
@@ -198,17 +198,17 @@ def check_overhead(runs: list[Run], a: str, b: str, Ms: list[int], what: str, qu
 def check_planner_cost(runs: list[Run], quick: bool) -> list[TargetResult]:
     """The budget planner's reduce-scatter weight for the backend against what the steps paid: per
     round at the largest M, the time deferral saved per reduce-scatter it removed over the time the
-    window then saved per all-gather it removed (FSDP's copies included; the units are equal)."""
+    windowed then saved per all-gather it removed (FSDP's copies included; the units are equal)."""
     notes, statuses = [], []
     for run in runs:
         by = index(run)
-        M = max((m for (name, m) in by if name == "window"), default=None)
+        M = max((m for (name, m) in by if name == "windowed"), default=None)
         if M is None or not all((n, M) in by for n in ("per_micro_batch", "deferred")):
             continue
-        pmb, deferred, window = (by[(n, M)] for n in ("per_micro_batch", "deferred", "window"))
+        pmb, deferred, windowed = (by[(n, M)] for n in ("per_micro_batch", "deferred", "windowed"))
         rs_removed = pmb.reduce_scatters_per_step - deferred.reduce_scatters_per_step
-        ag_removed = deferred.all_gathers_per_step - window.all_gathers_per_step
-        t0, t1, t2 = stats.per_round(pmb), stats.per_round(deferred), stats.per_round(window)
+        ag_removed = deferred.all_gathers_per_step - windowed.all_gathers_per_step
+        t0, t1, t2 = stats.per_round(pmb), stats.per_round(deferred), stats.per_round(windowed)
         rounds = sorted(t0.keys() & t1.keys() & t2.keys()) if rs_removed > 0 and ag_removed > 0 else []
         per = [((t0[r] - t1[r]) / rs_removed, (t1[r] - t2[r]) / ag_removed) for r in rounds]
         if not (measured := [rs / ag for rs, ag in per if ag > 0]):
@@ -218,7 +218,7 @@ def check_planner_cost(runs: list[Run], quick: bool) -> list[TargetResult]:
         statuses.append(status)
         notes.append(
             f"{run.size}: a reduce-scatter byte cost {statistics.median(measured):.2f} all-gather bytes in the steps "
-            f"(deferral's and the window's savings; measured / planner {fmt_ci(stat, len(measured))}), "
+            f"(deferral's and windowing's savings; measured / planner {fmt_ci(stat, len(measured))}), "
             f"planner {planner:g}"
         )
     return [verdict(targets.PLANNER_COST.name, statuses, notes)] if statuses else []
@@ -226,7 +226,7 @@ def check_planner_cost(runs: list[Run], quick: bool) -> list[TargetResult]:
 
 def check_counts(runs: list[Run]) -> list[TargetResult]:
     """Every timed step's (reduce-scatters, all-reduces) against the configuration's formula, and the
-    window's point: one all-gather per unit per optimizer step, whatever M is."""
+    windowed's point: one all-gather per unit per optimizer step, whatever M is."""
     counts, gathers = [], []
     for run in runs:
         U = run.facts["units"]
@@ -239,7 +239,7 @@ def check_counts(runs: list[Run]) -> list[TargetResult]:
             if name in WINDOWED:
                 gathers.append(seen["all_gathers"] == [U] or f"{run.size}/{name}/M={M}: {seen['all_gathers']}")
     out = []
-    for target, segments in ((targets.COLLECTIVE_COUNTS, counts), (targets.WINDOW_GATHERS, gathers)):
+    for target, segments in ((targets.COLLECTIVE_COUNTS, counts), (targets.WINDOWED_GATHERS, gathers)):
         bad = [s for s in segments if s is not True]
         status = SKIP if not segments else (FAIL if bad else PASS)
         measured = "; ".join(bad) if bad else f"{len(segments)} (configuration, M) segments, every timed step exact"
@@ -258,11 +258,11 @@ def check_speedup(run: Run, name: str, target: Target, Ms: list[int], quick: boo
 
 
 def check_frontier(results: Results, runs: list[Run]) -> TargetResult:
-    """Each budget point against the frontier (per-micro-batch -> deferred -> window) at its held
+    """Each budget point against the frontier (per-micro-batch -> deferred -> windowed) at its held
     bytes: per round, (point - frontier) / per-micro-batch step, from that round's corners."""
     what = f"{targets.FRONTIER.name} (memory vs time, paired by round, M >= 2)"
     notes, statuses = [], []
-    corners = ("per_micro_batch", "deferred", "window")
+    corners = ("per_micro_batch", "deferred", "windowed")
     for run in runs:
         by = index(run)
         for name in [n for n in ordered_configs(run) if n.startswith("budget")]:
@@ -352,7 +352,7 @@ def check_cluster_targets(results: Results) -> list[TargetResult]:
     for link, sub in per_link(results).items():
         out += [dataclasses.replace(t, target=f"[{link}] {t.target}") for t in check_targets(sub, True)]
         for run in [r for r in sub.runs if r.ranks == 2]:
-            for name in ("deferred", "window"):
+            for name in ("deferred", "windowed"):
                 per_M = paired_ratios(run, "per_micro_batch", name, [M for M in results.plan["Ms"] if M >= 4])
                 what = f"[{link}] {name} {targets.CLUSTER_SPEEDUP.name} across {run.hosts} hosts, M >= 4 ({run.size})"
                 if not per_M:

@@ -84,7 +84,7 @@ class Bench:
             "units": self.size["layers"] + 1,
             "world_size": self.world,
             "full_defer_grad_bytes": params * 4,  # fp32 params, no mixed precision: fp32 grads
-            "full_window_bytes": params * 4 * 2,  # and the unsharded fp32 params beside them
+            "windowed_bytes": params * 4 * 2,  # and the unsharded fp32 params beside them
             "sharded_grad_bytes": params * 4 // self.world,
             **{k: v for k, v in self.size.items() if k != "steps"},
         }
@@ -112,11 +112,11 @@ class Prepared:
 
 def micro_batch(run: Prepared, last: bool):
     """What a loop does around a micro-batch besides forward and backward, the sync choice: the raw
-    loops' and the window's flags by hand, else accelerate's `accumulate`."""
+    loops' and windowed's flags by hand, else accelerate's `accumulate`."""
     loop, model = run.spec["loop"], run.model
     if loop.startswith("raw"):
         model.set_requires_gradient_sync(last)
-    if loop.endswith("window"):
+    if loop.endswith("windowed"):
         model.set_reshard_after_backward(last)
     return contextlib.nullcontext() if loop.startswith("raw") else run.acc.accumulate(model)
 
@@ -124,7 +124,7 @@ def micro_batch(run: Prepared, last: bool):
 def step(bench: Bench, run: Prepared, M: int) -> None:
     """One optimizer step of M micro-batches. "accumulate": the accelerate docs' loop, stepping on the
     micro-batch that syncs, as the Trainer does; "raw": verl's, FSDP2's own switch and the bare torch
-    optimizer, the floor for a wrapper's overhead; "*_window": PyTorch issue 124319 by hand."""
+    optimizer, the floor for a wrapper's overhead; "*_windowed": PyTorch issue 124319 by hand."""
     raw = run.spec["loop"].startswith("raw")
     for k in range(M):
         x, y = bench.batch(k)

@@ -1,6 +1,6 @@
 """Where one profiled configuration's GRPO step spends time that another's does not:
 `python -m benchmarks.profile_diff BASE.prof OTHER.prof [--top N]`, two files `run --grpo --profile`
-wrote (e.g. full_ddp_r0.prof and full_window_r0.prof: the timed steps of one round on rank 0).
+wrote (e.g. full_ddp_r0.prof and full_windowed_r0.prof: the timed steps of one round on rank 0).
 Steps are counted by TRL's `_generate` calls (the benchmark generates once per optimizer step).
 Prints each profile's own time and generation's time per step, then the functions whose own time
 (tottime) grew most from BASE to OTHER, per step, with their calls per step. cProfile inflates

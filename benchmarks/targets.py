@@ -80,18 +80,18 @@ SYNC_CONTROL = Target("the sync choice's own cost within 2% of a step",
     "the whole of what a wrapper can add, measured apart from steps whose wall time varies by more",
     upper=OVERHEAD_TOLERANCE)
 PLANNER_COST = Target("the planner's reduce-scatter weight within a factor 1.6 of what the steps paid",
-    "(time deferral saved per reduce-scatter byte) / (time the window saved per all-gather byte) at the largest "
+    "(time deferral saved per reduce-scatter byte) / (time windowing saved per all-gather byte) at the largest "
     "M, over `accel_gradsync.planning.costs.REDUCE_SCATTER_COST` for the backend",
     "the planner uses one figure per backend for every model size; the band allows for the spread between sizes",
     lower=1 / 1.6, upper=1.6)
 DEFERRED_SPEEDUP = Target("deferred faster than per-micro-batch at M=4, 8 on the communication-bound model",
     "per-micro-batch step / deferred step, paired by round, at M = 4 and at M = 8",
     "a clear margin, at least 10% less step time, where reduce-scatters dominate the step", lower=CLEAR_MARGIN)
-WINDOW_SPEEDUP = Target("window at least 4x faster than per-micro-batch at M=8",
-    "per-micro-batch step / window step, paired by round, at M = 8, on the large model",
-    "the window removes M-1 of M all-gathers and reduce-scatters per unit; at M = 8 on a communication-bound "
+WINDOWED_SPEEDUP = Target("windowed at least 4x faster than per-micro-batch at M=8",
+    "per-micro-batch step / windowed step, paired by round, at M = 8, on the large model",
+    "windowed removes M-1 of M all-gathers and reduce-scatters per unit; at M = 8 on a communication-bound "
     "model that is most of the step", lower=4.0)
-FRONTIER = Target("budget modes on or inside the per-micro-batch - deferred - window frontier",
+FRONTIER = Target("budget modes on or inside the per-micro-batch - deferred - windowed frontier",
     "per round, (budget step - the frontier's step at its held bytes) / per-micro-batch step, the frontier drawn "
     "from the same round's corners, pooled over M >= 2",
     "budget modes choose whole units' levels, so with equal blocks the point lies on a line; the 2% slack is "
@@ -105,32 +105,32 @@ COLLECTIVE_COUNTS = Target(
     "reduce-scatters per step: per-micro-batch M x U, deferred U, exactly (HSDP: all-reduces too)",
     "the counts on every timed step against the formula of each configuration",
     "counts are exact: any difference is a defect, never noise")
-WINDOW_GATHERS = Target("window: all-gathers per step = U exactly (one per unit), every M",
-    "all-gathers on every timed step of the window configurations",
-    "the window's point: each unit gathered once per optimizer step, whatever M is")
+WINDOWED_GATHERS = Target("windowed: all-gathers per step = U exactly (one per unit), every M",
+    "all-gathers on every timed step of the windowed configurations",
+    "windowed's point: each unit gathered once per optimizer step, whatever M is")
 # The whole run's wall time on 2 cores: the quick run is CI's smoke test, the full run fits 10 minutes.
 RUN_TIME_S = {"quick": 120, "full": 600}
 # -- the MLP benchmark on the simulated cluster (mlp_report.py) ----------------------------------------
 CLUSTER_SPEEDUP = Target("ahead of per-micro-batch by a clear margin (>= 1.1x)",
-    "per-micro-batch step / deferred or window step, paired by round, pooled over M >= 4, on each simulated link",
+    "per-micro-batch step / deferred or windowed step, paired by round, pooled over M >= 4, on each simulated link",
     "on a link between hosts the reduce-scatters deferral removes are what a step waits on", lower=CLEAR_MARGIN)
 LINK_CROSSED = Target("collectives crossed the shaped link",
     "bytes tbf counted on the hosts' NICs against the ring bytes of the timed steps' collectives",
     "with one rank per host every collective crosses the link; less than the ring bytes means the run did not "
     "use it")
-# -- the GRPO benchmark (grpo_report.py): the window's speedup over loopback (None) and per link -------
-GRPO_WINDOW_SPEEDUP = {
+# -- the GRPO benchmark (grpo_report.py): windowed's speedup over loopback (None) and per link -------
+GRPO_WINDOWED_SPEEDUP = {
     None: Target("at least 3x faster per GRPO step than stock",
-        "stock's step / the window's step, the median over rounds of each round's medians",
-        "stock FSDP2 all-gathers every unit at every decode step and micro-batch; the window once per step",
+        "stock's step / windowed's step, the median over rounds of each round's medians",
+        "stock FSDP2 all-gathers every unit at every decode step and micro-batch; windowed once per step",
         lower=3.0),
     "1gbit": Target("at least 5x faster per GRPO step than stock",
-        "stock's step / the window's step, the median over rounds of each round's medians",
-        "on a link between hosts the all-gathers the window removes are a larger share of the step", lower=5.0),
+        "stock's step / windowed's step, the median over rounds of each round's medians",
+        "on a link between hosts the all-gathers windowed removes are a larger share of the step", lower=5.0),
 }
-GRPO_WINDOW_GATHERS = Target("the trained model's all-gathers per optimizer step = U exactly",
+GRPO_WINDOWED_GATHERS = Target("the trained model's all-gathers per optimizer step = U exactly",
     "generation's and training's all-gathers of the trained model on every timed step",
-    "the window gathers each unit once, at generation's first forward, and keeps it to the optimizer step; "
+    "windowed gathers each unit once, at generation's first forward, and keeps it to the optimizer step; "
     "U counts the units not kept unsharded for the run (LoRA's frozen base with keep_frozen_unsharded)")
 GRPO_GENERATION_ALL_REDUCES = Target("generation issues no all-reduce (no collective per decoded token)",
     "the all-reduces issued inside TRL's _generate on every timed step, counted around torch.distributed on rank 0",
@@ -143,21 +143,21 @@ GRPO_REFERENCE_RESIDENT = Target("the reference model's all-gathers per step = 0
     "keep_reference_unsharded gathers a frozen reference model at its first forward and keeps it for the run, "
     "as DDP replicates it: no collective for it per step; counts are exact")
 GRPO_DDP_FLOOR = Target("within 1.10x of DDP's GRPO step (the data-parallel floor)",
-    "the window's step / DDP's step, the median over rounds of each round's medians (DDP: its own launch, "
+    "windowed's step / DDP's step, the median over rounds of each round's medians (DDP: its own launch, "
     "right after FSDP2's launch of the same round)",
-    "DDP replicates the parameters and all-reduces the gradients once per step: the same bytes as the window's U "
+    "DDP replicates the parameters and all-reduces the gradients once per step: the same bytes as windowed's U "
     "all-gathers and U reduce-scatters; no data-parallel step does better on a model that fits", upper=1.10)
 GRPO_STATE = Target("memory between optimizer steps below DDP's",
     "each rank's params (FSDP2: shards plus unsharded storage still allocated), grads and optimizer state, of "
     "both models, after every timed optimizer step, the max; of it, the reference model's unsharded params",
-    "the window gathers the trained model within a step only and keeps FSDP's 1/N shard between steps where "
+    "windowed gathers the trained model within a step only and keeps FSDP's 1/N shard between steps where "
     "DDP keeps everything; a reference model kept resident adds its unsharded params, which DDP holds too; "
     "LoRA's frozen base kept unsharded (keep_frozen_unsharded) is said apart and left out of the comparison")
 GRPO_IDENTICAL = Target("completions, rewards, KL and losses identical to stock at every logged step (exact; "
     "logged values within 1e-4 relative where gradients are summed in another order)",
     "every configuration's completion digests, rewards and logged values (loss, reward, reward_std, kl with "
     "beta > 0) against stock's; exact where the "
-    "gradients are summed as stock sums them (deferral: deferred, window, deferred_gen_resident)",
+    "gradients are summed as stock sums them (deferral: deferred, windowed, deferred_gen_resident)",
     "the sync mode changes when gradients are reduced, never what is computed; per-micro-batch sync (and "
     "auto's measured step 1) adds reduced shards, DDP pre-divides before its all-reduce: the same sum in "
     "another floating-point order")

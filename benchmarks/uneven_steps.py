@@ -2,7 +2,8 @@
 `python -m benchmarks.uneven_steps [--quick] [--out DIR]`.
 
 Each round, every rank draws its own rollouts (lognormal lengths, cut to 16..max_len) and runs one
-optimizer step of each strategy on them, under sync mode window on FSDP2 (`uneven_steps_worker.py`):
+optimizer step of each strategy on them, deferred with keep_params_unsharded (every unit windowed)
+on FSDP2 (`uneven_steps_worker.py`):
 - `token_budget`: packed by a token budget, each rank its own count, in `grad_sync.step(n)`;
 - `pad_resplit`: the same packing's largest count over ranks, and each rank re-splits its sequences
   into that many token-balanced micro-batches (verl's `same_micro_num_in_dp`);

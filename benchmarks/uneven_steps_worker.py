@@ -1,5 +1,5 @@
 """The uneven-steps benchmark's worker (`uneven_steps.py` launches it on 2 ranks): a token model
-trained under sync mode window, each round one optimizer step of every strategy on the same
+trained deferred with keep_params_unsharded, each round one optimizer step of every strategy on the same
 rollouts, in an order rotated per round; writes `rank<R>.json` (per step: time, CPU time, counts
 and tokens on this rank)."""
 

@@ -3,7 +3,7 @@ exactly where a run nobody interrupted ends.
 
     python tools/chaos.py --faults 24 --seed 0
 
-For each configuration (FSDP2 window, FSDP2 deferred, FSDP1 deferred) it trains the built-in
+For each configuration (FSDP2 windowed, FSDP2 deferred, FSDP1 deferred) it trains the built-in
 model once undisturbed, then again with its share of the faults, drawn from --seed: SIGKILL of
 one rank, or the preemption signal to the launcher (SIGTERM; SIGUSR1 for FSDP1, forwarded by the
 agent through PET_SIGNALS_TO_HANDLE as recipes/slurm_multi_node.sh does), inside generation,
@@ -46,7 +46,7 @@ REPO = Path(__file__).resolve().parents[1]
 FAULTS = Path(__file__).resolve().parent / "chaos_faults"
 PREEMPTED = 75  # accel_gradsync.PREEMPTED_EXIT_CODE (not imported: the script runs without the package set up)
 CONFIGS = {
-    "fsdp2-window": ("fsdp2.yaml", ["--defer-grad-sync", "--grad-sync-keep-params-unsharded"], "SIGTERM"),
+    "fsdp2-windowed": ("fsdp2.yaml", ["--defer-grad-sync", "--grad-sync-keep-params-unsharded"], "SIGTERM"),
     "fsdp2-deferred": ("fsdp2.yaml", ["--defer-grad-sync"], "SIGTERM"),
     "fsdp1-deferred": ("fsdp1.yaml", ["--defer-grad-sync"], "SIGUSR1"),
 }

@@ -34,7 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 # name -> {"what": the break, "edits": [(file, exact old text, new text)], "tests": [...]}
 MUTANTS: dict[str, dict] = {
     "uneven_steps_evened_uncounted": {
-        "what": "grad_sync.step(n) never counts the micro-batches a window makes free",
+        "what": "grad_sync.step(n) never counts the micro-batches windowing makes free",
         "edits": [
             (
                 "accel_gradsync/runtime/core/accounting.py",
@@ -47,7 +47,7 @@ MUTANTS: dict[str, dict] = {
         ],
     },
     "uneven_steps_last_micro_batch_gathers_per_token": {
-        "what": "under window, step(n)'s last micro-batch reshards after each forward: a generation there "
+        "what": "with every unit windowed, step(n)'s last micro-batch reshards after each forward: a generation there "
         "gathers per token while a longer count's held micro-batch gathers once",
         "edits": [
             (
@@ -58,7 +58,7 @@ MUTANTS: dict[str, dict] = {
         ],
         "tests": [
             "tests/distributed/test_uneven_steps.py::"
-            "test_a_generation_before_the_first_micro_batch_or_under_window_runs_with_per_rank_counts"
+            "test_a_generation_before_the_first_micro_batch_or_with_every_unit_windowed_runs_with_per_rank_counts"
         ],
     },
     "kept_frozen_units_never_gated": {
@@ -94,7 +94,7 @@ MUTANTS: dict[str, dict] = {
         "edits": [
             (
                 "accel_gradsync/planning/policies.py",
-                "return Plan(self.name, held, windowed=held if window else [], generation_bytes=generation)",
+                "return Plan(self.name, held, windowed=held if windows else [], generation_bytes=generation)",
                 "return Plan(self.name, [], windowed=[], generation_bytes=generation)",
             )
         ],

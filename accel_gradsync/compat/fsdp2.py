@@ -33,7 +33,7 @@ What stays private, and why (2.15's public API was checked for each; see `WHY_PR
   it on would leave their gradients unreduced (and it refuses HSDP with only the all-reduce held,
   `defer_all_reduce`); the counters still need their callback ahead of FSDP's. Nor is
   `set_keep_unsharded_storage` a window: it keeps the storage's address (for CUDA graphs) but
-  the params are all-gathered again into it, which is what a window avoids. The flags' setters
+  the params are all-gathered again into it, which is what windowing avoids. The flags' setters
   still have no getters, the groups no accessor.
 
 A new torch release is one entry in `FSDP2_PRIVATE` and `FSDP2_RELEASES` (the previous series'

@@ -74,8 +74,8 @@ DEFAULTS: dict[str, Any] = {
     # other modes it all-gathers once per step, as before the setting existed.
     "keep_reference_unsharded": "auto",
     # As the reference model's residency: where the bytes are planned (budget, auto), the frozen
-    # base of a LoRA model unsharded for the run where it fits; under the window (which holds it
-    # through each step anyway) all of it; elsewhere gathered every step.
+    # base of a LoRA model unsharded for the run where it fits; with every unit windowed (deferred with
+    # keep_params_unsharded, which holds it through each step anyway) all of it; elsewhere gathered every step.
     "keep_frozen_unsharded": "auto",
     # A Trainer log line carries the few per-step counters; the ~20 others stay in stats().
     "log_all_counters": False,
@@ -379,7 +379,7 @@ class GradSyncConfig:
         "adapters. Costs the kept units' whole unsharded parameters (compute dtype) on every rank for the "
         "whole run. true/false force it; auto: sync modes budget and auto keep each frozen unit, in order, "
         "while its bytes fit what they plan within (after resident reference models), and plan the trained "
-        "units within what is left; the window (deferred with keep_params_unsharded, which holds every "
+        "units within what is left; deferred with keep_params_unsharded (every unit windowed: it holds every "
         "unit through the step anyway) keeps every frozen unit; the other modes keep none. attach() must come before "
         "accelerator.prepare(model) (a Trainer prepares in train()); not with fsdp_cpu_ram_efficient_loading. "
         "A checkpoint save or load reshards the kept units (the next forward gathers them again), and so "

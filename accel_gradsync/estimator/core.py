@@ -42,13 +42,13 @@ from accel_gradsync.planning.residency import frozen_residency_under_vllm, windo
 from accel_gradsync.planning.units import ALL_REDUCE, Plan
 from accel_gradsync.runtime.wrappers.adapter import ModelAdapter
 
-WINDOW_ROW = "deferred+window"
+WINDOWED_ROW = "deferred+windowed"
 """The row for deferral with every unit windowed (`keep_params_unsharded`), shown whatever is selected."""
 ONE_PROCESS = (
     "one process: nothing to sync between ranks (FSDP sends nothing over one rank), so attach does nothing "
     "and every mode runs the same"
 )
-_ROWS: list[tuple[str, type[SyncPolicy]]] = [*POLICIES.items(), (WINDOW_ROW, DeferredSync)]
+_ROWS: list[tuple[str, type[SyncPolicy]]] = [*POLICIES.items(), (WINDOWED_ROW, DeferredSync)]
 
 
 def estimate(
@@ -99,7 +99,7 @@ def estimate(
 
     Returns:
         `Estimate`: the model, mesh and units, and one `ModeEstimate` per mode of
-        `policies.POLICIES` plus the `deferred+window` row.
+        `policies.POLICIES` plus the `deferred+windowed` row.
 
     Raises:
         `ValueError`: an input a launch would also fail on, named with what to change (both or
@@ -172,22 +172,24 @@ class _AdaptersByReduceDtype:
         self.same = bool(setup.distributed_config) or setup.mixed_precision == "no"
         self.adapters: dict[tuple[str, str | None, str | None], ModelAdapter] = {}
 
-    def for_mode(self, mode: str, running: bool = False, keep: bool = True, window: bool | None = None) -> ModelAdapter:
+    def for_mode(
+        self, mode: str, running: bool = False, keep: bool = True, keep_params: bool | None = None
+    ) -> ModelAdapter:
         """Mode `mode`'s sharded model, its units following the estimate's torch release, or with
         `running` this process's torch (what the step simulation holds); a LoRA model split and its
-        frozen units kept as `keep_frozen_unsharded` does under `mode` (`keep_frozen_for`; `window`,
+        frozen units kept as `keep_frozen_unsharded` does under `mode` (`keep_frozen_for`; `keep_params`,
         where given, for `keep_params_unsharded`), unless not `keep`. A mode whose keeping reads
         free memory, with none given, raises the `ValueError` its row shows."""
         dtype = self.chosen if self.same else reduce_dtype_for(mode, self.chosen)
         # A LoRA model's frozen units, kept as a live prepare keeps them under `mode`. Only a LoRA
         # model has any (no reference model beside it: nothing resident to take room first).
-        frozen = keep_frozen_for(self.setup, self.config, mode, self.config.free_memory_bytes, window=window)
+        frozen = keep_frozen_for(self.setup, self.config, mode, self.config.free_memory_bytes, keep_params=keep_params)
         frozen = frozen if keep and self.lora is not None else None
         # The same decision for every mode where the setting is true: one model serves them all.
         kept = None
         if frozen is not None:
             windowed = windows_every_unit(frozen.settings)
-            kept = "all" if frozen.settings.keep_frozen_unsharded is True else WINDOW_ROW if windowed else mode
+            kept = "all" if frozen.settings.keep_frozen_unsharded is True else WINDOWED_ROW if windowed else mode
         key = (dtype, None if running else self.torch_release, kept)
         if key not in self.adapters:
             model = build_meta_model(self.model_config, self.model_dtype, self.lora)
@@ -233,37 +235,37 @@ def _estimate_row(
     also its whole-step peak, the reference model's bytes in it (`reference_model` counted for
     this row's mode, which decides whether it is resident)."""
     windowed = config.sync_mode == SyncMode.DEFERRED and config.keep_params_unsharded
-    selected = name == (WINDOW_ROW if windowed else config.sync_mode)
+    selected = name == (WINDOWED_ROW if windowed else config.sync_mode)
     try:
-        # The deferred rows show deferral without and with the window, whatever the config says.
-        window = {SyncMode.DEFERRED: False, WINDOW_ROW: True}.get(name)
+        # The deferred rows show deferral without and with every unit windowed, whatever the config says.
+        keep_params = {SyncMode.DEFERRED: False, WINDOWED_ROW: True}.get(name)
         if policy_cls.name == SyncMode.BUDGET and not config.memory_budget:
             raise ValueError("needs a budget: set --grad-sync-memory-budget (e.g. 12GiB or 0.5 of free memory).")
-        adapter = adapters.for_mode(policy_cls.name, window=window)
+        adapter = adapters.for_mode(policy_cls.name, keep_params=keep_params)
         reference = count_for_mode(reference_model, config, micro_batches, policy_cls.name)
         # Within memory less what the reference model and the kept frozen units keep, as a live
         # run plans (budget, auto: bind.py's `_plan`).
         reserved = reference.reserved_bytes if reference is not None else 0
         reserved += sum(u.param_bytes for u in adapter.units if u.resident)
-        plan = _plan_mode(policy_cls, config, adapter, config.free_memory_bytes, micro_batches, window, reserved)
+        plan = _plan_mode(policy_cls, config, adapter, config.free_memory_bytes, micro_batches, keep_params, reserved)
         plan = plan.over(micro_batches)
         if setup.num_processes == 1:
             plan = Plan(policy_cls.name, reason=ONE_PROCESS)
     except ValueError as err:
         return ModeEstimate(name, applicable=False, reason=str(err), selected=selected)
     label = _label_plan(plan)
-    mode = name if label == name or name == WINDOW_ROW else f"{name} -> {label}"
+    mode = name if label == name or name == WINDOWED_ROW else f"{name} -> {label}"
     row = _count_row(mode, plan, adapter, setup, micro_batches)
     row.selected = selected
     if reference is not None and reference.estimated and not reference.policy_adapter_off:
         row.reference_resident, row.reference_all_gathers = reference.resident, reference.all_gathers_per_step
     row.fits = _check_fits(row, config)
     if sim is not None:
-        # The window (or gather_for_generation) keeps the trained params from generation through the
+        # Windowed units (or gather_for_generation) keep the trained params from generation through the
         # pass, and keep_frozen_unsharded its kept units through every phase.
         kept = max(plan.held_param_bytes() + resident_beyond_window(plan, adapter), plan.generation_bytes)
         other = adapters.torch_release != torch_series()  # the cluster runs another torch than this process
-        running = adapters.for_mode(policy_cls.name, running=True, window=window) if other else None
+        running = adapters.for_mode(policy_cls.name, running=True, keep_params=keep_params) if other else None
         peak = add_reference(sim.row(plan, adapter, policy_cls.name, running), reference, kept)
         row.step_peak_bytes, row.step_peak_phase = peak.peak_bytes, peak.phase
         row.step_peak_parts, row.step_peak_unmodeled = peak.parts, peak.unmodeled
@@ -342,19 +344,19 @@ def _plan_mode(
     adapter: ModelAdapter,
     free: int | None,
     micro_batches: int,
-    window: bool | None = None,
+    keep_params: bool | None = None,
     reserved: int = 0,
 ) -> Plan:
-    """`policy_cls`'s plan, as a live run makes it; `window` overrides `keep_params_unsharded`;
+    """`policy_cls`'s plan, as a live run makes it; `keep_params` overrides `keep_params_unsharded`;
     `reserved`: what a reference model keeps (`SyncPolicy.plan`). A mode that cannot plan here
     raises the `ValueError` its row shows."""
-    if window and adapter.kind != "fsdp2":
+    if keep_params and adapter.kind != "fsdp2":
         raise ValueError("keeps FSDP2 units' params unsharded through the window; FSDP1's equivalent is SHARD_GRAD_OP.")
-    if window is not None:
+    if keep_params is not None:
         with warnings.catch_warnings():
             # The deferred rows set it whatever mode is selected: "ignored in sync mode X" is no news here.
             warnings.simplefilter("ignore", GradSyncWarning)
-            config = dataclasses.replace(config, keep_params_unsharded=window)
+            config = dataclasses.replace(config, keep_params_unsharded=keep_params)
 
     def free_memory() -> int:
         if free is None:
@@ -368,4 +370,4 @@ def _label_plan(plan: Plan) -> str:
     """What a row's plan amounts to: its mode, with the windows a deferral keeps said."""
     if plan.mode != SyncMode.DEFERRED or not plan.windowed:
         return plan.mode
-    return WINDOW_ROW if len(plan.windowed) == len(plan.held) else f"deferred ({len(plan.windowed)} windowed)"
+    return WINDOWED_ROW if len(plan.windowed) == len(plan.held) else f"deferred ({len(plan.windowed)} windowed)"

@@ -68,18 +68,18 @@ def keep_frozen_for(
     mode: str,
     free: int | None,
     taken: int = 0,
-    window: bool | None = None,
+    keep_params: bool | None = None,
 ) -> KeepFrozen | None:
     """What `keep_frozen_unsharded` makes a live prepare do under sync mode `mode` for `setup`
-    (`window`, where given, for `keep_params_unsharded`): None where it does nothing (FSDP1, a
+    (`keep_params`, where given, for `keep_params_unsharded`): None where it does nothing (FSDP1, a
     model transformers shards, one process, where attach does nothing, or `splits_frozen` false
     for the mode, as runtime/integration/hooks.py decides); else its settings for the mode, `free`
     (free memory per rank, where given) and `taken` (what resident reference models keep). Which
     units it keeps is decided while sharding, by the runtime's own `FrozenResidency`
     (`estimated_adapter`'s `keep`)."""
     settings = dataclasses.replace(config.resolved(), sync_mode=mode)
-    if window is not None:
-        settings = dataclasses.replace(settings, keep_params_unsharded=window)
+    if keep_params is not None:
+        settings = dataclasses.replace(settings, keep_params_unsharded=keep_params)
     if setup.fsdp_version != 2 or setup.distributed_config or setup.num_processes == 1 or not splits_frozen(settings):
         return None
 

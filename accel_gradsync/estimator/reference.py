@@ -32,8 +32,8 @@ NAME = "ref_model"
 """The Trainer attribute TRL keeps it in, which a live run names it by."""
 LORA_LINE = (
     "grad sync: reference model: none under LoRA: TRL's reference pass is the policy with its adapter "
-    "disabled, so its all-gathers are the trained units' own (0 more inside a window, which keeps them; "
-    "other modes gather the units again per forward, counted as generation's)"
+    "disabled, so its all-gathers are the trained units' own (0 more where they are windowed, kept through the "
+    "window; other modes gather the units again per forward, counted as generation's)"
 )
 PASS_UNMODELED = (
     "the reference pass's activations (its log-prob forward of one micro-batch: only its params are in the "
@@ -187,7 +187,7 @@ def add_reference(peak: StepPeak, reference: ReferenceEstimate | None, policy_ke
     """A row's step peak with the reference model in it: its sharded params resident in every
     phase (`reference_params`), and its log-prob pass as a phase of its own (`reference_pass`:
     the trained model's sharded params and optimizer state, `policy_kept` (the trained model's
-    params the row's plan keeps unsharded from generation on: its window, or
+    params the row's plan keeps unsharded from generation on: its windowed units, or
     `gather_for_generation`), the reference's sharded params and what the pass holds unsharded;
     no gradients live between steps). The pass's activations are not simulated: `unmodeled` says so."""
     if reference is None or not reference.sharded_param_bytes:

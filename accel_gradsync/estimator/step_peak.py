@@ -62,7 +62,7 @@ def with_layers(model_config: Any, layers: int) -> Any:
 
 class StepForecaster:
     """The step peak of every row of one estimate: one simulated step per distinct schedule
-    (per_micro_batch, full deferral, the full window, ...), each run once and reused."""
+    (per_micro_batch, full deferral, every unit windowed, ...), each run once and reused."""
 
     def __init__(
         self,

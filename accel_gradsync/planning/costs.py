@@ -23,8 +23,8 @@ def micro_batch_all_gathers(
     """(parameter all-gathers, params still unsharded after) of one unit over one micro-batch's
     forward and backward: its forward gathers unless the params are still unsharded from before;
     its backward gathers again when the forward resharded them (`reshard_after_forward`, unless
-    a window keeps them through this forward); after backward they stay only where a window (or
-    FSDP1 SHARD_GRAD_OP under `no_sync()`) keeps them. The decision line, the estimate (through
+    the unit is windowed: kept through this forward); after backward they stay only where the unit
+    is windowed (or FSDP1 SHARD_GRAD_OP under `no_sync()` keeps them). The decision line, the estimate (through
     `step_all_gathers`) and FSDP1's live counters (runtime/core/accounting.py) count with it."""
     count = (0 if gathered else 1) + (1 if unit.reshards_after_forward and not kept_through_forward else 0)
     return count, kept_after_backward
@@ -35,8 +35,8 @@ def step_all_gathers(unit: Unit, micro_batches: int, kept_through_forward: bool,
     `micro_batch_all_gathers` in constant time, so that any M answers at once: the first
     micro-batch starts sharded; every micro-batch between the first and the last finds the params
     as the one before left them (`kept_between`) and leaves them so, so they all gather alike; the
-    last one's backward reshards. `kept_through_forward`: a window keeps the params through every
-    forward; `kept_between`: they stay unsharded after every backward but the last (a window, or
+    last one's backward reshards. `kept_through_forward`: a windowed unit keeps its params through every
+    forward; `kept_between`: they stay unsharded after every backward but the last (windowed, or
     FSDP1 SHARD_GRAD_OP under `no_sync()`)."""
 
     def one(gathered: bool, last: bool) -> tuple[int, bool]:

@@ -93,11 +93,11 @@ class DeferredSync(SyncPolicy):
     description = "reduce-scatter once per optimizer step (unsharded grads held)"
 
     def plan(self, adapter: Wrapped, free_memory: FreeMemory, micro_batches: int, reserved: int = 0) -> Plan:
-        window = self.config.keep_params_unsharded and adapter.kind == "fsdp2"
+        windows = self.config.keep_params_unsharded and adapter.kind == "fsdp2"
         # Frozen units have nothing to hold; they are held only to be windowed (they all-gather).
-        held = [u for u in adapter.units if window or not u.frozen]
+        held = [u for u in adapter.units if windows or not u.frozen]
         generation = generation_bytes_of(adapter, self.config)
-        return Plan(self.name, held, windowed=held if window else [], generation_bytes=generation)
+        return Plan(self.name, held, windowed=held if windows else [], generation_bytes=generation)
 
 
 class BudgetSync(SyncPolicy):
@@ -106,7 +106,7 @@ class BudgetSync(SyncPolicy):
     `set_requires_gradient_sync(False, recurse=False)` and the reshard setters."""
 
     name = SyncMode.BUDGET
-    description = "defer (and window) only the units whose held bytes fit a memory budget"
+    description = "defer (and keep unsharded) only the units whose held bytes fit a memory budget"
     needs_fsdp2 = "per-unit requires_gradient_sync"
 
     def plan(self, adapter: Wrapped, free_memory: FreeMemory, micro_batches: int, reserved: int = 0) -> Plan:
@@ -156,33 +156,35 @@ def choose_levels(
 
     Greedy by bytes saved per byte a level adds over per-micro-batch (the order of the fractional
     knapsack), first fit within the budget of held bytes. Deferral adds the unsharded gradient
-    less the sharded one FSDP2 no longer keeps through the window (1/N of it); a window adds the
-    unsharded params. A unit whose window pays more per byte than its deferral is offered both at
-    once. A frozen unit has only its window to offer (it all-gathers like the others).
+    less the sharded one FSDP2 no longer keeps through the window (1/N of it); windowing adds the
+    unsharded params. A unit whose windowing pays more per byte than its deferral is offered both
+    at once. A frozen unit has only its windowing to offer (it all-gathers like the others).
 
     `generation_bytes` (what `gather_for_generation` holds while generating) comes off the budget
-    first; windows then add nothing, since generation holds every unit's params already."""
+    first; windowing then adds nothing, since generation holds every unit's params already."""
     m = micro_batches
     if m <= 1:
         return Plan(mode, generation_bytes=generation_bytes)  # one micro-batch per step: nothing to hold
     # Generation keeps every unit's params unsharded anyway (`generation_bytes`): those bytes come
-    # off the budget first, and a window then holds nothing generation does not already hold.
+    # off the budget first, and windowing then holds nothing generation does not already hold.
     budget -= generation_bytes
     offers = []  # (bytes saved per byte added, bytes held, unit, level reached, prerequisite level)
     for u in units:
         deferral = reduce_scatter_cost * (m - 1) * u.collectives * u.reduce_bytes
-        window = (unit_all_gathers(u, Level.DEFERRED, m) - 1) * u.param_bytes
+        windowing = (unit_all_gathers(u, Level.DEFERRED, m) - 1) * u.param_bytes
         param_cost = 0 if generation_bytes else u.param_bytes
-        if u.frozen:  # nothing to defer: only its window saves anything
-            if window > 0:
-                offers.append((window / max(param_cost, 1), param_cost, u, Level.WINDOWED, Level.PER_MICRO_BATCH))
+        if u.frozen:  # nothing to defer: only its windowing saves anything
+            if windowing > 0:
+                offers.append((windowing / max(param_cost, 1), param_cost, u, Level.WINDOWED, Level.PER_MICRO_BATCH))
             continue
         added = max(u.held_bytes * (u.shard_size - 1) // u.shard_size, 1)  # unsharded only on one rank: free
         offers.append((deferral / added, u.held_bytes, u, Level.DEFERRED, Level.PER_MICRO_BATCH))
-        if window > 0:
-            offers.append((window / max(param_cost, 1), param_cost, u, Level.WINDOWED, Level.DEFERRED))
+        if windowing > 0:
+            offers.append((windowing / max(param_cost, 1), param_cost, u, Level.WINDOWED, Level.DEFERRED))
             both = u.held_bytes + param_cost
-            offers.append(((deferral + window) / (added + param_cost), both, u, Level.WINDOWED, Level.PER_MICRO_BATCH))
+            offers.append(
+                ((deferral + windowing) / (added + param_cost), both, u, Level.WINDOWED, Level.PER_MICRO_BATCH)
+            )
     levels: dict[int, Level] = {}
     used = 0
     for _, cost, unit, level, needs in sorted(offers, key=lambda o: (o[0], o[1]), reverse=True):

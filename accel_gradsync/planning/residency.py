@@ -79,7 +79,7 @@ def windows_every_unit(settings: ResolvedConfig) -> bool:
 def splits_frozen(settings: ResolvedConfig) -> bool:
     """Whether `keep_frozen_unsharded` gives a trained model's trainable modules FSDP2 units of
     their own at prepare (runtime/wrappers/frozen_units.py): true, or auto under a mode that plans
-    memory or under the window."""
+    memory or with every unit windowed (deferred with `keep_params_unsharded`)."""
     value = settings.keep_frozen_unsharded
     return value is True or (value is None and (settings.sync_mode in PLANNED_MODES or windows_every_unit(settings)))
 
@@ -102,8 +102,8 @@ def frozen_units_to_keep(
     settings: ResolvedConfig, sizes: Sequence[int], free_memory: Callable[[], int], taken: int = 0
 ) -> list[bool]:
     """Which of a trained model's frozen units (their unsharded param bytes per rank, `sizes`, in
-    model order) `keep_frozen_unsharded` keeps for the run: true all, false none; auto under the
-    window all (its step holds every unit's params unsharded already: keeping the frozen ones adds
+    model order) `keep_frozen_unsharded` keeps for the run: true all, false none; auto with every
+    unit windowed all (its step holds every unit's params unsharded already: keeping the frozen ones adds
     nothing to its peak, only to the memory between steps), under a planned mode each in order
     while the bytes kept so far fit its room less `taken` (what resident reference models keep
     already), else none."""

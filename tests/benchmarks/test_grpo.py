@@ -17,8 +17,8 @@ def test_fsdp2_and_ddp_launches_alternate_round_by_round():
     args = grpo.worker_args(p, "/m", False, ddp, 2)
     assert args[args.index("--round") + 1] == "2" and "--time-collectives" not in args
     assert "--time-collectives" in grpo.worker_args(p, "/m", False, fsdp, 0)
-    only_fsdp = plan("--configs", "full/stock,full/window")
-    assert grpo.launches(only_fsdp) == [(r, ["full/stock", "full/window"]) for r in range(only_fsdp["rounds"])]
+    only_fsdp = plan("--configs", "full/stock,full/windowed")
+    assert grpo.launches(only_fsdp) == [(r, ["full/stock", "full/windowed"]) for r in range(only_fsdp["rounds"])]
 
 
 def test_the_full_run_has_rounds_enough_for_a_spread_in_as_many_steps_as_before():
@@ -29,13 +29,13 @@ def test_the_full_run_has_rounds_enough_for_a_spread_in_as_many_steps_as_before(
     assert full["rounds"] * full["steps"] <= 2 * 3 and full["steps"] >= 2  # step 1 untimed
 
 
-def test_the_window_keeps_a_reference_model_of_its_own_only_under_full_fine_tuning():
-    assert grpo.CONFIGS["full/window"]["gradsync"] == {
+def test_windowed_keeps_a_reference_model_of_its_own_only_under_full_fine_tuning():
+    assert grpo.CONFIGS["full/windowed"]["gradsync"] == {
         "defer": True,
         "keep_params_unsharded": True,
         "keep_reference_unsharded": True,
     }
-    # LoRA: the reference is the policy with its adapter off, which the window keeps anyway.
-    assert "keep_reference_unsharded" not in grpo.CONFIGS["lora/window"]["gradsync"]
-    assert [c for c in grpo.CONFIGS if grpo.keeps_reference(c)] == ["full/window"]
+    # LoRA: the reference is the policy with its adapter off, which windowed keeps anyway.
+    assert "keep_reference_unsharded" not in grpo.CONFIGS["lora/windowed"]["gradsync"]
+    assert [c for c in grpo.CONFIGS if grpo.keeps_reference(c)] == ["full/windowed"]
     assert grpo.CONFIGS["full/stock"]["gradsync"] is None

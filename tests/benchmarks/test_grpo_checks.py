@@ -11,21 +11,23 @@ from benchmarks.records import GrpoRun
 
 def test_speedup_pairs_rounds_and_the_target_depends_on_the_network():
     stock = row("full/stock", [10.0, 10.0, 4.0, 4.0], [0, 0, 1, 1], gen_gathers=81, train_gathers=44)
-    window = row("full/window", [2.0, 2.0, 2.0, 2.0], [0, 0, 1, 1])
+    window = row("full/windowed", [2.0, 2.0, 2.0, 2.0], [0, 0, 1, 1])
     # Per round 5x and 2x: the median over rounds is 3.5x, whatever the pooled medians say.
-    assert grpo_report.speedup(results([stock, window]).runs[0], "full/window", "full/stock") == (3.5, [5.0, 2.0])
-    loopback = status(grpo_report.check_targets(results([stock, window])), "[loopback] full/window at least 3x")
+    assert grpo_report.speedup(results([stock, window]).runs[0], "full/windowed", "full/stock") == (3.5, [5.0, 2.0])
+    loopback = status(grpo_report.check_targets(results([stock, window])), "[loopback] full/windowed at least 3x")
     assert [s for s, _ in loopback.values()] == ["PASS"]
-    link = status(grpo_report.check_targets(results([stock, window], "1gbit")), "[1gbit link, 2 hosts] full/window at")
+    link = status(
+        grpo_report.check_targets(results([stock, window], "1gbit")), "[1gbit link, 2 hosts] full/windowed at"
+    )
     assert [s for s, _ in link.values()] == ["FAIL"]
 
 
 def test_a_quick_run_decides_the_speedup_only_when_the_interval_is_on_one_side():
     def speedup_status(window_times):
         rounds = list(range(len(window_times)))
-        stock, window = row("full/stock", [1.0] * len(rounds), rounds), row("full/window", window_times, rounds)
+        stock, window = row("full/stock", [1.0] * len(rounds), rounds), row("full/windowed", window_times, rounds)
         checked = grpo_report.check_targets(results([stock, window], quick=True))
-        ((s, measured),) = status(checked, "[loopback] full/window at").values()
+        ((s, measured),) = status(checked, "[loopback] full/windowed at").values()
         return s, measured
 
     assert speedup_status([0.2] * 5)[0] == "PASS"  # 5x in every round
@@ -35,14 +37,14 @@ def test_a_quick_run_decides_the_speedup_only_when_the_interval_is_on_one_side()
     assert speedup_status([0.9])[0] == "N/D"  # one round: no interval at all
 
 
-def test_the_window_is_judged_against_ddp_on_the_median_round_and_on_memory_between_steps():
+def test_windowed_is_judged_against_ddp_on_the_median_round_and_on_memory_between_steps():
     def floor(window_times, window_state, ddp_state=1000, ref_bytes=0):
         rounds = list(range(len(window_times)))
         ddp = row("full/ddp", [1.0] * len(rounds), rounds, state_bytes=ddp_state)
-        window = row("full/window", window_times, rounds, state_bytes=window_state, ref_unsharded_bytes=ref_bytes)
+        window = row("full/windowed", window_times, rounds, state_bytes=window_state, ref_unsharded_bytes=ref_bytes)
         checked = grpo_report.check_targets(results([ddp, window]))
-        ((time_status, measured),) = status(checked, "[loopback] full/window within 1.10x").values()
-        ((state_status, state),) = status(checked, "[loopback] full/window: memory between").values()
+        ((time_status, measured),) = status(checked, "[loopback] full/windowed within 1.10x").values()
+        ((state_status, state),) = status(checked, "[loopback] full/windowed: memory between").values()
         return time_status, measured, state_status, state
 
     # 1.05x and 1.2x DDP's step per round: the median over rounds, 1.125x, misses the floor target.
@@ -60,31 +62,31 @@ def test_the_window_is_judged_against_ddp_on_the_median_round_and_on_memory_betw
     _, _, state_status, state = floor([1.0], 3 * 2**20, ddp_state=4 * 2**20, ref_bytes=2**20)
     assert state_status == "PASS"
     assert state == "3.00 MiB against 4.00 MiB per rank (0.75x); of it, the reference model kept unsharded: 1.00 MiB"
-    skipped = status(grpo_report.check_targets(results([row("full/window", [1.0], [0])])), "[loopback] full/window")
+    skipped = status(grpo_report.check_targets(results([row("full/windowed", [1.0], [0])])), "[loopback] full/windowed")
     assert {s for k, (s, _) in skipped.items() if "ddp" in k} == {"SKIP"}  # no DDP run
 
 
-def test_window_gathers_count_generation_and_training_together():
-    ok = row("full/window", [1.0], [0], gen_gathers=6, train_gathers=0)
-    frozen = row("lora/window", [1.0], [0], gen_gathers=22, train_gathers=11, units=7)
-    assert grpo_report.check_window_gathers("loopback", ok).status == "PASS"
-    assert grpo_report.check_window_gathers("loopback", frozen).status == "FAIL"
+def test_windowed_gathers_count_generation_and_training_together():
+    ok = row("full/windowed", [1.0], [0], gen_gathers=6, train_gathers=0)
+    frozen = row("lora/windowed", [1.0], [0], gen_gathers=22, train_gathers=11, units=7)
+    assert grpo_report.check_windowed_gathers("loopback", ok).status == "PASS"
+    assert grpo_report.check_windowed_gathers("loopback", frozen).status == "FAIL"
 
 
-def test_the_windows_generation_issues_no_all_reduce():
-    quiet = row("full/window", [1.0], [0])
-    synced = row("full/window", [1.0], [0])
+def test_windowed_generation_issues_no_all_reduce():
+    quiet = row("full/windowed", [1.0], [0])
+    synced = row("full/windowed", [1.0], [0])
     synced.counts_seen["generation"]["all_reduces"] = [0, 33]  # one step ran transformers' per-token sync
     assert grpo_report.check_generation_all_reduces("loopback", quiet, None, "full").status == "PASS"
     assert grpo_report.check_generation_all_reduces("loopback", synced, None, "full").status == "FAIL"
-    checked = status(grpo_report.check_targets(results([quiet])), "[loopback] full/window: generation issues")
+    checked = status(grpo_report.check_targets(results([quiet])), "[loopback] full/windowed: generation issues")
     assert list(checked.values()) == [("PASS", "generation's all-reduces on every timed step: [0]")]
 
 
-def test_where_generation_draws_the_window_issues_stocks_sync():
-    """LoRA's dropout is active in TRL's generation: the window keeps transformers' sync, so its
+def test_where_generation_draws_windowed_issues_stocks_sync():
+    """LoRA's dropout is active in TRL's generation: windowed keeps transformers' sync, so its
     all-reduces are stock's; none (unsynced), or stock missing, is not a pass."""
-    stock, window = row("lora/stock", [1.0], [0]), row("lora/window", [1.0], [0])
+    stock, window = row("lora/stock", [1.0], [0]), row("lora/windowed", [1.0], [0])
     stock.counts_seen["generation"]["all_reduces"] = [29, 33]
     window.counts_seen["generation"]["all_reduces"] = [29, 33]
     assert grpo_report.check_generation_all_reduces("loopback", window, stock, "lora").status == "PASS"
@@ -99,10 +101,10 @@ def test_a_resident_reference_model_is_gathered_at_step_1_and_never_after():
     where it was counted) or a second at step 1."""
 
     def reference(gathers, ref_units=1, beta=0.04):
-        window = row("full/window", [1.0] * len(gathers), list(range(len(gathers))), ref_units=ref_units)
+        window = row("full/windowed", [1.0] * len(gathers), list(range(len(gathers))), ref_units=ref_units)
         window.logprob_gathers = gathers
         checked = grpo_report.check_targets(results([window], beta=beta))
-        ((s, measured),) = status(checked, "[loopback] full/window: the reference model's").values()
+        ((s, measured),) = status(checked, "[loopback] full/windowed: the reference model's").values()
         return s, measured
 
     s, measured = reference([[1, 0], [1, 0], [1, 0]])
@@ -113,18 +115,18 @@ def test_a_resident_reference_model_is_gathered_at_step_1_and_never_after():
     assert reference([[2, 0]], ref_units=2)[0] == "PASS"
     assert reference([[0, 0]], ref_units=0, beta=0.0) == ("SKIP", "beta 0: no reference model")
     assert reference([], ref_units=0)[0] == "SKIP"  # a results.json from before the count: nothing to judge
-    # LoRA's window has no reference model of its own to keep: no such target.
-    lora = row("lora/window", [1.0], [0])
-    assert not status(grpo_report.check_targets(results([lora], beta=0.04)), "[loopback] lora/window: the reference")
+    # LoRA's windowed has no reference model of its own to keep: no such target.
+    lora = row("lora/windowed", [1.0], [0])
+    assert not status(grpo_report.check_targets(results([lora], beta=0.04)), "[loopback] lora/windowed: the reference")
 
 
 def test_one_differing_loss_fails_the_identity_target():
     stock = row("full/stock", [1.0], [0])
-    same, other = row("full/deferred", [1.0], [0]), row("full/window", [1.0], [0], loss=0.5000001)
+    same, other = row("full/deferred", [1.0], [0]), row("full/windowed", [1.0], [0], loss=0.5000001)
     rows = {r.config: r for r in (stock, same, other)}
     ((s, measured),) = [(t.status, t.measured) for t in full_only(grpo_report.check_identical("loopback", rows))]
-    assert s == "FAIL" and "full/window round 0: logs differ (step 1: loss 0.5000001 vs stock 0.5)" in measured
-    rows["full/window"] = dataclasses.replace(same, config="full/window")
+    assert s == "FAIL" and "full/windowed round 0: logs differ (step 1: loss 0.5000001 vs stock 0.5)" in measured
+    rows["full/windowed"] = dataclasses.replace(same, config="full/windowed")
     ((s, measured),) = [(t.status, t.measured) for t in full_only(grpo_report.check_identical("loopback", rows))]
     assert s == "PASS" and "logged loss, reward and recorded completions and rewards at every step" in measured
 
@@ -135,14 +137,14 @@ def test_kl_is_compared_and_must_be_logged_when_beta_is_positive():
         r.logs = [[{"step": 1, "loss": 0.5, "reward": 0.5, "kl": kl}]]
         return r
 
-    rows = {r.config: r for r in (with_kl("full/stock", 1e-4), with_kl("full/window", 1e-4))}
+    rows = {r.config: r for r in (with_kl("full/stock", 1e-4), with_kl("full/windowed", 1e-4))}
     ((s, measured),) = [(t.status, t.measured) for t in full_only(grpo_report.check_identical("loopback", rows, 0.04))]
     assert s == "PASS" and "logged kl, loss, reward" in measured
-    rows["full/window"] = with_kl("full/window", 1.1e-4)
+    rows["full/windowed"] = with_kl("full/windowed", 1.1e-4)
     ((s, measured),) = [(t.status, t.measured) for t in full_only(grpo_report.check_identical("loopback", rows, 0.04))]
     assert s == "FAIL" and "(step 1: kl 0.00011 vs stock 0.0001)" in measured
     # beta > 0 and no kl logged at all: the comparison would be vacuous.
-    plain = {r.config: r for r in (row("full/stock", [1.0], [0]), row("full/window", [1.0], [0]))}
+    plain = {r.config: r for r in (row("full/stock", [1.0], [0]), row("full/windowed", [1.0], [0]))}
     ((s, measured),) = [(t.status, t.measured) for t in full_only(grpo_report.check_identical("loopback", plain, 0.04))]
     assert s == "FAIL" and "stock logged no kl" in measured
 
@@ -170,31 +172,33 @@ def full_only(checked):
 
 
 def test_the_floor_says_what_the_collectives_alone_cost_on_the_network():
-    """The backend's own price of the window's pair (all-gather + reduce-scatter of the model) against
+    """The backend's own price of windowed's pair (all-gather + reduce-scatter of the model) against
     DDP's all-reduce of the same bytes, in the floor target's line."""
-    ddp, window = row("full/ddp", [1.0], [0]), row("full/window", [1.5], [0])
+    ddp, window = row("full/ddp", [1.0], [0]), row("full/windowed", [1.5], [0])
     backend = {"all_gather": 30.0, "reduce_scatter": 50.0, "all_reduce": 40.0}
     out = results([ddp, window], backend_ms=backend)
-    ((_, measured),) = status(grpo_report.check_targets(out), "[loopback] full/window within 1.10x").values()
+    ((_, measured),) = status(grpo_report.check_targets(out), "[loopback] full/windowed within 1.10x").values()
     assert measured.endswith("collectives alone: all-gather + reduce-scatter = 2.00x all-reduce of the same bytes")
     # A results.json from before the measurement: no note.
     plain = grpo_report.check_floor(GrpoRun(size="quick", facts={}, rows=[ddp, window]), "loopback", "full", False)
     assert "collectives alone" not in plain[0].measured
 
 
-def test_a_frozen_base_kept_unsharded_is_said_and_left_out_of_the_window_targets():
+def test_a_frozen_base_kept_unsharded_is_said_and_left_out_of_the_windowed_targets():
     """keep_frozen_unsharded: the units kept for the run gather at step 1 only (U counts the
     others), and their bytes are said beside the state, which is compared without them."""
-    kept = row("lora/window", [1.0], [0], gen_gathers=4, train_gathers=0, units=11, resident_units=7)
-    assert grpo_report.check_window_gathers("loopback", kept).status == "PASS"
-    measured = grpo_report.check_window_gathers("loopback", kept).measured
+    kept = row("lora/windowed", [1.0], [0], gen_gathers=4, train_gathers=0, units=11, resident_units=7)
+    assert grpo_report.check_windowed_gathers("loopback", kept).status == "PASS"
+    measured = grpo_report.check_windowed_gathers("loopback", kept).measured
     assert "U = 4 (11 units, 7 kept unsharded for the run)" in measured, measured
-    every = row("lora/window", [1.0], [0], gen_gathers=11, train_gathers=0, units=11, resident_units=7)
-    assert grpo_report.check_window_gathers("loopback", every).status == "FAIL"  # the kept ones gathered again
+    every = row("lora/windowed", [1.0], [0], gen_gathers=11, train_gathers=0, units=11, resident_units=7)
+    assert grpo_report.check_windowed_gathers("loopback", every).status == "FAIL"  # the kept ones gathered again
     ddp = row("lora/ddp", [1.0], [0], state_bytes=4 * 2**20)
-    window = row("lora/window", [1.1], [0], state_bytes=6 * 2**20, resident_bytes=3 * 2**20, units=11, resident_units=7)
+    window = row(
+        "lora/windowed", [1.1], [0], state_bytes=6 * 2**20, resident_bytes=3 * 2**20, units=11, resident_units=7
+    )
     ((state_status, state),) = status(
-        grpo_report.check_targets(results([ddp, window])), "[loopback] lora/window: memory between"
+        grpo_report.check_targets(results([ddp, window])), "[loopback] lora/windowed: memory between"
     ).values()
     assert state_status == "PASS", state
     assert state.endswith("of it, the frozen base kept unsharded for the run: 3.00 MiB, without which 3.00 MiB"), state

@@ -32,7 +32,7 @@ def rank_run(config, r, time_s, first_gathers=0, ref_bytes=0):
         steps=[step(2, time_s, ref_bytes=ref_bytes)],
         first_step=step(1, 9.0, ref_gathers=first_gathers, ref_bytes=ref_bytes),
         units=6 if config != "full/ddp" else 0,
-        ref_units=1 if config == "full/window" else 0,
+        ref_units=1 if config == "full/windowed" else 0,
         logs=[{"step": 1, "loss": 0.5}, {"step": 2, "loss": 0.4}],
         completions=[f"{config}{r}"],
         rewards=[[0.5]],
@@ -62,18 +62,22 @@ def test_a_networks_launches_merge_into_one_row_per_configuration_over_every_rou
     launches = []
     for r, (window_s, ddp_s, all_gather) in enumerate([(2.0, 1.0, 30.0), (5.0, 1.5, 10.0), (3.0, 2.0, 20.0)]):
         backend = {"all_gather": all_gather, "reduce_scatter": 1.0, "all_reduce": 1.0}
-        launches.append(launch(["full/window"], r, [(window_s, resident)], backend))
+        launches.append(launch(["full/windowed"], r, [(window_s, resident)], backend))
         launches.append(launch(["full/ddp"], r, [(ddp_s, {})]))
     run = grpo.combine(launches)
     ddp, window = run.rows  # in configuration order
-    assert (ddp.config, window.config) == ("full/ddp", "full/window")
+    assert (ddp.config, window.config) == ("full/ddp", "full/windowed")
     # Each step is its slowest rank's (rank 1: +1 s), tagged with the round its launch ran.
     assert window.step_times_s == [3.0, 6.0, 4.0] and window.step_rounds == [0, 1, 2]
     assert ddp.step_times_s == [2.0, 2.5, 3.0] and window.step_time_s == 4.0
     # Step 1's log-prob all-gathers are kept apart from the timed steps: per round, steps 1, 2.
     assert window.logprob_gathers == [[1, 0], [1, 0], [1, 0]]
     assert (window.ref_units, window.ref_unsharded_bytes, window.state_bytes) == (1, 50, 150)
-    assert window.completions == [[["full/window0"], ["full/window0"]], [["full/window1"]] * 2, [["full/window2"]] * 2]
+    assert window.completions == [
+        [["full/windowed0"], ["full/windowed0"]],
+        [["full/windowed1"]] * 2,
+        [["full/windowed2"]] * 2,
+    ]
     assert len(window.logs) == 3
     # The backend's collectives: the median over FSDP2's launches (DDP's do not time them).
     assert run.backend_ms == {"all_gather": 20.0, "reduce_scatter": 1.0, "all_reduce": 1.0}

@@ -20,24 +20,24 @@ def with_phases(r):
 
 def test_the_table_shows_the_median_step_and_the_spread_of_the_rounds():
     ddp = with_phases(row("full/ddp", [1.0, 1.0, 1.0], [0, 1, 2], state_bytes=4 * MiB))
-    window = with_phases(row("full/window", [1.9, 1.05, 1.08], [0, 1, 2], state_bytes=3 * MiB))
+    window = with_phases(row("full/windowed", [1.9, 1.05, 1.08], [0, 1, 2], state_bytes=3 * MiB))
     window.step_time_s, ddp.step_time_s = 1.08, 1.0
     run = results([ddp, window]).runs[0]
     line = grpo_report.table_row(run, window)
     # step ms: the median, the rounds' min-max; x DDP: the median of the per-round ratios and their spread.
-    assert line.startswith("| full/window | 1080 (1050-1900) | nanx | 1.08x (1.05-1.90x) | "), line
+    assert line.startswith("| full/windowed | 1080 (1050-1900) | nanx | 1.08x (1.05-1.90x) | "), line
     assert line.endswith("| 3.00 | 0.75x | 0 |"), line
     assert grpo_report.table_row(run, ddp).startswith("| full/ddp | 1000 (1000-1000) | nanx | 1.00x | ")
-    one_round = with_phases(row("full/window", [1.5], [0]))
+    one_round = with_phases(row("full/windowed", [1.5], [0]))
     one_round.step_time_s = 1.5
     assert grpo_report.table_row(results([one_round]).runs[0], one_round).startswith(
-        "| full/window | 1500 | nanx | - |"
+        "| full/windowed | 1500 | nanx | - |"
     )
 
 
 def test_a_resident_reference_model_gets_a_line_with_its_bytes_and_gathers():
     ddp = row("full/ddp", [1.0], [0], state_bytes=4 * MiB)
-    window = row("full/window", [1.0], [0], state_bytes=3 * MiB, ref_unsharded_bytes=MiB, ref_units=1)
+    window = row("full/windowed", [1.0], [0], state_bytes=3 * MiB, ref_unsharded_bytes=MiB, ref_units=1)
     window.logprob_gathers = [[1, 0], [1, 0]]
     run = results([ddp, window]).runs[0]
     line = grpo_report.resident_line(run, window)

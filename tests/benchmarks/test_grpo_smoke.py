@@ -44,7 +44,7 @@ def test_writes_json_markdown_and_the_step_split_plot(quick_run):
     out, _, rows, _ = quick_run
     assert (out / "grpo_step_split.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     md = (out / "results.md").read_text()
-    assert "| full/window |" in md and "| lora/stock |" in md
+    assert "| full/windowed |" in md and "| lora/stock |" in md
     assert set(rows) == set(grpo.CONFIGS)  # every configuration ran
 
 
@@ -62,7 +62,7 @@ def test_gradient_sync_counts_follow_the_mode(quick_run):
     for tuning in grpo.TUNINGS:
         stock = rows[f"{tuning}/stock"].counts_seen["training"]["reduce_scatters"]
         (units_reducing,) = stock  # stock accelerate defers: one reduce-scatter per reducing unit
-        for mode in ("deferred", "window", "auto"):
+        for mode in ("deferred", "windowed", "auto"):
             assert rows[f"{tuning}/{mode}"].counts_seen["training"]["reduce_scatters"] == stock, (tuning, mode)
         pmb = rows[f"{tuning}/per_micro_batch"].counts_seen["training"]["reduce_scatters"]
         assert pmb == [M * units_reducing], tuning
@@ -71,16 +71,16 @@ def test_gradient_sync_counts_follow_the_mode(quick_run):
             assert row.counts_seen["generation"]["reduce_scatters"] == [0], row.config
 
 
-def test_the_window_gathers_each_unit_once_per_step_under_full_fine_tuning(quick_run):
+def test_windowed_gathers_each_unit_once_per_step_under_full_fine_tuning(quick_run):
     _, stdout, rows, _ = quick_run
-    window, stock = rows["full/window"], rows["full/stock"]
+    window, stock = rows["full/windowed"], rows["full/stock"]
     U = window.units
     seen = window.counts_seen
     assert seen["generation"]["all_gathers"] == [U] and seen["training"]["all_gathers"] == [0]
     # Stock re-gathers the units at every decode step and every micro-batch.
     assert stock.counts_seen["generation"]["all_gathers"][0] > 2 * U
     assert window.held_param_bytes > 0 and stock.held_param_bytes == 0
-    assert "[PASS] [loopback] full/window: the trained model's all-gathers per optimizer step = U exactly" in stdout
+    assert "[PASS] [loopback] full/windowed: the trained model's all-gathers per optimizer step = U exactly" in stdout
 
 
 def test_the_reference_model_gathers_once_per_step_with_the_plugin_and_once_per_run_kept_resident(quick_run):
@@ -92,24 +92,24 @@ def test_the_reference_model_gathers_once_per_step_with_the_plugin_and_once_per_
     for mode in ("per_micro_batch", "deferred", "deferred_gen_resident"):
         assert rows[f"full/{mode}"].logprob_gathers == [[1, 1]], mode
         assert rows[f"full/{mode}"].ref_unsharded_bytes == 0, mode  # resharded after its pass
-    # The window keeps it unsharded: gathered at its first forward, in step 1, never again.
-    window = rows["full/window"]
+    # Windowed keeps it unsharded: gathered at its first forward, in step 1, never again.
+    window = rows["full/windowed"]
     assert window.logprob_gathers == [[1, 0]] and window.counts_seen["logprob"]["all_gathers"] == [0]
     ref_bytes = 4 * run.facts["params"]  # fp32: the reference model is a copy of the model
     assert window.ref_unsharded_bytes == ref_bytes
     assert window.state_bytes == rows["full/deferred"].state_bytes + ref_bytes
-    assert "[PASS] [loopback] full/window: the reference model's all-gathers per step = 0 after step 1" in stdout
-    assert "[loopback] lora/window: the reference model's" not in stdout  # LoRA: no model of its own
+    assert "[PASS] [loopback] full/windowed: the reference model's all-gathers per step = 0 after step 1" in stdout
+    assert "[loopback] lora/windowed: the reference model's" not in stdout  # LoRA: no model of its own
 
 
 def test_ddp_is_the_floor_every_configuration_is_measured_against(quick_run):
     _, stdout, rows, _ = quick_run
     for tuning in grpo.TUNINGS:
-        ddp, window = rows[f"{tuning}/ddp"], rows[f"{tuning}/window"]
+        ddp, window = rows[f"{tuning}/ddp"], rows[f"{tuning}/windowed"]
         assert ddp.units == 0 and ddp.counts_seen["training"]["all_gathers"] == [0]  # parameters replicated
         assert 0 < window.state_bytes < ddp.state_bytes  # sharded between optimizer steps
-        assert f"[loopback] {tuning}/window within 1.10x of {tuning}/ddp's GRPO step" in stdout
-        assert f"[PASS] [loopback] {tuning}/window: memory between optimizer steps below {tuning}/ddp's" in stdout
+        assert f"[loopback] {tuning}/windowed within 1.10x of {tuning}/ddp's GRPO step" in stdout
+        assert f"[PASS] [loopback] {tuning}/windowed: memory between optimizer steps below {tuning}/ddp's" in stdout
     assert "collectives alone: all-gather + reduce-scatter = " in stdout  # the backend's price, measured
 
 

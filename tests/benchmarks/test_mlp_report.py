@@ -75,7 +75,7 @@ def test_frontier_compares_each_round_with_that_rounds_segment():
         rows = [
             row("per_micro_batch", 8, [2.0, 4.0], held=100),
             row("deferred", 8, [1.0, 2.0], held=200),
-            row("window", 8, [0.5, 1.0], held=300),
+            row("windowed", 8, [0.5, 1.0], held=300),
             row("budget_50", 8, budget_times, held=held),
         ]
         return results_of([], [8]), [run_of(rows)]
@@ -83,7 +83,7 @@ def test_frontier_compares_each_round_with_that_rounds_segment():
     # Per-micro-batch -> deferred at 150: 1.5 s in round 0 and 3.0 s in round 1.
     assert mlp_report.check_frontier(*results([1.5, 2.9], 150)).status == "PASS"
     assert mlp_report.check_frontier(*results([1.7, 3.4], 150)).status == "FAIL"  # +13% of a step in both rounds
-    # Deferred -> window at 250: 0.75 s and 1.5 s.
+    # Deferred -> windowed at 250: 0.75 s and 1.5 s.
     assert mlp_report.check_frontier(*results([0.75, 1.45], 250)).status == "PASS"
     assert mlp_report.check_frontier(*results([1.0, 2.0], 250)).status == "FAIL"  # as slow as deferral, holding more
 

@@ -57,18 +57,18 @@ def test_reduce_scatters_per_step_are_M_times_U_vs_U(quick_run):
         assert rows[("deferred", M)].all_gathers_per_step == rows[("per_micro_batch", M)].all_gathers_per_step
 
 
-def test_the_window_gathers_each_unit_once_per_step_and_holds_the_params(quick_run):
+def test_windowed_gathers_each_unit_once_per_step_and_holds_the_params(quick_run):
     _, _, results = quick_run
     (run,) = results.runs
     U, params = run.facts["units"], run.facts["params"]
     rows = {(r.config, r.M): r for r in run.rows}
     for M in results.plan["Ms"]:
-        for name in ("window", "raw_window"):
+        for name in ("windowed", "raw_windowed"):
             assert rows[(name, M)].counts_seen_per_step["all_gathers"] == [U], (name, M)
             assert rows[(name, M)].counts_seen_per_step["reduce_scatters"] == [U], (name, M)
     M = max(results.plan["Ms"])
-    # Between micro-batches the window keeps every unsharded fp32 param; per-micro-batch keeps none.
-    assert rows[("window", M)].held_param_bytes == rows[("raw_window", M)].held_param_bytes == params * 4
+    # Between micro-batches windowed keeps every unsharded fp32 param; per-micro-batch keeps none.
+    assert rows[("windowed", M)].held_param_bytes == rows[("raw_windowed", M)].held_param_bytes == params * 4
     assert rows[("per_micro_batch", M)].held_param_bytes == 0
 
 
@@ -91,7 +91,7 @@ def test_summary_reports_every_target(quick_run):
         "budget modes",
         "HSDP",
         "within",
-        "hand-written window loop",
+        "hand-written windowed loop",
         "all-gathers per step = U",
     ):
         assert target in stdout, target

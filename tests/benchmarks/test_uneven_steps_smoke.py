@@ -42,7 +42,7 @@ def test_report_fields(result):
     assert len(result["rows"]) == len(STRATEGIES) * result["sizes"]["rounds"]
 
 
-def test_token_budget_runs_no_padding_and_window_replays_nothing(result):
+def test_token_budget_runs_no_padding_and_windowed_replays_nothing(result):
     rows = result["rows"]
     for row in rows:
         if row["strategy"] in ("token_budget", "pad_resplit"):

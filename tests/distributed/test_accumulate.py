@@ -229,4 +229,4 @@ def test_fsdp2_restores_each_units_previous_flags(run):
         assert flags["after_detach"] == flags["before"]
         # detach() in the middle of a window that kept its params unsharded reshards them.
         shapes = {n: list(p.shape) for n, p in TinyNet().named_parameters()}
-        assert rank["window_detach"] == {n: ["DTensor", shape] for n, shape in shapes.items()}
+        assert rank["windowed_detach"] == {n: ["DTensor", shape] for n, shape in shapes.items()}

@@ -231,7 +231,7 @@ def test_quick_benchmark_on_two_simulated_hosts(tmp_path):
             want = {
                 "per_micro_batch": (M * U, 0),
                 "deferred": (U, 0),
-                "window": (U, 0),
+                "windowed": (U, 0),
                 "hsdp_per_micro_batch": (M * U, M * U),
                 "hsdp_defer_all_reduce": (M * U, U),
             }

@@ -57,7 +57,7 @@ QUICK = ("fsdp2-fp32",)  # the default suite; every run with --slow
 def run(request):
     kind, mixed_precision, reduce_dtypes = RUNS[request.param]
     config = _config(kind, mixed_precision)
-    modes = "per_micro_batch,deferred" + (",deferred+window" if kind == "fsdp2" else "")
+    modes = "per_micro_batch,deferred" + (",deferred+windowed" if kind == "fsdp2" else "")
     args = ["--models", json.dumps(MODELS), "--M", str(M), "--reduce-dtypes", reduce_dtypes, "--modes", modes]
     ranks = launch("held_bytes", args, config)
     estimates = {}
@@ -91,14 +91,14 @@ def test_held_bytes_within_two_percent_in_the_estimated_dtype(run):
     assert checked >= 2
 
 
-def test_window_held_params_and_gradients_are_exact(run):
+def test_windowed_held_params_and_gradients_are_exact(run):
     """The window row's held gradient and held parameter bytes are the tensors' bytes."""
     kind, _, _ = run
     if kind != "fsdp2":
         pytest.skip("the window is FSDP2's")
     checked = 0
     for result, est, row in _rows(run):
-        if result["mode"] != "deferred+window":
+        if result["mode"] != "deferred+windowed":
             continue
         assert len(result["held"]) == M - 1
         for held in result["held"]:
@@ -141,7 +141,7 @@ def test_runtime_counters_agree_with_the_estimate(run):
         issued, held = result["stats"]["last_step/reduce_scatters_issued"], result["stats"]["last_step/held_grad_bytes"]
         if issued != row.reduce_scatters:
             mismatches.append((est.model, result["mode"], "reduce_scatters", issued, row.reduce_scatters))
-        if result["mode"] in ("deferred", "deferred+window") and held != row.held_bytes:
+        if result["mode"] in ("deferred", "deferred+windowed") and held != row.held_bytes:
             mismatches.append((est.model, result["mode"], "held", held, row.held_bytes))
     assert not mismatches
 

@@ -425,7 +425,7 @@ LORA = (
 )
 PLUGIN = {
     "keep": " --grad-sync-log-all-counters --defer-grad-sync --grad-sync-keep-frozen-unsharded",
-    "window": " --grad-sync-log-all-counters --defer-grad-sync --grad-sync-keep-params-unsharded",  # auto keeps
+    "windowed": " --grad-sync-log-all-counters --defer-grad-sync --grad-sync-keep-params-unsharded",  # auto keeps
 }
 
 

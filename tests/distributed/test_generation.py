@@ -27,11 +27,11 @@ T, M, STEPS = 5, 2, 2
 UNITS = 3  # two decoder layers and the root
 CONFIG = accelerate_config("fsdp2", fsdp_transformer_layer_cls_to_wrap="Qwen2DecoderLayer")
 GEN = {"gather_for_generation": True}
-WINDOW = {"defer": True, "keep_params_unsharded": True}
+WINDOWED = {"defer": True, "keep_params_unsharded": True}
 MODES = {
     "per_micro_batch": {},
     "deferred": {"defer": True},
-    "window": WINDOW,
+    "windowed": WINDOWED,
     "budget": {"sync_mode": "budget", "memory_budget": "1MiB"},
     "auto": {"sync_mode": "auto"},
 }
@@ -40,8 +40,13 @@ for name, config in MODES.items():
     RUNS += [{"name": name, "config": config}, {"name": f"{name}+gen", "config": {**config, **GEN}, "compare_to": name}]
 RUNS += [
     # Generation inside the window's first held micro-batch, as TRL's GRPOTrainer does.
-    {"name": "window_inside", "config": WINDOW, "generate_at": "inside"},
-    {"name": "window_inside+gen", "config": {**WINDOW, **GEN}, "generate_at": "inside", "compare_to": "window_inside"},
+    {"name": "windowed_inside", "config": WINDOWED, "generate_at": "inside"},
+    {
+        "name": "windowed_inside+gen",
+        "config": {**WINDOWED, **GEN},
+        "generate_at": "inside",
+        "compare_to": "windowed_inside",
+    },
     {
         "name": "deferred_inside+gen",
         "config": {"defer": True, **GEN},
@@ -55,10 +60,10 @@ RUNS += [
     {"name": "raise_in_gathered", "config": {}, "gathered": True, "raise": "between", "compare_to": "per_micro_batch"},
     {
         "name": "raise_in_accumulate",
-        "config": {**WINDOW, **GEN},
+        "config": {**WINDOWED, **GEN},
         "generate_at": "inside",
         "raise": "accumulate",
-        "compare_to": "window_inside",
+        "compare_to": "windowed_inside",
     },
 ]
 # Each frozen model's runs compare to its deferred run without the setting: the window and
@@ -71,7 +76,7 @@ FROZEN_RUNS = [
         **({"compare_to": f"{model}_deferred"} if (mode, gen) != ("deferred", False) else {}),
     }
     for model in ("lora", "frozen_root")
-    for mode in ("deferred", "window")
+    for mode in ("deferred", "windowed")
     for gen in (False, True)
 ]
 ONE = [
@@ -99,8 +104,8 @@ def _args(runs, m=M):
 QUICK_RUNS = {
     "per_micro_batch",
     "per_micro_batch+gen",
-    "window_inside",
-    "window_inside+gen",
+    "windowed_inside",
+    "windowed_inside+gen",
     "raise_in_forward",
 }
 QUICK_FROZEN = {"lora_deferred", "lora_window+gen"}
@@ -144,7 +149,7 @@ def test_generation_gathers_each_unit_once_per_round_not_per_token(runs, single,
             # FSDP2's own pre- and post-forward run on a kept unit only at its first forward (its
             # records of post-forwards: one per param group per forward it runs them on).
             for records in out["fsdp_forward_records"]:
-                if _gathers_once(name) or name.startswith("window_inside"):  # the window keeps them too
+                if _gathers_once(name) or name.startswith("windowed_inside"):  # the window keeps them too
                     assert records <= out["units"], (name, out["fsdp_forward_records"])
                 else:
                     assert records >= (out["units"] - 1) * T, (name, out["fsdp_forward_records"])
@@ -193,7 +198,7 @@ def test_units_are_sharded_after_every_step_and_after_an_exception(runs, single,
                 assert out["sharded_after_raise"] is True, name
 
 
-def test_frozen_units_count_and_window(frozen):
+def test_frozen_units_count_and_windowed(frozen):
     for rank in frozen:
         for name, out in rank["runs"].items():
             assert out["frozen_units"] >= 1, name
@@ -201,9 +206,9 @@ def test_frozen_units_count_and_window(frozen):
                 assert out["frozen_units"] == 1 and out["units"] == UNITS, name
             stats = out["stats"]
             assert stats["units_frozen"] + stats["units_deferred"] + stats["units_windowed"] == out["units"] or (
-                "window" in name and stats["units_windowed"] == out["units"]
+                "windowed" in name and stats["units_windowed"] == out["units"]
             ), (name, stats)
-            if "window" in name:  # frozen units are windowed too: every unit gathers once per step
+            if "windowed" in name:  # frozen units are windowed too: every unit gathers once per step
                 assert stats["units_windowed"] == out["units"], (name, stats)
                 assert all(s["train_outside"] <= out["units"] for s in out["steps"]), (name, out["steps"])
             # A frozen unit reduces nothing: one reduce-scatter per trainable unit per step.

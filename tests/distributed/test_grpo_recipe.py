@@ -137,17 +137,17 @@ def test_deferring_does_not_change_the_first_step(runs, config):
 
 
 # The README's fastest GRPO command (tests/recipes/test_recipe_readme.py checks that).
-WINDOW = (
+WINDOWED = (
     "accelerate launch --config_file accelerate_configs/fsdp2.yaml recipes/grpo.py --defer-grad-sync "
     "--grad-sync-keep-params-unsharded"
 )
 
 
-@pytest.mark.slow  # by default the README's fastest command runs with --beta (below); TRL's GRPO in window
-# mode against stock, step by step: tests/distributed/test_grpo_reference.py
-def test_window_mode_in_grpo_gathers_less_and_learns_the_same_first_step(runs):
+@pytest.mark.slow  # by default the README's fastest command runs with --beta (below); TRL's GRPO windowed
+# against stock, step by step: tests/distributed/test_grpo_reference.py
+def test_windowed_deferral_in_grpo_gathers_less_and_learns_the_same_first_step(runs):
     """Generation runs between windows (no-grad forwards); the window must survive it."""
-    window, deferred, per_micro_batch = runs(WINDOW), runs(QUICKSTART[0]), runs(QUICKSTART[1])
+    window, deferred, per_micro_batch = runs(WINDOWED), runs(QUICKSTART[0]), runs(QUICKSTART[1])
     assert "windowed" in window["stdout"]  # the decision line
     for w, d in zip(window["ranks"], deferred["ranks"], strict=True):
         gathers = [sum(r["counts"].get(n, 0) for n in ("all_gather_single", "all_gather_into_tensor")) for r in (w, d)]
@@ -164,13 +164,13 @@ def test_window_mode_in_grpo_gathers_less_and_learns_the_same_first_step(runs):
 
 # The fastest command with GRPO's KL term, as the README's estimate shows `--beta`: TRL builds the
 # reference model from the policy's `name_or_path`, which the built-in model must make a real one.
-BETA = WINDOW + " --beta 0.04"
+BETA = WINDOWED + " --beta 0.04"
 
 
 def test_the_default_model_trains_with_a_reference_model(runs):
-    """The built-in model with `--beta 0.04` trains in window mode; TRL's reference model is
-    FSDP2-sharded beside the policy (one unit, trl.models.prepare_fsdp) and reduces no gradient;
-    and it is the policy GRPO starts from, the warmed-up model: at step 1 (one iteration per
+    """The built-in model with `--beta 0.04` trains windowed (deferred with keep_params_unsharded);
+    TRL's reference model is FSDP2-sharded beside the policy (one unit, trl.models.prepare_fsdp)
+    and reduces no gradient; and it is the policy GRPO starts from, the warmed-up model: at step 1 (one iteration per
     generation, so the policy has not moved yet) the logged KL is rounding noise, where a random
     or un-warmed reference is far from it."""
     run = runs(BETA)
@@ -199,7 +199,7 @@ def _gathers(rank: dict) -> int:
 
 
 @pytest.mark.slow  # the default suite holds checkpointing through test_frozen_units' LoRA GRPO runs
-def test_the_window_with_activation_checkpointing_learns_what_stock_learns_gathering_nothing_more(runs):
+def test_windowed_with_activation_checkpointing_learns_what_stock_learns_gathering_nothing_more(runs):
     window, stock = runs(BETA + CHECKPOINTED), runs(QUICKSTART[1] + " --beta 0.04" + CHECKPOINTED)
     for run in (window, stock):
         for rank in run["ranks"]:

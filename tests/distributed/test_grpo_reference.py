@@ -31,7 +31,7 @@ def runs(modes: list[str]) -> list[dict]:
 @pytest.mark.parametrize(
     "modes",
     [
-        ["window", "window_resident"],
+        ["windowed", "windowed_resident"],
         pytest.param(["per_micro_batch", "deferred", "gather_for_generation"], marks=pytest.mark.slow),
     ],
 )
@@ -51,7 +51,7 @@ def test_the_reference_model_gathers_once_per_step_and_changes_nothing(modes, tm
             assert stats["reference_all_gathers"] == sum(counted)
             assert stats["last_step/reference_all_gathers"] == counted[-1]
             assert run["reference_gathered_after_training"] == 0, mode  # the end of training reshards it
-            if mode == "window_resident":
+            if mode == "windowed_resident":
                 # Gathered once, at its first forward, then never: no all-gather after step 1.
                 assert counted == [units] + [0] * (STEPS - 1), run["steps"]
                 assert stats["reference_models"]["ref_model"]["resident"] is True
@@ -64,7 +64,7 @@ def test_the_reference_model_gathers_once_per_step_and_changes_nothing(modes, tm
                 assert run["completions"] == stock["completions"]
                 assert run["rewards"] == stock["rewards"]
                 assert [e["kl"] for e in run["logs"]] == [e["kl"] for e in stock["logs"]]
-                assert [e["loss"] for e in run["logs"]] == [e["loss"] for e in rank["window"]["logs"]]
+                assert [e["loss"] for e in run["logs"]] == [e["loss"] for e in rank["windowed"]["logs"]]
                 continue
             assert counted == [units] * STEPS, (mode, run["steps"])
             # The estimate says what is counted per step, with the plugin and stock, and the line the
@@ -116,7 +116,7 @@ def test_the_decision_lines_generation_figures_are_what_runs(placement):
     all-gathers counted from outside in TRL's `_generate`, and each forward of its no-grad log-prob
     pass (num_iterations > 1) costs what a token does; stats() counts both as generation's."""
     extra, m, inside, logprob_forwards = PLACEMENTS[placement]
-    modes = ["per_micro_batch", "window", "gather_for_generation"]
+    modes = ["per_micro_batch", "windowed", "gather_for_generation"]
     args = ["--modes", ",".join(modes), "--micro-batches", str(m), "--steps", "2", "--beta", "0", *extra]
     (rank, *_) = launch("grpo_reference", args, CONFIG, timeout=900)
     for mode in modes:

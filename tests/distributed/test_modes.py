@@ -38,7 +38,7 @@ HSDP_HELD = {
     "per_micro_batch": (0, 0),
     "deferred": (3, 3),
     "defer_all_reduce": (0, 3),
-    "window": (3, 3),
+    "windowed": (3, 3),
     "auto_only_all_reduce_fits": (0, 3),
 }
 
@@ -73,7 +73,7 @@ def hsdp():
         {"name": "per_micro_batch", "config": {}},
         {"name": "deferred", "config": {"defer": True}},
         {"name": "defer_all_reduce", "config": {"sync_mode": "defer_all_reduce"}},
-        {"name": "window", "config": {"defer": True, "keep_params_unsharded": True}},
+        {"name": "windowed", "config": {"defer": True, "keep_params_unsharded": True}},
         # Full deferral holds FULL bytes; all-reduce deferral only the sharded partial (about half).
         {"name": "auto_only_all_reduce_fits", "config": {"sync_mode": "auto"}, "probe": {"capacity": 1500}},
     ]
@@ -184,9 +184,9 @@ def test_hsdp_all_reduce_deferral_keeps_gradients_sharded(hsdp):
         assert all_reduce_only == rank["modes"]["defer_all_reduce"]["plan"]["held_bytes"]
 
 
-def test_hsdp_window_gathers_each_unit_once_per_step(hsdp):
+def test_hsdp_windowed_gathers_each_unit_once_per_step(hsdp):
     for rank in hsdp:
-        res = rank["modes"]["window"]
+        res = rank["modes"]["windowed"]
         gathers = _counts(res, "all_gather_single")
         assert gathers[1:] == [TinyNet.UNITS] * (len(WINDOWS) - 1) and gathers[0] <= TinyNet.UNITS
         assert res["flags_restored"] and res["sharded_after_step"]

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::accel_gradsync.config.errors.Gr
 CONFIG = accelerate_config("fsdp2", fsdp_transformer_layer_cls_to_wrap="Qwen2DecoderLayer")
 SETTINGS = {
     "per_micro_batch": GradSyncConfig(sync_mode="per_micro_batch"),
-    "deferred+window": GradSyncConfig(sync_mode="deferred", keep_params_unsharded=True),
+    "deferred+windowed": GradSyncConfig(sync_mode="deferred", keep_params_unsharded=True),
 }
 
 
@@ -53,16 +53,16 @@ def test_counts_of_each_step_are_what_ran(run):
         assert stats["optimizer_steps"] == len(result["steps"])
 
 
-def test_the_window_gathers_each_unit_once_per_step_and_says_what_it_keeps(run):
+def test_windowed_gathers_each_unit_once_per_step_and_says_what_it_keeps(run):
     ranks, rows = run
-    window, per_micro_batch = rows["deferred+window"], rows["per_micro_batch"]
+    window, per_micro_batch = rows["deferred+windowed"], rows["per_micro_batch"]
     units = 3  # two decoder layers, and the group of embeddings, final norm and tied head
     # Two layers reshard after forward and gather again in backward; the window keeps them.
     assert (per_micro_batch.all_gathers, window.all_gathers) == (units + 2, units)
     assert window.held_bytes == 0 and window.held_param_bytes > 0  # nothing deferred, params kept
     assert window.peak_bytes == per_micro_batch.peak_bytes + window.held_param_bytes
     for result, row in _results(run):
-        if result["mode"] != "deferred+window":
+        if result["mode"] != "deferred+windowed":
             continue
         for step in result["steps"]:
             assert step["kept_param_bytes"] == row.held_param_bytes, (step, row)
@@ -80,4 +80,4 @@ def test_per_micro_batch_keeps_only_the_root_group(run):
             continue
         assert row.held_param_bytes == 0
         for step in result["steps"]:
-            assert 0 < step["kept_param_bytes"] < rows["deferred+window"].held_param_bytes
+            assert 0 < step["kept_param_bytes"] < rows["deferred+windowed"].held_param_bytes

@@ -1,4 +1,4 @@
-"""The chaos run (tools/chaos.py) for real: one fault per configuration (FSDP2 window, FSDP2
+"""The chaos run (tools/chaos.py) for real: one fault per configuration (FSDP2 windowed, FSDP2
 deferred, FSDP1 deferred), drawn from a fixed seed, each run ending byte-equal to its undisturbed
 run. About 5 minutes on 2 cores, so --slow only; the figure in docs/recipe.md comes from a longer
 run of the same script."""

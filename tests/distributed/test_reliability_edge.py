@@ -21,7 +21,7 @@ from accel_gradsync.compat.fsdp2 import torch_series
 DEFERRED, PMB = {"defer": True}, {}
 BUDGET = {"sync_mode": "budget", "memory_budget": "1100B"}  # one Block's 1088 B gradient fits, not the head too
 MODES = {"deferred": DEFERRED, "per_micro_batch": PMB, "budget": BUDGET}
-WINDOW = {**DEFERRED, "keep_params_unsharded": True}
+WINDOWED = {**DEFERRED, "keep_params_unsharded": True}
 BLOCK, HEAD = 16 * 16 + 16, 17  # TinyNet trainable elements: one Block unit, the root's head
 # 11 micro-batches, M=3: an error after backward (k=1), a KeyboardInterrupt after backward at a
 # non-final position of the next window (k=3), an error in forward (k=7) right after a step.
@@ -39,15 +39,15 @@ SPECS = (
     ]
     + [  # a forward with gradients and no backward after each window's last backward (a metric)
         {"name": f"extra_forward_{m}{'_no_grad' * (g == 'no_grad')}", "M": 2, "L": 6, "extra_forward": g, "config": c}
-        for m, c in (("deferred", DEFERRED), ("window", WINDOW))
+        for m, c in (("deferred", DEFERRED), ("windowed", WINDOWED))
         for g in (True, "no_grad")
     ]
     + [  # a loss guard skips backward and step: a held micro-batch (k=1), then a window's last (k=5)
         {"name": f"skip_{m}", "M": 3, "L": 9, "raises": [[0, 1, "skip"], [0, 5, "skip"]], "config": c}
-        for m, c in (("deferred", DEFERRED), ("budget", BUDGET), ("window", WINDOW))
+        for m, c in (("deferred", DEFERRED), ("budget", BUDGET), ("windowed", WINDOWED))
     ]
     + [  # another model's optimizer steps between the last micro-batch's forward and backward
-        {"name": f"{name}_window", "M": 2, "L": 6, "config": WINDOW, **extra}
+        {"name": f"{name}_windowed", "M": 2, "L": 6, "config": WINDOWED, **extra}
         for name, extra in (("other_step", {"other_step": True}), ("no_other_step", {}))
     ]
     + [  # accelerator.clip_grad_norm_ after every backward, not only where sync_gradients is True
@@ -57,12 +57,12 @@ SPECS = (
     + [  # a backward per half of each micro-batch, or two of one forward (the first retain_graph=True)
         {"name": f"backwards_{b}_{m}", "M": 3, "L": 6, "backwards": b, "config": c}
         for b in ("split", "retain")
-        for m, c in (("deferred", DEFERRED), ("budget", BUDGET), ("window", WINDOW))
+        for m, c in (("deferred", DEFERRED), ("budget", BUDGET), ("windowed", WINDOWED))
     ]
     + [  # an evaluation (no_grad) after each held micro-batch; the loss averaged over ranks every micro-batch
         {"name": f"{k}_{m}", "M": 3, "L": 6, k: True, "config": c}
         for k in ("eval_mid", "log_every")
-        for m, c in (("budget", BUDGET), ("window", WINDOW))
+        for m, c in (("budget", BUDGET), ("windowed", WINDOWED))
     ]
     + [  # M set between optimizer steps: 2, 2, then 4, 4, then 3, then 1, 1
         {"name": f"m_changes_{m}", "M": 2, "L": 17, "M_from": M_FROM, "config": c}
@@ -197,7 +197,7 @@ def test_epochs_with_a_short_last_window_sync_and_match(fsdp2, mode):
 
 
 # -- an exception or KeyboardInterrupt in the middle of an accumulation --------------------------
-@pytest.mark.parametrize("mode", ["deferred", "window"])
+@pytest.mark.parametrize("mode", ["deferred", "windowed"])
 def test_a_forward_without_backward_before_the_step_leaves_nothing_stale(fsdp2, mode):
     """A forward after the last backward, with gradients or without, leaves FSDP2's root unsharded
     (and, with gradients under `keep_params_unsharded`, every unit the window kept through it);
@@ -215,14 +215,14 @@ def test_another_models_optimizer_step_inside_a_micro_batch_reshards_nothing(fsd
     updates none of them), so nothing is resharded and gathered again. All-gathers per step are
     those of the same schedule without that step, counted from outside; gradients exact."""
     for rank in fsdp2:
-        with_step, without = rank["runs"]["other_step_window"], rank["runs"]["no_other_step_window"]
-        _exact("other_step_window", with_step)
-        _exact("no_other_step_window", without)
+        with_step, without = rank["runs"]["other_step_windowed"], rank["runs"]["no_other_step_windowed"]
+        _exact("other_step_windowed", with_step)
+        _exact("no_other_step_windowed", without)
         got, want = [s["all_gathers"] for s in with_step["steps"]], [s["all_gathers"] for s in without["steps"]]
         assert got == want, (got, want)
 
 
-@pytest.mark.parametrize("mode", ["deferred", "budget", "window"])
+@pytest.mark.parametrize("mode", ["deferred", "budget", "windowed"])
 def test_a_loss_guard_that_skips_backward_and_step_trains_as_the_reference(fsdp2, mode):
     """`if not torch.isfinite(loss): continue` inside accumulate(): a skipped held micro-batch adds
     nothing and its window goes on; a skipped last one steps nothing, and what its window held or
@@ -257,7 +257,7 @@ def test_more_backwards_evaluations_and_loop_collectives_in_a_window_are_exact_a
     """Two backwards in a micro-batch (a multi-task loop's, or two losses of one forward), an
     evaluation inside the window, a loss all-reduced for logging every micro-batch: gradients
     exact, and `stats()` says what ran, counted from outside (the logging all-reduce syncs no
-    gradient: FSDP2 all-reduces none here). Under window the evaluation gathers nothing."""
+    gradient: FSDP2 all-reduces none here). Windowed, the evaluation gathers nothing."""
     for run_name, run in _runs(fsdp2, name):
         _exact(run_name, run)
         _flags_and_memory(run_name, run)

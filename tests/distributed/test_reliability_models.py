@@ -114,9 +114,9 @@ def test_trainer_with_sync_each_batch_refuses_deferral_before_any_step(ranks):
         assert err["global_step"] == 0
 
 
-def test_trainer_window_holds_flags_between_micro_batches_and_restores_them_each_step(ranks):
+def test_trainer_windowed_holds_flags_between_micro_batches_and_restores_them_each_step(ranks):
     for rank in ranks:
-        run = rank["trainer_window"]
+        run = rank["trainer_windowed"]
         assert run["steps"] == 2
         before = run["before"][0]
         assert len(run["after_step"]) == 2 and all(f == before for f in run["after_step"])

@@ -35,7 +35,7 @@ FSDP2_MODES = {
     "per_micro_batch": PMB,
     "deferred": DEFERRED,
     "budget": {"config": {"sync_mode": "budget", "memory_budget": "1100B"}},  # holds both Blocks, not the head
-    "window": {"config": {"defer": True, "keep_params_unsharded": True}},
+    "windowed": {"config": {"defer": True, "keep_params_unsharded": True}},
     "auto": AUTO,
 }
 # A played device whose peak changes from step to step: 9 kB below the margin; step 1 peaks at
@@ -187,7 +187,7 @@ def test_fsdp1_resume_from_a_step_boundary_restores_the_optimizer_state(fsdp1, m
         assert run["wrapper"] == "fsdp1"
         _assert_exact(run)
         assert not run["save_warnings"], run
-        assert not any(f.startswith(("accel_gradsync_grads", "accel_gradsync_window")) for f in run["files"]), run
+        assert not any(f.startswith(("accel_gradsync_grads", "accel_gradsync_windowed")) for f in run["files"]), run
 
 
 @pytest.mark.parametrize("mode", list(FSDP1_MODES))

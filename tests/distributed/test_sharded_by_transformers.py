@@ -48,7 +48,7 @@ def recipe_model_dir(tmp_path_factory):
 FSDP_RUNS = [
     {"name": "per_micro_batch", "entry": "trainer", "config": {}},
     {"name": "deferred", "entry": "trainer", "config": {"defer": True}},
-    {"name": "window", "entry": "trainer", "config": {"defer": True, "keep_params_unsharded": True}},
+    {"name": "windowed", "entry": "trainer", "config": {"defer": True, "keep_params_unsharded": True}},
     {"name": "budget", "entry": "trainer", "config": {"memory_budget": "1GiB"}},
     {"name": "auto", "entry": "trainer", "config": {"sync_mode": "auto", "free_memory": "64GiB"}},
     {"name": "loop_deferred", "entry": "loop", "config": {"defer": True}},
@@ -73,7 +73,12 @@ GRPO_RUNS = [
 # run in the FSDP runs' launch (the same model and mesh), named `lora_<mode>`.
 LORA_RUNS = [
     {"name": "lora_per_micro_batch", "entry": "trainer", "config": {}, "lora": True},
-    {"name": "lora_window", "entry": "trainer", "config": {"defer": True, "keep_params_unsharded": True}, "lora": True},
+    {
+        "name": "lora_windowed",
+        "entry": "trainer",
+        "config": {"defer": True, "keep_params_unsharded": True},
+        "lora": True,
+    },
 ]
 
 
@@ -113,7 +118,7 @@ def test_stats_match_the_collectives_counted_from_outside(fsdp, name):
     [
         ("per_micro_batch", 0),
         ("deferred", STEPS),
-        ("window", STEPS),
+        ("windowed", STEPS),
         ("budget", STEPS),
         ("auto", STEPS - 1),
         ("loop_deferred", STEPS),
@@ -130,7 +135,7 @@ def test_every_mode_applies(fsdp, name, held_windows):
         assert run["counts"]["reduce_scatter_single"] == units * (held_windows + synced_windows * M), run["counts"]
 
 
-@pytest.mark.parametrize("name", ["per_micro_batch", "deferred", "window"])
+@pytest.mark.parametrize("name", ["per_micro_batch", "deferred", "windowed"])
 def test_the_decision_line_counts_what_ran(fsdp, name):
     for rank in fsdp:
         run = rank["runs"][name]
@@ -143,7 +148,7 @@ def test_the_decision_line_counts_what_ran(fsdp, name):
 def test_the_trainer_is_governed_and_training_is_the_same(fsdp):
     reference = fsdp[0]["runs"]["per_micro_batch"]
     for rank in fsdp:
-        for name in ("deferred", "window", "budget", "auto"):
+        for name in ("deferred", "windowed", "budget", "auto"):
             run = rank["runs"][name]
             assert run["hooked_as"] == "GradSyncTrainer", run["hooked_as"]
             assert run["losses"] == pytest.approx(reference["losses"], abs=1e-5), name
@@ -205,7 +210,7 @@ def test_the_estimate_plans_what_the_run_did(model_dir, mesh, runs, request):
     rows = {
         "per_micro_batch": "per_micro_batch",
         "deferred": "deferred",
-        "window": "deferred+window",
+        "windowed": "deferred+windowed",
         "defer_all_reduce": "defer_all_reduce",
     }
     for name, run in ranks[0]["runs"].items():
@@ -232,7 +237,7 @@ def test_a_peft_adapter_added_after_load_time_sharding_is_governed_and_counted(f
             assert stats["units_frozen"] + stats["units_windowed"] == stats["units"], stats  # only the adapter trains
             assert counts["all_reduce"] == stats["replicated_all_reduces"] == run["trainable_tensors"] * STEPS, name
             assert stats["last_step/replicated_all_reduces"] == run["trainable_tensors"], stats
-        window, per_micro_batch = runs["lora_window"], runs["lora_per_micro_batch"]
+        window, per_micro_batch = runs["lora_windowed"], runs["lora_per_micro_batch"]
         assert window["stats"]["units_windowed"] == window["stats"]["units"]
         assert window["counts"]["all_gather_single"] < per_micro_batch["counts"]["all_gather_single"]
         assert window["losses"] == pytest.approx(per_micro_batch["losses"], abs=1e-5)

@@ -2,7 +2,7 @@
 on fake tensors) against the peak live tensor bytes of a real 2-rank gloo FSDP2 step (torch's
 MemTracker around the real step, max over ranks), for the recipe's tiny Qwen2 and a 4-layer
 Llama-shaped model (so the forecast's layer extrapolation is exercised), per_micro_batch,
-deferred, deferred+window, budget and auto (measured in its second step, after auto planned from
+deferred, deferred+windowed, budget and auto (measured in its second step, after auto planned from
 the first) and a budget that holds only some units (`PARTIAL`), gradient checkpointing off and
 on, AdamW: within 10%; and GRPO's generation phase (`--max-completion-length`: prefill, then
 one token at a time with the KV cache) against transformers' `generate` measured the same way.
@@ -42,7 +42,7 @@ PARTIAL = {"recipe-default": "budget@300KiB", "llama-4L": "budget@3MiB", "recipe
 """A budget that holds some units and not others. recipe: 2 of 3 units windowed, simulated as
 it is; llama: the embedding windowed, layer 0 deferred, layers 1-3 and the root per micro-batch,
 which cannot run with fewer layers, so its row is per_micro_batch's step plus the held bytes."""
-MODES = ["per_micro_batch", "deferred", "deferred+window", "budget", "auto"]
+MODES = ["per_micro_batch", "deferred", "deferred+windowed", "budget", "auto"]
 QUICK_MODES = ["per_micro_batch", "deferred"]
 """The default suite's: the step without and with held gradients (test_held_rows_forecast_more...)."""
 FREE = "40GiB"  # auto plans from it at the warm-up step; every model here fits a full window

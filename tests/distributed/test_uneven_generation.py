@@ -27,10 +27,10 @@ from launcher import accelerate_config, launch
 TOKENS = [3, 7]  # rank r asks for 3 + 4r new tokens
 SYNCED = max(TOKENS) + 1  # transformers' per-token flag all-reduces: one per loop, the last finds all done
 CONFIG = accelerate_config("fsdp2", fsdp_transformer_layer_cls_to_wrap="Qwen2DecoderLayer")
-WINDOW = {"defer": True, "keep_params_unsharded": True}
+WINDOWED = {"defer": True, "keep_params_unsharded": True}
 RUNS = [
     {"name": "stock", "config": {}, "at": "outside"},
-    {"name": "window_inside", "config": WINDOW, "at": "inside"},
+    {"name": "windowed_inside", "config": WINDOWED, "at": "inside"},
     {"name": "gather_for_generation", "config": {"gather_for_generation": True}, "at": "outside"},
     {"name": "caller_synced", "config": {"gather_for_generation": True}, "at": "outside", "synced_gpus": True},
     {
@@ -40,9 +40,9 @@ RUNS = [
         "collective_in_forward": True,
     },
     {"name": "dropout_stock", "config": {}, "at": "inside", "dropout": 0.5},
-    {"name": "dropout_window_inside", "config": WINDOW, "at": "inside", "dropout": 0.5},
+    {"name": "dropout_windowed_inside", "config": WINDOWED, "at": "inside", "dropout": 0.5},
     {"name": "dropout_stock_eval", "config": {}, "at": "inside", "dropout": 0.5, "eval": True},
-    {"name": "dropout_window_eval", "config": WINDOW, "at": "inside", "dropout": 0.5, "eval": True},
+    {"name": "dropout_windowed_eval", "config": WINDOWED, "at": "inside", "dropout": 0.5, "eval": True},
 ]
 
 
@@ -63,7 +63,7 @@ def test_each_rank_generates_its_own_length(ranks):
 
 def test_no_all_reduce_per_token_where_every_unit_stays_unsharded(ranks):
     for rank in ranks:
-        for name in ("window_inside", "gather_for_generation"):
+        for name in ("windowed_inside", "gather_for_generation"):
             proof, *later = rank["runs"][name]["steps"]
             assert proof["generate"]["all_reduces"] == SYNCED, (name, proof["generate"])  # transformers' default
             for step in later:
@@ -76,13 +76,13 @@ def test_a_generation_drawing_random_numbers_keeps_the_sync_and_stocks_random_st
     rank's random state, the tokens and the training losses (dropout masks drawn after it) are
     stock's; generating in eval mode, the same model runs unsynced after the proof."""
     for rank in ranks:
-        stock, mine = rank["runs"]["dropout_stock"]["steps"], rank["runs"]["dropout_window_inside"]["steps"]
+        stock, mine = rank["runs"]["dropout_stock"]["steps"], rank["runs"]["dropout_windowed_inside"]["steps"]
         for step, theirs in zip(mine, stock, strict=True):
             assert step["generate"]["all_reduces"] == SYNCED, step["generate"]
             assert step["generate"]["rng"] == theirs["generate"]["rng"]
             assert step["completions"] == theirs["completions"]
             assert step["losses"] == pytest.approx(theirs["losses"], rel=1e-5)
-        stock, mine = rank["runs"]["dropout_stock_eval"]["steps"], rank["runs"]["dropout_window_eval"]["steps"]
+        stock, mine = rank["runs"]["dropout_stock_eval"]["steps"], rank["runs"]["dropout_windowed_eval"]["steps"]
         assert [s["generate"]["all_reduces"] for s in mine] == [SYNCED, 0]
         assert [s["completions"] for s in mine] == [s["completions"] for s in stock]
 
@@ -105,7 +105,7 @@ def test_transformers_default_where_units_reshard_and_where_the_caller_asks(rank
 def test_same_tokens_and_losses_as_transformers_default(ranks):
     for rank in ranks:
         stock = rank["runs"]["stock"]["steps"]
-        for name in ("window_inside", "gather_for_generation", "caller_synced", "collective_in_forward"):
+        for name in ("windowed_inside", "gather_for_generation", "caller_synced", "collective_in_forward"):
             steps = rank["runs"][name]["steps"]
             assert [s["completions"] for s in steps] == [s["completions"] for s in stock], name
             for mine, theirs in zip(steps, stock, strict=True):

@@ -22,7 +22,7 @@ CASES = {"mid_window": [8, 7], "boundary": [4, 8]}
 MODES = {
     "per_micro_batch": {},
     "deferred": {"defer": True},
-    "window": {"defer": True, "keep_params_unsharded": True},
+    "windowed": {"defer": True, "keep_params_unsharded": True},
     "budget": {"sync_mode": "budget", "memory_budget": "1200B"},  # holds the root and blocks.0 of TinyNet
     "auto": {"sync_mode": "auto", "free_memory": "64GiB"},  # plans step 2 from step 1's measure, in the window
 }
@@ -46,7 +46,7 @@ def _runs(modes, cases=tuple(CASES)):
 
 # The default suite's share: the window (its flags kept across a rank's leaving) both ways, budget
 # in the middle of a window; --slow: every mode both ways, and FSDP1.
-SHORT = _runs(["window"]) + _runs(["budget"], ["mid_window"])
+SHORT = _runs(["windowed"]) + _runs(["budget"], ["mid_window"])
 
 
 def _pair(name: str, **run) -> list[dict]:
@@ -64,7 +64,7 @@ def _pair(name: str, **run) -> list[dict]:
 LOOPS = {
     "scheduler_unprepared_step": {"config": MODES["deferred"], "counts": [3, 21], "scheduler": "unprepared_step"},
     "scheduler_prepared_epoch": {
-        "config": MODES["window"],
+        "config": MODES["windowed"],
         "counts": [[6, 9], [9, 6]],
         "epochs": 2,
         "scheduler": "prepared_epoch",
@@ -79,15 +79,15 @@ LOOPS = {
     "no_accumulate_M1": {"config": {}, "counts": [5, 3], "accumulate": False, "M": 1},
     "no_accumulate_M4": {"config": {}, "counts": [5, 3], "accumulate": False},
     "log_gather": {"config": MODES["deferred"], "counts": [8, 7], "log": "gather"},
-    "log_reduce": {"config": MODES["window"], "counts": [8, 7], "log": "reduce"},
+    "log_reduce": {"config": MODES["windowed"], "counts": [8, 7], "log": "reduce"},
     "log_gather_for_metrics": {"config": {}, "counts": [7, 8], "log": "gather_for_metrics"},
     # A forward without gradients after each step's last backward (a metric): a rank that left forwards too.
     "metric_mid_window": {"config": MODES["per_micro_batch"], "counts": [8, 7], "metric": "no_grad"},
-    "metric_boundary": {"config": MODES["window"], "counts": [4, 8], "metric": "no_grad"},
+    "metric_boundary": {"config": MODES["windowed"], "counts": [4, 8], "metric": "no_grad"},
     # A clip after every micro-batch (a loop that always clips): a rank that left clips the model's
     # parameters as they are then, not a list kept from a held micro-batch (the window keeps its units
     # unsharded there, and FSDP2 swaps their registered parameters).
-    "clip_every_mid_window": {"config": MODES["window"], "counts": [8, 7], "clip_every": True},
+    "clip_every_mid_window": {"config": MODES["windowed"], "counts": [8, 7], "clip_every": True},
 }
 DDP_LOOPS = ("scheduler_unprepared_step", "scheduler_prepared_epoch", "no_accumulate_M1", "log_gather")
 DDP_LOOPS += ("metric_mid_window",)
@@ -106,8 +106,8 @@ REFUSALS = [
     # A prepared DataLoader would end each rank's window at its own end: refused at join().
     {"name": "even_batches_false", "config": {"defer": True}, "counts": [2, 1], "join": True, "even_batches": False},
     # A window's held micro-batches issue no collective: the 7th reaches wait_for_everyone() silently.
-    {"name": "uneven_without_join", "config": MODES["window"], "counts": [7, 6]},
-    {"name": "uneven_at_save_state", "config": MODES["window"], "counts": [7, 6], "check": "save_state"},
+    {"name": "uneven_without_join", "config": MODES["windowed"], "counts": [7, 6]},
+    {"name": "uneven_at_save_state", "config": MODES["windowed"], "counts": [7, 6], "check": "save_state"},
     # Rank 0 saves at its third micro-batch, when rank 1 (two) already shadows it.
     {"name": "save_state_inside", "config": {"defer": True}, "counts": [3, 2], "join": True, "save_at": 2},
 ]
@@ -225,7 +225,7 @@ def _check_join_equals_reference(ranks, modes):
                         "micro_batches": max(counts),
                         "optimizer_steps": max(counts) // M,
                         # auto with room for everything plans deferral (every unit windowed).
-                        "mode": "deferred" if mode in ("window", "auto") else mode,
+                        "mode": "deferred" if mode in ("windowed", "auto") else mode,
                     }
                 ), (mode, case)
                 # One poll per micro-batch, the shadowed ones included, one per clip_grad_norm_ (every

@@ -5,7 +5,7 @@ samples over every rank. In every sync mode, FSDP2 (DDP, and with --slow FSDP1 a
 with four ranks' counts, in one more launch each), the run ends at the parameters of the padded run
 (every rank runs the step's largest count, a rank past its own repeating its last micro-batch with
 loss x 0) bit for bit, with the same config attached, and for the modes stock accelerate also runs
-(deferred, window) at stock accelerate's padded run. Under window (FSDP2) and DDP's deferral the
+(deferred, windowed) at stock accelerate's padded run. Windowed (FSDP2) and under DDP's deferral the
 collectives per step, counted from outside, are the same whatever the counts and nothing is
 replayed; in the other modes each rank issues per step what the padded run issues. The decision
 line says which of the two the plan is. `preempted()` asked after every micro-batch agrees at the
@@ -29,19 +29,24 @@ TINYNET_UNITS = 3  # workers/common.py: two Blocks and the root
 MODES = {
     "per_micro_batch": {},
     "deferred": {"defer": True},
-    "window": {"defer": True, "keep_params_unsharded": True},
+    "windowed": {"defer": True, "keep_params_unsharded": True},
     "budget": {"sync_mode": "budget", "memory_budget": "1200B"},  # holds some units, not all
     "auto": {"sync_mode": "auto", "free_memory": "64GiB"},  # room for all: every unit windowed
     "defer_all_reduce": {"sync_mode": "defer_all_reduce"},  # HSDP only
 }
 FSDP2_MODES = [m for m in MODES if m != "defer_all_reduce"]
-STOCK = ("deferred", "window")  # stock accelerate defers every unit: the same sums
+STOCK = ("deferred", "windowed")  # stock accelerate defers every unit: the same sums
 # The plans whose step issues the same collectives whatever its count, from the step they start:
 # window's first; auto's second (auto measures its first step per micro-batch, then windows every
 # unit when all fits); DDP held at its root (no_sync).
-FREE = {"fsdp2": {"window": 0, "auto": 1}, "fsdp1": {}, "ddp": {"deferred": 0, "window": 0}, "hsdp": {"window": 0}}
+FREE = {
+    "fsdp2": {"windowed": 0, "auto": 1},
+    "fsdp1": {},
+    "ddp": {"deferred": 0, "windowed": 0},
+    "hsdp": {"windowed": 0},
+}
 HSDP_COUNTS = [[3, 1, 2, 1], [2, 4, 1, 1], [1, 1, 1, 1], [4, 2, 3, 1]]  # a 2x2 mesh's four ranks
-HSDP_MODES = ("per_micro_batch", "deferred", "window", "defer_all_reduce")
+HSDP_MODES = ("per_micro_batch", "deferred", "windowed", "defer_all_reduce")
 TIMEOUT = 300
 
 
@@ -145,10 +150,10 @@ def fsdp2(compat_only):
         return launch(
             "uneven_steps", ["--runs", json.dumps(_runs(FSDP2_MODES))], accelerate_config("fsdp2"), timeout=TIMEOUT
         )
-    runs = _runs(FSDP2_MODES) + [_accelerate_alone("window")] + _loop_runs("deferred") + REFUSALS
-    runs += _preempted_runs("per_micro_batch") + _preempted_runs("window")
-    runs += [run for mode in ("per_micro_batch", "window", "auto") for run in _reference_runs(mode)]
-    runs += _evaluate_runs("window")
+    runs = _runs(FSDP2_MODES) + [_accelerate_alone("windowed")] + _loop_runs("deferred") + REFUSALS
+    runs += _preempted_runs("per_micro_batch") + _preempted_runs("windowed")
+    runs += [run for mode in ("per_micro_batch", "windowed", "auto") for run in _reference_runs(mode)]
+    runs += _evaluate_runs("windowed")
     return launch("uneven_steps", ["--runs", json.dumps(runs)], accelerate_config("fsdp2"), timeout=TIMEOUT)
 
 
@@ -167,7 +172,7 @@ def hsdp():
 
 @pytest.fixture(scope="module")
 def ddp():
-    runs = _runs(("per_micro_batch", "deferred", "window")) + [_accelerate_alone("deferred")]
+    runs = _runs(("per_micro_batch", "deferred", "windowed")) + [_accelerate_alone("deferred")]
     common = {"config": MODES["per_micro_batch"], "counts": COUNTS, "loop": "clip_every"}  # DDP's clip is local
     runs += [{"name": "clip_every/pad", "style": "pad", **common}]
     runs += [{"name": "clip_every", "style": "step", "references": ["clip_every/pad"], **common}]
@@ -209,7 +214,7 @@ def test_fsdp2_every_mode_ends_at_the_padded_run_with_per_rank_counts(fsdp2):
     _check(fsdp2, "fsdp2", FSDP2_MODES)
     for r, rank in enumerate(fsdp2):  # from the counts alone: per micro-batch replays, window evens out
         own, last = [c[r] for c in COUNTS], COUNTS[-1]
-        per, window = rank["runs"]["per_micro_batch"]["stats"], rank["runs"]["window"]["stats"]
+        per, window = rank["runs"]["per_micro_batch"]["stats"], rank["runs"]["windowed"]["stats"]
         assert per["replayed_micro_batches"] == sum(LARGEST) - sum(own) and per["evened_micro_batches"] == 0
         assert per["last_step/replayed_micro_batches"] == max(last) - last[r], per
         assert window["evened_micro_batches"] == sum(LARGEST) - sum(own), window
@@ -218,7 +223,7 @@ def test_fsdp2_every_mode_ends_at_the_padded_run_with_per_rank_counts(fsdp2):
         assert window["last_step/most_micro_batches"] == max(last), window
     # Window: from first principles, one all-gather and one reduce-scatter per unit and step.
     for rank in fsdp2:
-        for step in rank["runs"]["window"]["per_step"]:
+        for step in rank["runs"]["windowed"]["per_step"]:
             assert step["all_gathers"] == step["reduce_scatters"] == TINYNET_UNITS, step
 
 
@@ -255,7 +260,7 @@ def test_fsdp2_an_exception_in_a_step_drops_it_and_the_next_steps_train_as_paddi
 
 def test_fsdp2_preempted_asked_after_every_micro_batch_agrees_at_the_step_end_on_every_rank(fsdp2):
     for r, rank in enumerate(fsdp2):
-        for mode in ("per_micro_batch", "window"):  # replays, and none
+        for mode in ("per_micro_batch", "windowed"):  # replays, and none
             run = rank["runs"][f"{mode}/preempted"]
             assert run["error"] is None and run["equal"] == {f"{mode}/pad2": True}, (mode, run)
             # True once, at this rank's own last micro-batch of the step the signal came before.
@@ -272,30 +277,30 @@ def test_fsdp2_a_reference_model_forwarded_every_micro_batch_replays_with_it_unl
     keeps it resident (room for it) and from its second step windows every unit: nothing replayed."""
     for r, rank in enumerate(fsdp2):
         own = [c[r] for c in COUNTS]
-        for mode in ("per_micro_batch", "window", "auto"):
+        for mode in ("per_micro_batch", "windowed", "auto"):
             run, pad = rank["runs"][f"{mode}/reference"], rank["runs"][f"{mode}/reference/pad"]
             assert run["error"] is None and all(run["equal"].values()), (mode, run["error"], run["equal"])
             free = {"auto": 1}.get(mode, len(COUNTS))  # the first step that replays nothing
             assert run["stats"]["replayed_micro_batches"] == sum(LARGEST[:free]) - sum(own[:free]), (mode, run)
             assert run["per_step"][:free] == pad["per_step"][:free], (mode, run["per_step"], pad["per_step"])
             assert len({json.dumps(s, sort_keys=True) for s in run["per_step"][free:]}) <= 1, (mode, run["per_step"])
-    for mode in ("per_micro_batch", "window", "auto"):
+    for mode in ("per_micro_batch", "windowed", "auto"):
         assert fsdp2[0]["runs"][f"{mode}/reference"]["per_step"] == fsdp2[1]["runs"][f"{mode}/reference"]["per_step"]
 
 
 def test_fsdp2_an_evaluation_between_micro_batches_is_free_where_the_counts_are(fsdp2):
-    """Under window, an evaluation after every micro-batch (outside accumulate(), without
+    """Windowed, an evaluation after every micro-batch (outside accumulate(), without
     gradients) runs a different number of times on each rank and issues nothing between the
     micro-batches (the window's units stay unsharded): each step issues what the padded run's does
     (which evaluates after its padding too), the same whatever the counts, and ends at its
     parameters. Under a plan that replays it is refused (test_bad_uses_are_refused_in_one_line)."""
     for rank in fsdp2:
-        run, pad = rank["runs"]["window/evaluate"], rank["runs"]["window/evaluate/pad"]
+        run, pad = rank["runs"]["windowed/evaluate"], rank["runs"]["windowed/evaluate/pad"]
         assert run["error"] is None and all(run["equal"].values()), (run["error"], run["equal"])
         assert run["per_step"] == pad["per_step"], (run["per_step"], pad["per_step"])
         assert len({json.dumps(s, sort_keys=True) for s in run["per_step"][1:]}) == 1, run["per_step"]
         assert all(step["reduce_scatters"] == TINYNET_UNITS for step in run["per_step"]), run["per_step"]
-    assert fsdp2[0]["runs"]["window/evaluate"]["per_step"] == fsdp2[1]["runs"]["window/evaluate"]["per_step"]
+    assert fsdp2[0]["runs"]["windowed/evaluate"]["per_step"] == fsdp2[1]["runs"]["windowed/evaluate"]["per_step"]
 
 
 METRIC_TIMEOUT = 90  # each launch takes about 10 s; a hang ends here
@@ -303,24 +308,24 @@ METRIC_TIMEOUT = 90  # each launch takes about 10 s; a hang ends here
 
 @pytest.fixture(scope="module")
 def metric():
-    runs = _metric_runs("per_micro_batch") + _metric_runs("window")
+    runs = _metric_runs("per_micro_batch") + _metric_runs("windowed")
     return launch("uneven_steps", ["--runs", json.dumps(runs)], accelerate_config("fsdp2"), timeout=METRIC_TIMEOUT)
 
 
 def test_fsdp2_a_metric_forward_after_the_last_backward_sees_the_stepped_params(metric):
     """A forward without gradients between the step's last backward and its optimizer step (a
     training metric): on a rank that replays, the replays run first, so its all-gathers pair with
-    the other ranks' after their last micro-batch (else the ranks would hang); under window, whose
+    the other ranks' after their last micro-batch (else the ranks would hang); windowed, whose
     counts are free, nothing is replayed. Either way the units it left gathered are resharded at the
     step, so the next step reads the stepped root: the runs end at the padded run's parameters, bit
     for bit."""
     for rank in metric:
-        for mode in ("per_micro_batch", "window"):
+        for mode in ("per_micro_batch", "windowed"):
             run, pad = rank["runs"][f"{mode}/metric"], rank["runs"][f"{mode}/metric/pad"]
             assert run["error"] is None and all(run["equal"].values()), (mode, run["error"], run["equal"])
             if mode == "per_micro_batch":
                 assert run["per_step"] == pad["per_step"], (run["per_step"], pad["per_step"])
-    for mode in ("per_micro_batch", "window"):
+    for mode in ("per_micro_batch", "windowed"):
         assert metric[0]["runs"][f"{mode}/metric"]["per_step"] == metric[1]["runs"][f"{mode}/metric"]["per_step"]
 
 
@@ -357,32 +362,32 @@ GENERATE_TIMEOUT = 120  # each launch takes about 10 s; a hang ends here
 def generating():
     """transformers' generate on a tiny Qwen2 (workers/token_sync.py, rank r asks for 3 + 4r new
     tokens), inside step(n): before the first micro-batch under a plan that replays; inside the
-    first micro-batch under window, where it is rank 0's last and rank 1's held one."""
+    first micro-batch windowed, where it is rank 0's last and rank 1's held one."""
     runs = [
         {"name": "stock", "config": {}, "at": "outside"},
         {"name": "replays/before", "config": {}, "at": "outside", "counts": GENERATE_COUNTS},
-        {"name": "window/inside", "config": MODES["window"], "at": "inside", "counts": GENERATE_COUNTS},
+        {"name": "windowed/inside", "config": MODES["windowed"], "at": "inside", "counts": GENERATE_COUNTS},
     ]
     return launch("token_sync", ["--runs", json.dumps(runs)], QWEN2, timeout=GENERATE_TIMEOUT)
 
 
 @pytest.mark.compat  # FSDP2's reshard flags and transformers' generate, which differ by release
-def test_a_generation_before_the_first_micro_batch_or_under_window_runs_with_per_rank_counts(generating):
-    """Each rank generates what stock generates and trains its own count. Under window rank 0's
+def test_a_generation_before_the_first_micro_batch_or_with_every_unit_windowed_runs_with_per_rank_counts(generating):
+    """Each rank generates what stock generates and trains its own count. Windowed, rank 0's
     generation sits in its last micro-batch: it gathers the units once, as rank 1's inside its
     held one does (not once per token, which would leave rank 1 waiting), and from the second
     step runs without transformers' per-token all-reduce on both (the first proves it free)."""
     for r, rank in enumerate(generating):
         stock = rank["runs"]["stock"]["steps"]
-        for name in ("replays/before", "window/inside"):
+        for name in ("replays/before", "windowed/inside"):
             steps = rank["runs"][name]["steps"]
             assert steps[0]["completions"] == stock[0]["completions"], name  # the same model generated
             assert steps[0]["losses"][0] == pytest.approx(stock[0]["losses"][0], rel=1e-6), name
             assert [len(s["losses"]) for s in steps] == [GENERATE_COUNTS[r]] * len(steps), name
-        window = [s["generate"] for s in rank["runs"]["window/inside"]["steps"]]
+        window = [s["generate"] for s in rank["runs"]["windowed/inside"]["steps"]]
         assert [g["all_gathers"] for g in window] == [QWEN2_UNITS] * len(window), window
         assert [g["all_reduces"] for g in window[1:]] == [0] * (len(window) - 1), window
-    for name in ("replays/before", "window/inside"):
+    for name in ("replays/before", "windowed/inside"):
         per_rank = [[s["generate"] for s in rank["runs"][name]["steps"]] for rank in generating]
         assert per_rank[0] == per_rank[1], (name, per_rank)  # each rank's generation issues the same
 
@@ -406,8 +411,8 @@ def _check_accelerate_alone(ranks: list[dict], mode: str) -> None:
         assert run["stats"]["optimizer_steps"] == len(COUNTS), run["stats"]
 
 
-def test_fsdp2_window_takes_accelerates_own_count_per_step_without_step(fsdp2):
-    _check_accelerate_alone(fsdp2, "window")
+def test_fsdp2_windowed_takes_accelerates_own_count_per_step_without_step(fsdp2):
+    _check_accelerate_alone(fsdp2, "windowed")
 
 
 def test_ddp_deferral_takes_accelerates_own_count_per_step_without_step(ddp):
@@ -420,7 +425,7 @@ def test_hsdp_every_mode_ends_at_the_padded_run_with_per_rank_counts(hsdp):
     counts; all-reduce deferral (reduce-scatters every micro-batch) and the others replay."""
     _check(hsdp, "hsdp", HSDP_MODES, HSDP_COUNTS)
     for rank in hsdp:
-        for step in rank["runs"]["window"]["per_step"]:
+        for step in rank["runs"]["windowed"]["per_step"]:
             assert step["all_gathers"] == step["reduce_scatters"] == TINYNET_UNITS, step
 
 
@@ -430,7 +435,7 @@ def test_fsdp1_every_mode_ends_at_the_padded_run_with_per_rank_counts(fsdp1):
 
 
 def test_ddp_every_mode_ends_at_the_padded_run_with_per_rank_counts(ddp):
-    _check(ddp, "ddp", ("per_micro_batch", "deferred", "window"))
+    _check(ddp, "ddp", ("per_micro_batch", "deferred", "windowed"))
     for rank in ddp:  # a clip after every micro-batch is local on DDP: not refused, as padded
         run = rank["runs"]["clip_every"]
         assert run["error"] is None and run["equal"] == {"clip_every/pad": True}, run

@@ -12,17 +12,17 @@ from workers.common import TinyNet
 M, BATCHES = 4, 6
 WINDOWS = [4, 2]  # a full window, then the dataloader's short end
 UNITS = TinyNet.UNITS
-WINDOW = {"defer": True, "keep_params_unsharded": True}
+WINDOWED = {"defer": True, "keep_params_unsharded": True}
 RUNS = [
     {"name": "per_micro_batch", "config": {}},
     {"name": "deferred", "config": {"defer": True}},
-    {"name": "window", "config": WINDOW},
-    {"name": "window_after_abort", "config": WINDOW, "abort_after": 2},
+    {"name": "windowed", "config": WINDOWED},
+    {"name": "windowed_after_abort", "config": WINDOWED, "abort_after": 2},
     # Something outside the plan reshards the window's params: a state_dict() in the middle of a
     # window (save_state takes one), an evaluation after every optimizer step.
-    {"name": "window_state_dict", "config": WINDOW, "state_dict_after": 1},
-    {"name": "window_eval_between", "config": WINDOW, "eval_between": True},
-    {"name": "window_two_forwards", "config": WINDOW, "forwards": 2},
+    {"name": "windowed_state_dict", "config": WINDOWED, "state_dict_after": 1},
+    {"name": "windowed_eval_between", "config": WINDOWED, "eval_between": True},
+    {"name": "windowed_two_forwards", "config": WINDOWED, "forwards": 2},
     # Per unit, fp32: a Block holds 1088 B of gradient and 1088 B of params, the root's head 68 + 68 B.
     # On 2 gloo ranks deferring a unit saves 3 reduce-scatters of 1.4 all-gather bytes each
     # (policies.REDUCE_SCATTER_COST) per half a gradient byte it adds (the sharded half is not kept):
@@ -56,28 +56,30 @@ def variants():
     """bf16 params with an fp32 reduce, and activation checkpointing of the Blocks."""
     bf16 = {**accelerate_config("fsdp2"), "mixed_precision": "bf16"}
     checkpointed = accelerate_config("fsdp2", fsdp_activation_checkpointing=True)
-    runs = [{"name": "window", "config": {**WINDOW, "reduce_dtype": "fp32"}, "attach_before_prepare": True}]
+    runs = [{"name": "windowed", "config": {**WINDOWED, "reduce_dtype": "fp32"}, "attach_before_prepare": True}]
     return {
         "bf16_fp32_reduce": launch("accumulate", _args(runs), bf16),
-        "activation_checkpointing": launch("accumulate", _args([{"name": "window", "config": WINDOW}]), checkpointed),
+        "activation_checkpointing": launch(
+            "accumulate", _args([{"name": "windowed", "config": WINDOWED}]), checkpointed
+        ),
     }
 
 
 @pytest.mark.compat
-def test_window_gathers_each_unit_once_per_step_and_matches_the_reference(fp32):
+def test_windowed_gathers_each_unit_once_per_step_and_matches_the_reference(fp32):
     for rank in fp32:
         modes = rank["modes"]
         for name, res in modes.items():
             for step in res["steps"]:
                 assert step["max_diff"] <= 1e-5, (name, step)
-        per_mb, deferred, window = (_gathers(modes[n]) for n in ("per_micro_batch", "deferred", "window"))
+        per_mb, deferred, window = (_gathers(modes[n]) for n in ("per_micro_batch", "deferred", "windowed"))
         # U all-gathers per optimizer step whatever M is (the first step finds the root still
         # gathered by the evaluation pass before it: FSDP2 never reshards the root after forward).
         assert window[1:] == [UNITS] * (len(WINDOWS) - 1) and window[0] <= UNITS
         assert deferred == per_mb and all(
             w < p for w, p in zip(window, per_mb, strict=True)
         )  # deferral alone gathers as often
-        assert sorted(modes["window"]["windowed"]) == ["", "blocks.0", "blocks.1"]
+        assert sorted(modes["windowed"]["windowed"]) == ["", "blocks.0", "blocks.1"]
 
 
 def assert_collectives_counted_as_ran(name: str, res: dict) -> dict:
@@ -101,20 +103,20 @@ def test_live_counters_equal_the_collectives_that_ran(fp32):
             assert all(step["max_diff"] <= 1e-5 for step in res["steps"]), name
 
 
-def test_window_restores_every_flag_and_reshards_before_the_optimizer_step(fp32):
+def test_windowed_restores_every_flag_and_reshards_before_the_optimizer_step(fp32):
     for rank in fp32:
-        names = ("window", "window_after_abort", "window_state_dict", "window_two_forwards")
-        for name in (*names, "window_eval_between", "budget_3340B", "budget_ample"):
+        names = ("windowed", "windowed_after_abort", "windowed_state_dict", "windowed_two_forwards")
+        for name in (*names, "windowed_eval_between", "budget_3340B", "budget_ample"):
             res = rank["modes"][name]
             assert res["flags_restored"], name  # requires_gradient_sync, reshard_after_{forward,backward}
             # ZeRO-1 memory only inside the window (an evaluation after the last step leaves FSDP2's
             # root gathered, as any forward does).
-            assert res["sharded_after_step"] or name == "window_eval_between", name
+            assert res["sharded_after_step"] or name == "windowed_eval_between", name
 
 
 def test_an_aborted_window_reshards_and_the_next_window_is_exact(fp32):
     for rank in fp32:
-        res = rank["modes"]["window_after_abort"]
+        res = rank["modes"]["windowed_after_abort"]
         assert res["sharded_after_abort"]
         assert _gathers(res)[1:] == [UNITS] * (len(WINDOWS) - 1) and _gathers(res)[0] <= UNITS
         assert all(step["max_diff"] <= 1e-5 for step in res["steps"])
@@ -143,7 +145,7 @@ def test_budget_picks_levels_per_unit_and_holds_what_it_planned(fp32):
 SHARDED_RUNS = [
     {"name": "per_micro_batch", "config": {}},
     {"name": "deferred", "config": {"defer": True}},
-    {"name": "window", "config": WINDOW},
+    {"name": "windowed", "config": WINDOWED},
 ]
 SHARDED_M, SHARDED_STEPS = 2, 3
 
@@ -181,9 +183,9 @@ def test_live_counters_of_a_transformers_sharded_model_evaluated_between_steps(s
 
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", ["bf16_fp32_reduce", "activation_checkpointing"])
-def test_window_with_bf16_fp32_reduce_and_activation_checkpointing(variants, variant):
+def test_windowed_with_bf16_fp32_reduce_and_activation_checkpointing(variants, variant):
     for rank in variants[variant]:
-        res = rank["modes"]["window"]
+        res = rank["modes"]["windowed"]
         tolerance = 5e-2 if variant.startswith("bf16") else 1e-5  # bf16 compute against the fp32 reference
         assert all(step["max_diff"] <= tolerance for step in res["steps"]), res["steps"]
         # Recomputing a checkpointed Block in backward must not gather it again.

@@ -45,7 +45,7 @@ def test_quickstart_is_what_the_e2e_test_runs():
 
 
 def test_the_fastest_command_is_what_the_e2e_test_runs():
-    assert fenced_commands(grpo_section())[1] == [e2e_constant("WINDOW")]
+    assert fenced_commands(grpo_section())[1] == [e2e_constant("WINDOWED")]
 
 
 def test_e2e_covers_both_fsdp_versions_and_both_modes():

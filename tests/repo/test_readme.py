@@ -108,7 +108,7 @@ def test_the_step_peak_example_runs_as_written():
     table = rows(proc.stdout)
     assert table["per_micro_batch"][0] == str(m * UNITS) and table["deferred"][0] == str(UNITS)
     assert "step peak/rank" in proc.stdout and "grad sync: reference model ref_model" in proc.stdout
-    for mode in ("per_micro_batch", "deferred", "deferred+window"):
+    for mode in ("per_micro_batch", "deferred", "deferred+windowed"):
         assert re.search(r"\d MiB \(\w+\)", " ".join(table[mode])), table[mode]
 
 

@@ -84,7 +84,7 @@ class LastMicroBatch:
                 f"up to the step's largest count, {shape.largest}: a generation cannot run again, and the other "
                 "ranks would not generate with the replays; generate before the step's first micro-batch "
                 "(packing by tokens needs the completions anyway) or use a plan that makes the counts free "
-                "(window on FSDP2)."
+                "(deferred with keep_params_unsharded on FSDP2)."
             )
         iteration.forward(called, args, kwargs)
 
@@ -117,7 +117,7 @@ class LastMicroBatch:
                 f"({shape.smallest} to {shape.largest}) and whose plan replays the shorter ranks' last micro-batch: "
                 "its collectives ran while the other ranks were still in their micro-batches (they wait until the "
                 "launcher stops the run); run such a forward (a metric) under torch.no_grad(), or use a plan that "
-                "makes the counts free (window on FSDP2)."
+                "makes the counts free (deferred with keep_params_unsharded on FSDP2)."
             )
         accelerator = self.state.accelerator
         accelerator.gradient_accumulation_steps = shape.largest

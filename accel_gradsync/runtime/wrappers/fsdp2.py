@@ -205,7 +205,7 @@ class FSDP2Adapter(ModelAdapter):
 
     def reshard_left_gathered(self, optimizer: torch.optim.Optimizer) -> list[Unit]:
         # FSDP2 all-gathers in a forward only into a group that is sharded: one left unsharded (the
-        # root after a forward with no backward; a unit a window or `keep_params_unsharded` kept
+        # root after a forward with no backward; a windowed unit, kept
         # through it) would run the next forward on its parameters from before the step.
         left = [u for u in self.units if not u.resident and any(unsharded(g) for g in param_groups(u))]
         if not left:

@@ -256,7 +256,7 @@ if result["wrapper"] == "fsdp2":
     with accelerator.accumulate(model):
         accelerator.backward(model(X[:b]).sum())
     handle.detach()
-    result["window_detach"] = {
+    result["windowed_detach"] = {
         name: [type(p).__name__, list(p.full_tensor().shape) if hasattr(p, "full_tensor") else None]
         for name, p in model.named_parameters()
     }

@@ -35,9 +35,9 @@ MODES: dict[str, dict | None] = {
     "stock": None,
     "per_micro_batch": {"defer": False},
     "deferred": {"defer": True},
-    "window": {"defer": True, "keep_params_unsharded": True},
+    "windowed": {"defer": True, "keep_params_unsharded": True},
     "gather_for_generation": {"defer": True, "gather_for_generation": True},
-    "window_resident": {"defer": True, "keep_params_unsharded": True, "keep_reference_unsharded": True},
+    "windowed_resident": {"defer": True, "keep_params_unsharded": True, "keep_reference_unsharded": True},
 }
 
 

@@ -68,8 +68,8 @@ for reduce_dtype in args.reduce_dtypes.split(","):
         for mode in args.modes.split(","):
             began = time.time()
             set_seed(0)
-            # "deferred+window": the estimate's row for deferral with keep_params_unsharded.
-            window = mode == "deferred+window"
+            # "deferred+windowed": the estimate's row for deferral with keep_params_unsharded.
+            window = mode == "deferred+windowed"
             config = accel_gradsync.GradSyncConfig(
                 sync_mode="deferred" if window else mode, reduce_dtype=reduce_dtype, keep_params_unsharded=window
             )

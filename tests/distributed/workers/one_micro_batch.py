@@ -19,7 +19,7 @@ counter = CollectiveCounter()
 accelerator = Accelerator(gradient_accumulation_steps=1)
 MODES = {  # the estimate's row name: the settings a run gives for it
     "per_micro_batch": {"sync_mode": "per_micro_batch"},
-    "deferred+window": {"sync_mode": "deferred", "keep_params_unsharded": True},
+    "deferred+windowed": {"sync_mode": "deferred", "keep_params_unsharded": True},
 }
 
 

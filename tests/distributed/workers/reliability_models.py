@@ -144,7 +144,7 @@ if args.trainer_window:
             self.flags("after_step", trainer.model_wrapped)
 
     targs = TrainingArguments(
-        output_dir=f"{args.out}/trainer_window",
+        output_dir=f"{args.out}/trainer_windowed",
         per_device_train_batch_size=B,
         gradient_accumulation_steps=M,
         max_steps=2,
@@ -159,7 +159,7 @@ if args.trainer_window:
     trainer = Trainer(model=build("tied"), args=targs, train_dataset=dataset, callbacks=[watch])
     handle = accel_gradsync.attach(trainer, accel_gradsync.GradSyncConfig(defer=True, keep_params_unsharded=True))
     trainer.train()
-    out["trainer_window"] = {**watch.seen, "steps": trainer.state.global_step, "stats": handle.stats()}
+    out["trainer_windowed"] = {**watch.seen, "steps": trainer.state.global_step, "stats": handle.stats()}
     handle.detach()
 
 if args.trainer_errors:

@@ -61,7 +61,7 @@ for spec in json.loads(args.models):
     model_config = load_model_config(spec)
     for mode in args.modes.split(","):
         set_seed(0)
-        window = mode == "deferred+window"  # the estimate's row for deferral with keep_params_unsharded
+        window = mode == "deferred+windowed"  # the estimate's row for deferral with keep_params_unsharded
         sync_mode, _, budget = mode.partition("@")  # budget@300KiB: a budget of its own
         config = accel_gradsync.GradSyncConfig(
             sync_mode="deferred" if window else sync_mode,

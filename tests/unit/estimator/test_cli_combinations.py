@@ -20,7 +20,7 @@ from accel_gradsync.config.settings import SYNC_MODES
 from accel_gradsync.estimator.cli import main
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-WINDOW = "deferred+window"
+WINDOWED = "deferred+windowed"
 
 # Each flag's values; None: the flag left out. Flags read only together are one entry here
 # (`--forecast`: the step forecast's shape flags; `--launch`: an accelerate config or
@@ -148,12 +148,12 @@ def check_estimate(result: dict, run: dict) -> None:
     # A row is named by its mode, `auto -> deferred` by what auto chose; deferral is shown without
     # and with every unit windowed (`keep_params_unsharded`) whatever was asked.
     rows = {row["mode"].split(" ")[0]: row for row in result["modes"]}
-    assert len(rows) == len(result["modes"]) and sorted(rows) == sorted([*SYNC_MODES, WINDOW]), rows.keys()
+    assert len(rows) == len(result["modes"]) and sorted(rows) == sorted([*SYNC_MODES, WINDOWED]), rows.keys()
     # A memory budget alone asks for budget mode, as a mode flag would (docs/modes.md).
     default = "budget" if run["--grad-sync-memory-budget"] else "per_micro_batch"
     asked = {None: default, "--defer": "deferred"}.get(run["--grad-sync-mode"], run["--grad-sync-mode"])
     if asked == "deferred" and run["--grad-sync-keep-params-unsharded"]:
-        asked = WINDOW
+        asked = WINDOWED
     assert [mode for mode, row in rows.items() if row["selected"]] == [asked]
     for mode, row in rows.items():
         assert row["applicable"] or row["reason"], mode  # a row that does not apply says why

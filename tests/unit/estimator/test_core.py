@@ -19,7 +19,7 @@ import yaml
 from accel_gradsync import GradSyncConfig
 from accel_gradsync.config.errors import GradSyncWarning
 from accel_gradsync.estimator.cli import main
-from accel_gradsync.estimator.core import WINDOW_ROW, estimate
+from accel_gradsync.estimator.core import WINDOWED_ROW, estimate
 from accel_gradsync.estimator.inputs import load_model_config, read_accelerate_config
 from accel_gradsync.estimator.meta_model import build_meta_model, estimated_adapter
 from accel_gradsync.planning.policies import POLICIES
@@ -125,8 +125,8 @@ def test_counts_agree_with_the_runtime_decision_line(fsdp):
 def test_modes_that_do_not_apply_are_rows_with_the_reason(fsdp):
     est = estimate("recipe-default", fsdp(1), 4)
     rows = {m.mode: m for m in est.modes}
-    assert list(rows) == [*POLICIES, WINDOW_ROW]  # one row per mode the project offers, and the window
-    assert not rows[WINDOW_ROW].applicable and "SHARD_GRAD_OP" in rows[WINDOW_ROW].reason
+    assert list(rows) == [*POLICIES, WINDOWED_ROW]  # one row per mode the project offers, and the window
+    assert not rows[WINDOWED_ROW].applicable and "SHARD_GRAD_OP" in rows[WINDOWED_ROW].reason
     assert not rows["budget"].applicable and "--grad-sync-memory-budget" in rows["budget"].reason
     assert not rows["defer_all_reduce"].applicable and "needs FSDP2" in rows["defer_all_reduce"].reason
     assert not rows["auto"].applicable and "--grad-sync-free-memory" in rows["auto"].reason
@@ -142,7 +142,7 @@ def test_all_gathers_follow_resharding_and_kept_params(fsdp):
     # 2 layers reshard after forward (forward + backward all-gather); accelerate's tail group does not.
     assert fsdp2.mode("per_micro_batch").all_gathers == 3 * m + 2 * m
     assert fsdp2.mode("deferred").all_gathers == 3 * m + 2 * m  # deferral alone gathers as often
-    window = fsdp2.mode(WINDOW_ROW)
+    window = fsdp2.mode(WINDOWED_ROW)
     assert window.selected and window.all_gathers == 3  # params unsharded for the window: one gather per unit
     assert window.held_param_bytes == window.held_bytes == fsdp2.params * 4  # fp32 params, fp32 grads
     fsdp2_no_reshard = estimate("recipe-default", fsdp(2, fsdp_reshard_after_forward=False), m)
@@ -164,11 +164,11 @@ def test_fits_compares_the_peak_with_free_memory_less_the_margin(fsdp):
     assert auto.applicable and 0 < auto.held_bytes + auto.held_param_bytes <= 200 * 1024
 
 
-def test_a_row_names_the_windows_its_plan_keeps(fsdp):
+def test_a_row_names_the_windowed_units_its_plan_keeps(fsdp):
     """With room for everything, auto windows every unit: the row says so, not plain deferral."""
     est = estimate("recipe-default", fsdp(2), 4, GradSyncConfig(free_memory="1GiB"))
     auto = next(r for r in est.modes if r.mode.startswith("auto"))
-    assert auto.mode == "auto -> deferred+window", auto.mode
+    assert auto.mode == "auto -> deferred+windowed", auto.mode
 
 
 def test_a_huge_number_of_micro_batches_answers_at_once():
@@ -199,7 +199,7 @@ def test_a_huge_number_of_micro_batches_answers_at_once():
     m = 10**11
     assert rows["per_micro_batch"]["all_gathers"] == 3 * m + 2 * m  # 2 layers gather again in backward
     assert rows["per_micro_batch"]["reduce_scatters"] == 3 * m and rows["deferred"]["reduce_scatters"] == 3
-    assert rows[WINDOW_ROW]["all_gathers"] == 3
+    assert rows[WINDOWED_ROW]["all_gathers"] == 3
 
 
 @pytest.mark.parametrize("version", [1, 2])

@@ -77,26 +77,26 @@ def test_the_base_is_gathered_in_step_1_only_and_each_step_gathers_the_adapters(
     # Each adapter unit in each micro-batch's forward and backward (it reshards after forward).
     assert row.all_gathers == 2 * M * 2 and row.first_step_all_gathers == row.all_gathers + 4
     assert row.all_gather_bytes == row.all_gathers * ADAPTERS * 4 // 2  # ring over 2 ranks: half of each
-    window = kept.mode("deferred+window")  # the adapters once per step
+    window = kept.mode("deferred+windowed")  # the adapters once per step
     assert (window.all_gathers, window.first_step_all_gathers) == (2, 6)
 
 
-def test_false_and_auto_outside_budget_auto_and_the_window_keep_nothing_and_split_nothing(fsdp):
+def test_false_and_auto_outside_budget_auto_and_windowed_keep_nothing_and_split_nothing(fsdp):
     for config in ({"keep_frozen_unsharded": False}, {}):
         est = _estimate(fsdp, **config)
         assert len(est.units) == 4, config  # root, embeddings, two layers holding base and adapters
-        for row in (m for m in est.modes if m.applicable and (config or m.mode != "deferred+window")):
+        for row in (m for m in est.modes if m.applicable and (config or m.mode != "deferred+windowed")):
             assert (row.units_resident, row.resident_param_bytes, row.resident_units) == (0, 0, []), row.mode
             assert row.first_step_all_gathers == row.all_gathers
     assert est.keep_frozen_unsharded == "auto"
 
 
-def test_auto_under_the_window_keeps_the_whole_frozen_base(fsdp):
+def test_auto_with_every_unit_windowed_keeps_the_whole_frozen_base(fsdp):
     """Deferral with every unit windowed holds every unit's params through the step anyway: auto
     keeps every frozen unit there, in its row whatever is selected, and in the header selected."""
     for config in ({}, {"sync_mode": "deferred", "keep_params_unsharded": True}):
         est = _estimate(fsdp, **config)
-        window = est.mode("deferred+window")
+        window = est.mode("deferred+windowed")
         assert window.resident_units == KEPT_NAMES, config
         assert window.resident_param_bytes == (NORM + EMBED + 2 * LAYER) * 4
         assert (window.all_gathers, window.first_step_all_gathers) == (2, 6)  # the adapters once per step

@@ -132,7 +132,7 @@ def test_each_row_decides_residency_for_its_own_mode(bf16):
     params = sum(u["numel"] for u in est.units)  # the trained model's, the same architecture
     rows = {m.mode.split(" ")[0]: m for m in est.modes}
     assert est.reference is not None and not est.reference.resident  # per_micro_batch selected
-    for mode in ("per_micro_batch", "deferred", "deferred+window"):
+    for mode in ("per_micro_batch", "deferred", "deferred+windowed"):
         assert (rows[mode].reference_resident, rows[mode].reference_all_gathers) == (False, 1), mode
     for mode in ("budget", "auto"):
         assert (rows[mode].reference_resident, rows[mode].reference_all_gathers) == (True, 0), mode
@@ -237,13 +237,13 @@ def test_every_rows_step_peak_holds_the_sharded_reference(good, capsys):
         assert row["step_peak_bytes"] == expected, row["mode"]
 
 
-def test_the_window_row_holds_the_trained_params_through_the_reference_pass(good, capsys):
+def test_the_windowed_row_holds_the_trained_params_through_the_reference_pass(good, capsys):
     """The window keeps the trained model's units unsharded from generation's first forward to the
     window's end, so its reference pass holds them beside the reference model; deferral does not."""
     args = ["estimate", "--accelerate-config", good, "--micro-batches", "3", "--micro-batch-size", "1"]
     main([*args, "--seq-len", "8", "--beta", str(BETA), "--json"])
     rows = {m["mode"]: m for m in json.loads(capsys.readouterr().out)["modes"]}
-    window, deferred = rows["deferred+window"], rows["deferred"]
+    window, deferred = rows["deferred+windowed"], rows["deferred"]
     assert window["held_param_bytes"] > 0 and deferred["held_param_bytes"] == 0
     passes = [r["step_peak_parts"]["reference_pass"] for r in (window, deferred)]
     extra = window["step_peak_parts"]["optimizer_state"] - deferred["step_peak_parts"]["optimizer_state"]

@@ -52,7 +52,7 @@ def test_every_applicable_row_has_a_step_peak_with_its_parts(recipe_rows):
     assert deferred.step_peak_parts["sharded_grads"] == 0
     assert per_mb.step_peak_parts["sharded_grads"] == per_mb.sharded_bytes
     assert deferred.step_peak_bytes > per_mb.step_peak_bytes
-    window = recipe_rows["deferred+window"]
+    window = recipe_rows["deferred+windowed"]
     assert window.step_peak_bytes >= deferred.step_peak_bytes
 
 

@@ -99,7 +99,7 @@ def test_uneven_counts_are_free_only_where_no_micro_batch_between_first_and_last
 def test_a_resident_frozen_unit_keeps_uneven_counts_free():
     trained = Unit("adapter", torch.nn.Linear(2, 2), 6, 1, reshards_after_forward=True)
     base = Unit("base", torch.nn.Linear(2, 2), 0, 0, param_numel=6, reshards_after_forward=True)
-    plan = Plan("window", [trained], GRADIENT_SYNC, [trained])
+    plan = Plan("windowed", [trained], GRADIENT_SYNC, [trained])
     assert not counts_are_free(plan, SimpleNamespace(kind="fsdp2", units=[trained, base]))  # gathered each forward
     kept = dataclasses.replace(base, resident=True)
     assert counts_are_free(plan, SimpleNamespace(kind="fsdp2", units=[trained, kept]))

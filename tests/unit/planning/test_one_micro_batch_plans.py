@@ -9,7 +9,7 @@ import re
 import pytest
 
 from accel_gradsync import GradSyncConfig
-from accel_gradsync.estimator.core import WINDOW_ROW, estimate
+from accel_gradsync.estimator.core import WINDOWED_ROW, estimate
 from accel_gradsync.estimator.inputs import load_model_config, read_accelerate_config
 from accel_gradsync.estimator.meta_model import build_meta_model, estimated_adapter
 from accel_gradsync.planning.costs import format_bytes
@@ -56,7 +56,7 @@ def test_decision_line_says_there_is_nothing_to_defer(name):
 def test_every_estimate_row_holds_no_gradient_with_one_micro_batch():
     est = estimate("recipe-default", FSDP2_HSDP, 1, CONFIG)
     rows = [m for m in est.modes if m.applicable]
-    assert len(rows) == len(POLICIES) + 1  # and the deferred+window row
+    assert len(rows) == len(POLICIES) + 1  # and the deferred+windowed row
     per_mb = est.mode("per_micro_batch")
     for row in rows:
         assert (row.units_held, row.held_bytes, row.held_dtype) == (0, 0, ""), row
@@ -66,11 +66,11 @@ def test_every_estimate_row_holds_no_gradient_with_one_micro_batch():
             per_mb.reduce_scatters,
         ), row
         assert row.fits is True and "B held" not in row.reason, row
-        if row.mode != WINDOW_ROW:  # nothing kept: exactly what syncing every micro-batch costs
+        if row.mode != WINDOWED_ROW:  # nothing kept: exactly what syncing every micro-batch costs
             assert (row.peak_bytes, row.all_gathers, row.held_param_bytes) == (per_mb.peak_bytes, per_mb.all_gathers, 0)
     # The window keeps every unit's params from forward to backward: one all-gather per unit
     # (two layers reshard after forward and would gather again in backward), at their bytes.
-    window = est.mode(WINDOW_ROW)
+    window = est.mode(WINDOWED_ROW)
     assert (len(est.units), window.all_gathers, per_mb.all_gathers) == (3, 3, 5)
     assert window.held_param_bytes == est.params * 4  # fp32, every parameter trainable
     assert window.peak_bytes == per_mb.peak_bytes + window.held_param_bytes

@@ -73,13 +73,13 @@ def test_auto_keeps_it_where_its_bytes_fit_free_memory_less_the_margin():
         ("auto", "deferred", [False, False, False]),
         ("auto", "budget", [True, True, False]),  # 100 B: 60 fits, 30 of the 40 left, 20 of the 10 not
         # The window holds every unit through the step already: it keeps them all, reading no memory.
-        ("auto", "window", [True, True, True]),
-        ("false", "window", [False, False, False]),
+        ("auto", "windowed", [True, True, True]),
+        ("false", "windowed", [False, False, False]),
     ],
 )
 def test_frozen_units_kept_in_order_while_they_fit_the_budget(value, mode, expected):
     budget = {"memory_budget": "100B"} if mode == "budget" else {}
-    window = {"sync_mode": "deferred", "keep_params_unsharded": True} if mode == "window" else {"sync_mode": mode}
+    window = {"sync_mode": "deferred", "keep_params_unsharded": True} if mode == "windowed" else {"sync_mode": mode}
     settings = GradSyncConfig(keep_frozen_unsharded=value, **window, **budget).resolved()
     assert frozen_units_to_keep(settings, [60, 30, 20], never) == expected
 

@@ -117,7 +117,7 @@ def test_the_estimate_and_the_decision_line_read_one_generation_cost(fsdp_rows):
     # row: (first forward, per token or per round, per token inside a window, kept for the round)
     expected = {
         "per_micro_batch": (units, layers, None, False),
-        "deferred+window": (units, layers, 0, False),
+        "deferred+windowed": (units, layers, 0, False),
         "gather": (units, units, None, True),
     }
     assert sorted(fsdp_rows) == sorted(expected)
@@ -150,7 +150,7 @@ def fsdp_rows():
     window = GradSyncConfig(sync_mode="deferred", keep_params_unsharded=True)
     rows = {
         "per_micro_batch": (PerMicroBatchSync(GradSyncConfig().resolved()), GradSyncConfig(), "per_micro_batch"),
-        "deferred+window": (DeferredSync(window.resolved()), window, "deferred+window"),
+        "deferred+windowed": (DeferredSync(window.resolved()), window, "deferred+windowed"),
         "gather": (
             PerMicroBatchSync(GradSyncConfig(gather_for_generation=True).resolved()),
             GradSyncConfig(gather_for_generation=True),

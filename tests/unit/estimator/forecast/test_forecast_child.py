@@ -50,6 +50,6 @@ def test_the_child_answers_the_estimates_rows_first_per_micro_batch_then_the_pla
     assert answer["unmodeled"] == [] and answer["shape"].startswith("2x32 tokens per micro-batch, adamw")
     names = [u.name for u in session.adapter.units]
     every_unit_windowed = {"held": names, "windowed": names, "held_sync": "gradient_sync", "generation_bytes": 0}
-    assert session.forecast_plan(every_unit_windowed)["peak_bytes"] == est.mode("deferred+window").step_peak_bytes
+    assert session.forecast_plan(every_unit_windowed)["peak_bytes"] == est.mode("deferred+windowed").step_peak_bytes
     with pytest.raises(ValueError, match="'model.nowhere' is not among the forecast model's units"):
         session.forecast_plan({**every_unit_windowed, "held": ["model.nowhere"]})

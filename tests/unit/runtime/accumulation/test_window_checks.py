@@ -41,7 +41,7 @@ def test_per_micro_batch_says_once_that_it_overrides_no_sync():
 
 
 def test_sync_each_batch_switched_on_is_said_only_where_the_mode_holds_something():
-    for mode, warned in (("deferred", True), ("window", True), ("per_micro_batch", False)):
+    for mode, warned in (("deferred", True), ("windowed", True), ("per_micro_batch", False)):
         state = attachment(mode, m=4, sync_each_batch=True)
         warn_if_sync_each_batch(state)
         assert ("sync_each_batch" in state.warned) is warned, mode
