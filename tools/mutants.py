@@ -162,6 +162,19 @@ MUTANTS: dict[str, dict] = {
         ],
         "tests": ["tests/distributed/test_accumulate.py", "tests/distributed/test_window.py"],
     },
+    "last_forward_reshards": {
+        "what": "the window's last micro-batch reshards its windowed params after forward (its backward gathers again)",
+        "edits": [
+            (
+                "accel_gradsync/runtime/accumulation/kept_forward.py",
+                "        if bound.plan.windowed:\n            self.put_back(root)",
+                "        if False:\n            self.put_back(root)",
+            )
+        ],
+        "tests": [
+            "tests/distributed/test_window.py::test_windowed_gathers_each_unit_once_per_step_and_matches_the_reference"
+        ],
+    },
     "stale_after_the_step": {
         "what": "a unit a forward after the last backward left unsharded stays so through the optimizer step",
         "edits": [

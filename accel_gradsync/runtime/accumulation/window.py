@@ -1,6 +1,7 @@
 """The hot path: hold the sync of a window's non-final micro-batches as planned, keep a window's
-params through its last forward, count every micro-batch, drop the window's gradients when an
-exception ends it, and leave no unit gathered from before an optimizer step.
+params through its last forward (`KeptThroughForward`, kept_forward.py), count every micro-batch,
+drop the window's gradients when an exception ends it, and leave no unit gathered from before an
+optimizer step.
 
 `Accelerator.accumulate()` and the Trainer enter `no_sync(model)` on every micro-batch but the
 last (hooks.py routes it to `Window.no_sync`); a forward pre-hook on each bound model sees every
@@ -24,6 +25,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from accel_gradsync.planning.units import Unit
+from accel_gradsync.runtime.accumulation.kept_forward import KeptThroughForward
 from accel_gradsync.runtime.accumulation.window_checks import (
     check_explicit_no_sync,
     warn_cannot_hold_yet,
@@ -44,7 +46,7 @@ class Window:
         self.state = state
         self.generation = generation  # its flags sit on top of ours: released before ours change
         self._held: dict[nn.Module, tuple[Sequence[Unit], str]] = {}  # by model: (units held, how) in no_sync
-        self._restore_forward: dict[nn.Module, Callable[[], None]] = {}  # by model: flags back after its last forward
+        self.kept = KeptThroughForward(state)  # the last micro-batch's windowed params, through its forwards
         self._open: dict[nn.Module, bool] = {}  # by model: a micro-batch in progress, and whether it ends the step
         self._step_hook: torch.utils.hooks.RemovableHandle | None = None
         self._gathered_for_backward = False  # the next optimizer step runs before a backward: reshard nothing
@@ -56,7 +58,7 @@ class Window:
         model, until `close`). Removing the handles returned unwatches `root` alone (a model bound
         again)."""
         bound = self.state.bound[root]
-        handles = [root.register_forward_pre_hook(self.on_forward), root.register_forward_hook(self.after_forward)]
+        handles = [root.register_forward_pre_hook(self.on_forward), root.register_forward_hook(self.kept.after_forward)]
         handles.extend(watch_fsdp2(bound.adapter, bound.account))
         trainer, replicated = self.state.trainer, bound.adapter.replicated
         handles.extend(watch_replicated_all_reduces(trainer, replicated, bound.account.record_replicated_all_reduce))
@@ -211,7 +213,7 @@ class Window:
         in_progress = self._open.get(module)
         if in_progress is not None:  # another forward of the micro-batch in progress
             if in_progress:  # it ends the step
-                self._keep_windowed(module)
+                self.kept.keep(module)
             return
         state = self.state
         # Inside no_sync a micro-batch never ends the step, even outside accumulate() (sync_gradients True).
@@ -231,7 +233,7 @@ class Window:
             # its peak, read once per window instead of after every held backward.
             bound.account.record_held(bound.adapter.held_grad_bytes())
         if ends_step:
-            self._keep_windowed(module)
+            self.kept.keep(module)
         self._open[module] = ends_step
         bound.account.record_micro_batch(
             bound.adapter.units,
@@ -249,38 +251,10 @@ class Window:
         for root, (held, hold) in self._held.items():
             warn_if_clipped_mid_window(self.state, held, self.state.bound[root].adapter.units, hold)
 
-    def keep_windowed(self) -> None:
-        """`grad_sync.step(n)`, this rank's last micro-batch, under a plan that makes the counts
-        free (hooks.py): every model's windowed params stay gathered from the micro-batch's first
-        forward, one without gradients included, through its backward. A generation there then
-        gathers once, as inside a held micro-batch of a rank that runs more, not once per token."""
-        for root in self.state.bound:
-            self._keep_windowed(root)
-
-    def _keep_windowed(self, root: nn.Module) -> None:
-        """A forward of the window's last micro-batch keeps the windowed params too, so its backward
-        gathers nothing; the backward then reshards (reshard_after_backward is back to what it was)."""
-        bound = self.state.bound[root]
-        if bound.plan.windowed:
-            self._put_back(root)
-            self._restore_forward[root] = bound.adapter.keep_params_through_forward(bound.plan.windowed)
-
-    def after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
-        """Forward hook: the last forward with gradients is done; its windowed params reshard after
-        backward again (a forward without gradients before it, a generation, keeps them)."""
-        if torch.is_grad_enabled():
-            self._put_back(module)
-
-    def _put_back(self, root: nn.Module) -> None:
-        restore = self._restore_forward.pop(root, None)
-        if restore is not None:
-            restore()
-
     def abort(self) -> None:
         """An exception (KeyboardInterrupt included) left `accumulate()`: discard the window's
         gradients, held or not, so none leaks into the next one, and put every flag back."""
-        for root in list(self._restore_forward):
-            self._put_back(root)
+        self.kept.put_back_all()
         self.end_hold()
         for key, adapter in self.state.adapters.items():
             if adapter is not None:

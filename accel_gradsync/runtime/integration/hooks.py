@@ -78,7 +78,7 @@ def hook_accelerator(
                     elif self.sync_gradients:
                         window.end_hold()  # before the last forward: the flags the window held come back
                         if steps.keeps_windowed():  # step(n)'s free last: gathered as a held one is
-                            window.keep_windowed()
+                            window.kept.keep_every_model()
                     try:
                         yield
                         steps.flush()  # step(n): the replays, where the loop stepped outside the block

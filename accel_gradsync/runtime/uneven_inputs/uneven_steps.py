@@ -11,7 +11,7 @@ step's largest count (`Attachment.step_largest`), `auto` re-planning every model
 rank alike. Then:
 - a plan whose step issues the same collectives whatever its count (`costs.counts_are_free`: every
   FSDP2 unit windowed or resident, DDP held at its root): nothing more, but that a rank's last
-  micro-batch keeps the windowed params from its first forward (`Window.keep_windowed`), so a
+  micro-batch keeps the windowed params from its first forward (`KeptThroughForward.keep_every_model`), so a
   generation in it gathers once, as in a longer count's held micro-batch, not once per token;
 - any other plan: a rank below the largest count replays its last micro-batch x 0 until it ran
   the largest count (step_replay.py), so its collectives pair one for one with those of the rank
@@ -149,7 +149,7 @@ class UnevenSteps:
     def keeps_windowed(self) -> bool:
         """This rank's last micro-batch under a plan that makes the counts free: it keeps the
         windowed params from its first forward, as a longer count's held micro-batch does, so a
-        generation in it issues what the other ranks' does (hooks.py, `Window.keep_windowed`)."""
+        generation in it issues what the other ranks' does (hooks.py, `KeptThroughForward.keep_every_model`)."""
         return self.shape is not None and self._free and self._ran == self.shape.micro_batches
 
     def hold(self, no_sync: contextlib.AbstractContextManager) -> None:
