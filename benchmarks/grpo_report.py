@@ -8,7 +8,6 @@ judged on per-round ratios (`speedup`), counts on every recorded step.
 
 from __future__ import annotations
 
-import math
 import statistics
 from pathlib import Path
 
@@ -113,7 +112,7 @@ def table_row(run: GrpoRun, r: GrpoRow) -> str:
     x_ddp = "1.00x" if floor and grpo.is_ddp(r.config) else x_ddp  # itself: no spread to show
     return (
         f"| {r.config} | {r.step_time_s * 1e3:.0f}{fmt_spread(list(stats.per_round(r).values()), 1e3)} | "
-        f"{sp[0] if sp else math.nan:.2f}x | {x_ddp} | "
+        f"{f'{sp[0]:.2f}x' if sp else '-'} | {x_ddp} | "  # no stock row: no speedup to show
         + " | ".join(f"{ph[p] * 1e3:.0f}" for p in PHASES)
         + f" | {' / '.join(fmt_count(c[p]['all_gathers']) for p in ('generation', 'logprob', 'training'))} | "
         f"{fmt_count(sum(c[p]['reduce_scatters'] for p in PHASES))} | "
