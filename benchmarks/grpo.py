@@ -81,8 +81,9 @@ TUNINGS = ("full", "lora")
 FULL_ONLY = ("keep_reference_unsharded",)
 LORA_ONLY = ("keep_frozen_unsharded",)
 # Whose generation draws random numbers: TRL generates in train mode, where PEFT's lora_dropout
-# (ModelConfig's default, 0.05) is active; Qwen2's attention dropout is 0. There the plugin keeps
-# transformers' per-token sync, so each rank's random state stays stock's (token_sync.py).
+# (ModelConfig's default, 0.05) is active; Qwen2's attention dropout is 0. There the plugin ends
+# each generation with one all-reduce, and the rank done first replays the forwards it runs on
+# under transformers' sync, so each rank's random state stays stock's (token_sync.py).
 GENERATION_DRAWS = {"full": False, "lora": True}
 
 

@@ -235,20 +235,18 @@ def check_windowed_gathers(where: str, row: GrpoRow) -> TargetResult:
 
 
 def check_generation_all_reduces(where: str, row: GrpoRow, stock: GrpoRow | None, tuning: str) -> TargetResult:
-    """Windowed's generation issues no all-reduce: transformers' per-token flag all-reduce
-    (`synced_gpus`) is skipped where every unit stays unsharded (runtime/generating/token_sync.py),
-    unless the model's forwards draw random numbers there (`grpo.GENERATION_DRAWS`): then it
-    issues stock's, the same tokens' sync."""
+    """Windowed's generation issues no all-reduce per decoded token: transformers' per-token flag
+    all-reduce (`synced_gpus`) is skipped where every unit stays unsharded
+    (runtime/generating/token_sync.py); where the model's forwards draw random numbers there
+    (`grpo.GENERATION_DRAWS`) one all-reduce per generation (TRL generates once per step here) is
+    left, the one that tells the rank done first how many forwards to replay."""
     seen = row.counts_seen["generation"].get("all_reduces", [])
+    expected = [1] if grpo.GENERATION_DRAWS[tuning] else [0]
     what = f"[{where}] {row.config}: {targets.GRPO_GENERATION_ALL_REDUCES.name}"
-    if not grpo.GENERATION_DRAWS[tuning]:
-        detail = f"generation's all-reduces on every timed step: {seen}"
-        return TargetResult(what, PASS if seen == [0] else FAIL, detail)
-    if stock is None:
-        return TargetResult(what, SKIP, f"dropout active in generation: stock's sync expected, {tuning}/stock not run")
-    theirs = stock.counts_seen["generation"].get("all_reduces", [])
-    detail = f"dropout active in generation, stock's sync kept: all-reduces {seen}, {stock.config}'s {theirs}"
-    return TargetResult(what, PASS if seen == theirs else FAIL, detail)
+    theirs = f", {stock.config}'s {stock.counts_seen['generation'].get('all_reduces', [])}" if stock else ""
+    drawn = "dropout active in generation: " if grpo.GENERATION_DRAWS[tuning] else ""
+    detail = f"{drawn}generation's all-reduces on every timed step: {seen}{theirs}"
+    return TargetResult(what, PASS if seen == expected else FAIL, detail)
 
 
 def check_reference(where: str, row: GrpoRow, beta: float) -> TargetResult:

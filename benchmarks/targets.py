@@ -132,11 +132,12 @@ GRPO_WINDOWED_GATHERS = Target("the trained model's all-gathers per optimizer st
     "generation's and training's all-gathers of the trained model on every timed step",
     "windowed gathers each unit once, at generation's first forward, and keeps it to the optimizer step; "
     "U counts the units not kept unsharded for the run (LoRA's frozen base with keep_frozen_unsharded)")
-GRPO_GENERATION_ALL_REDUCES = Target("generation issues no all-reduce (no collective per decoded token)",
+GRPO_GENERATION_ALL_REDUCES = Target("generation issues no all-reduce per decoded token",
     "the all-reduces issued inside TRL's _generate on every timed step, counted around torch.distributed on rank 0",
     "with every unit kept unsharded after generation's first forward no rank's forward issues a collective, so "
     "transformers' per-token synced_gpus all-reduce (on for any FSDP model) is skipped: as under DDP, none; "
-    "where the forwards draw random numbers (LoRA's dropout) stock's, so each rank's random state stays stock's")
+    "where the forwards draw random numbers (LoRA's dropout) one per generation, the most forwards of any rank, "
+    "so the rank done first replays what it draws under the sync")
 GRPO_REFERENCE_RESIDENT = Target("the reference model's all-gathers per step = 0 after step 1 (kept resident)",
     "the log-prob passes' all-gathers at every step of every round, step 1 included, counted around "
     "torch.distributed on rank 0: each of the reference model's units once at step 1, none after",

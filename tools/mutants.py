@@ -162,6 +162,21 @@ MUTANTS: dict[str, dict] = {
         ],
         "tests": ["tests/distributed/test_accumulate.py", "tests/distributed/test_window.py"],
     },
+    "catch_up_skips_replays": {
+        "what": "a rank done first skips the forwards it is short after a generation without the sync",
+        "edits": [
+            (
+                "accel_gradsync/runtime/generating/draw_replay.py",
+                "    missing = int(most.item()) - seen.forwards",
+                "    missing = 0",
+            )
+        ],
+        "tests": [
+            "tests/distributed/test_draw_replay.py",
+            "tests/distributed/test_uneven_generation.py::"
+            "test_lora_dropout_runs_unsynced_and_the_rank_done_first_draws_what_it_draws_under_the_sync",
+        ],
+    },
     "last_forward_reshards": {
         "what": "the window's last micro-batch reshards its windowed params after forward (its backward gathers again)",
         "edits": [
@@ -350,11 +365,26 @@ MUTANTS: dict[str, dict] = {
         "edits": [
             (
                 "accel_gradsync/runtime/generating/token_sync.py",
-                "self.draws[training] = any(not torch.equal(a, b) for a, b in zip(*states, strict=True))",
+                "self.draws[training] = not same_states(*states)",
                 "self.draws[training] = False",
             ),
         ],
         "tests": ["tests/unit/runtime/generating/test_token_sync.py"],
+    },
+    "replay_trusted_where_draws_read_the_cache": {
+        "what": "a generation whose draws depend on the cache (attention dropout) runs unsynced and replays",
+        "edits": [
+            (
+                "accel_gradsync/runtime/generating/draw_replay.py",
+                "        return same_states(generator_states(), after)",
+                "        return True",
+            ),
+        ],
+        "tests": [
+            "tests/unit/runtime/generating/test_token_sync.py",
+            "tests/distributed/test_uneven_generation.py::"
+            "test_a_generation_drawing_random_numbers_keeps_the_sync_and_stocks_random_state",
+        ],
     },
     "canary_launched_ranks_import_the_copy": {
         "what": "(the tool's own check) the package fails to import in a launched rank: caught only if the "

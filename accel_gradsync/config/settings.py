@@ -349,7 +349,9 @@ class GradSyncConfig:
         "prediction or training), instead of all-gathering every unit for every generated token; "
         "transformers' generate then runs without its per-token all-reduce (synced_gpus) unless "
         "the caller passes one, from the second generation on, once the first proved that no "
-        "forward issues a collective of its own (tensor parallel, MoE). Costs the whole model's unsharded parameters "
+        "forward issues a collective of its own (tensor parallel, MoE) and that what a forward draws "
+        "(LoRA dropout) a rank done first can replay: one all-reduce per generation then. Costs the whole "
+        "model's unsharded parameters "
         "(compute dtype) on every rank while generating, as DeepSpeed ZeRO-3's "
         "ds3_gather_for_generation does; budget and auto plan with those bytes. Applies in every "
         "sync mode.",

@@ -83,16 +83,18 @@ def test_windowed_generation_issues_no_all_reduce():
     assert list(checked.values()) == [("PASS", "generation's all-reduces on every timed step: [0]")]
 
 
-def test_where_generation_draws_windowed_issues_stocks_sync():
-    """LoRA's dropout is active in TRL's generation: windowed keeps transformers' sync, so its
-    all-reduces are stock's; none (unsynced), or stock missing, is not a pass."""
+def test_where_generation_draws_windowed_issues_one_all_reduce_per_generation():
+    """LoRA's dropout is active in TRL's generation: windowed skips transformers' sync and ends each
+    generation with one all-reduce (how many forwards the rank done first replays); none, or
+    stock's per-token count, is not a pass."""
     stock, window = row("lora/stock", [1.0], [0]), row("lora/windowed", [1.0], [0])
     stock.counts_seen["generation"]["all_reduces"] = [29, 33]
-    window.counts_seen["generation"]["all_reduces"] = [29, 33]
+    window.counts_seen["generation"]["all_reduces"] = [1]
     assert grpo_report.check_generation_all_reduces("loopback", window, stock, "lora").status == "PASS"
-    window.counts_seen["generation"]["all_reduces"] = [0]
-    assert grpo_report.check_generation_all_reduces("loopback", window, stock, "lora").status == "FAIL"
-    assert grpo_report.check_generation_all_reduces("loopback", window, None, "lora").status == "SKIP"
+    assert grpo_report.check_generation_all_reduces("loopback", window, None, "lora").status == "PASS"
+    for seen in ([0], [29, 33], [1, 33]):
+        window.counts_seen["generation"]["all_reduces"] = seen
+        assert grpo_report.check_generation_all_reduces("loopback", window, stock, "lora").status == "FAIL"
 
 
 def test_a_resident_reference_model_is_gathered_at_step_1_and_never_after():

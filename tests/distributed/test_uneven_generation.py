@@ -13,11 +13,13 @@ leave the other alone in any all-gather its forwards issue.
 - Where units reshard after each forward (per_micro_batch without the setting), transformers'
   default holds: one all-reduce per decoding loop on every rank, max(tokens) + 1 (the last finds
   every rank done), and the rank done first keeps running forwards with the other.
-- A model whose forwards draw random numbers while it generates (dropout in train mode, as TRL
-  generates, with PEFT's default `lora_dropout`) keeps transformers' default too: the rank done
-  first runs its forwards on, drawing what it draws under stock, so each rank's random state,
-  and the dropout masks and losses after it, stay stock's. In eval mode the same model runs
-  without the sync.
+- A model whose forwards draw random numbers over the cache while it generates (attention dropout
+  in train mode, as TRL generates) keeps transformers' default too: the rank done first runs its
+  forwards on, drawing what it draws under stock, so each rank's random state, and the dropout
+  masks and losses after it, stay stock's. In eval mode the same model runs without the sync.
+- Under PEFT LoRA with dropout (drawn on one token's activations, whatever the cache) the model
+  runs without the sync after the proof and ends each generation with one all-reduce; the rank
+  done first replays the forwards it is short and ends with stock's random state.
 - `synced_gpus=True` passed by the caller is kept; detach puts the model's `generate` back.
 """
 
@@ -43,6 +45,8 @@ RUNS = [
     {"name": "dropout_windowed_inside", "config": WINDOWED, "at": "inside", "dropout": 0.5},
     {"name": "dropout_stock_eval", "config": {}, "at": "inside", "dropout": 0.5, "eval": True},
     {"name": "dropout_windowed_eval", "config": WINDOWED, "at": "inside", "dropout": 0.5, "eval": True},
+    {"name": "lora_stock", "config": {}, "at": "inside", "lora_dropout": 0.5},
+    {"name": "lora_windowed_inside", "config": WINDOWED, "at": "inside", "lora_dropout": 0.5},
 ]
 
 
@@ -85,6 +89,21 @@ def test_a_generation_drawing_random_numbers_keeps_the_sync_and_stocks_random_st
         stock, mine = rank["runs"]["dropout_stock_eval"]["steps"], rank["runs"]["dropout_windowed_eval"]["steps"]
         assert [s["generate"]["all_reduces"] for s in mine] == [SYNCED, 0]
         assert [s["completions"] for s in mine] == [s["completions"] for s in stock]
+
+
+def test_lora_dropout_runs_unsynced_and_the_rank_done_first_draws_what_it_draws_under_the_sync(ranks):
+    """PEFT's dropout draws the same at every decoded token whatever the cache: after the proof,
+    each generation runs without the sync and ends with one all-reduce (the most forwards of any
+    rank); the rank done first (3 tokens) then replays the 4 forwards it runs on under the sync, so
+    its random state, tokens and losses are stock's."""
+    for rank in ranks:
+        stock, mine = rank["runs"]["lora_stock"]["steps"], rank["runs"]["lora_windowed_inside"]["steps"]
+        assert [s["generate"]["all_reduces"] for s in stock] == [SYNCED] * len(stock)
+        assert [s["generate"]["all_reduces"] for s in mine] == [SYNCED] + [1] * (len(mine) - 1)
+        for step, theirs in zip(mine, stock, strict=True):
+            assert step["generate"]["rng"] == theirs["generate"]["rng"]
+            assert step["completions"] == theirs["completions"]
+            assert step["losses"] == pytest.approx(theirs["losses"], rel=1e-5)
 
 
 def test_a_forward_with_a_collective_of_its_own_keeps_the_per_token_sync(ranks):

@@ -11,25 +11,34 @@ the slowest at every token. DDP's `generate` runs none.
 
 Kept units are not enough: a forward may issue collectives of its own at every token (tensor
 parallel over a 2-D mesh, an MoE all-to-all, context parallel, a model's own `all_reduce`), and a
-rank that stopped early would leave the others waiting in one. Nor may a forward draw random
-numbers (dropout active while it generates: TRL generates in train mode, and PEFT's
-`lora_dropout` defaults to 0.05): under the sync the rank done first runs its forwards on and
-draws with them, so without it that rank's random state, and every dropout mask and sample after
-it, would leave stock's. So the per-token sync goes off only for a model proven free of both
-(`SyncProof`): a generation left to transformers' default counts the c10d operations (a
-`TorchDispatchMode`) in its second forward, the first that finds the units gathered, and compares
-the default generators' states around it; nothing there, and later generations in the same mode
-(train or eval: dropout draws in one only) run without the sync; a collective, and the sync stays
-on for good; a draw, and it stays on in that mode. The first generation with units kept in each
-mode thus runs synced, and one forward of it pays the mode's per-operation cost.
+rank that stopped early would leave the others waiting in one; there the sync stays on. A forward
+may draw random numbers (dropout active while it generates: TRL generates in train mode, and
+PEFT's `lora_dropout` defaults to 0.05): under the sync the rank done first runs its forwards on
+and draws with them, so a rank that stopped early would leave stock's random state, and every
+dropout mask and sample after it. Where a decoded token's draws do not depend on the cache
+(PEFT's dropout masks one token's activations), the rank can draw them afterwards instead: the
+generation runs without the sync, one all-reduce then gives the most forwards any rank ran, and
+the rank replays the ones it is short, each a forward of one token per sequence without the cache
+(`catch_up`). Where they depend on it (attention dropout over the cache), the sync stays on.
+
+Each is proven per model before it is relied on (`SyncProof`): a generation left to transformers'
+default counts the c10d operations (a `TorchDispatchMode`) in its second forward, the first that
+finds the units gathered, and compares the default generators' states around it; where it drew,
+a replay from the state before that forward must end in the state after it. No collective and no
+draw: later generations in the same mode (train or eval: dropout draws in one only) run without
+the sync. No collective, draws, a faithful replay: they run without it and catch up. Else the sync
+stays: for good after a collective, in that mode after a draw. The first generation with units
+kept in each mode thus runs synced, and one forward of it pays the mode's per-operation cost.
+Assisted generation (an assistant model, prompt lookup) decodes several tokens per forward: it
+keeps the sync where forwards draw.
 
 `skip_token_sync` wraps `generate` on each transformers `GenerationMixin` module of a bound model
 (the root; a PEFT model's inner transformers model, whose `generate` is the one that decides):
-when `kept()` holds at the call and the module is proven free of collectives and draws, `synced_gpus` left
-unset is passed as False; a value the caller passes is kept. The wrapper is an instance
-attribute, as `register_fsdp_forward_method` sets one (transformers' Trainer registers `generate`
-so); no class is touched. Removing the handle takes
-the wrapper off where it is still the instance's `generate` (else whoever wrapped it after keeps
+when `kept()` holds at the call and the module is proven free of collectives (and of draws, or
+their replay faithful), `synced_gpus` left unset is passed as False; a value the caller passes is
+kept. The wrapper is an instance attribute, as `register_fsdp_forward_method` sets one
+(transformers' Trainer registers `generate` so); no class is touched. Removing the handle takes the
+wrapper off where it is still the instance's `generate` (else whoever wrapped it after keeps
 theirs, and ours passes calls through). A torch or transformers whose `generate` takes no
 `synced_gpus` gets no wrapper.
 """
@@ -46,6 +55,14 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from accel_gradsync.runtime.generating.draw_replay import (
+    ForwardsSeen,
+    catch_up,
+    generator_states,
+    replays_faithfully,
+    same_states,
+)
 
 ARGUMENT = "synced_gpus"
 COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional")
@@ -68,12 +85,14 @@ class _CollectiveCount(TorchDispatchMode):
 
 class SyncProof:
     """Whether a generation module's forwards after a generation's first issue no collective
-    (`collectives`, for good) and draw no random number (`draws`, per train or eval mode): each
-    unknown until a generation with two forwards or more in that mode was watched (`watching`)."""
+    (`collectives`, for good), draw no random number (`draws`, per train or eval mode), and where
+    they draw, whether a one-token forward without the cache draws the same (`replays`, per mode):
+    each unknown until a generation with two forwards or more in that mode was watched (`watching`)."""
 
     def __init__(self) -> None:
         self.collectives: bool | None = None
         self.draws: dict[bool, bool] = {}  # by the module's `training`
+        self.replays: dict[bool, bool] = {}  # by the module's `training`, where it draws
 
     def settled(self, training: bool) -> bool:
         return self.collectives is True or (self.collectives is not None and training in self.draws)
@@ -81,25 +100,33 @@ class SyncProof:
     def free(self, training: bool) -> bool:
         return self.collectives is False and self.draws.get(training) is False
 
+    def replayable(self, training: bool) -> bool:
+        """Free of collectives, drawing, and a replayed forward draws as a decoded token's does."""
+        return self.collectives is False and self.draws.get(training) is True and self.replays.get(training) is True
+
     @contextlib.contextmanager
     def watching(self, module: nn.Module) -> Iterator[None]:
         """One `generate` of `module` with transformers' sync: count the collectives of its second
-        forward (the first gathers the units), see whether it drew, and settle both."""
-        forwards, mode, states = [0], _CollectiveCount(), []
+        forward (the first gathers the units), see whether it drew, and settle both; where it drew,
+        replay that forward from the state before it and see whether it ends in the state after."""
+        seen, mode, states = ForwardsSeen(), _CollectiveCount(), []
         training = module.training
 
-        def before(_: nn.Module, args: Any) -> None:
-            forwards[0] += 1
-            if forwards[0] == 2:
-                states.append(_generator_states())
+        def before(_: nn.Module, args: Any, kwargs: dict) -> None:
+            seen.see(args, kwargs)
+            if seen.forwards == 2:
+                states.append(generator_states())
                 mode.__enter__()
 
         def after(_: nn.Module, args: Any, output: Any) -> None:
-            if forwards[0] == 2:
+            if seen.forwards == 2 and len(states) == 1:
                 mode.__exit__(None, None, None)
-                states.append(_generator_states())
+                states.append(generator_states())
 
-        handles = [module.register_forward_pre_hook(before), module.register_forward_hook(after, always_call=True)]
+        handles = [
+            module.register_forward_pre_hook(before, with_kwargs=True),
+            module.register_forward_hook(after, always_call=True),
+        ]
         try:
             yield
         finally:
@@ -107,18 +134,9 @@ class SyncProof:
                 handle.remove()
         if len(states) == 2:
             self.collectives = bool(self.collectives) or mode.count > 0
-            self.draws[training] = any(not torch.equal(a, b) for a, b in zip(*states, strict=True))
-
-
-def _generator_states() -> list[torch.Tensor]:
-    """The default random generators' states: the CPU's, and each device's of the accelerator in use."""
-    states = [torch.get_rng_state()]
-    device = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
-    if device is not None:
-        module = torch.get_device_module(device)
-        if getattr(module, "is_initialized", lambda: True)() and hasattr(module, "get_rng_state_all"):
-            states += module.get_rng_state_all()
-    return states
+            self.draws[training] = not same_states(*states)
+            if self.draws[training] and not self.collectives and seen.second is not None:
+                self.replays[training] = replays_faithfully(module, seen.second, *states)
 
 
 class TokenSyncHandle:
@@ -174,7 +192,36 @@ def _unsynced(module: nn.Module, position: int, kept: Callable[[], bool], proof:
                     return generate(*args, **kwargs)
             if proof.free(module.training):
                 kwargs[ARGUMENT] = False
+            elif proof.replayable(module.training) and _decodes_token_by_token(module, kwargs) and _ranks() > 1:
+                return _generate_then_catch_up(module, generate, args, kwargs)
         return generate(*args, **kwargs)
 
     wrapper.active = True  # type: ignore[attr-defined]
     return wrapper
+
+
+def _generate_then_catch_up(module: nn.Module, generate: Callable, args: tuple, kwargs: dict) -> Any:
+    """`generate` without the sync, then `catch_up`: each rank's random state ends as under it."""
+    seen, device = ForwardsSeen(), next((p.device for p in module.parameters()), None)
+    handle = module.register_forward_pre_hook(lambda _, a, k: seen.see(a, k), with_kwargs=True)
+    try:
+        out = generate(*args, **{**kwargs, ARGUMENT: False})
+    finally:
+        handle.remove()
+    catch_up(module, seen, device)
+    return out
+
+
+ASSISTED = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit", "custom_generate")
+"""What makes `generate` decode more than one token per forward, or run a loop of its own: a replay
+of one token is not what its forwards draw, so the sync stays."""
+
+
+def _decodes_token_by_token(module: nn.Module, kwargs: dict) -> bool:
+    config = kwargs.get("generation_config") or getattr(module, "generation_config", None)
+    return not any(kwargs.get(name) is not None or getattr(config, name, None) is not None for name in ASSISTED)
+
+
+def _ranks() -> int:
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1

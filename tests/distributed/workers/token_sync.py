@@ -8,10 +8,10 @@ the model's `generate` is back to what it was before attach after detach, and a 
 the rank's random state after each generation. `collective_in_forward`: the first decoder layer
 all-reduces at every forward, as a tensor-parallel layer would. `dropout`: the model's attention
 dropout, active where it generates in train mode (as TRL does; `eval`: generation in eval mode,
-training in train mode). `counts`
-(per rank): each step is `grad_sync.step(counts[rank])` with that many micro-batches; `join`: the
-steps run inside `grad_sync.join()`, rank r running r + 1 of them. A ValueError is left to end the
-process (the launcher then stops the other rank)."""
+training in train mode). `lora_dropout`: the model under PEFT LoRA (q_proj, v_proj) with that
+dropout, the base frozen. `counts` (per rank): each step is `grad_sync.step(counts[rank])` with
+that many micro-batches; `join`: the steps run inside `grad_sync.join()`, rank r running r + 1 of
+them. A ValueError is left to end the process (the launcher then stops the other rank)."""
 
 import contextlib
 import hashlib
@@ -22,6 +22,8 @@ import torch.distributed as dist
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 from common import CollectiveCounter, parse_args, tiny_qwen2_config, train_lm_micro_batch, write_result
+from peft import LoraConfig, get_peft_model
+from torch.distributed.fsdp import register_fsdp_forward_method
 from transformers import Qwen2ForCausalLM
 
 import accel_gradsync
@@ -49,10 +51,15 @@ def one_run(run: dict) -> dict:
         attention_dropout=run.get("dropout", 0.0),
     )
     model = Qwen2ForCausalLM(config)
+    if "lora_dropout" in run:  # PEFT's dropout on each adapter's input: drawn at every forward, whatever the cache
+        lora = LoraConfig(r=2, target_modules=["q_proj", "v_proj"], lora_dropout=run["lora_dropout"])
+        model = get_peft_model(model, lora)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     if run.get("collective_in_forward"):  # a collective of the model's own at every forward, as tensor parallel
         model.model.layers[0].register_forward_hook(lambda module, args, out: dist.all_reduce(torch.zeros(1)))
     model, optimizer = accelerator.prepare(model, optimizer)
+    if "lora_dropout" in run:  # PEFT's generate forwards the inner model: FSDP2's root runs first, as TRL has it
+        register_fsdp_forward_method(model, "generate")
     own_generate = vars(model).get("generate")
     handle = accel_gradsync.attach(accelerator, accel_gradsync.GradSyncConfig(**run["config"]))
     extra = {"synced_gpus": run["synced_gpus"]} if "synced_gpus" in run else {}

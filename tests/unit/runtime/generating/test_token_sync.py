@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from accel_gradsync.runtime.generating.token_sync import skip_token_sync
+from accel_gradsync.runtime.generating.token_sync import SyncProof, skip_token_sync
 
 transformers = pytest.importorskip("transformers")
 
@@ -77,6 +77,31 @@ def test_forwards_that_draw_keep_the_sync_in_their_mode_only():
         generate(model, max_new_tokens=3)
     # Train mode: transformers' default every time. Eval mode: the first proves, the second skips.
     assert [call.get("synced_gpus") for call in recorder.calls] == [None, None, None, None, False, None]
+
+
+def lora_model(lora_dropout: float) -> nn.Module:
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"], lora_dropout=lora_dropout)
+    return peft.get_peft_model(tiny_model(), config).base_model.model  # the module whose generate decides
+
+
+@pytest.mark.parametrize(
+    ("make", "replays"), [(lambda: lora_model(0.5), True), (lambda: tiny_model(attention_dropout=0.5), False)],
+    ids=["lora_dropout", "attention_dropout"],
+)  # fmt: skip
+def test_a_replayed_token_draws_as_a_decoded_one_where_the_draws_ignore_the_cache(make, replays):
+    """PEFT's dropout draws a mask the size of one token's activations whatever the cache holds; attention
+    dropout draws one the size of the attention over the cache, which a forward without it does not. The
+    generators are where the generation left them afterwards."""
+    model = make().train()
+    proof = SyncProof()
+    with proof.watching(model):
+        generate(model, max_new_tokens=3)
+        after = torch.get_rng_state()
+    assert proof.draws == {True: True}
+    assert proof.replays == {True: replays}
+    assert proof.replayable(True) is replays and not proof.free(True)
+    assert torch.equal(torch.get_rng_state(), after)
 
 
 def test_a_value_the_caller_passes_is_kept(model):
