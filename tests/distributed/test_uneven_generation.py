@@ -91,6 +91,7 @@ def test_a_generation_drawing_random_numbers_keeps_the_sync_and_stocks_random_st
         assert [s["completions"] for s in mine] == [s["completions"] for s in stock]
 
 
+@pytest.mark.compat  # reads transformers' decoding forwards (their input_ids) and PEFT's dropout, which move by release
 def test_lora_dropout_runs_unsynced_and_the_rank_done_first_draws_what_it_draws_under_the_sync(ranks):
     """PEFT's dropout draws the same at every decoded token whatever the cache: after the proof,
     each generation runs without the sync and ends with one all-reduce (the most forwards of any

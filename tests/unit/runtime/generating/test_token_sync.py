@@ -85,6 +85,7 @@ def lora_model(lora_dropout: float) -> nn.Module:
     return peft.get_peft_model(tiny_model(), config).base_model.model  # the module whose generate decides
 
 
+@pytest.mark.compat  # a decoding forward's input and draws, by transformers and PEFT release
 @pytest.mark.parametrize(
     ("make", "replays"), [(lambda: lora_model(0.5), True), (lambda: tiny_model(attention_dropout=0.5), False)],
     ids=["lora_dropout", "attention_dropout"],
