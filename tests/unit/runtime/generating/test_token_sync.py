@@ -87,9 +87,10 @@ def lora_model(lora_dropout: float) -> nn.Module:
 
 @pytest.mark.compat  # a decoding forward's input and draws, by transformers and PEFT release
 @pytest.mark.parametrize(
-    ("make", "replays"), [(lambda: lora_model(0.5), True), (lambda: tiny_model(attention_dropout=0.5), False)],
+    ("make", "replays"),
+    [(lambda: lora_model(0.5), True), (lambda: tiny_model(attention_dropout=0.5), False)],
     ids=["lora_dropout", "attention_dropout"],
-)  # fmt: skip
+)
 def test_a_replayed_token_draws_as_a_decoded_one_where_the_draws_ignore_the_cache(make, replays):
     """PEFT's dropout draws a mask the size of one token's activations whatever the cache holds; attention
     dropout draws one the size of the attention over the cache, which a forward without it does not. The
