@@ -62,7 +62,7 @@ def main(argv=None) -> int:
     if args.worker:
         return work(args)
     from benchmarks import grpo
-    from benchmarks.launch import fsdp2_config, launch
+    from testbed.launch import fsdp2_config, launch
 
     config = {**fsdp2_config(grpo.LAYER_CLASS, args.ranks), "mixed_precision": args.mixed_precision}
     env = {"CUDA_VISIBLE_DEVICES": "", "MALLOC_MMAP_THRESHOLD_": str(2**20)}

@@ -32,8 +32,8 @@ from transformers import AutoTokenizer
 
 import accel_gradsync
 from benchmarks import grpo, measure
-from benchmarks.collectives import CollectiveCounter
 from benchmarks.records import GrpoRankResult, GrpoRankRun, GrpoStep, PhaseTotals
+from testbed.collectives import CollectiveCounter
 
 PHASES = ("generation", "logprob", "scoring", "training")
 

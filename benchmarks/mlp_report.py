@@ -12,10 +12,10 @@ import statistics
 from pathlib import Path
 
 from benchmarks import mlp, stats, targets
-from benchmarks.cluster import link_bits_per_s
 from benchmarks.records import ConfigResult, Results, Run
 from benchmarks.stats import MiB, fmt_ci, judge, judged, pooled, verdict
 from benchmarks.targets import FAIL, PASS, SKIP, UNDECIDED, Target, TargetResult
+from testbed.cluster import link_bits_per_s
 
 FASTER = "{m:.2f}x faster (paired, 95% CI {lo:.2f}-{hi:.2f}, n={n})"
 

@@ -25,9 +25,9 @@ from torch import nn
 import accel_gradsync
 from accel_gradsync.planning.costs import REDUCE_SCATTER_COST
 from benchmarks import mlp
-from benchmarks.collectives import CollectiveCounter
 from benchmarks.measure import StepMeter, attach, pin_to_core, step_callback, versions, worker_args, write_rank
 from benchmarks.records import RankRecord, RankResult, StepSample
+from testbed.collectives import CollectiveCounter
 
 LR = 1e-3
 WARMUP = 1  # untimed steps after each prepare (the Trainer: per M)

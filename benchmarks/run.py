@@ -22,9 +22,10 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import NamedTuple
 
-from benchmarks import cluster, grpo, grpo_report, mlp, mlp_report
-from benchmarks.launch import REPO, fsdp2_config, launch
+from benchmarks import grpo, grpo_report, mlp, mlp_report
 from benchmarks.records import GrpoResults, Results, RunBase
+from testbed import cluster
+from testbed.launch import REPO, fsdp2_config, launch
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -21,8 +21,8 @@ import statistics
 import sys
 from pathlib import Path
 
-from benchmarks.launch import REPO, fsdp2_config, launch
 from benchmarks.stats import median_ci
+from testbed.launch import REPO, fsdp2_config, launch
 
 STRATEGIES = ("token_budget", "pad_resplit", "pad_dummy", "fixed")
 WORKER = Path(__file__).with_name("uneven_steps_worker.py")

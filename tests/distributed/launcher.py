@@ -1,4 +1,4 @@
-"""The multi-rank tests' launches, on the benchmarks' launcher (`benchmarks/launch.py`): a worker
+"""The multi-rank tests' launches, on the launcher the benchmarks use too (`testbed/launch.py`): a worker
 of `workers/` gets `--out DIR` and writes `DIR/rank<R>.json`; `launch` returns those dicts in
 rank order, or raises with the tail of the output when the run fails.
 """
@@ -12,8 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from benchmarks.launch import REPO, free_port
-from benchmarks.launch import launch as launch_ranks
+from testbed.launch import REPO, free_port
+from testbed.launch import launch as launch_ranks
 
 WORKERS = Path(__file__).parent / "workers"
 COUNTER = Path(__file__).parent / "recipe_counter"

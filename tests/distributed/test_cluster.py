@@ -1,4 +1,4 @@
-"""The simulated cluster (benchmarks/cluster.py): hosts as network namespaces joined by links
+"""The simulated cluster (testbed/cluster.py): hosts as network namespaces joined by links
 shaped with tc's tbf, one `accelerate launch` per host.
 
 What needs root, `ip` and `tc` skips with the reason when they are missing. The quick benchmark
@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from benchmarks import cluster
-from benchmarks.cluster import Cluster
+from testbed import cluster
+from testbed.cluster import Cluster
 
 REPO = Path(__file__).resolve().parents[2]
 COUNTER = Path(__file__).parent / "recipe_counter"
@@ -62,9 +62,7 @@ def test_a_link_that_is_not_a_tc_rate_is_refused_naming_it():
 @pytest.mark.skipif(shutil.which("unshare") is None, reason="needs unshare (util-linux) to drop root")
 def test_without_root_it_refuses_and_says_so():
     """A user namespace whose uid is not 0 has no say over the machine's network: a real non-root run."""
-    script = (
-        "import sys; sys.path.insert(0, '.')\nfrom benchmarks.cluster import Cluster\nwith Cluster(2, '1gbit'): pass"
-    )
+    script = "import sys; sys.path.insert(0, '.')\nfrom testbed.cluster import Cluster\nwith Cluster(2, '1gbit'): pass"
     command = ["unshare", "--user", "--map-user=1000", sys.executable, "-c", script]
     proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=60)
     if "Traceback" not in proc.stderr:  # unshare itself failed: Python never ran
@@ -76,7 +74,7 @@ def test_without_root_it_refuses_and_says_so():
 @needs_cluster
 def test_without_ip_or_tc_it_refuses_naming_them():
     proc = subprocess.run(
-        [sys.executable, "-c", "from benchmarks.cluster import unavailable_reason as u; print(u())"],
+        [sys.executable, "-c", "from testbed.cluster import unavailable_reason as u; print(u())"],
         cwd=REPO,
         env={"PYTHONPATH": str(REPO), "PATH": "/nonexistent"},
         capture_output=True,
@@ -166,7 +164,7 @@ def test_everything_is_removed_on_exit_and_on_error():
 def test_a_signalled_run_removes_its_cluster(how):
     proc = python_snippet("""
         import time
-        from benchmarks.cluster import Cluster
+        from testbed.cluster import Cluster
         with Cluster(2, "1gbit"):
             print("up", flush=True)
             time.sleep(120)
@@ -183,7 +181,7 @@ def test_a_signalled_run_removes_its_cluster(how):
 def test_a_crashed_runs_leftovers_are_removed_by_the_next_cluster():
     proc = python_snippet("""
         import os
-        from benchmarks.cluster import Cluster
+        from testbed.cluster import Cluster
         Cluster(2, "1gbit").__enter__()
         os._exit(9)  # no finally, no atexit: what a kill -9 leaves
         """)
@@ -251,7 +249,7 @@ def test_quick_benchmark_on_two_simulated_hosts(tmp_path):
 def test_a_launch_without_an_accelerate_config_is_one_torchrun_per_host():
     """DDP's launch in the GRPO benchmark (torchrun, no accelerate config) on 2 hosts: one rank each,
     host 0 the rendezvous, one process group whose all-reduce crosses the shaped link."""
-    from benchmarks.launch import launch
+    from testbed.launch import launch
 
     with Cluster(2, "1gbit") as c:
         before = sum(c.link_bytes())

@@ -18,7 +18,7 @@ from accel_gradsync import PREEMPTED_EXIT_CODE, GradSyncConfig
 from accel_gradsync.estimator.core import estimate
 from accel_gradsync.estimator.inputs import StepShape
 from accel_gradsync.planning.costs import format_bytes
-from benchmarks.launch import launch as launch_ranks
+from testbed.launch import launch as launch_ranks
 
 M, STEPS = 4, 3
 SHAPE = {"sync_mode": "auto", "forecast_micro_batch_size": 2, "forecast_seq_len": 16, "free_memory": "40GiB"}

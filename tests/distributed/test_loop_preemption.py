@@ -15,7 +15,7 @@ from launcher import WORKERS, accelerate_config
 
 from accel_gradsync import PREEMPTED_EXIT_CODE
 from accel_gradsync.runtime.faults.preemption import DEADLINE_FLOOR_S
-from benchmarks.launch import launch
+from testbed.launch import launch
 
 M = 3  # micro-batches per optimizer step (the worker's)
 SIGNAL_AT = 4  # 0-based: the second micro-batch of step 2

@@ -15,7 +15,7 @@ import json
 import pytest
 from launcher import WORKERS, accelerate_config, launch
 
-from benchmarks.launch import launch as launch_ranks
+from testbed.launch import launch as launch_ranks
 
 M = 4
 CASES = {"mid_window": [8, 7], "boundary": [4, 8]}

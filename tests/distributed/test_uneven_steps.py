@@ -21,7 +21,7 @@ import time
 import pytest
 from launcher import WORKERS, accelerate_config, launch
 
-from benchmarks.launch import launch as launch_ranks
+from testbed.launch import launch as launch_ranks
 
 COUNTS = [[3, 1], [2, 4], [1, 1], [4, 2]]
 LARGEST = [max(c) for c in COUNTS]

@@ -161,7 +161,9 @@ DOCS = [
     "docs/architecture.md",
     "docs/performance.md",
 ]
-REPO_PATH = re.compile(r"`((?:accel_gradsync|recipes|accelerate_configs|benchmarks|tests|docs|examples)/[\w./-]*)")
+REPO_PATH = re.compile(
+    r"`((?:accel_gradsync|recipes|accelerate_configs|benchmarks|testbed|tests|docs|examples)/[\w./-]*)"
+)
 
 
 def test_docs_name_only_paths_and_modules_that_exist():

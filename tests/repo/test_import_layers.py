@@ -1,5 +1,6 @@
 """Import structure, read with `ast` (nothing is imported): no import cycle among the modules of
-accel_gradsync/, benchmarks/, recipes/ and tools/, and each accel_gradsync sub-package imports only
+accel_gradsync/, benchmarks/, recipes/, testbed/ and tools/, testbed/ imports none of the others but the
+package, and each accel_gradsync sub-package imports only
 the layers before it: config < compat < planning < runtime < estimator < the top-level modules,
 and inside the runtime each room (sub-package) only the rooms before it in `ROOMS`.
 
@@ -15,7 +16,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-ROOTS = ("accel_gradsync", "benchmarks", "recipes", "tools")
+ROOTS = ("accel_gradsync", "benchmarks", "recipes", "testbed", "tools")
 LAYERS = ("config", "compat", "planning", "runtime", "estimator")
 ROOMS = ("wrappers", "core", "generating", "accumulation", "faults", "uneven_inputs", "integration")
 """The runtime's sub-packages, each importing only those before it; `runtime.handle` comes last."""
@@ -175,6 +176,14 @@ def test_the_graph_sees_the_packages_imports():
     edges = graph()
     assert "accel_gradsync.planning.costs" in edges["accel_gradsync.estimator.core"]
     assert any(t.startswith("benchmarks.") for t in edges["benchmarks.run"])
+
+
+def test_the_testbed_stands_on_nothing_the_benchmarks_or_recipes_hold():
+    edges = graph()
+    assert "testbed.cluster" in edges["testbed.launch"]
+    assert [
+        f"{a} -> {b}" for a in edges if a.startswith("testbed") for b in edges[a] if b.split(".")[0] != "testbed"
+    ] == []
 
 
 def test_no_import_cycle():

@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import accel_gradsync
 from accel_gradsync.planning.memory import ScriptedMemoryProbe
-from benchmarks.collectives import KIND
+from testbed.collectives import KIND
 
 LR = 0.1
 

@@ -1,5 +1,5 @@
 """Shared by the multi-rank workers: a small model, the real-collective counter (the benchmarks'
-own, `benchmarks.collectives`; the launcher puts the repository root on PYTHONPATH), full gradients."""
+too, `testbed.collectives`; the launcher puts the repository root on PYTHONPATH), full gradients."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from benchmarks.collectives import CollectiveCounter  # noqa: F401 (the workers import it from here)
+from testbed.collectives import CollectiveCounter  # noqa: F401 (the workers import it from here)
 
 DIM = 16
 

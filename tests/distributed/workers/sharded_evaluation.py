@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 from transformers.distributed import DistributedConfig
 
 import accel_gradsync
-from benchmarks.collectives import KIND
+from testbed.collectives import KIND
 
 args = parse_args(
     [

@@ -29,7 +29,7 @@ from accelerate.utils import set_seed
 from common import CollectiveCounter, TinyNet, full_params, make_data, parse_args, write_result
 
 import accel_gradsync
-from benchmarks.collectives import KIND
+from testbed.collectives import KIND
 
 CLIP = 0.05  # below the gradients' norm: every step clips
 EPOCH_ROWS = 64  # micro-batches of data per rank and epoch, more than any count

@@ -28,7 +28,7 @@ from common import CollectiveCounter, TinyNet, full_params, make_data, parse_arg
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 import accel_gradsync
-from benchmarks.collectives import KIND
+from testbed.collectives import KIND
 
 CLIP = 0.05  # below the gradients' norm: every step clips
 # The loops that clip.

@@ -225,7 +225,7 @@ def test_fsdp2_over_one_rank_issues_no_collective():
     from torch.distributed.fsdp import fully_shard
     from transformers import AutoModelForCausalLM
 
-    from benchmarks.collectives import CollectiveCounter
+    from testbed.collectives import CollectiveCounter
 
     dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
     try:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import yaml
 
-from benchmarks.cluster import Cluster, run_all
+from testbed.cluster import Cluster, run_all
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -15,7 +15,7 @@ WORKER = """
 import json, os, sys
 import torch
 import torch.distributed as dist
-from benchmarks.collectives import CollectiveCounter
+from testbed.collectives import CollectiveCounter
 
 rank = int(sys.argv[1])
 counter = CollectiveCounter()
