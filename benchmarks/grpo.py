@@ -16,7 +16,7 @@ from pathlib import Path
 from statistics import median
 from typing import Any
 
-from benchmarks.records import GrpoLaunch, GrpoRankResult, GrpoRankRun, GrpoRow, GrpoRun, memory_max
+from benchmarks.records import GrpoLaunch, GrpoRankResult, GrpoRankRun, GrpoRow, GrpoRun, launch_fields, memory_max
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).with_name("grpo_worker.py")
@@ -145,31 +145,12 @@ def embedded():
     return embedded
 
 
-def qwen2_config(size: dict, max_positions: int, pad: int, eos: int):
-    """The Qwen2 of a `SIZES` entry (the benchmark's model; generation_tokens.py's too)."""
-    from transformers import Qwen2Config
-
-    return Qwen2Config(
-        vocab_size=size["vocab"],
-        hidden_size=size["hidden"],
-        intermediate_size=size["intermediate"],
-        num_hidden_layers=size["layers"],
-        num_attention_heads=size["heads"],
-        num_key_value_heads=size["kv_heads"],
-        max_position_embeddings=max_positions,
-        bos_token_id=None,
-        tie_word_embeddings=False,
-        pad_token_id=pad,
-        eos_token_id=eos,
-    )
-
-
 def build_model_dir(path: Path, size_name: str) -> dict:
     """Save the random-weight Qwen2 and its tokenizer to `path`; return its facts. The tokenizer is the
     recipe's characters plus fillers up to the vocabulary, so the head has a language model's share."""
     import torch
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast, Qwen2ForCausalLM
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
     embedded_ = embedded()
     size = SIZES[size_name]
@@ -183,7 +164,11 @@ def build_model_dir(path: Path, size_name: str) -> dict:
     )
     tokenizer.padding_side = "left"
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(qwen2_config(size, 128, tokenizer.pad_token_id, tokenizer.eos_token_id))
+    names = {"vocab_size": "vocab", "hidden_size": "hidden", "intermediate_size": "intermediate"}
+    names.update(num_hidden_layers="layers", num_attention_heads="heads", num_key_value_heads="kv_heads")
+    ids = {"pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id, "bos_token_id": None}
+    shape = {k: size[v] for k, v in names.items()}
+    model = Qwen2ForCausalLM(Qwen2Config(**shape, **ids, max_position_embeddings=128, tie_word_embeddings=False))
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     params = sum(p.numel() for p in model.parameters())
@@ -251,11 +236,8 @@ def combine(launches: list[GrpoLaunch]) -> GrpoRun:
     ]
     timed = [launch.ranks[0].backend_ms for launch in launches if launch.ranks[0].backend_ms]
     return GrpoRun(
-        size=first.size,
-        facts=first.facts,
+        **launch_fields(first.ranks),
         rows=rows,
-        versions=first.ranks[0].versions,
-        pinned_cores=[rank.pinned_core for rank in first.ranks],
         wall_s=round(sum(launch.wall_s or 0 for launch in launches), 1),
         link=first.link,
         hosts=first.hosts,

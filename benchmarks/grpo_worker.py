@@ -176,7 +176,7 @@ def run_one(name: str, round_index: int, args: argparse.Namespace, phases: Phase
             profiler.dump_stats(Path(args.profile, f"{name.replace('/', '_')}_r{round_index}.prof"))
         keys = ("step", "loss", "reward", "reward_std", "kl")
         logs = [{k: e[k] for k in keys if k in e} for e in trainer.state.log_history if "loss" in e]
-        units, stats = len(measure.fsdp2_groups(trainer.model_wrapped)), handle.stats() if handle is not None else {}
+        units, stats = len(measure.fsdp2_groups(trainer.model_wrapped)), measure.scalar_stats(handle)
         ref_units = len(measure.fsdp2_groups(trainer.ref_model)) if trainer.ref_model is not None else 0
         if handle is not None:
             handle.detach()
@@ -193,7 +193,7 @@ def run_one(name: str, round_index: int, args: argparse.Namespace, phases: Phase
         completions=completions,
         rewards=rewards,
         handle_held_grad_bytes=stats.get("last_step/held_grad_bytes"),
-        stats={k: v for k, v in stats.items() if isinstance(v, (int, float, str))},
+        stats=stats,
     )
 
 
@@ -248,15 +248,8 @@ def main() -> None:
             print(f"[bench] grpo {args.size} round {r} {name}: steps {ms} ms ({time.time() - t0:.1f}s)", flush=True)
     facts = json.loads(Path(args.model_dir, "bench_facts.json").read_text())
     backend = time_collectives(facts["params"]) if args.time_collectives else {}
-    result = GrpoRankResult(
-        size=args.size,
-        facts=facts,
-        pinned_core=core,
-        runs=runs,
-        versions=measure.versions("trl", "peft"),
-        backend_ms=backend,
-    )
-    measure.write_rank(args.out, state.process_index, result)
+    launch = {"size": args.size, "facts": facts, "pinned_core": core, "versions": measure.versions("trl", "peft")}
+    measure.write_rank(args.out, state.process_index, GrpoRankResult(**launch, runs=runs, backend_ms=backend))
 
 
 if __name__ == "__main__":

@@ -57,6 +57,12 @@ def attach(target, kwargs: dict | None):
         return accel_gradsync.attach(target, accel_gradsync.GradSyncConfig(**kwargs))
 
 
+def scalar_stats(handle) -> dict[str, Any]:
+    """The handle's `stats()` that a rank's record keeps, its scalars ({} without the plugin)."""
+    stats = handle.stats() if handle is not None else {}
+    return {k: v for k, v in stats.items() if isinstance(v, (int, float, str))}
+
+
 def pin_to_core() -> int:
     """Pin this rank to one core (local rank mod count), as each rank owns its device on a GPU node:
     unpinned, every collective waits on whichever rank the scheduler last moved."""

@@ -1,13 +1,12 @@
-"""The MLP benchmark: every sync mode of the plugin against the loops a user would otherwise
-write (stock accelerate, the transformers Trainer, hand-written FSDP2 loops) on residual MLPs of
-several sizes. This module holds the configurations, presets, launches and the merge of the ranks'
-records; `mlp_worker.py` measures, `mlp_report.py` reports.
+"""The MLP benchmark: every sync mode of the plugin against the loops a user would otherwise write
+(stock accelerate, hand-written FSDP2 loops) on residual MLPs of several sizes. This module holds
+the configurations, presets, launches and the merge of the ranks' records; `mlp_worker.py`
+measures, `mlp_report.py` reports.
 
-A configuration (`CONFIGS`): `loop`, the training loop (`mlp_worker.step`, or "trainer": a stock
-`transformers.Trainer`); `gradsync`, the `GradSyncConfig` arguments (a function of the model's
-facts, or None: no plugin); `join` (its steps inside one `grad_sync.join()`); `sync_each_batch`
-(accelerate's flag); `reshard_after_forward: False`; `mesh: "2x2"` (4 ranks as HSDP, else 2 of
-plain FSDP2); `group` and `label` for the report.
+A configuration (`CONFIGS`): `loop`, the training loop (`mlp_worker.step`); `gradsync`, the
+`GradSyncConfig` arguments (a function of the model's facts, or None: no plugin); `join` (its steps
+inside one `grad_sync.join()`); `sync_each_batch` (accelerate's flag); `reshard_after_forward:
+False`; `mesh: "2x2"` (4 ranks as HSDP, else 2 of plain FSDP2); `group` and `label` for the report.
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchmarks.records import ConfigResult, RankResult, Run, memory_max
+from benchmarks.records import ConfigResult, RankResult, Run, launch_fields, memory_max
 
 WORKER = Path(__file__).with_name("mlp_worker.py")
 KINDS = ("reduce_scatters", "all_reduces", "all_gathers")
@@ -69,7 +68,6 @@ CONFIGS: dict[str, dict[str, Any]] = {
         **NO_RESHARD,
     ),
     "stock_no_reshard": config("peer", "stock accelerate accumulate, fsdp_reshard_after_forward: false", **NO_RESHARD),
-    "trainer_stock": config("peer", "stock transformers Trainer", loop="trainer"),
     # HSDP on a 2x2 (replicate x shard) mesh, 4 ranks.
     "hsdp_per_micro_batch": config("hsdp", "HSDP 2x2 per-micro-batch", {"defer": False}, mesh="2x2"),
     "hsdp_deferred": config("hsdp", "HSDP 2x2 deferred", {"defer": True}, mesh="2x2"),
@@ -105,21 +103,14 @@ SIZES: dict[str, dict[str, int]] = {
 # HSDP runs 4 processes on the machine: one (communication-bound) size shows the trade-off.
 HSDP_SIZE = "medium"
 
+CORNERS = ["per_micro_batch", "deferred", "windowed"]  # the memory / time frontier's corners
+HSDP = [name for name, spec in CONFIGS.items() if spec["group"] == "hsdp"]
 QUICK = {
     "sizes": ["small"],
     "Ms": [1, 2, 4],
     "reps": 1,
     "steps": 2,
-    "configs": [
-        "per_micro_batch",
-        "deferred",
-        "windowed",
-        "budget_50",
-        "stock_accumulate",
-        "stock_sync_each_batch",
-        "raw_fsdp2",
-        "raw_windowed",
-    ],
+    "configs": [*CORNERS, "budget_50", "stock_accumulate", "stock_sync_each_batch", "raw_fsdp2", "raw_windowed"],
 }
 # steps None: each size's own `steps` (a full run must fit 10 minutes on 2 cores).
 FULL = {"sizes": ["small", "large"], "Ms": [1, 2, 4, 8], "configs": list(CONFIGS), "reps": 1, "steps": None}
@@ -137,19 +128,7 @@ CLUSTER = {
     "Ms": [1, 4, 8],
     "reps": 1,
     "steps": 2,
-    "configs": [
-        "per_micro_batch",
-        "deferred",
-        "windowed",
-        "budget_50",
-        "auto",
-        "stock_accumulate",
-        "raw_fsdp2",
-        "raw_windowed",
-        "hsdp_per_micro_batch",
-        "hsdp_deferred",
-        "hsdp_defer_all_reduce",
-    ],
+    "configs": [*CORNERS, "budget_50", "auto", "stock_accumulate", "raw_fsdp2", "raw_windowed", *HSDP],
 }
 CLUSTER_QUICK = {
     "sizes": ["small"],
@@ -157,7 +136,7 @@ CLUSTER_QUICK = {
     "reps": 1,
     "steps": 1,
     "hsdp_size": "small",
-    "configs": ["per_micro_batch", "deferred", "windowed", "hsdp_per_micro_batch", "hsdp_defer_all_reduce"],
+    "configs": [*CORNERS, "hsdp_per_micro_batch", "hsdp_defer_all_reduce"],
 }
 
 
@@ -245,12 +224,4 @@ def merge(ranks_json: list[dict]) -> Run:
                 sync_control_us=max((r.sync_control_us or 0) for r in per_rank) or None,
             )
         )
-    return Run(
-        size=first.size,
-        facts=first.facts,
-        device=first.device,
-        ranks=len(ranks_),
-        rows=rows,
-        versions=first.versions,
-        pinned_cores=[rank.pinned_core for rank in ranks_],
-    )
+    return Run(**launch_fields(ranks_), device=first.device, ranks=len(ranks_), rows=rows)

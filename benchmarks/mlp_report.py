@@ -126,7 +126,7 @@ OVERHEADS = (
 )
 WINDOWED = ("windowed", "raw_windowed", "stock_windowed_by_hand")
 # Exact (reduce-scatters, all-reduces) per optimizer step, "MU" = M x U; HSDP also all-reduces
-# across replicas on every reduce-scatter it does not defer. Budget modes, auto and the Trainer are
+# across replicas on every reduce-scatter it does not defer. Budget modes and auto are
 # left out: their plan or their own loop sets how many.
 EXPECTED_COUNTS = {
     "per_micro_batch": ("MU", 0),

@@ -1,7 +1,7 @@
 """The MLP benchmark's worker: one process group (2 ranks, or 4 for the 2x2 HSDP mesh) runs every
 configuration given, for one model size and every M, and writes `rank<R>.json`. Each configuration
 has an `Accelerator` of its own; each round runs one step of each in an order rotated per round
-(`mlp.round_order`), so load from other processes slows all alike. The Trainer is interleaved per M.
+(`mlp.round_order`), so load from other processes slows all alike.
 """
 
 from __future__ import annotations
@@ -9,8 +9,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import gc
-import tempfile
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -25,12 +23,12 @@ from torch import nn
 import accel_gradsync
 from accel_gradsync.planning.costs import REDUCE_SCATTER_COST
 from benchmarks import mlp
-from benchmarks.measure import StepMeter, attach, pin_to_core, step_callback, versions, worker_args, write_rank
+from benchmarks.measure import StepMeter, attach, pin_to_core, scalar_stats, versions, worker_args, write_rank
 from benchmarks.records import RankRecord, RankResult, StepSample
 from testbed.collectives import CollectiveCounter
 
 LR = 1e-3
-WARMUP = 1  # untimed steps after each prepare (the Trainer: per M)
+WARMUP = 1  # untimed steps after each prepare
 
 
 class Block(nn.Module):
@@ -46,7 +44,7 @@ class Block(nn.Module):
 class Net(nn.Module):
     """Residual MLP `Block`s (the FSDP unit, `fsdp_transformer_layer_cls_to_wrap: Block`) and a
     root as large as a block (an input projection and an output head, as a language model's root
-    holds its embedding and head), so U = layers + 1. Returns {"loss": ...}, as a Trainer needs."""
+    holds its embedding and head), so U = layers + 1. Returns {"loss": ...}, as a model in a Trainer does."""
 
     def __init__(self, dim: int, layers: int) -> None:
         super().__init__()
@@ -75,7 +73,7 @@ class Bench:
         self.template = Net(self.size["dim"], self.size["layers"])
         params = sum(p.numel() for p in self.template.parameters())
         # Enough global rows of 4 dim features in and out for the longest step; rank r reads what a
-        # DistributedSampler without shuffling would give it, so the Trainer peer sees the same ones.
+        # DistributedSampler without shuffling would give it.
         g = torch.Generator().manual_seed(1)
         rows = (self.world * self.size["rows"] * max(self.Ms), 4 * self.size["dim"])
         self.X, self.Y = torch.randn(*rows, generator=g), torch.randn(*rows, generator=g)
@@ -187,54 +185,6 @@ def measure_sync_control(run: Prepared, iterations: int = 100, repeats: int = 5)
     return best
 
 
-def measure_trainer(bench: Bench, M: int, rep: int) -> tuple[list[StepSample], dict]:
-    """A stock `transformers.Trainer` on the same model and samples, metered per optimizer step."""
-    from transformers import Trainer, TrainingArguments
-
-    total, rows = WARMUP + bench.args.steps, bench.size["rows"]
-    data = [
-        {"x": bench.X[i % len(bench.X)], "y": bench.Y[i % len(bench.Y)]} for i in range(bench.world * rows * M * total)
-    ]
-    steps: list[StepSample] = []
-
-    def before() -> None:
-        dist.barrier()
-        bench.counter.take()
-
-    def done(state, measured: dict) -> None:
-        step = bench.sample(measured, rep=rep)
-        if state.global_step > WARMUP:
-            steps.append(step)
-
-    callback = step_callback(bench.meter, before, done)
-    with tempfile.TemporaryDirectory() as tmp:
-        args = TrainingArguments(
-            output_dir=tmp,
-            per_device_train_batch_size=rows,
-            gradient_accumulation_steps=M,
-            max_steps=total,
-            learning_rate=LR,
-            optim="sgd",
-            lr_scheduler_type="constant",
-            weight_decay=0.0,
-            max_grad_norm=0.0,  # clipping adds an all-reduce the other loops do not have
-            logging_strategy="no",
-            save_strategy="no",
-            report_to=[],
-            disable_tqdm=True,
-            seed=0,
-            dataloader_drop_last=True,
-            accelerator_config={"use_configured_state": True},
-        )
-        trainer = Trainer(model=copy.deepcopy(bench.template), args=args, train_dataset=data, callbacks=[callback])
-        callback.trainer = trainer
-        trainer.train()
-        wrapper = type(trainer.model_wrapped).__name__
-    del trainer, callback
-    gc.collect()
-    return steps, {"wrapper_class": wrapper}
-
-
 def main() -> None:
     args = worker_args(size="", configs="", Ms="1,2,4,8", reps=3, steps=2)
     core = pin_to_core() if args.pin_cores else None
@@ -242,8 +192,7 @@ def main() -> None:
     # What the budget planner assumes a reduce-scatter byte costs against an all-gather byte on
     # this backend: the report holds it against what this run's steps paid.
     bench.facts["planner_reduce_scatter_cost"] = REDUCE_SCATTER_COST.get(dist.get_backend(), 1.0)
-    runs = {n: prepare(bench, n) for n in names if mlp.CONFIGS[n]["loop"] != "trainer"}
-    trainers = [n for n in names if n not in runs]
+    runs = {n: prepare(bench, n) for n in names}
     for run in runs.values():  # FSDP's lazy init and first allocations, untimed
         for _ in range(WARMUP):
             measure_step(bench, run, 1)
@@ -254,7 +203,6 @@ def main() -> None:
     # The microbenchmark above stays outside it (it measures the sync choice; with nothing to
     # overlap, a poll is a bare round trip).
     samples: dict[tuple[str, int], list[StepSample]] = {}
-    stats: dict[str, dict] = {}
     rounds = 0
     for rep in range(args.reps):
         for M in bench.Ms:
@@ -266,32 +214,16 @@ def main() -> None:
                         sample = measure_step(bench, run, M, rep, rounds)
                     samples.setdefault((name, M), []).append(sample)
                 rounds += 1
-            for name in trainers:
-                steps, stats[name] = measure_trainer(bench, M, rep)
-                samples.setdefault((name, M), []).extend(steps)
             if bench.rank == 0:  # progress, streamed by run.py
                 fastest = ", ".join(f"{n} {min(s.time_s for s in samples[(n, M)]) * 1e3:.0f}ms" for n in names)
                 print(f"[bench] {args.size} rep {rep} M={M}: {fastest} ({time.time() - t0:.1f}s)", flush=True)
-    stats.update({name: run.handle.stats() if run.handle is not None else {} for name, run in runs.items()})
+    stats = {name: scalar_stats(run.handle) for name, run in runs.items()}
     records = [
-        RankRecord(
-            config=name,
-            M=M,
-            steps=steps,
-            sync_control_us=sync_control.get(name),
-            stats={k: v for k, v in stats[name].items() if isinstance(v, (int, float, str))},
-        )
-        for (name, M), steps in samples.items()
+        RankRecord(config=n, M=M, steps=s, sync_control_us=sync_control[n], stats=stats[n])
+        for (n, M), s in samples.items()
     ]
-    result = RankResult(
-        size=args.size,
-        facts=bench.facts,
-        device=bench.device.type,
-        pinned_core=core,
-        records=records,
-        versions=versions(),
-    )
-    write_rank(args.out, bench.rank, result)
+    launch = {"size": args.size, "facts": bench.facts, "pinned_core": core, "versions": versions()}
+    write_rank(args.out, bench.rank, RankResult(**launch, device=bench.device.type, records=records))
 
 
 if __name__ == "__main__":

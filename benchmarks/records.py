@@ -90,6 +90,24 @@ class RunBase(Record):
 
 
 @dataclass(kw_only=True)
+class RankBase(Record):
+    """What a rank's record says of its launch besides its measures."""
+
+    size: str
+    facts: dict[str, Any]
+    pinned_core: int | None
+    versions: dict[str, str]
+
+
+def launch_fields(ranks: list[RankBase]) -> dict[str, Any]:
+    """The `RunBase` fields a launch's ranks give: rank 0's size, facts and versions, every rank's core."""
+    first = ranks[0]
+    return dict(
+        size=first.size, facts=first.facts, versions=first.versions, pinned_cores=[r.pinned_core for r in ranks]
+    )
+
+
+@dataclass(kw_only=True)
 class ResultsBase(Record):
     """Everything one `python -m benchmarks.run` measured: results.json."""
 
@@ -109,7 +127,7 @@ class StepSample(Measured):
     device_peak_bytes: int | None  # the CUDA/NPU allocator's peak; None on CPU
     handle_held_grad_bytes: int | None = None
     rep: int = 0
-    round: int | None = None  # the interleaving round (None: the Trainer, which runs its own loop)
+    round: int | None = None  # the interleaving round
 
 
 @dataclass(kw_only=True)
@@ -118,17 +136,13 @@ class RankRecord(Record):
     M: int
     steps: list[StepSample]
     stats: dict[str, Any] = field(default_factory=dict)
-    sync_control_us: float | None = None  # `mlp_worker.measure_sync_control`; None for the Trainer
+    sync_control_us: float | None = None  # `mlp_worker.measure_sync_control`
 
 
 @dataclass(kw_only=True)
-class RankResult(Record):
-    size: str
-    facts: dict[str, Any]
+class RankResult(RankBase):
     device: str
-    pinned_core: int | None
     records: list[RankRecord]
-    versions: dict[str, str]
 
 
 @dataclass(kw_only=True)
@@ -194,12 +208,8 @@ class GrpoRankRun(Record):
 
 
 @dataclass(kw_only=True)
-class GrpoRankResult(Record):
-    size: str
-    facts: dict[str, Any]
-    pinned_core: int | None
+class GrpoRankResult(RankBase):
     runs: list[GrpoRankRun]
-    versions: dict[str, str]
     backend_ms: dict[str, float] = field(default_factory=dict)
     """Median ms of one all-gather, reduce-scatter and all-reduce of the model's fp32 params on
     this launch's process group (`grpo_worker.time_collectives`; FSDP2's launches only)."""
