@@ -28,6 +28,7 @@ from statistics import median
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from transformers import AutoTokenizer
 
 import accel_gradsync
@@ -202,8 +203,6 @@ def time_collectives(numel: int, reps: int = 3) -> dict[str, float]:
     moves for the whole model, each once per step) and of one all-reduce of them (DDP's gradient
     sync, the same bytes by the ring formula), on this launch's process group: what the backend
     itself charges for each, apart from FSDP2, TRL and the plugin."""
-    import torch.distributed as dist
-
     world = dist.get_world_size()
     full = torch.ones(numel - numel % world)
     shard = torch.ones(full.numel() // world)

@@ -22,6 +22,7 @@ import psutil
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 import accel_gradsync
 from accel_gradsync.planning.memory import peak_rss_bytes, reset_peak_rss
@@ -80,8 +81,6 @@ def versions(*extra: str) -> dict[str, str]:
 
 def fsdp2_groups(model: nn.Module) -> list:
     """Every FSDP2 param group (a unit) of the model, once (torch 2.13's private state)."""
-    from torch.distributed.fsdp import FSDPModule
-
     groups = [g for m in model.modules() if isinstance(m, FSDPModule) for g in m._get_fsdp_state()._fsdp_param_groups]
     return list({id(g): g for g in groups}.values())
 

@@ -262,14 +262,13 @@ def check_frontier(results: Results, runs: list[Run]) -> TargetResult:
     bytes: per round, (point - frontier) / per-micro-batch step, from that round's corners."""
     what = f"{targets.FRONTIER.name} (memory vs time, paired by round, M >= 2)"
     notes, statuses = [], []
-    corners = ("per_micro_batch", "deferred", "windowed")
     for run in runs:
         by = index(run)
         for name in [n for n in ordered_configs(run) if n.startswith("budget")]:
             per_M: dict[int, list[float]] = {}
-            for M in [m for m in results.plan["Ms"] if m >= 2 and all((c, m) in by for c in (*corners, name))]:
-                (h0, h1, h2, h) = [held_bytes(by[(c, M)]) for c in (*corners, name)]
-                (t0, t1, t2, t) = [stats.per_round(by[(c, M)]) for c in (*corners, name)]
+            for M in [m for m in results.plan["Ms"] if m >= 2 and all((c, m) in by for c in (*mlp.CORNERS, name))]:
+                (h0, h1, h2, h) = [held_bytes(by[(c, M)]) for c in (*mlp.CORNERS, name)]
+                (t0, t1, t2, t) = [stats.per_round(by[(c, M)]) for c in (*mlp.CORNERS, name)]
                 # Which segment the point's held bytes fall in, and how far along it.
                 (ha, ta), (hb, tb) = ((h0, t0), (h1, t1)) if h <= h1 else ((h1, t1), (h2, t2))
                 where = min(max((h - ha) / (hb - ha), 0), 1) if hb != ha else 0.0
