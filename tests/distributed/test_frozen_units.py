@@ -34,8 +34,9 @@ optimizer built before `prepare` (workers/frozen_units.py).
 - TRL's GRPOTrainer through the recipe, `--use_peft` with `--beta` 0.04 (the reference is the policy
   with its adapter off; 0 too with --slow), TRL's default `lora_dropout` and activation checkpointing,
   deferred with the setting and windowed (the adapters gathered once, generation without
-  transformers' per-token sync, LoRA's dropout replayed by a rank done first): the logged losses,
-  rewards and KL equal stock accelerate's at every step, the gradient norms up to summation order;
+  transformers' per-token sync, LoRA's dropout replayed by a rank done first): the logged rewards
+  equal the recipe's per-micro-batch run's at every step, its losses, KL and gradient norms up to
+  summation order (1e-5 relative);
   every all-gather the ranks issued (counted from outside the recipe) is one the plugin's counters
   name, and the run issues fewer all-gathers and fewer all-reduces.
 """
@@ -450,10 +451,16 @@ def test_grpo_with_lora_logs_what_stock_logs_and_gathers_less(grpo, plugin):
     stock, mine = grpo["stock"], grpo[plugin]
     assert len(mine["logs"]) == len(stock["logs"]) > 0
     assert all(("kl" in log) == (grpo["beta"] > 0) for log in mine["logs"]), mine["logs"]
+    # Stock (the recipe without --defer-grad-sync) reduce-scatters every micro-batch, the plugin's
+    # runs a step's sum once: the same sum in another floating-point order. The completions and so
+    # the rewards are the same; the KL (exp(d) - d - 1 of a small d amplifies the rounding), the
+    # loss that holds it and the grad norm agree to the last bits, where a lost or doubled
+    # micro-batch would move them by 1/M.
     for logged, theirs in zip(mine["logs"], stock["logs"], strict=True):
-        for key in ("loss", "reward", "kl"):
-            assert logged.get(key) == theirs.get(key), (key, logged, theirs)
-        assert logged["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-5), (logged, theirs)
+        assert logged["reward"] == theirs["reward"], (logged, theirs)
+        for key in ("loss", "kl", "grad_norm"):
+            assert (key in logged) == (key in theirs), (key, logged, theirs)
+            assert logged.get(key) == pytest.approx(theirs.get(key), rel=1e-5), (key, logged, theirs)
     last = mine["logs"][-1]
     for rank, stock_rank in zip(mine["ranks"], stock["ranks"], strict=True):
         assert rank["counts"].get("activation_checkpoint", 0) > 0, rank["counts"]
