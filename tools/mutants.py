@@ -386,6 +386,17 @@ MUTANTS: dict[str, dict] = {
             "test_a_generation_drawing_random_numbers_keeps_the_sync_and_stocks_random_state",
         ],
     },
+    "step_n_clip_between_micro_batches_allowed": {
+        "what": "step(n): a clip between two of a rank's micro-batches under FSDP is let through, not refused",
+        "edits": [
+            (
+                "accel_gradsync/runtime/uneven_inputs/uneven_steps.py",
+                'if any(adapter is not None and adapter.kind != "ddp" for adapter in self.state.adapters.values()):',
+                "if False:",
+            )
+        ],
+        "tests": ["tests/distributed/test_uneven_steps.py::test_bad_uses_are_refused_in_one_line"],
+    },
     "canary_launched_ranks_import_the_copy": {
         "what": "(the tool's own check) the package fails to import in a launched rank: caught only if the "
         "ranks a test launches import the copy",
